@@ -1,0 +1,38 @@
+# The two commands of the README's quick start are `make serve` and `make test`.
+# Everything else here is what they build on.
+
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+REPO ?= var/model_repository
+ARGS ?=
+
+.PHONY: setup serve test models proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Demo models, built deterministically from synthetic data (fixed seeds).
+$(REPO)/.built: $(STAMP) model_repository/*.py model_repository/adapters/*.py
+	$(BIN)/inferplane demo build --out $(REPO)
+	touch $@
+
+models: $(REPO)/.built
+
+serve: models
+	$(BIN)/inferplane serve --model-repository $(REPO) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+proto: setup
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) var build *.egg-info
