@@ -1,3 +1,62 @@
-"""placeholder"""
-def main():
-    pass
+"""The ``inferplane`` command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="inferplane: one deployment target for every model.", no_args_is_help=True, add_completion=False)
+demo_app = typer.Typer(help="Demo models built from synthetic data.", no_args_is_help=True)
+app.add_typer(demo_app, name="demo")
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address the frontend listens on."),
+    grpc_port: int = typer.Option(8001, help="gRPC port (OIP v2 + admin); 0 picks a free one."),
+    http_port: int = typer.Option(8000, help="REST bridge port; 0 picks a free one."),
+    metrics_port: int = typer.Option(8002, help="Prometheus /metrics port; 0 picks a free one."),
+    model_repository: Path = typer.Option(Path("var/model_repository"), help="Triton model repository."),
+    triton_url: Optional[str] = typer.Option(None, help="HOST:PORT of an external Triton (gRPC); none is started."),
+    workdir: Path = typer.Option(Path("var/run"), help="Where the embedded Triton keeps its backends and log."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="Load only these models (default: all)."),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Start the frontend and, unless --triton-url is given, an embedded Triton."""
+    from server.app import run
+    from server.settings import Settings
+
+    settings = Settings(
+        host=host,
+        grpc_port=grpc_port,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        model_repository=model_repository,
+        triton_url=triton_url,
+        workdir=workdir,
+        models=model or ["*"],
+        log_level=log_level,
+    )
+    run(settings)
+
+
+@demo_app.command("build")
+def demo_build(out: Path = typer.Option(Path("var/model_repository"), help="Repository to write.")) -> None:
+    """Build the demo models (ONNX MLP, XGBoost, LightGBM) deterministically into OUT."""
+    import time
+
+    from model_repository.demo import build_demo_repository
+
+    started = time.perf_counter()
+    names = build_demo_repository(out)
+    typer.echo(f"built {', '.join(names)} into {out} in {time.perf_counter() - started:.1f}s")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

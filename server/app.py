@@ -1,0 +1,185 @@
+"""Wiring: one process, one event loop — embedded Triton (or an external one), the data plane,
+the gRPC frontend (OIP v2, admin, health, reflection) and the metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from server.admin_servicer import AdminService
+from server.dataplane import DataPlane
+from server.metrics import Metrics
+from server.protogen import _pool
+from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.servicer import SERVICE, InferenceService
+from server.settings import Settings
+from server.supervisor import TritonSupervisor
+from server.triton_client import TritonClient
+
+log = logging.getLogger("inferplane")
+
+
+class Frontend:
+    """The running platform; ``start()`` then ``wait()``; ``stop()`` from a signal or a test."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.supervisor: TritonSupervisor | None = None
+        self.triton: TritonClient | None = None
+        self.dataplane: DataPlane | None = None
+        self.grpc_server: grpc.aio.Server | None = None
+        self.health = health_aio.HealthServicer()
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._runners: list[web.AppRunner] = []
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        s = self.settings
+        if s.triton_url:
+            target = s.triton_url
+        else:
+            self.supervisor = TritonSupervisor(
+                s.model_repository,
+                s.workdir,
+                on_restart=self._on_triton_restart,
+                on_down=self._on_triton_down,
+                startup_timeout=s.triton_startup_timeout_s,
+            )
+            await self.supervisor.start()
+            target = self.supervisor.grpc_target
+        self.triton = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
+        self.triton.connect()
+        self.dataplane = DataPlane(self.triton, self.metrics)
+        await self._load_models()
+        self.metrics.triton_up.set(1)
+        await self._start_grpc()
+        await self._start_metrics()
+        await self._set_serving(True)
+
+    async def _load_models(self) -> None:
+        names = self.settings.models
+        if names == ["*"]:
+            names = sorted({m.name for m in await self.triton.repository_index()})
+        for name in names:
+            await self.dataplane.load_model(name)
+            log.info("model %s ready", name)
+
+    async def _start_grpc(self) -> None:
+        s = self.settings
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", s.max_request_bytes),
+                ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        _add_to_pool(health_pb2.DESCRIPTOR)
+        admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+        reflection.enable_server_reflection(
+            (SERVICE, admin_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+            pool=_pool.POOL,
+        )
+        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        if not self.grpc_port:
+            raise OSError(f"cannot bind gRPC to {s.host}:{s.grpc_port}")
+        await server.start()
+        self.grpc_server = server
+
+    async def _start_metrics(self) -> None:
+        async def metrics(_request: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.settings.host, self.settings.metrics_port)
+        await site.start()
+        self._runners.append(runner)
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    def _on_triton_down(self) -> None:
+        self.dataplane.mark_backend_down()
+        asyncio.get_running_loop().create_task(self._set_serving(False))
+
+    async def _on_triton_restart(self) -> None:
+        await self.dataplane.reload_all()
+        await self._set_serving(True)
+
+    def ready_line(self) -> str:
+        s = self.settings
+        triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
+        return f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} triton={triton}"
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        if self.grpc_server is not None:
+            await self._set_serving(False)
+            await self.grpc_server.stop(self.settings.shutdown_grace_s)
+        for runner in self._runners:
+            await runner.cleanup()
+        if self.triton is not None:
+            await self.triton.close()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        self._stopped.set()
+
+
+def _add_to_pool(file_descriptor) -> None:
+    """Make a default-pool file (e.g. grpc health) visible to reflection over our private pool."""
+    try:
+        _pool.POOL.FindFileByName(file_descriptor.name)
+    except KeyError:
+        _pool.POOL.AddSerializedFile(file_descriptor.serialized_pb)
+
+
+async def serve(settings: Settings) -> None:
+    frontend = Frontend(settings)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await frontend.start()
+    except BaseException:
+        await frontend.stop()
+        raise
+    print(frontend.ready_line(), flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await frontend.stop()
+    print("inferplane stopped", flush=True)
+
+
+def run(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
+        asyncio.run(serve(settings))
+    else:
+        uvloop.run(serve(settings))

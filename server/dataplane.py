@@ -1,0 +1,201 @@
+"""The one data plane: what every transport (gRPC servicer, REST bridge) calls.
+
+It knows the models Triton serves (their signatures and ready versions), validates each request
+against its model's signature, forwards it to Triton as the caller's bytes, and records metrics.
+It knows nothing of the caller-facing transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from google.protobuf.message import DecodeError
+
+from server.errors import (
+    BackendUnavailable,
+    InferplaneError,
+    InvalidRequest,
+    ModelNotFound,
+    ModelNotReady,
+)
+from server.metrics import Metrics
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.signature import ModelSignature, version_key
+from server.triton_client import TritonClient
+from server.validation import validate_infer_request
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_MODEL_LABEL = "_unknown"
+
+
+def parse_message(message_type, raw: bytes):
+    """Parse a protobuf request body; garbage is an InvalidRequest naming the expected message."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        raise InvalidRequest(f"the request body is not a valid {message_type.DESCRIPTOR.full_name} protobuf") from None
+
+
+def parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
+    return parse_message(pb.ModelInferRequest, raw)
+
+
+class DataPlane:
+    def __init__(self, triton: TritonClient, metrics: Metrics | None = None):
+        self.triton = triton
+        self.metrics = metrics or Metrics()
+        self.models: dict[str, ModelSignature] = {}
+        self.loaded: set[str] = set()  # what the operator asked for; reloaded after a Triton restart
+        self.backend_up = True
+        self._reloading: asyncio.Lock = asyncio.Lock()
+
+    # ---- control ------------------------------------------------------------------------
+
+    async def load_model(self, name: str) -> ModelSignature:
+        await self.triton.load_model(name)
+        self.loaded.add(name)
+        return await self.refresh(name)
+
+    async def unload_model(self, name: str) -> None:
+        if name not in self.models and name not in self.loaded:
+            raise ModelNotFound(f"model '{name}' is not loaded")
+        self.loaded.discard(name)
+        self.models.pop(name, None)
+        await self.triton.unload_model(name)
+
+    async def refresh(self, name: str) -> ModelSignature:
+        """Read the model's config and ready versions from Triton into the model table."""
+        config = await self.triton.model_config(name)
+        index = await self.triton.repository_index()
+        versions = [m.version for m in index if m.name == name and m.state == "READY"]
+        signature = ModelSignature.from_config(config, versions)
+        self.models[name] = signature
+        return signature
+
+    def mark_backend_down(self) -> None:
+        self.backend_up = False
+        self.metrics.triton_up.set(0)
+        self.metrics.triton_restarts.inc()
+
+    async def reload_all(self) -> None:
+        """After Triton restarted: load again every model that was loaded, then serve."""
+        async with self._reloading:
+            for name in sorted(self.loaded):
+                try:
+                    await self.load_model(name)
+                except InferplaneError as err:
+                    log.error("reloading model %s failed: %s", name, err.message)
+                    self.models.pop(name, None)
+            self.backend_up = True
+            self.metrics.triton_up.set(1)
+
+    def is_ready(self) -> bool:
+        return self.backend_up and all(name in self.models for name in self.loaded)
+
+    # ---- lookups ------------------------------------------------------------------------
+
+    def resolve(self, name: str, version: str = "") -> ModelSignature:
+        """The signature serving (name, version); NOT_FOUND / UNAVAILABLE otherwise."""
+        if not self.backend_up:
+            raise BackendUnavailable("Triton is restarting; retry shortly", retry_after_s=1.0)
+        signature = self.models.get(name)
+        if signature is None:
+            if name in self.loaded:
+                raise ModelNotReady(f"model '{name}' is loading or failed to load")
+            raise ModelNotFound(f"unknown model '{name}'")
+        if version and version not in signature.versions:
+            raise ModelNotFound(
+                f"unknown version '{version}' of model '{name}' (ready versions: {sorted(signature.versions, key=version_key)})"
+            )
+        return signature
+
+    # ---- inference ----------------------------------------------------------------------
+
+    async def infer(self, request: pb.ModelInferRequest, raw: bytes | None = None, timeout: float | None = None) -> bytes:
+        """Validate and forward one request; returns Triton's ModelInferResponse bytes.
+
+        ``raw`` is the request exactly as the caller sent it; when given it travels to Triton
+        untouched (no re-serialization). ``timeout`` is the caller's remaining deadline.
+        """
+        started = time.perf_counter()
+        name = request.model_name
+        label = UNKNOWN_MODEL_LABEL
+        version = request.model_version
+        code = "OK"
+        try:
+            signature = self.resolve(name, version)
+            label = name
+            if not version:
+                version = signature.latest_version
+            validate_infer_request(request, signature)
+            latency, inflight = self.metrics.model(name)
+            inflight.inc()
+            try:
+                return await self.triton.infer_raw(raw if raw is not None else request.SerializeToString(), timeout)
+            finally:
+                inflight.dec()
+                latency.observe(time.perf_counter() - started)
+        except InferplaneError as err:
+            code = err.reason
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self.metrics.count(label, version if label != UNKNOWN_MODEL_LABEL else "", code)
+
+    async def stream_infer(self, raw_requests: AsyncIterator[bytes], timeout: float | None = None) -> AsyncIterator[bytes]:
+        """ModelStreamInfer: each request is validated; invalid ones get an in-stream error.
+
+        Yields serialized ModelStreamInferResponse messages, Triton's and the frontend's own,
+        until the caller has finished writing and Triton has sent its last response.
+        """
+        out: asyncio.Queue = asyncio.Queue()
+        call = self.triton.stream_raw(timeout=timeout)
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for raw in raw_requests:
+                    request = None
+                    try:
+                        request = parse_infer_request(raw)
+                        validate_infer_request(request, self.resolve(request.model_name, request.model_version))
+                    except InferplaneError as err:
+                        self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)
+                        await out.put(_stream_error(err, request))
+                        continue
+                    await call.write(raw)
+            finally:
+                await call.done_writing()
+
+        async def relay() -> None:
+            try:
+                async for response in call:
+                    await out.put(response)
+            except Exception as err:  # the stream failed after it started: tell the caller in-stream
+                await out.put(_stream_error(BackendUnavailable(f"Triton stream failed: {err}"), None))
+            finally:
+                await out.put(done)
+
+        tasks = [asyncio.create_task(pump()), asyncio.create_task(relay())]
+        try:
+            while (item := await out.get()) is not done:
+                yield item
+            await tasks[0]
+        finally:
+            for task in tasks:
+                task.cancel()
+            call.cancel()
+
+
+def _stream_error(err: InferplaneError, request) -> bytes:
+    response = pb.ModelStreamInferResponse(error_message=f"{err.reason}: {err.message}")
+    if request is not None:
+        response.infer_response.model_name = request.model_name
+        response.infer_response.id = request.id
+    return response.SerializeToString()

@@ -1,0 +1,182 @@
+"""The one error table: every domain error, its gRPC status and its HTTP status.
+
+Domain code raises an ``InferplaneError`` subclass and knows nothing of transports. The gRPC
+servicers call :func:`grpc_status` and the REST bridge calls :func:`http_error`; both read the
+same table, matched on the most specific class. ``tests/unit/test_errors.py`` checks every class
+on both transports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+DOMAIN = "inferplane"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """What was wrong with one field of a request: which field, what was expected, what came."""
+
+    field: str
+    description: str
+
+
+@dataclass
+class InferplaneError(Exception):
+    message: str
+    violations: list[Violation] = field(default_factory=list)
+    retry_after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    @property
+    def reason(self) -> str:
+        """A stable machine-readable name for the error (``ErrorInfo.reason``, JSON ``code``)."""
+        return _TABLE[_entry_class(type(self))].reason
+
+
+class InvalidRequest(InferplaneError):
+    """The request is malformed or does not match the model's declared signature."""
+
+
+class ModelNotFound(InferplaneError):
+    """No such model or version (or one the caller may not see)."""
+
+
+class ModelNotReady(InferplaneError):
+    """The model is known but not loaded and ready."""
+
+
+class BackendUnavailable(InferplaneError):
+    """Triton is down, restarting or unreachable."""
+
+
+class Overloaded(InferplaneError):
+    """Refused before any work to protect the service; retry after ``retry_after_s``."""
+
+
+class RequestTooLarge(InferplaneError):
+    """The request body exceeds the configured size limit."""
+
+
+class DeadlineExceeded(InferplaneError):
+    """The caller's deadline passed, or cannot be met."""
+
+
+class Cancelled(InferplaneError):
+    """The caller went away."""
+
+
+class Unimplemented(InferplaneError):
+    """The operation is not offered by this frontend."""
+
+
+class BackendError(InferplaneError):
+    """The model or Triton failed while serving an otherwise valid request."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    grpc_code: grpc.StatusCode
+    http_status: int
+    reason: str
+
+
+_TABLE: dict[type[InferplaneError], _Entry] = {
+    InvalidRequest: _Entry(grpc.StatusCode.INVALID_ARGUMENT, 400, "INVALID_ARGUMENT"),
+    ModelNotFound: _Entry(grpc.StatusCode.NOT_FOUND, 404, "NOT_FOUND"),
+    ModelNotReady: _Entry(grpc.StatusCode.UNAVAILABLE, 503, "MODEL_NOT_READY"),
+    BackendUnavailable: _Entry(grpc.StatusCode.UNAVAILABLE, 503, "UNAVAILABLE"),
+    Overloaded: _Entry(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "RESOURCE_EXHAUSTED"),
+    RequestTooLarge: _Entry(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "REQUEST_TOO_LARGE"),
+    DeadlineExceeded: _Entry(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "DEADLINE_EXCEEDED"),
+    Cancelled: _Entry(grpc.StatusCode.CANCELLED, 499, "CANCELLED"),
+    Unimplemented: _Entry(grpc.StatusCode.UNIMPLEMENTED, 501, "UNIMPLEMENTED"),
+    BackendError: _Entry(grpc.StatusCode.INTERNAL, 500, "INTERNAL"),
+    InferplaneError: _Entry(grpc.StatusCode.INTERNAL, 500, "INTERNAL"),
+}
+
+# The reverse direction: a status Triton answered with becomes the domain error it means.
+_FROM_GRPC: dict[grpc.StatusCode, type[InferplaneError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: ModelNotFound,
+    grpc.StatusCode.UNAVAILABLE: BackendUnavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
+}
+
+
+def _entry_class(cls: type) -> type[InferplaneError]:
+    for klass in cls.__mro__:
+        if klass in _TABLE:
+            return klass
+    return InferplaneError
+
+
+def entry(err: InferplaneError) -> _Entry:
+    return _TABLE[_entry_class(type(err))]
+
+
+def from_grpc_code(code: grpc.StatusCode, message: str) -> InferplaneError:
+    """The domain error for a status returned by Triton (an unknown code is a BackendError)."""
+    return _FROM_GRPC.get(code, BackendError)(message)
+
+
+# ---- gRPC ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GrpcStatus:
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+def grpc_status(err: InferplaneError) -> GrpcStatus:
+    """Status code, message and ``grpc-status-details-bin`` (google.rpc.Status) for an error."""
+    e = entry(err)
+    status = status_pb2.Status(code=e.grpc_code.value[0], message=err.message)
+    info = error_details_pb2.ErrorInfo(reason=e.reason, domain=DOMAIN)
+    _pack(status, info)
+    if err.violations:
+        bad = error_details_pb2.BadRequest()
+        for v in err.violations:
+            bad.field_violations.add(field=v.field, description=v.description)
+        _pack(status, bad)
+    metadata: list[tuple[str, str | bytes]] = []
+    if err.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(int(err.retry_after_s * 1000))
+        _pack(status, error_details_pb2.RetryInfo(retry_delay=delay))
+        metadata.append(("retry-after", f"{max(err.retry_after_s, 0.001):.3f}"))
+    metadata.append(("grpc-status-details-bin", status.SerializeToString()))
+    return GrpcStatus(e.grpc_code, err.message, tuple(metadata))
+
+
+def _pack(status: status_pb2.Status, detail) -> None:
+    any_msg = any_pb2.Any()
+    any_msg.Pack(detail)
+    status.details.append(any_msg)
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+
+
+def http_error(err: InferplaneError) -> tuple[int, dict, dict[str, str]]:
+    """HTTP status, JSON body ``{"error": {code, message, details}}`` and headers for an error."""
+    e = entry(err)
+    details = [{"field": v.field, "description": v.description} for v in err.violations]
+    headers: dict[str, str] = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after_s + 0.4999)))
+        headers["x-should-retry"] = "true"
+    body = {"error": {"code": e.reason, "message": err.message, "details": details}}
+    return e.http_status, body, headers
+

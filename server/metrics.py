@@ -1,0 +1,62 @@
+"""Prometheus metrics of the frontend: requests by model, version and status, latency, in-flight.
+
+Label children are cached per (model, version, code) so the hot path does one dict lookup and
+one increment, not a label resolution.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "inferplane_requests",
+            "Inference requests answered, by model, version and status code.",
+            ("model", "version", "code"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "inferplane_request_duration_seconds",
+            "Time from request arrival to answer in the frontend, by model.",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "inferplane_inflight_requests",
+            "Inference requests being served now, by model.",
+            ("model",),
+            registry=self.registry,
+        )
+        self.triton_up = Gauge(
+            "inferplane_triton_up", "1 while the Triton behind this frontend is serving.", registry=self.registry
+        )
+        self.triton_restarts = Counter(
+            "inferplane_triton_restarts", "Times the embedded Triton was restarted.", registry=self.registry
+        )
+        self._counted: dict[tuple[str, str, str], object] = {}
+        self._per_model: dict[str, tuple[object, object]] = {}
+
+    def model(self, model: str):
+        """(latency child, inflight child) for a model, cached."""
+        pair = self._per_model.get(model)
+        if pair is None:
+            pair = self._per_model[model] = (self.latency.labels(model), self.inflight.labels(model))
+        return pair
+
+    def count(self, model: str, version: str, code: str) -> None:
+        key = (model, version, code)
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = self.requests.labels(model, version, code)
+        child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,114 @@
+"""The frontend's connection to one Triton: long-lived grpc.aio channels, raw-bytes calls.
+
+Inference requests travel as the bytes the caller sent (no re-serialization); control calls
+(config, repository index, load, unload) are typed. Every failure comes back as a domain error
+from ``server.errors``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+
+from server.errors import BackendUnavailable, InferplaneError, from_grpc_code
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.protogen.inference import model_config_pb2
+
+_SERVICE = "/inference.GRPCInferenceService/"
+
+
+class TritonClient:
+    def __init__(self, target: str, *, channels: int = 1, max_message_bytes: int = 64 << 20):
+        self.target = target
+        self._max_message_bytes = max_message_bytes
+        self._channel_count = max(1, channels)
+        self._channels: list[grpc.aio.Channel] = []
+        self._infer_calls: list = []
+        self._rr = itertools.cycle([0])
+
+    def connect(self) -> None:
+        """Open the channels. They reconnect on their own when Triton comes back on the same port."""
+        options = [
+            ("grpc.max_send_message_length", self._max_message_bytes),
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.enable_retries", 0),
+            # distinct subchannels, so N channels are N HTTP/2 connections
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        self._channels = [grpc.aio.insecure_channel(self.target, options=options) for _ in range(self._channel_count)]
+        self._infer_calls = [
+            ch.unary_unary(_SERVICE + "ModelInfer", request_serializer=None, response_deserializer=None)
+            for ch in self._channels
+        ]
+        self._rr = itertools.cycle(range(len(self._channels)))
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, []
+        for ch in channels:
+            await ch.close()
+
+    # ---- data plane --------------------------------------------------------------------
+
+    async def infer_raw(self, request: bytes, timeout: float | None = None) -> bytes:
+        call = self._infer_calls[next(self._rr)]
+        try:
+            return await call(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise translate(err) from None
+
+    def stream_raw(self, timeout: float | None = None):
+        """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads)."""
+        channel = self._channels[next(self._rr)]
+        method = channel.stream_stream(_SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None)
+        return method(timeout=timeout)
+
+    async def unary_raw(self, method: str, request: bytes, timeout: float | None = 30.0) -> bytes:
+        call = self._channels[0].unary_unary(_SERVICE + method, request_serializer=None, response_deserializer=None)
+        try:
+            return await call(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise translate(err) from None
+
+    # ---- control -----------------------------------------------------------------------
+
+    async def _typed(self, method: str, request, response_type, timeout: float | None = 30.0):
+        raw = await self.unary_raw(method, request.SerializeToString(), timeout=timeout)
+        return response_type.FromString(raw)
+
+    async def server_live(self, timeout: float = 1.0) -> bool:
+        try:
+            return (await self._typed("ServerLive", pb.ServerLiveRequest(), pb.ServerLiveResponse, timeout)).live
+        except InferplaneError:
+            return False
+
+    async def server_ready(self, timeout: float = 1.0) -> bool:
+        try:
+            return (await self._typed("ServerReady", pb.ServerReadyRequest(), pb.ServerReadyResponse, timeout)).ready
+        except InferplaneError:
+            return False
+
+    async def model_config(self, name: str) -> model_config_pb2.ModelConfig:
+        resp = await self._typed("ModelConfig", pb.ModelConfigRequest(name=name), pb.ModelConfigResponse)
+        return resp.config
+
+    async def repository_index(self, ready_only: bool = False) -> list:
+        resp = await self._typed("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready_only), pb.RepositoryIndexResponse)
+        return list(resp.models)
+
+    async def load_model(self, name: str, timeout: float = 300.0) -> None:
+        await self._typed("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=name), pb.RepositoryModelLoadResponse, timeout)
+
+    async def unload_model(self, name: str, timeout: float = 60.0) -> None:
+        await self._typed("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name=name), pb.RepositoryModelUnloadResponse, timeout)
+
+
+def translate(err: grpc.aio.AioRpcError) -> InferplaneError:
+    code = err.code()
+    message = err.details() or code.name
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return BackendUnavailable(f"Triton is unavailable: {message}")
+    return from_grpc_code(code, message)

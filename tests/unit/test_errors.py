@@ -1,0 +1,74 @@
+"""Every domain error maps to one gRPC status and one HTTP status, with the same reason."""
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from server import errors as e
+
+EXPECTED = [
+    (e.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (e.ModelNotFound, grpc.StatusCode.NOT_FOUND, 404),
+    (e.ModelNotReady, grpc.StatusCode.UNAVAILABLE, 503),
+    (e.BackendUnavailable, grpc.StatusCode.UNAVAILABLE, 503),
+    (e.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    (e.RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED, 413),
+    (e.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    (e.Cancelled, grpc.StatusCode.CANCELLED, 499),
+    (e.Unimplemented, grpc.StatusCode.UNIMPLEMENTED, 501),
+    (e.BackendError, grpc.StatusCode.INTERNAL, 500),
+    (e.InferplaneError, grpc.StatusCode.INTERNAL, 500),
+]
+
+
+def _all_error_classes():
+    seen, todo = set(), [e.InferplaneError]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+    return {c for c in seen if c.__module__ == "server.errors"}
+
+
+def test_every_error_class_is_in_the_expectations():
+    assert _all_error_classes() <= {cls for cls, _, _ in EXPECTED}
+
+
+@pytest.mark.parametrize(("cls", "grpc_code", "http_status"), EXPECTED)
+def test_both_transports_agree(cls, grpc_code, http_status):
+    err = cls("something went wrong", [e.Violation("input 'x' shape", "expected [-1, 4], got [2, 3]")])
+    status = e.grpc_status(err)
+    assert status.code == grpc_code
+    assert status.details == "something went wrong"
+    details = dict(status.trailing_metadata)["grpc-status-details-bin"]
+    rich = status_pb2.Status.FromString(details)
+    assert rich.code == grpc_code.value[0]
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in rich.details)
+    assert bad.field_violations[0].field == "input 'x' shape"
+
+    code, body, headers = e.http_error(err)
+    assert code == http_status
+    assert body["error"]["code"] == err.reason
+    assert body["error"]["message"] == "something went wrong"
+    assert body["error"]["details"] == [{"field": "input 'x' shape", "description": "expected [-1, 4], got [2, 3]"}]
+
+
+def test_retry_hint_on_both_transports():
+    err = e.Overloaded("queue full", retry_after_s=0.25)
+    status = e.grpc_status(err)
+    meta = dict(status.trailing_metadata)
+    assert meta["retry-after"] == "0.250"
+    rich = status_pb2.Status.FromString(meta["grpc-status-details-bin"])
+    info = error_details_pb2.RetryInfo()
+    assert any(d.Unpack(info) for d in rich.details)
+    assert info.retry_delay.ToMilliseconds() == 250
+    _, _, headers = e.http_error(err)
+    assert headers["Retry-After"] == "1"
+
+
+def test_triton_statuses_map_back_to_domain_errors():
+    assert isinstance(e.from_grpc_code(grpc.StatusCode.INVALID_ARGUMENT, "x"), e.InvalidRequest)
+    assert isinstance(e.from_grpc_code(grpc.StatusCode.NOT_FOUND, "x"), e.ModelNotFound)
+    assert isinstance(e.from_grpc_code(grpc.StatusCode.DATA_LOSS, "x"), e.BackendError)

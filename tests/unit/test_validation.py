@@ -1,0 +1,108 @@
+"""Validation of inference requests against a signature (pure logic; the live matrix is in
+tests/integration/test_spine.py)."""
+
+import numpy as np
+import pytest
+
+from server.codecs import bytes_element_count, serialize_bytes, to_numpy, from_numpy
+from server.errors import InvalidRequest
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.protogen.inference import model_config_pb2 as mc
+from server.signature import ModelSignature
+from server.validation import validate_infer_request
+
+
+def _signature(max_batch=8):
+    config = mc.ModelConfig(name="m", backend="python", max_batch_size=max_batch)
+    config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[4])
+    config.input.add(name="s", data_type=mc.TYPE_STRING, dims=[-1], optional=True)
+    config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[1])
+    return ModelSignature.from_config(config, versions=["1", "2"])
+
+
+def _request(shape=(2, 4), datatype="FP32", nbytes=None, name="x"):
+    req = pb.ModelInferRequest(model_name="m")
+    req.inputs.add(name=name, datatype=datatype, shape=list(shape))
+    n = int(np.prod(shape)) * 4 if nbytes is None else nbytes
+    req.raw_input_contents.append(b"\x00" * n)
+    return req
+
+
+def _violations(req, sig=None):
+    with pytest.raises(InvalidRequest) as info:
+        validate_infer_request(req, sig or _signature())
+    return info.value.violations
+
+
+def test_valid_request_passes():
+    validate_infer_request(_request(), _signature())
+    assert _signature().latest_version == "2"
+
+
+@pytest.mark.parametrize(
+    ("req", "field", "fragment"),
+    [
+        (_request(name="z"), "inputs[0].name", "unknown input 'z'"),
+        (_request(datatype="FP64", nbytes=64), "input 'x' datatype", "expected FP32, got FP64"),
+        (_request(shape=(2, 4, 1)), "input 'x' shape", "expected rank 2"),
+        (_request(shape=(2, 5)), "input 'x' shape[1]", "expected 4, got 5"),
+        (_request(shape=(9, 4)), "input 'x' shape[0]", "1..8"),
+        (_request(shape=(0, 4)), "input 'x' shape[0]", "1..8"),
+        (_request(nbytes=31), "raw_input_contents[0] (input 'x')", "expected 32 bytes"),
+        (_request(nbytes=33), "raw_input_contents[0] (input 'x')", "got 33"),
+    ],
+)
+def test_each_violation_names_tensor_field_expected_and_got(req, field, fragment):
+    violations = _violations(req)
+    assert violations[0].field == field
+    assert fragment in violations[0].description
+
+
+def test_missing_required_input():
+    req = pb.ModelInferRequest(model_name="m")
+    violations = _violations(req)
+    assert violations[0].field == "input 'x'"
+    assert "required input missing" in violations[0].description
+
+
+def test_raw_count_mismatch():
+    req = _request()
+    req.raw_input_contents.append(b"1234")
+    assert _violations(req)[0].field == "raw_input_contents"
+
+
+def test_typed_contents_are_counted():
+    req = pb.ModelInferRequest(model_name="m")
+    t = req.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    t.contents.fp32_contents.extend([1.0, 2.0, 3.0])
+    assert "expected 4 elements" in _violations(req)[0].description
+    t.contents.fp32_contents.append(4.0)
+    validate_infer_request(req, _signature())
+
+
+def test_bytes_framing():
+    good = serialize_bytes([b"ab", b"", b"xyz", b"q"])
+    assert bytes_element_count(good) == 4
+    req = _request()
+    req.inputs.add(name="s", datatype="BYTES", shape=[2, 2])
+    req.raw_input_contents.append(good)
+    validate_infer_request(req, _signature())
+    req.raw_input_contents[1] = good[:-1]
+    assert "BYTES framing" in _violations(req)[0].description
+
+
+def test_unknown_output_and_all_problems_reported():
+    req = _request(shape=(2, 5), name="x")
+    req.outputs.add(name="nope")
+    fields = [v.field for v in _violations(req)]
+    assert "outputs[0].name" in fields and "input 'x' shape[1]" in fields
+
+
+def test_codec_round_trip():
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    dt, shape, raw = from_numpy(arr)
+    assert (dt, shape) == ("FP32", [3, 4])
+    np.testing.assert_array_equal(to_numpy(raw, dt, shape), arr)
+    strings = np.array([b"a", b"bc"], dtype=np.object_)
+    dt, shape, raw = from_numpy(strings)
+    assert dt == "BYTES" and list(to_numpy(raw, dt, shape)) == [b"a", b"bc"]
