@@ -107,6 +107,8 @@ class TritonSupervisor:
         ]
 
     async def start(self) -> None:
+        # regions left by a frontend that was killed before it could clean up
+        remove_shm_regions(_is_dead)
         self._stopping = False
         self.state = "starting"
         if not self.grpc_port:
@@ -215,10 +217,28 @@ class TritonSupervisor:
 
     def _cleanup_shm(self) -> None:
         """Remove the shared-memory regions this process's Tritons created (all generations)."""
-        prefix = f"inferplane_{os.getpid()}_"
-        shm = Path("/dev/shm")
-        if not shm.is_dir():
-            return
-        for region in shm.glob(prefix + "*"):
+        remove_shm_regions(lambda pid: pid == os.getpid())
+
+
+def remove_shm_regions(owned: Callable[[int], bool], shm: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink ``inferplane_<pid>_*`` regions whose owner pid ``owned(pid)`` selects."""
+    removed = []
+    if not shm.is_dir():
+        return removed
+    for region in shm.glob("inferplane_*_*"):
+        pid = region.name.split("_")[1]
+        if pid.isdigit() and owned(int(pid)):
             with contextlib.suppress(OSError):
                 region.unlink()
+                removed.append(region.name)
+    return removed
+
+
+def _is_dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
