@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 
 from google.protobuf.message import DecodeError
 
+from batching.coalescer import Coalescer
 from server.errors import (
+    BackendError,
     BackendUnavailable,
     InferplaneError,
     InvalidRequest,
@@ -50,8 +52,11 @@ class DataPlane:
         self.metrics = metrics or Metrics()
         self.models: dict[str, ModelSignature] = {}
         self.loaded: set[str] = set()  # what the operator asked for; reloaded after a Triton restart
+        # endpoint -> the version that answers requests naming no version (unset: Triton's latest)
+        self.routes: dict[str, str] = {}
         self.backend_up = True
         self._reloading: asyncio.Lock = asyncio.Lock()
+        self.coalescer = Coalescer(self.triton.infer_raw)
 
     # ---- control ------------------------------------------------------------------------
 
@@ -127,6 +132,9 @@ class DataPlane:
         version = request.model_version
         code = "OK"
         try:
+            if not version and name in self.routes:
+                version = request.model_version = self.routes[name]
+                raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
             signature = self.resolve(name, version)
             label = name
             if not version:
@@ -135,7 +143,13 @@ class DataPlane:
             latency, inflight = self.metrics.model(name)
             inflight.inc()
             try:
-                return await self.triton.infer_raw(raw if raw is not None else request.SerializeToString(), timeout)
+                data = raw if raw is not None else request.SerializeToString()
+                return await self.coalescer.submit(request, data, signature.coalesce, timeout)
+            except InferplaneError:
+                raise
+            except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
+                log.exception("inference on %s failed", name)
+                raise BackendError(f"inference failed: {err}") from None
             finally:
                 inflight.dec()
                 latency.observe(time.perf_counter() - started)
@@ -191,6 +205,25 @@ class DataPlane:
             for task in tasks:
                 task.cancel()
             call.cancel()
+
+
+def pin_version(raw: bytes, version: str) -> bytes:
+    """The same request with ``model_version`` set, without re-serializing it.
+
+    A protobuf parser keeps the last occurrence of a scalar field, so appending field 2
+    (``model_version``) to the caller's bytes overrides whatever they carried.
+    """
+    data = version.encode()
+    return raw + b"\x12" + _varint(len(data)) + data
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 def _stream_error(err: InferplaneError, request) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batching.coalescer import CoalescePolicy
 from server.codecs import CONFIG_TO_WIRE, element_size
 from server.protogen.inference import model_config_pb2
 
@@ -30,6 +31,7 @@ class ModelSignature:
     backend: str = ""
     decoupled: bool = False
     required: frozenset[str] = field(default=frozenset())
+    coalesce: CoalescePolicy = CoalescePolicy(enabled=False)
 
     @classmethod
     def from_config(cls, config: model_config_pb2.ModelConfig, versions=()) -> "ModelSignature":
@@ -38,6 +40,7 @@ class ModelSignature:
             return TensorSpec(t.name, wire, tuple(int(d) for d in t.dims), optional)
 
         inputs = {t.name: spec(t, t.optional) for t in config.input}
+        params = {k: v.string_value for k, v in config.parameters.items()}
         return cls(
             name=config.name,
             max_batch_size=int(config.max_batch_size),
@@ -47,6 +50,7 @@ class ModelSignature:
             backend=config.backend or config.platform,
             decoupled=config.model_transaction_policy.decoupled,
             required=frozenset(name for name, s in inputs.items() if not s.optional),
+            coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size)),
         )
 
     @property

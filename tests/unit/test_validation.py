@@ -106,3 +106,14 @@ def test_codec_round_trip():
     strings = np.array([b"a", b"bc"], dtype=np.object_)
     dt, shape, raw = from_numpy(strings)
     assert dt == "BYTES" and list(to_numpy(raw, dt, shape)) == [b"a", b"bc"]
+
+
+def test_pin_version_overrides_without_reserializing():
+    from server.dataplane import pin_version
+
+    req = _request()
+    req.model_version = "1"
+    for version in ("2", "1" * 200):
+        pinned = pb.ModelInferRequest.FromString(pin_version(req.SerializeToString(), version))
+        assert pinned.model_version == version
+        assert pinned.raw_input_contents == req.raw_input_contents
