@@ -165,6 +165,32 @@ def test_triton_reports_the_declared_signature(loaded, repo, name):
     ]
 
 
+def _counts(client, name: str) -> tuple[int, int]:
+    stats = client.get_inference_statistics(name).model_stats[0]
+    return stats.inference_count, stats.execution_count
+
+
+def test_dynamic_batcher_merges_requests_into_one_execute(loaded, repo):
+    """64 one-row requests at once: Triton hands execute() several at a time, the answers stay per request."""
+    name = "fraud_xgboost"
+    validation = demo.load_validation(repo / name)
+    before = _counts(loaded, name)
+    results: queue.Queue = queue.Queue()
+    for i in range(64):
+        inp = tritonclient_grpc.InferInput("features", [1, 32], "FP32")
+        inp.set_data_from_numpy(validation["features"][i : i + 1])
+        loaded.async_infer(name, [inp], callback=lambda result, error, i=i: results.put((i, result, error)))
+    got = np.zeros((64, 1), np.float32)
+    for _ in range(64):
+        i, result, error = results.get(timeout=30)
+        assert error is None, error
+        got[i] = result.as_numpy("probability")[0]
+    assert np.allclose(got, validation["expected"][:64], rtol=1e-4, atol=1e-5)
+    inferences, executions = (after - start for after, start in zip(_counts(loaded, name), before))
+    assert inferences == 64
+    assert executions < 64
+
+
 def test_tampered_artifact_fails_to_load(client):
     with pytest.raises(InferenceServerException, match="sha256"):
         client.load_model(TAMPERED)

@@ -1,0 +1,89 @@
+"""Triton ``config.pbtxt``: built from the model-config protobuf and ``text_format``, never templated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from google.protobuf import text_format
+
+from server.protogen.inference import model_config_pb2
+
+ModelConfig = model_config_pb2.ModelConfig
+CONFIG_FILE = "config.pbtxt"
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How Triton serves one model: batch limits, batching window, instances, response cache."""
+
+    max_batch_size: int = 64
+    preferred_batch_sizes: tuple[int, ...] = (16, 32, 64)
+    max_queue_delay_us: int = 200
+    instances: int = 1
+    response_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 0 or self.instances < 1 or self.max_queue_delay_us < 0:
+            raise ValueError(f"invalid serving config: {self}")
+        too_big = [b for b in self.preferred_batch_sizes if b < 1 or b > max(self.max_batch_size, 1)]
+        if too_big:
+            raise ValueError(f"preferred batch sizes {too_big} outside 1..{self.max_batch_size}")
+
+    def apply(self, config: ModelConfig) -> ModelConfig:
+        """Set the serving fields of ``config`` (in place) and return it."""
+        config.max_batch_size = self.max_batch_size
+        del config.instance_group[:]
+        config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=self.instances)
+        config.ClearField("dynamic_batching")
+        if self.max_batch_size > 0:
+            batching = config.dynamic_batching
+            batching.preferred_batch_size.extend(sorted(set(self.preferred_batch_sizes)))
+            batching.max_queue_delay_microseconds = self.max_queue_delay_us
+        config.ClearField("response_cache")
+        if self.response_cache:
+            config.response_cache.enable = True
+        return config
+
+
+def python_backend_config(
+    name: str,
+    inputs: Mapping[str, Sequence[int]],
+    outputs: Mapping[str, Sequence[int]],
+    serving: ServingConfig = ServingConfig(),
+    parameters: Mapping[str, str] | None = None,
+) -> ModelConfig:
+    """A complete config for a Python-backend model with FP32 tensors (dims without the batch dim)."""
+    config = ModelConfig(name=name, backend="python")
+    fp32 = model_config_pb2.TYPE_FP32
+    for tensor, dims in inputs.items():
+        config.input.add(name=tensor, data_type=fp32, dims=list(dims))
+    for tensor, dims in outputs.items():
+        config.output.add(name=tensor, data_type=fp32, dims=list(dims))
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = str(value)
+    return serving.apply(config)
+
+
+def to_text(config: ModelConfig) -> str:
+    return text_format.MessageToString(config)
+
+
+def write_config(config: ModelConfig, model_dir: Path) -> Path:
+    """Write ``model_dir/config.pbtxt`` and return its path."""
+    if not config.name:
+        raise ValueError("a model config needs a name (Triton matches it to the directory)")
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / CONFIG_FILE
+    path.write_text(to_text(config), encoding="utf-8")
+    return path
+
+
+def read_config(path_or_dir: Path) -> ModelConfig:
+    """Parse a ``config.pbtxt`` (or the one inside a model directory)."""
+    path = Path(path_or_dir)
+    if path.is_dir():
+        path = path / CONFIG_FILE
+    return text_format.Parse(path.read_text(encoding="utf-8"), ModelConfig())
