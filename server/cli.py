@@ -12,6 +12,15 @@ demo_app = typer.Typer(help="Demo models built from synthetic data.", no_args_is
 app.add_typer(demo_app, name="demo")
 
 
+def _mount_loadtest() -> None:
+    from loadtest.cli import app as loadtest_app
+
+    app.add_typer(loadtest_app, name="loadtest", help="Load generators and benchmarks (closed/open loop, compare, sweep).")
+
+
+_mount_loadtest()
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address the frontend listens on."),

@@ -1,0 +1,473 @@
+"""Unit tests for the loadtest package: histograms, schedules, open/closed loop engines,
+error counting, compare mode against local dummy gRPC servers, perf_analyzer fetch.
+
+Short runs only; no assertions on absolute speed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadtest.compare import compare, summarize
+from loadtest.engine import LoadSpec, Stats, clock, run_engine
+from loadtest.histogram import LatencyHistogram
+from loadtest.perf_analyzer import parse_csv
+from loadtest.procstat import cpu_report, process_tree_cpu, snapshot
+from loadtest.protocol import CallError, Driver, Session, parse_grpc_target
+from loadtest.request_pool import build_pool, concrete_shape, random_pool, validation_pool
+from loadtest.runner import RunConfig, prepare_pool, run
+from loadtest.schedule import arrival_offsets, split_rate
+from server.protogen.inference import grpc_service_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class DummyServer:
+    """`python -m loadtest.dummy_server` in a subprocess on a free loopback port."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loadtest.dummy_server", "--port", "0", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            self.proc.kill()
+            raise RuntimeError(f"dummy server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.target = f"grpc://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def dummy_factory():
+    servers: list[DummyServer] = []
+
+    def make(*args: str) -> DummyServer:
+        s = DummyServer(*args)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+class FakeSession(Session):
+    def __init__(self, driver: "FakeDriver") -> None:
+        self.d = driver
+
+    async def call(self, payload: bytes) -> None:
+        await self.d.behave()
+
+
+class FakeDriver(Driver):
+    """No network: each call waits `delay` s; one call after `stall_at` (s from open) waits `stall` s."""
+
+    def __init__(self, delay: float = 0.0, stall_at: float | None = None, stall: float = 0.0) -> None:
+        self.delay, self.stall_at, self.stall = delay, stall_at, stall
+        self.calls = 0
+        self.t_open = 0.0
+        self.stalled = False
+
+    async def open(self) -> None:
+        self.t_open = clock()
+
+    async def close(self) -> None:
+        pass
+
+    async def session(self, index: int) -> Session:
+        return FakeSession(self)
+
+    async def behave(self) -> None:
+        self.calls += 1
+        if self.stall_at is not None and not self.stalled and clock() - self.t_open >= self.stall_at:
+            self.stalled = True
+            await asyncio.sleep(self.stall)
+        elif self.delay:
+            await asyncio.sleep(self.delay)
+        else:
+            await asyncio.sleep(0)
+
+
+def _metadata(shape=(-1, 4), datatype="FP32", name="m"):
+    md = pb.ModelMetadataResponse(name=name)
+    t = md.inputs.add()
+    t.name, t.datatype = "input__0", datatype
+    t.shape.extend(shape)
+    return md
+
+
+# ---------------------------------------------------------------- histogram
+
+
+def test_histogram_uniform_percentiles():
+    h = LatencyHistogram()
+    for us in range(1, 10_001):
+        h.record_us(us)
+    s = h.summary_ms()
+    assert h.count == 10_000
+    assert s["p50"] == pytest.approx(5.0, rel=0.01)
+    assert s["p90"] == pytest.approx(9.0, rel=0.01)
+    assert s["p99"] == pytest.approx(9.9, rel=0.01)
+    assert s["max"] == pytest.approx(10.0, rel=0.01)
+    assert s["mean"] == pytest.approx(5.0, rel=0.01)
+
+
+def test_histogram_exponential_matches_numpy():
+    rng = np.random.default_rng(1)
+    samples = rng.exponential(scale=0.001, size=200_000)  # seconds, mean 1 ms
+    h = LatencyHistogram()
+    for s in samples:
+        h.record(float(s))
+    summary = h.summary_ms()
+    for p in (50, 90, 99, 99.9):
+        expected = float(np.percentile(samples, p)) * 1000
+        assert summary[f"p{p:g}"] == pytest.approx(expected, rel=0.01), p
+    # and against the analytic quantile -ln(1-q) * mean
+    assert summary["p50"] == pytest.approx(math.log(2), rel=0.02)
+    assert summary["p99"] == pytest.approx(-math.log(0.01), rel=0.03)
+
+
+def test_histogram_encode_decode_merge():
+    a, b, both = LatencyHistogram(), LatencyHistogram(), LatencyHistogram()
+    for us in range(1, 5001):
+        a.record_us(us)
+        both.record_us(us)
+    for us in range(5001, 10_001):
+        b.record_us(us)
+        both.record_us(us)
+    merged = LatencyHistogram.decode(a.encode())
+    merged.add(LatencyHistogram.decode(b.encode()))
+    assert merged.count == both.count == 10_000
+    assert merged.summary_ms() == both.summary_ms()
+    assert LatencyHistogram.decode(b"").count == 0
+    assert LatencyHistogram().summary_ms()["p99"] == 0.0
+
+
+def test_stats_merge_wire():
+    s1, s2 = Stats(), Stats()
+    s1.latency.record(0.001)
+    s1.ok = 1
+    s1.error("INVALID_ARGUMENT", "first")
+    s2.latency.record(0.002)
+    s2.ok = 1
+    s2.error("INVALID_ARGUMENT", "second")
+    s2.error("UNAVAILABLE", "down")
+    m = Stats.merge_wire([s1.to_wire(), s2.to_wire()])
+    assert m.ok == 2 and m.latency.count == 2
+    assert m.errors == {"INVALID_ARGUMENT": [2, "first"], "UNAVAILABLE": [1, "down"]}
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def test_fixed_schedule_is_exact():
+    gen = arrival_offsets(200.0)
+    offs = [next(gen) for _ in range(1001)]
+    assert offs[0] == 0.0
+    assert offs[1000] == pytest.approx(5.0, abs=1e-12)
+    assert sum(1 for o in offs if 1.0 <= o < 2.0) == 200
+
+
+def test_poisson_schedule_rate_and_gaps():
+    gen = arrival_offsets(1000.0, poisson=True, seed=7)
+    offs = []
+    for o in gen:
+        if o >= 20.0:
+            break
+        offs.append(o)
+    assert len(offs) == pytest.approx(20_000, rel=0.03)
+    gaps = np.diff(offs)
+    assert gaps.mean() == pytest.approx(0.001, rel=0.03)
+    assert gaps.std() == pytest.approx(0.001, rel=0.05)  # exponential: std == mean
+    assert all(g > 0 for g in gaps)
+
+
+def test_split_rate_interleaves_fixed_workers():
+    merged = []
+    for i in range(3):
+        rate, phase = split_rate(300.0, 3, i, poisson=False)
+        gen = arrival_offsets(rate, phase=phase)
+        merged += [next(gen) for _ in range(100)]
+    merged.sort()
+    assert np.allclose(np.diff(merged), 1 / 300.0)
+
+
+# ---------------------------------------------------------------- engine (no network)
+
+
+async def test_open_loop_keeps_its_rate():
+    spec = LoadSpec(rate=400.0, warmup=0.2, duration=1.0)
+    driver = FakeDriver(delay=0.001)
+    await driver.open()
+    stats = Stats()
+    t0 = clock()
+    await run_engine(driver, [b"x"], spec, t0, stats)
+    assert stats.scheduled == 400
+    assert stats.ok == 400
+    assert driver.calls == pytest.approx(480, abs=1)
+    assert clock() - t0 == pytest.approx(1.2, abs=0.3)
+
+
+async def test_open_loop_measures_from_scheduled_time():
+    """One caller slot (max_inflight=1) and a 300 ms stall: the requests that were due during the
+    stall leave late. Measured from their scheduled time they show the stall (coordinated
+    omission avoided); their service time alone would hide it."""
+    spec = LoadSpec(rate=100.0, warmup=0.1, duration=1.5, max_inflight=1)
+    driver = FakeDriver(delay=0.0005, stall_at=0.6, stall=0.3)
+    await driver.open()
+    stats = Stats()
+    await run_engine(driver, [b"x"], spec, clock(), stats)
+    assert stats.scheduled == 150 and stats.ok == 150
+    lat, svc = stats.latency.summary_ms(), stats.service.summary_ms()
+    assert lat["max"] >= 280
+    assert lat["p90"] >= 50  # ~30 requests were due while the stall lasted
+    assert svc["p90"] < 20  # each of them was quick once sent
+    assert stats.max_lag * 1000 >= 250
+
+
+async def test_closed_loop_counts_and_excludes_warmup():
+    spec = LoadSpec(concurrency=4, warmup=0.3, duration=0.5)
+    driver = FakeDriver(delay=0.01)
+    await driver.open()
+    stats = Stats()
+    await run_engine(driver, [b"a", b"b"], spec, clock(), stats)
+    # 4 callers x ~10 ms per call: ~200 in the window, ~120 more in warm-up
+    assert 100 <= stats.ok <= 210
+    assert driver.calls > stats.ok + 60
+    assert stats.latency.summary_ms()["p50"] >= 9.5
+
+
+# ---------------------------------------------------------------- request pool, procstat
+
+
+def test_random_pool_matches_signature():
+    md = _metadata(shape=(-1, 4))
+    pool = random_pool(md, batch=3, size=5)
+    assert len(pool) == 5 and len(set(pool)) == 5
+    req = pb.ModelInferRequest.FromString(pool[0])
+    assert req.model_name == "m"
+    assert list(req.inputs[0].shape) == [3, 4] and req.inputs[0].datatype == "FP32"
+    assert len(req.raw_input_contents[0]) == 3 * 4 * 4
+    assert concrete_shape([-1, -1, 2], 5) == [5, 5, 2]
+    md_bytes = _metadata(shape=(-1, 1), datatype="BYTES")
+    raw = pb.ModelInferRequest.FromString(random_pool(md_bytes, batch=2, size=1)[0]).raw_input_contents[0]
+    n0 = int.from_bytes(raw[:4], "little")
+    assert int.from_bytes(raw[4 + n0 : 8 + n0], "little") == len(raw) - 8 - n0
+
+
+def test_validation_pool_from_npz(tmp_path):
+    feats = np.arange(10 * 4, dtype=np.float64).reshape(10, 4)
+    (tmp_path / "m").mkdir()
+    np.savez(tmp_path / "m" / "validation.npz", features=feats)
+    pool = build_pool(_metadata(), data="validation", repository=tmp_path, batch=4, size=100)
+    assert len(pool) == 3  # ceil(10 / 4) distinct batches
+    req = pb.ModelInferRequest.FromString(pool[2])
+    arr = np.frombuffer(req.raw_input_contents[0], dtype=np.float32).reshape(4, 4)
+    assert arr[0, 0] == 32.0 and arr[2, 0] == 0.0  # rows 8, 9 then wrap to 0, 1
+    with pytest.raises(ValueError):
+        validation_pool(_metadata(shape=(-1, 3)), feats, batch=1)
+    obj = tmp_path / "o"
+    obj.mkdir()
+    np.savez(obj / "validation.npz", features=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError):  # pickled arrays are refused
+        build_pool(_metadata(name="o"), data="validation", repository=tmp_path)
+
+
+def test_procstat_counts_own_cpu():
+    me = os.getpid()
+    before = snapshot([me, 999_999_999])
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+    after = snapshot([me, 999_999_999])
+    rep = cpu_report(before, after, requests=100)
+    assert rep["pids"][str(me)]["cpu_s"] >= 0.2
+    assert rep["pids"][str(me)]["cpu_ms_per_request"] >= 2.0
+    assert rep["pids"]["999999999"]["cpu_s"] is None
+    assert process_tree_cpu(999_999_999) is None
+
+
+def test_parse_grpc_target():
+    assert parse_grpc_target("grpc://127.0.0.1:8001") == "127.0.0.1:8001"
+    assert parse_grpc_target("localhost:9") == "localhost:9"
+    with pytest.raises(ValueError):
+        parse_grpc_target("http://127.0.0.1:8000")
+
+
+# ---------------------------------------------------------------- against dummy gRPC servers
+
+
+def _cfg(target: str, **kw) -> RunConfig:
+    spec = kw.pop("spec", None) or LoadSpec(concurrency=kw.pop("concurrency", 1), warmup=kw.pop("warmup", 0.3),
+                                            duration=kw.pop("duration", 1.0))
+    return RunConfig(target=target, model="dummy", spec=spec, **kw)
+
+
+def test_closed_loop_against_dummy_server(dummy_factory):
+    srv = dummy_factory()
+    pool = prepare_pool(srv.target, "dummy", batch=2, size=8)
+    assert list(pb.ModelInferRequest.FromString(pool[0]).inputs[0].shape) == [2, 4]
+    r = run(_cfg(srv.target, concurrency=4, pids=(srv.proc.pid,)), pool)
+    assert r["requests"] > 50 and r["errors_total"] == 0
+    assert r["throughput_rps"] == pytest.approx(r["requests"] / 1.0)
+    assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"] <= r["latency_ms"]["max"]
+    assert r["cpu"]["pids"][str(srv.proc.pid)]["cpu_ms_per_request"] > 0
+    assert r["client_cpu_ms_per_request"] > 0
+
+
+def test_error_counting_by_code(dummy_factory):
+    srv = dummy_factory("--fail-every", "3")
+    pool = prepare_pool(srv.target, "dummy")
+    # warmup 0 and one caller: the window sees exactly the server's request sequence
+    r = run(_cfg(srv.target, concurrency=1, warmup=0.0, duration=0.8), pool)
+    total = r["requests"] + r["errors_total"]
+    assert total > 30
+    assert set(r["errors"]) == {"INVALID_ARGUMENT"}
+    assert r["errors"]["INVALID_ARGUMENT"]["count"] == total // 3
+    assert "rejected by dummy server" in r["errors"]["INVALID_ARGUMENT"]["first_message"]
+    assert r["latency_ms"]["p50"] > 0  # failed requests stay out of the histogram but ok ones count
+    # the same over a bidi stream: errors travel inside the stream
+    rs = run(_cfg(srv.target, concurrency=1, warmup=0.0, duration=0.5, stream=True), pool)
+    total = rs["requests"] + rs["errors_total"]
+    assert total > 20
+    assert set(rs["errors"]) == {"STREAM_ERROR"}
+    assert abs(rs["errors"]["STREAM_ERROR"]["count"] - total / 3) <= 1
+
+
+def test_open_loop_against_stalling_server(dummy_factory):
+    srv = dummy_factory("--stall-after-s", "1.2", "--stall-ms", "300")
+    pool = prepare_pool(srv.target, "dummy")
+    spec = LoadSpec(rate=200.0, warmup=0.3, duration=1.5)
+    r = run(_cfg(srv.target, spec=spec), pool)
+    assert r["scheduled"] == 300
+    assert r["requests"] == 300 and r["errors_total"] == 0
+    assert r["latency_ms"]["max"] >= 250
+    assert r["latency_ms"]["p90"] >= 30  # ~60 requests arrived during the stall
+
+
+def test_multiprocess_run_merges_histograms(dummy_factory):
+    srv = dummy_factory()
+    pool = prepare_pool(srv.target, "dummy")
+    r = run(_cfg(srv.target, concurrency=4, processes=2, warmup=0.3, duration=1.0), pool)
+    assert r["processes"] == 2
+    assert r["requests"] > 50 and r["errors_total"] == 0
+    assert r["latency_ms"]["p50"] > 0
+
+
+def test_compare_detects_2ms_extra_latency(dummy_factory):
+    a = dummy_factory()
+    b = dummy_factory("--delay-ms", "2")
+    pool = prepare_pool(a.target, "dummy")
+    cfg_a = _cfg(a.target, concurrency=2, warmup=0.2, duration=0.8, label="direct")
+    cfg_b = _cfg(b.target, concurrency=2, warmup=0.2, duration=0.8, label="delayed")
+    res = compare(cfg_a, cfg_b, pool, pool, rounds=3)
+    s = res["summary"]
+    assert len(res["runs_a"]) == len(res["runs_b"]) == 3
+    assert s["ratio_b_over_a"]["p50_ms"]["median"] > 1.5
+    assert s["ratio_b_over_a"]["p50_ms"]["min"] > 1.0
+    assert s["ratio_b_over_a"]["throughput_rps"]["median"] < 1.0
+    assert 1.5 <= s["diff_b_minus_a"]["p50_ms"]["median"] <= 3.5
+    json.dumps(res)  # JSON-serializable
+
+
+def test_summarize_spread():
+    ra = [{"throughput_rps": 100.0, "latency_ms": {k: 1.0 for k in ("p50", "p90", "p99", "p99.9", "max", "mean")},
+           "errors_total": 0, "requests": 100}] * 2
+    rb = [{"throughput_rps": t, "latency_ms": {k: 2.0 for k in ("p50", "p90", "p99", "p99.9", "max", "mean")},
+           "errors_total": 0, "requests": 100} for t in (50.0, 100.0)]
+    s = summarize(ra, rb)
+    assert s["ratio_b_over_a"]["p50_ms"]["median"] == 2.0
+    assert s["ratio_b_over_a"]["throughput_rps"] == {
+        "median": 0.75, "min": 0.5, "max": 1.0, "mean": 0.75, "stdev": pytest.approx(0.35355, rel=1e-4),
+        "rounds": [0.5, 1.0],
+    }
+    assert "cpu_ms_per_request" not in s["a"]
+
+
+def test_cli_run_and_sweep(dummy_factory, tmp_path):
+    from typer.testing import CliRunner
+
+    from loadtest.cli import app
+
+    srv = dummy_factory()
+    runner = CliRunner()
+    out = tmp_path / "run.json"
+    res = runner.invoke(app, ["run", "-t", srv.target, "-m", "dummy", "-r", "100", "--poisson", "-d", "0.5",
+                              "-w", "0.2", "--json", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["mode"] == "open" and r["poisson"] is True and r["requests"] > 20
+    png = tmp_path / "sweep.png"
+    res = runner.invoke(app, ["sweep", "-t", f"dummy={srv.target}", "-m", "dummy", "-c", "1,4", "-d", "0.4", "-w", "0.1",
+                              "--png", str(png), "--json", str(tmp_path / "sweep.json"), "-q"])
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sw = json.loads((tmp_path / "sweep.json").read_text())
+    assert [p["concurrency"] for p in sw["series"]["dummy"]] == [1, 4]
+
+
+# ---------------------------------------------------------------- perf_analyzer
+
+
+def test_parse_perf_analyzer_csv():
+    text = (
+        "Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,"
+        "Server Compute Input,Server Compute Infer,Server Compute Output,Client Recv,"
+        "p50 latency,p90 latency,p95 latency,p99 latency,Avg latency,request/response,response wait\n"
+        "1,1000.5,10,100,5,1,50,1,2,950,1200,1300,2000,990,0,0\n"
+        "4,3000,10,100,5,1,50,1,2,1250,1500,1600,2500,1300,0,0\n"
+    )
+    pts = parse_csv(text, batch=2)
+    assert [p["concurrency"] for p in pts] == [1, 4]
+    assert pts[0]["inferences_per_s"] == 1000.5 and pts[0]["throughput_rps"] == pytest.approx(500.25)
+    assert pts[1]["latency_ms"] == {"p50": 1.25, "p90": 1.5, "p95": 1.6, "p99": 2.5, "mean": 1.3}
+
+
+@pytest.mark.slow
+def test_perf_analyzer_binary_runs():
+    from loadtest.perf_analyzer import ensure_binary, lib_env
+
+    binary = ensure_binary()
+    assert binary.is_file() and os.access(binary, os.X_OK)
+    assert ensure_binary() == binary  # idempotent
+    p = subprocess.run([str(binary), "--version"], env=lib_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "2.51.0" in p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_run_perf_analyzer_against_dummy_server(dummy_factory):
+    from loadtest.perf_analyzer import run_perf_analyzer
+
+    srv = dummy_factory()
+    r = run_perf_analyzer(
+        srv.target, "dummy", concurrency_range="2", measurement_interval_ms=500,
+        extra_args=["--stability-percentage", "100", "--max-trials", "3"], timeout=120,
+    )
+    assert r["concurrency"] == 2 and r["throughput_rps"] > 0
+    assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
+    assert r["latency_ms"]["mean"] is not None
