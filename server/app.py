@@ -41,6 +41,7 @@ class Frontend:
         self.health = health_aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
+        self.http_port = 0
         self._runners: list[web.AppRunner] = []
         self._stopped = asyncio.Event()
 
@@ -65,6 +66,7 @@ class Frontend:
         self.metrics.triton_up.set(1)
         await self._start_grpc()
         await self._start_metrics()
+        await self._start_http()
         await self._set_serving(True)
 
     async def _load_models(self) -> None:
@@ -113,6 +115,19 @@ class Frontend:
         self._runners.append(runner)
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
 
+    async def _start_http(self) -> None:
+        """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
+        from server.endpoints import create_app
+
+        s = self.settings
+        app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, s.host, s.http_port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
+
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
@@ -129,7 +144,7 @@ class Frontend:
     def ready_line(self) -> str:
         s = self.settings
         triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
-        return f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} triton={triton}"
+        return f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} http={s.host}:{self.http_port} triton={triton}"
 
     async def wait(self) -> None:
         await self._stopped.wait()

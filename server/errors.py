@@ -64,6 +64,10 @@ class RequestTooLarge(InferplaneError):
     """The request body exceeds the configured size limit."""
 
 
+class UnsupportedMediaType(InferplaneError):
+    """The request body's Content-Type is not one the endpoint reads (REST only)."""
+
+
 class DeadlineExceeded(InferplaneError):
     """The caller's deadline passed, or cannot be met."""
 
@@ -94,6 +98,7 @@ _TABLE: dict[type[InferplaneError], _Entry] = {
     BackendUnavailable: _Entry(grpc.StatusCode.UNAVAILABLE, 503, "UNAVAILABLE"),
     Overloaded: _Entry(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "RESOURCE_EXHAUSTED"),
     RequestTooLarge: _Entry(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "REQUEST_TOO_LARGE"),
+    UnsupportedMediaType: _Entry(grpc.StatusCode.INVALID_ARGUMENT, 415, "UNSUPPORTED_MEDIA_TYPE"),
     DeadlineExceeded: _Entry(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "DEADLINE_EXCEEDED"),
     Cancelled: _Entry(grpc.StatusCode.CANCELLED, 499, "CANCELLED"),
     Unimplemented: _Entry(grpc.StatusCode.UNIMPLEMENTED, 501, "UNIMPLEMENTED"),

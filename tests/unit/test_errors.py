@@ -13,6 +13,7 @@ EXPECTED = [
     (e.BackendUnavailable, grpc.StatusCode.UNAVAILABLE, 503),
     (e.Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     (e.RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED, 413),
+    (e.UnsupportedMediaType, grpc.StatusCode.INVALID_ARGUMENT, 415),
     (e.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     (e.Cancelled, grpc.StatusCode.CANCELLED, 499),
     (e.Unimplemented, grpc.StatusCode.UNIMPLEMENTED, 501),
