@@ -59,6 +59,7 @@ class _Lane:
     pending: list[_Member] = field(default_factory=list)
     rows: int = 0
     timer: asyncio.Task | None = None
+    tick_scheduled: bool = False
 
 
 def merge_key(request: pb.ModelInferRequest) -> tuple | None:
@@ -100,13 +101,6 @@ class Coalescer:
         if lane is None:
             lane = self._lanes[key] = _Lane()
         rows = int(request.inputs[0].shape[0])
-        if lane.inflight < policy.max_inflight and not lane.pending:
-            lane.inflight += 1  # a free slot: go now, as sent
-            try:
-                return await self._send(raw, timeout)
-            finally:
-                lane.inflight -= 1
-                self._on_slot_free(key, lane, policy)
         if lane.rows + rows > policy.max_batch and lane.pending:
             self._flush(key, lane, policy)
         now = self._clock()
@@ -115,18 +109,28 @@ class Coalescer:
         lane.rows += rows
         if lane.rows >= policy.max_batch:
             self._flush(key, lane, policy)
-        else:
+        elif lane.inflight < policy.max_inflight:
+            # a free slot: go at the end of this loop tick, with whoever else arrived in it
+            if not lane.tick_scheduled:
+                lane.tick_scheduled = True
+                asyncio.get_running_loop().call_soon(self._tick, key, lane, policy)
+        elif lane.timer is None:
             hold = policy.window_s if timeout is None else max(0.0, min(policy.window_s, timeout * 0.1))
             if hold == 0.0:
                 self._flush(key, lane, policy)
-            elif lane.timer is None:
+            else:
                 lane.timer = asyncio.create_task(self._expire(key, lane, policy, hold))
         return await member.future
+
+    def _tick(self, key, lane: _Lane, policy: CoalescePolicy) -> None:
+        lane.tick_scheduled = False
+        if lane.pending and lane.inflight < policy.max_inflight:
+            self._flush(key, lane, policy)
 
     def _on_slot_free(self, key, lane: _Lane, policy: CoalescePolicy) -> None:
         if lane.pending:
             self._flush(key, lane, policy)
-        elif lane.inflight == 0 and lane.timer is None:
+        elif lane.inflight == 0 and lane.timer is None and not lane.tick_scheduled:
             self._lanes.pop(key, None)
 
     async def _expire(self, key, lane: _Lane, policy: CoalescePolicy, hold: float) -> None:
