@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -42,6 +43,7 @@ class Frontend:
         self.grpc_port = 0
         self.metrics_port = 0
         self.http_port = 0
+        self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
         self._stopped = asyncio.Event()
 
@@ -64,18 +66,36 @@ class Frontend:
         self.dataplane = DataPlane(self.triton, self.metrics)
         await self._load_models()
         self.metrics.triton_up.set(1)
+        if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
+            await self._start_metrics()
+            await self._start_workers(target)
+            return
         await self._start_grpc()
-        await self._start_metrics()
+        if not s.worker:
+            await self._start_metrics()
         await self._start_http()
         await self._set_serving(True)
 
+    async def _start_workers(self, target: str) -> None:
+        from server.workers import WorkerPool, worker_settings
+
+        s = self.settings
+        self.grpc_port, self.http_port = s.grpc_port, s.http_port
+        self.workers = WorkerPool(worker_settings(s, target, s.grpc_port, s.http_port), s.workers)
+        await self.workers.start()
+
     async def _load_models(self) -> None:
         names = self.settings.models
+        index = await self.triton.repository_index()
         if names == ["*"]:
-            names = sorted({m.name for m in await self.triton.repository_index()})
+            names = sorted({m.name for m in index if not self.settings.worker or m.state == "READY"})
         for name in names:
-            await self.dataplane.load_model(name)
-            log.info("model %s ready", name)
+            if self.settings.worker:  # the parent loaded it; a worker only reads its signature
+                self.dataplane.loaded.add(name)
+                await self.dataplane.refresh(name)
+            else:
+                await self.dataplane.load_model(name)
+                log.info("model %s ready", name)
 
     async def _start_grpc(self) -> None:
         s = self.settings
@@ -83,7 +103,7 @@ class Frontend:
             options=[
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", 1 if s.worker else 0),
             ]
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
@@ -124,7 +144,7 @@ class Frontend:
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s)
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, s.host, s.http_port)
+        site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
 
@@ -144,12 +164,14 @@ class Frontend:
     def ready_line(self) -> str:
         s = self.settings
         triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
-        return f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} http={s.host}:{self.http_port} triton={triton}"
+        return f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} http={s.host}:{self.http_port} triton={triton} workers={s.workers}"
 
     async def wait(self) -> None:
         await self._stopped.wait()
 
     async def stop(self) -> None:
+        if self.workers is not None:
+            await self.workers.stop()
         if self.grpc_server is not None:
             await self._set_serving(False)
             await self.grpc_server.stop(self.settings.shutdown_grace_s)
@@ -181,7 +203,12 @@ async def serve(settings: Settings) -> None:
     except BaseException:
         await frontend.stop()
         raise
-    print(frontend.ready_line(), flush=True)
+    if settings.worker:
+        from server.workers import READY_MARK
+
+        print(f"{READY_MARK} pid={os.getpid()}", flush=True)
+    else:
+        print(frontend.ready_line(), flush=True)
     await stop.wait()
     log.info("shutting down")
     await frontend.stop()

@@ -31,9 +31,23 @@ def serve(
     triton_url: Optional[str] = typer.Option(None, help="HOST:PORT of an external Triton (gRPC); none is started."),
     workdir: Path = typer.Option(Path("var/run"), help="Where the embedded Triton keeps its backends and log."),
     model: Optional[list[str]] = typer.Option(None, "--model", help="Load only these models (default: all)."),
+    workers: Optional[int] = typer.Option(
+        None, help="Frontend processes sharing the ports (default: half the cores, at least 1)."
+    ),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Start the frontend and, unless --triton-url is given, an embedded Triton."""
+    import os
+    import shutil
+
+    workers = workers or max(1, (os.cpu_count() or 2) // 2)
+    if workers > 1:
+        # before prometheus_client is imported: every process writes its metrics here
+        metrics_dir = workdir.resolve() / "metrics"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+
     from server.app import run
     from server.settings import Settings
 
@@ -46,6 +60,7 @@ def serve(
         triton_url=triton_url,
         workdir=workdir,
         models=model or ["*"],
+        workers=workers,
         log_level=log_level,
     )
     run(settings)
@@ -64,6 +79,10 @@ def demo_build(out: Path = typer.Option(Path("var/model_repository"), help="Repo
 
 
 def main() -> None:
+    import os
+
+    # grpc core logs fork() notices at INFO when the supervisor or a worker pool starts a process
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     app()
 
 

@@ -6,7 +6,13 @@ one increment, not a label resolution.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+# Set (by `serve --workers N`, before prometheus_client is imported) when several processes
+# write metrics to files in this folder; the parent's /metrics sums them.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -34,9 +40,13 @@ class Metrics:
             "Inference requests being served now, by model.",
             ("model",),
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.triton_up = Gauge(
-            "inferplane_triton_up", "1 while the Triton behind this frontend is serving.", registry=self.registry
+            "inferplane_triton_up",
+            "1 while the Triton behind this frontend is serving.",
+            registry=self.registry,
+            multiprocess_mode="max",
         )
         self.triton_restarts = Counter(
             "inferplane_triton_restarts", "Times the embedded Triton was restarted.", registry=self.registry
@@ -59,4 +69,9 @@ class Metrics:
         child.inc()
 
     def render(self) -> bytes:
+        """This process's metrics, or all processes' summed when running multiprocess."""
+        if os.environ.get(MULTIPROC_ENV):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

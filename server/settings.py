@@ -26,12 +26,17 @@ class Settings(BaseSettings):
     triton_startup_timeout_s: float = Field(120.0, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
     log_level: str = "INFO"
+    # frontend processes sharing the ports (SO_REUSEPORT); the parent keeps Triton and /metrics
+    workers: int = Field(1, ge=1, le=64)
+    worker: bool = False  # set on the worker processes themselves
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
         ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError("grpc, http and metrics ports must differ")
+        if self.workers > 1 and 0 in (self.grpc_port, self.http_port):
+            raise ValueError("with several workers, give fixed --grpc-port and --http-port (they share them)")
         if self.triton_url is None and not self.model_repository.is_dir():
             raise ValueError(f"model repository {self.model_repository} is not a directory (run `inferplane demo build`)")
         return self
