@@ -45,6 +45,7 @@ class Frontend:
         self.http_port = 0
         self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -58,6 +59,7 @@ class Frontend:
                 on_restart=self._on_triton_restart,
                 on_down=self._on_triton_down,
                 startup_timeout=s.triton_startup_timeout_s,
+                response_cache_bytes=s.response_cache_bytes,
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
@@ -66,6 +68,8 @@ class Frontend:
         self.dataplane = DataPlane(self.triton, self.metrics)
         await self._load_models()
         self.metrics.triton_up.set(1)
+        if not s.worker:
+            self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
             await self._start_metrics()
             await self._start_workers(target)
@@ -148,6 +152,14 @@ class Frontend:
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
 
+    async def _poll_statistics(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.stats_poll_s)
+            try:
+                await self.dataplane.read_statistics()
+            except Exception as err:  # Triton restarting: try again next time
+                log.debug("reading Triton statistics failed: %s", err)
+
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
@@ -170,6 +182,8 @@ class Frontend:
         await self._stopped.wait()
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self.workers is not None:
             await self.workers.stop()
         if self.grpc_server is not None:

@@ -57,6 +57,7 @@ class DataPlane:
         self.backend_up = True
         self._reloading: asyncio.Lock = asyncio.Lock()
         self.coalescer = Coalescer(self.triton.infer_raw)
+        self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
 
     # ---- control ------------------------------------------------------------------------
 
@@ -80,6 +81,27 @@ class DataPlane:
         signature = ModelSignature.from_config(config, versions)
         self.models[name] = signature
         return signature
+
+    async def read_statistics(self) -> None:
+        """Triton's per-model statistics into metrics: response-cache hits and queue time."""
+        raw = await self.triton.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
+        previous = self._queue_readings
+        self._queue_readings = {}
+        for stats in pb.ModelStatisticsResponse.FromString(raw).model_stats:
+            if stats.name not in self.models:
+                continue
+            inference = stats.inference_stats
+            hits, misses = inference.cache_hit.count, inference.cache_miss.count
+            self.metrics.cache_hits.labels(stats.name).set(hits)
+            self.metrics.cache_misses.labels(stats.name).set(misses)
+            if hits + misses:
+                self.metrics.cache_hit_ratio.labels(stats.name).set(hits / (hits + misses))
+            key = (stats.name, stats.version)
+            self._queue_readings[key] = (inference.queue.count, inference.queue.ns)
+            count0, ns0 = previous.get(key, (0, 0))
+            if inference.queue.count > count0:
+                mean = (inference.queue.ns - ns0) / (inference.queue.count - count0) / 1e9
+                self.metrics.triton_queue_seconds.labels(stats.name).set(mean)
 
     def mark_backend_down(self) -> None:
         self.backend_up = False

@@ -51,6 +51,34 @@ class Metrics:
         self.triton_restarts = Counter(
             "inferplane_triton_restarts", "Times the embedded Triton was restarted.", registry=self.registry
         )
+        self.cache_hits = Gauge(
+            "inferplane_response_cache_hits",
+            "Triton response-cache hits, by model (read from Triton's statistics).",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.cache_misses = Gauge(
+            "inferplane_response_cache_misses",
+            "Triton response-cache misses, by model (read from Triton's statistics).",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.cache_hit_ratio = Gauge(
+            "inferplane_response_cache_hit_ratio",
+            "Share of cache lookups that hit, by model.",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.triton_queue_seconds = Gauge(
+            "inferplane_triton_queue_seconds",
+            "Mean time a request waited in Triton's queue since the last reading, by model.",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
         self._counted: dict[tuple[str, str, str], object] = {}
         self._per_model: dict[str, tuple[object, object]] = {}
 

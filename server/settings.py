@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     triton_startup_timeout_s: float = Field(120.0, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
     log_level: str = "INFO"
+    # Triton's local response cache (used by models whose config enables it); 0 turns it off
+    response_cache_bytes: int = Field(64 << 20, ge=0)
+    # how often Triton's per-model statistics (cache hits, queue time) are read into /metrics
+    stats_poll_s: float = Field(5.0, gt=0)
     # frontend processes sharing the ports (SO_REUSEPORT); the parent keeps Triton and /metrics
     workers: int = Field(1, ge=1, le=64)
     worker: bool = False  # set on the worker processes themselves

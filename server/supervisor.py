@@ -55,6 +55,7 @@ class TritonSupervisor:
         startup_timeout: float = 60.0,
         max_backoff: float = 8.0,
         extra_args: list[str] | None = None,
+        response_cache_bytes: int = 64 << 20,
     ):
         self.repository = Path(repository).resolve()
         self.workdir = Path(workdir).resolve()
@@ -64,6 +65,7 @@ class TritonSupervisor:
         self.startup_timeout = startup_timeout
         self.max_backoff = max_backoff
         self.extra_args = list(extra_args or [])
+        self.response_cache_bytes = response_cache_bytes
         self.state = "stopped"
         self.restarts = 0
         self.grpc_port = 0
@@ -102,6 +104,8 @@ class TritonSupervisor:
             f"--metrics-port={self.metrics_port}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix()}",
             "--exit-timeout-secs=5",
+            # without a cache config, a model's `response_cache { enable: true }` silently does nothing
+            *([f"--cache-config=local,size={self.response_cache_bytes}"] if self.response_cache_bytes else []),
             "--strict-readiness=false",
             *self.extra_args,
         ]

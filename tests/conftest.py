@@ -53,7 +53,24 @@ def demo_repository(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("demo") / "model_repository"
     build_demo_repository(out)
+    add_cached_copy(out, "lightgbm_regressor", CACHED_MODEL)
     return out
+
+
+CACHED_MODEL = "lightgbm_cached"
+
+
+def add_cached_copy(repository: Path, source: str, name: str) -> None:
+    """A copy of a demo model with Triton's response cache enabled in its config."""
+    import shutil
+
+    from model_repository.config_writer import read_config, write_config
+
+    shutil.copytree(repository / source, repository / name)
+    config = read_config(repository / name)
+    config.name = name
+    config.response_cache.enable = True
+    write_config(config, repository / name)
 
 
 def start_stack(repository: Path, workdir: Path, *extra: str) -> Stack:
@@ -64,7 +81,8 @@ def start_stack(repository: Path, workdir: Path, *extra: str) -> Stack:
         "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
         "--model-repository", str(repository), "--workdir", str(workdir / "run"), *extra,
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", INFERPLANE_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", INFERPLANE_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES),
+               INFERPLANE_STATS_POLL_S="0.5")
     with open(log, "wb") as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
     lines: list[str] = []

@@ -246,3 +246,26 @@ def test_metrics_count_requests_by_model_version_and_code(stack, grpc_client):
     assert 'inferplane_requests_total{code="INVALID_ARGUMENT",model="fraud_xgboost",version="1"}' in text
     assert 'inferplane_request_duration_seconds_bucket{le="0.005",model="fraud_xgboost"}' in text
     assert 'inferplane_inflight_requests{model="fraud_xgboost"} 0.0' in text
+
+
+def test_response_cache_opt_in_is_reported_as_a_hit_rate(stack, grpc_client):
+    from tests.conftest import CACHED_MODEL, wait_until
+
+    features, expected, _ = _rows(stack, "lightgbm_regressor", n=3)
+    for _ in range(5):
+        inp = grpcclient.InferInput("features", list(features.shape), "FP32")
+        inp.set_data_from_numpy(features.astype(np.float32))
+        np.testing.assert_allclose(grpc_client.infer(CACHED_MODEL, [inp]).as_numpy("prediction"), expected, rtol=1e-4, atol=1e-5)
+    stats = grpc_client.get_inference_statistics(CACHED_MODEL).model_stats[0].inference_stats
+    assert stats.cache_hit.count >= 4 and stats.cache_miss.count >= 1
+
+    def ratio():
+        text = urllib.request.urlopen(f"http://{stack.metrics}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(f'inferplane_response_cache_hit_ratio{{model="{CACHED_MODEL}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    assert (wait_until(ratio, timeout=10) or 0) >= 0.5
+    uncached = grpc_client.get_inference_statistics("lightgbm_regressor").model_stats[0].inference_stats
+    assert uncached.cache_hit.count == 0
