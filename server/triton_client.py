@@ -110,5 +110,5 @@ def translate(err: grpc.aio.AioRpcError) -> InferplaneError:
     code = err.code()
     message = err.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
-        return BackendUnavailable(f"Triton is unavailable: {message}")
+        return BackendUnavailable(f"Triton is unavailable: {message}", retry_after_s=1.0)
     return from_grpc_code(code, message)
