@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 from server.dataplane import DataPlane
-from server.errors import InferplaneError
+from server.errors import InferplaneError, InvalidRequest, Unimplemented
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.servicer import abort
 from server.signature import ModelSignature, version_key
@@ -28,8 +31,10 @@ def model_status(dp: DataPlane, name: str) -> admin_pb2.ModelStatus:
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, dataplane: DataPlane):
+    def __init__(self, dataplane: DataPlane, registry=None, deployer=None):
         self.dp = dataplane
+        self.registry = registry  # server.registry.Registry (None: this process has no control plane)
+        self.deployer = deployer  # server.deployer.Deployer
 
     async def ListModels(self, request, context):
         names = sorted(set(self.dp.models) | self.dp.loaded)
@@ -48,3 +53,195 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         except InferplaneError as err:
             await abort(context, err)
         return admin_pb2.UnloadModelResponse()
+
+    # ---- registry and deploy (issue 5) ------------------------------------------------------
+
+    def _control(self):
+        if self.registry is None or self.deployer is None:
+            raise Unimplemented("this frontend process has no registry/deployer (run a single-process frontend)")
+        return self.registry, self.deployer
+
+    async def RegisterModel(self, request, context):
+        async def run():
+            registry, _ = self._control()
+            try:
+                signature = json.loads(request.signature_json or "null")
+                hardware = json.loads(request.hardware_json or "{}")
+            except ValueError as err:
+                raise InvalidRequest(f"signature_json / hardware_json are not JSON: {err}") from None
+            record, created = await asyncio.to_thread(
+                registry.register,
+                request.name,
+                request.artifact,
+                signature=signature,
+                filename=request.filename,
+                format=request.format or None,
+                validation=request.validation_npz or None,
+                companions=dict(request.companions),
+                metrics=dict(request.metrics),
+                hardware=hardware,
+                tags=dict(request.tags),
+                training_run=request.training_run,
+                dataset_version=request.dataset_version,
+                experiment=request.experiment,
+                parent=request.parent or None,
+                owner_team=request.owner_team,
+                description=request.description,
+                artifact_signature=request.artifact_signature or None,
+                actor=actor(context),
+            )
+            return admin_pb2.RegisterModelResponse(version=version_info(record), created=created)
+
+        return await _guard(context, run)
+
+    async def ListRegisteredModels(self, request, context):
+        async def run():
+            registry, _ = self._control()
+            models = await asyncio.to_thread(registry.list_models)
+            return admin_pb2.ListRegisteredModelsResponse(
+                models=[
+                    admin_pb2.RegisteredModel(
+                        name=m.name, owner_team=m.owner_team, latest_version=m.latest_version,
+                        version_count=m.version_count, description=m.description,
+                    )
+                    for m in models
+                ]
+            )  # fmt: skip
+
+        return await _guard(context, run)
+
+    async def ShowModel(self, request, context):
+        async def run():
+            registry, _ = self._control()
+            if request.version:
+                records = [await asyncio.to_thread(registry.get, request.name, int(request.version))]
+            else:
+                records = await asyncio.to_thread(registry.list_versions, request.name)
+            return admin_pb2.ShowModelResponse(versions=[version_info(r) for r in records])
+
+        return await _guard(context, run)
+
+    async def GetLineage(self, request, context):
+        async def run():
+            registry, _ = self._control()
+            chain = await asyncio.to_thread(registry.lineage, request.name, int(request.version) or None)
+            return admin_pb2.GetLineageResponse(chain=[version_info(r) for r in chain])
+
+        return await _guard(context, run)
+
+    async def Deploy(self, request, context):
+        async def run():
+            _, deployer = self._control()
+            o = request.serving
+            options = {
+                "instances": o.instances or None,
+                "max_batch": o.max_batch if o.has_max_batch else None,
+                "queue_delay_us": o.queue_delay_us if o.has_queue_delay_us else None,
+                "cache": o.cache if o.has_cache else None,
+            }
+            result = await deployer.deploy(request.ref, options, actor=actor(context))
+            return admin_pb2.DeployResponse(result=deploy_result(result))
+
+        return await _guard(context, run)
+
+    async def Rollback(self, request, context):
+        async def run():
+            _, deployer = self._control()
+            result = await deployer.rollback(request.name, actor=actor(context))
+            return admin_pb2.RollbackResponse(result=deploy_result(result))
+
+        return await _guard(context, run)
+
+    async def ListEndpoints(self, request, context):
+        async def run():
+            registry, deployer = self._control()
+            names = [ep.name for ep in await asyncio.to_thread(registry.endpoints)]
+            return admin_pb2.ListEndpointsResponse(
+                endpoints=[endpoint_info(await deployer.endpoint_status(n), history=False) for n in names]
+            )
+
+        return await _guard(context, run)
+
+    async def GetEndpoint(self, request, context):
+        async def run():
+            _, deployer = self._control()
+            return admin_pb2.GetEndpointResponse(endpoint=endpoint_info(await deployer.endpoint_status(request.name)))
+
+        return await _guard(context, run)
+
+    async def ListAudit(self, request, context):
+        async def run():
+            registry, _ = self._control()
+            entries = await asyncio.to_thread(registry.audit_log, request.limit or 50, request.target or None)
+            return admin_pb2.ListAuditResponse(
+                entries=[
+                    admin_pb2.AuditEntry(at=_ts(e.at), actor=e.actor, action=e.action, target=e.target, outcome=e.outcome, detail=e.detail)
+                    for e in entries
+                ]
+            )
+
+        return await _guard(context, run)
+
+
+async def _guard(context, run):
+    try:
+        return await run()
+    except InferplaneError as err:
+        await abort(context, err)
+
+
+def actor(context) -> str:
+    """Who is calling, for the audit log: ``x-inferplane-actor`` metadata, else the peer address."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-inferplane-actor" and value:
+            return str(value)[:200]
+    return f"anonymous@{context.peer()}"
+
+
+def _ts(value) -> str:
+    return value.isoformat() if value is not None else ""
+
+
+def _tensors(decls):
+    out = []
+    for t in decls:
+        d = admin_pb2.TensorDecl(name=t["name"], datatype=t["datatype"], dims=t["dims"])
+        if t.get("range") is not None:
+            d.has_range, d.range_lo, d.range_hi = True, t["range"][0], t["range"][1]
+        out.append(d)
+    return out
+
+
+def version_info(r) -> admin_pb2.ModelVersionInfo:
+    return admin_pb2.ModelVersionInfo(
+        name=r.name, version=r.version, sha256=r.sha256, format=r.format, framework=r.framework,
+        size_bytes=r.size_bytes, inputs=_tensors(r.signature.get("inputs", [])),
+        outputs=_tensors(r.signature.get("outputs", [])), training_run=r.training_run,
+        dataset_version=r.dataset_version, experiment=r.experiment, parent=r.parent or "",
+        owner_team=r.owner_team, metrics=r.metrics, tags=r.tags, hardware_json=json.dumps(r.hardware, sort_keys=True),
+        created_at=_ts(r.created_at), created_by=r.created_by, has_validation_set=bool(r.validation_sha256),
+        signing_key_id=r.signing_key_id or "",
+    )  # fmt: skip
+
+
+def deploy_result(r) -> admin_pb2.DeployResult:
+    return admin_pb2.DeployResult(
+        endpoint=r.endpoint, version=r.version, previous=r.previous or 0, switch_ms=r.switch_ms,
+        total_ms=r.total_ms, loaded_versions=r.loaded_versions, reloaded=r.reloaded, message=r.message,
+    )  # fmt: skip
+
+
+def endpoint_info(status: dict, history: bool = True) -> admin_pb2.EndpointInfo:
+    ep = status["endpoint"]
+    info = admin_pb2.EndpointInfo(
+        name=ep.name, live=ep.live or 0, previous=ep.previous or 0, routed=status["routed"],
+        ready_versions=status["ready_versions"], loaded_versions=status["loaded_versions"],
+        serving_json=json.dumps(ep.serving, sort_keys=True),
+    )  # fmt: skip
+    if history:
+        for d in ep.history:
+            info.history.add(
+                version=d.version, state=d.state, actor=d.actor, created_at=_ts(d.created_at),
+                ended_at=_ts(d.ended_at), serving_json=json.dumps(d.serving, sort_keys=True),
+            )  # fmt: skip
+    return info

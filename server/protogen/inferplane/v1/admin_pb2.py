@@ -24,13 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _protogen_pool.POOL.AddSerializedFile(b'\n\x19inferplane/v1/admin.proto\x12\rinferplane.v1\":\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"\xcc\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\x12)\n\x06inputs\x18\x07 \x03(\x0b\x32\x19.inferplane.v1.TensorSpec\x12*\n\x07outputs\x18\x08 \x03(\x0b\x32\x19.inferplane.v1.TensorSpec\"\x13\n\x11ListModelsRequest\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.inferplane.v1.ModelStatus\" \n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\">\n\x11LoadModelResponse\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.inferplane.v1.ModelStatus\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse2\x86\x02\n\x05\x41\x64min\x12S\n\nListModels\x12 .inferplane.v1.ListModelsRequest\x1a!.inferplane.v1.ListModelsResponse\"\x00\x12P\n\tLoadModel\x12\x1f.inferplane.v1.LoadModelRequest\x1a .inferplane.v1.LoadModelResponse\"\x00\x12V\n\x0bUnloadModel\x12!.inferplane.v1.UnloadModelRequest\x1a\".inferplane.v1.UnloadModelResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _protogen_pool.POOL.AddSerializedFile(b'\n\x19inferplane/v1/admin.proto\x12\rinferplane.v1\":\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\"\xcc\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\x12)\n\x06inputs\x18\x07 \x03(\x0b\x32\x19.inferplane.v1.TensorSpec\x12*\n\x07outputs\x18\x08 \x03(\x0b\x32\x19.inferplane.v1.TensorSpec\"\x13\n\x11ListModelsRequest\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.inferplane.v1.ModelStatus\" \n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\">\n\x11LoadModelResponse\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.inferplane.v1.ModelStatus\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"q\n\nTensorDecl\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\x0c\n\x04\x64ims\x18\x03 \x03(\x03\x12\x11\n\thas_range\x18\x04 \x01(\x08\x12\x10\n\x08range_lo\x18\x05 \x01(\x01\x12\x10\n\x08range_hi\x18\x06 \x01(\x01\"\xfe\x04\n\x10ModelVersionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x11\n\tframework\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12)\n\x06inputs\x18\x07 \x03(\x0b\x32\x19.inferplane.v1.TensorDecl\x12*\n\x07outputs\x18\x08 \x03(\x0b\x32\x19.inferplane.v1.TensorDecl\x12\x14\n\x0ctraining_run\x18\t \x01(\t\x12\x17\n\x0f\x64\x61taset_version\x18\n \x01(\t\x12\x12\n\nexperiment\x18\x0b \x01(\t\x12\x0e\n\x06parent\x18\x0c \x01(\t\x12\x12\n\nowner_team\x18\r \x01(\t\x12=\n\x07metrics\x18\x0e \x03(\x0b\x32,.inferplane.v1.ModelVersionInfo.MetricsEntry\x12\x37\n\x04tags\x18\x0f \x03(\x0b\x32).inferplane.v1.ModelVersionInfo.TagsEntry\x12\x15\n\rhardware_json\x18\x10 \x01(\t\x12\x12\n\ncreated_at\x18\x11 \x01(\t\x12\x12\n\ncreated_by\x18\x12 \x01(\t\x12\x1a\n\x12has_validation_set\x18\x13 \x01(\x08\x12\x16\n\x0esigning_key_id\x18\x14 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x90\x05\n\x14RegisterModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61rtifact\x18\x02 \x01(\x0c\x12\x10\n\x08\x66ilename\x18\x03 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x16\n\x0esignature_json\x18\x05 \x01(\t\x12\x16\n\x0evalidation_npz\x18\x06 \x01(\x0c\x12G\n\ncompanions\x18\x07 \x03(\x0b\x32\x33.inferplane.v1.RegisterModelRequest.CompanionsEntry\x12\x41\n\x07metrics\x18\x08 \x03(\x0b\x32\x30.inferplane.v1.RegisterModelRequest.MetricsEntry\x12;\n\x04tags\x18\t \x03(\x0b\x32-.inferplane.v1.RegisterModelRequest.TagsEntry\x12\x15\n\rhardware_json\x18\n \x01(\t\x12\x14\n\x0ctraining_run\x18\x0b \x01(\t\x12\x17\n\x0f\x64\x61taset_version\x18\x0c \x01(\t\x12\x12\n\nexperiment\x18\r \x01(\t\x12\x0e\n\x06parent\x18\x0e \x01(\t\x12\x12\n\nowner_team\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x10 \x01(\t\x12\x1a\n\x12\x61rtifact_signature\x18\x11 \x01(\t\x1a\x31\n\x0f\x43ompanionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Z\n\x15RegisterModelResponse\x12\x30\n\x07version\x18\x01 \x01(\x0b\x32\x1f.inferplane.v1.ModelVersionInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"w\n\x0fRegisteredModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nowner_team\x18\x02 \x01(\t\x12\x16\n\x0elatest_version\x18\x03 \x01(\x03\x12\x15\n\rversion_count\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"\x1d\n\x1bListRegisteredModelsRequest\"N\n\x1cListRegisteredModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.inferplane.v1.RegisteredModel\"1\n\x10ShowModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"F\n\x11ShowModelResponse\x12\x31\n\x08versions\x18\x01 \x03(\x0b\x32\x1f.inferplane.v1.ModelVersionInfo\"2\n\x11GetLineageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"D\n\x12GetLineageResponse\x12.\n\x05\x63hain\x18\x01 \x03(\x0b\x32\x1f.inferplane.v1.ModelVersionInfo\"\xa3\x01\n\x0eServingOptions\x12\x11\n\tinstances\x18\x01 \x01(\x05\x12\x11\n\tmax_batch\x18\x02 \x01(\x05\x12\x16\n\x0equeue_delay_us\x18\x03 \x01(\x03\x12\x15\n\rhas_max_batch\x18\x04 \x01(\x08\x12\x1a\n\x12has_queue_delay_us\x18\x05 \x01(\x08\x12\r\n\x05\x63\x61\x63he\x18\x06 \x01(\x08\x12\x11\n\thas_cache\x18\x07 \x01(\x08\"\xa4\x01\n\x0c\x44\x65ployResult\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08previous\x18\x03 \x01(\x03\x12\x11\n\tswitch_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x17\n\x0floaded_versions\x18\x06 \x03(\x03\x12\x10\n\x08reloaded\x18\x07 \x01(\x08\x12\x0f\n\x07message\x18\x08 \x01(\t\"L\n\rDeployRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12.\n\x07serving\x18\x02 \x01(\x0b\x32\x1d.inferplane.v1.ServingOptions\"=\n\x0e\x44\x65ployResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.inferplane.v1.DeployResult\"\x1f\n\x0fRollbackRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"?\n\x10RollbackResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.inferplane.v1.DeployResult\"|\n\x0f\x44\x65ploymentEntry\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\t\x12\x10\n\x08\x65nded_at\x18\x05 \x01(\t\x12\x14\n\x0cserving_json\x18\x06 \x01(\t\"\xc4\x01\n\x0c\x45ndpointInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04live\x18\x02 \x01(\x03\x12\x10\n\x08previous\x18\x03 \x01(\x03\x12\x0e\n\x06routed\x18\x04 \x01(\t\x12\x16\n\x0eready_versions\x18\x05 \x03(\x03\x12\x17\n\x0floaded_versions\x18\x06 \x03(\x03\x12\x14\n\x0cserving_json\x18\x07 \x01(\t\x12/\n\x07history\x18\x08 \x03(\x0b\x32\x1e.inferplane.v1.DeploymentEntry\"\x16\n\x14ListEndpointsRequest\"G\n\x15ListEndpointsResponse\x12.\n\tendpoints\x18\x01 \x03(\x0b\x32\x1b.inferplane.v1.EndpointInfo\"\"\n\x12GetEndpointRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"D\n\x13GetEndpointResponse\x12-\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1b.inferplane.v1.EndpointInfo\"h\n\nAuditEntry\x12\n\n\x02\x61t\x18\x01 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"1\n\x10ListAuditRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x0e\n\x06target\x18\x02 \x01(\t\"?\n\x11ListAuditResponse\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.inferplane.v1.AuditEntry2\x9e\x08\n\x05\x41\x64min\x12S\n\nListModels\x12 .inferplane.v1.ListModelsRequest\x1a!.inferplane.v1.ListModelsResponse\"\x00\x12P\n\tLoadModel\x12\x1f.inferplane.v1.LoadModelRequest\x1a .inferplane.v1.LoadModelResponse\"\x00\x12V\n\x0bUnloadModel\x12!.inferplane.v1.UnloadModelRequest\x1a\".inferplane.v1.UnloadModelResponse\"\x00\x12\\\n\rRegisterModel\x12#.inferplane.v1.RegisterModelRequest\x1a$.inferplane.v1.RegisterModelResponse\"\x00\x12q\n\x14ListRegisteredModels\x12*.inferplane.v1.ListRegisteredModelsRequest\x1a+.inferplane.v1.ListRegisteredModelsResponse\"\x00\x12P\n\tShowModel\x12\x1f.inferplane.v1.ShowModelRequest\x1a .inferplane.v1.ShowModelResponse\"\x00\x12S\n\nGetLineage\x12 .inferplane.v1.GetLineageRequest\x1a!.inferplane.v1.GetLineageResponse\"\x00\x12G\n\x06\x44\x65ploy\x12\x1c.inferplane.v1.DeployRequest\x1a\x1d.inferplane.v1.DeployResponse\"\x00\x12M\n\x08Rollback\x12\x1e.inferplane.v1.RollbackRequest\x1a\x1f.inferplane.v1.RollbackResponse\"\x00\x12\\\n\rListEndpoints\x12#.inferplane.v1.ListEndpointsRequest\x1a$.inferplane.v1.ListEndpointsResponse\"\x00\x12V\n\x0bGetEndpoint\x12!.inferplane.v1.GetEndpointRequest\x1a\".inferplane.v1.GetEndpointResponse\"\x00\x12P\n\tListAudit\x12\x1f.inferplane.v1.ListAuditRequest\x1a .inferplane.v1.ListAuditResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inferplane.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELVERSIONINFO_METRICSENTRY']._loaded_options = None
+  _globals['_MODELVERSIONINFO_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_MODELVERSIONINFO_TAGSENTRY']._loaded_options = None
+  _globals['_MODELVERSIONINFO_TAGSENTRY']._serialized_options = b'8\001'
+  _globals['_REGISTERMODELREQUEST_COMPANIONSENTRY']._loaded_options = None
+  _globals['_REGISTERMODELREQUEST_COMPANIONSENTRY']._serialized_options = b'8\001'
+  _globals['_REGISTERMODELREQUEST_METRICSENTRY']._loaded_options = None
+  _globals['_REGISTERMODELREQUEST_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_REGISTERMODELREQUEST_TAGSENTRY']._loaded_options = None
+  _globals['_REGISTERMODELREQUEST_TAGSENTRY']._serialized_options = b'8\001'
   _globals['_TENSORSPEC']._serialized_start=44
   _globals['_TENSORSPEC']._serialized_end=102
   _globals['_MODELSTATUS']._serialized_start=105
@@ -47,6 +57,68 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNLOADMODELREQUEST']._serialized_end=530
   _globals['_UNLOADMODELRESPONSE']._serialized_start=532
   _globals['_UNLOADMODELRESPONSE']._serialized_end=553
-  _globals['_ADMIN']._serialized_start=556
-  _globals['_ADMIN']._serialized_end=818
+  _globals['_TENSORDECL']._serialized_start=555
+  _globals['_TENSORDECL']._serialized_end=668
+  _globals['_MODELVERSIONINFO']._serialized_start=671
+  _globals['_MODELVERSIONINFO']._serialized_end=1309
+  _globals['_MODELVERSIONINFO_METRICSENTRY']._serialized_start=1218
+  _globals['_MODELVERSIONINFO_METRICSENTRY']._serialized_end=1264
+  _globals['_MODELVERSIONINFO_TAGSENTRY']._serialized_start=1266
+  _globals['_MODELVERSIONINFO_TAGSENTRY']._serialized_end=1309
+  _globals['_REGISTERMODELREQUEST']._serialized_start=1312
+  _globals['_REGISTERMODELREQUEST']._serialized_end=1968
+  _globals['_REGISTERMODELREQUEST_COMPANIONSENTRY']._serialized_start=1826
+  _globals['_REGISTERMODELREQUEST_COMPANIONSENTRY']._serialized_end=1875
+  _globals['_REGISTERMODELREQUEST_METRICSENTRY']._serialized_start=1218
+  _globals['_REGISTERMODELREQUEST_METRICSENTRY']._serialized_end=1264
+  _globals['_REGISTERMODELREQUEST_TAGSENTRY']._serialized_start=1266
+  _globals['_REGISTERMODELREQUEST_TAGSENTRY']._serialized_end=1309
+  _globals['_REGISTERMODELRESPONSE']._serialized_start=1970
+  _globals['_REGISTERMODELRESPONSE']._serialized_end=2060
+  _globals['_REGISTEREDMODEL']._serialized_start=2062
+  _globals['_REGISTEREDMODEL']._serialized_end=2181
+  _globals['_LISTREGISTEREDMODELSREQUEST']._serialized_start=2183
+  _globals['_LISTREGISTEREDMODELSREQUEST']._serialized_end=2212
+  _globals['_LISTREGISTEREDMODELSRESPONSE']._serialized_start=2214
+  _globals['_LISTREGISTEREDMODELSRESPONSE']._serialized_end=2292
+  _globals['_SHOWMODELREQUEST']._serialized_start=2294
+  _globals['_SHOWMODELREQUEST']._serialized_end=2343
+  _globals['_SHOWMODELRESPONSE']._serialized_start=2345
+  _globals['_SHOWMODELRESPONSE']._serialized_end=2415
+  _globals['_GETLINEAGEREQUEST']._serialized_start=2417
+  _globals['_GETLINEAGEREQUEST']._serialized_end=2467
+  _globals['_GETLINEAGERESPONSE']._serialized_start=2469
+  _globals['_GETLINEAGERESPONSE']._serialized_end=2537
+  _globals['_SERVINGOPTIONS']._serialized_start=2540
+  _globals['_SERVINGOPTIONS']._serialized_end=2703
+  _globals['_DEPLOYRESULT']._serialized_start=2706
+  _globals['_DEPLOYRESULT']._serialized_end=2870
+  _globals['_DEPLOYREQUEST']._serialized_start=2872
+  _globals['_DEPLOYREQUEST']._serialized_end=2948
+  _globals['_DEPLOYRESPONSE']._serialized_start=2950
+  _globals['_DEPLOYRESPONSE']._serialized_end=3011
+  _globals['_ROLLBACKREQUEST']._serialized_start=3013
+  _globals['_ROLLBACKREQUEST']._serialized_end=3044
+  _globals['_ROLLBACKRESPONSE']._serialized_start=3046
+  _globals['_ROLLBACKRESPONSE']._serialized_end=3109
+  _globals['_DEPLOYMENTENTRY']._serialized_start=3111
+  _globals['_DEPLOYMENTENTRY']._serialized_end=3235
+  _globals['_ENDPOINTINFO']._serialized_start=3238
+  _globals['_ENDPOINTINFO']._serialized_end=3434
+  _globals['_LISTENDPOINTSREQUEST']._serialized_start=3436
+  _globals['_LISTENDPOINTSREQUEST']._serialized_end=3458
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=3460
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=3531
+  _globals['_GETENDPOINTREQUEST']._serialized_start=3533
+  _globals['_GETENDPOINTREQUEST']._serialized_end=3567
+  _globals['_GETENDPOINTRESPONSE']._serialized_start=3569
+  _globals['_GETENDPOINTRESPONSE']._serialized_end=3637
+  _globals['_AUDITENTRY']._serialized_start=3639
+  _globals['_AUDITENTRY']._serialized_end=3743
+  _globals['_LISTAUDITREQUEST']._serialized_start=3745
+  _globals['_LISTAUDITREQUEST']._serialized_end=3794
+  _globals['_LISTAUDITRESPONSE']._serialized_start=3796
+  _globals['_LISTAUDITRESPONSE']._serialized_end=3859
+  _globals['_ADMIN']._serialized_start=3862
+  _globals['_ADMIN']._serialized_end=4916
 # @@protoc_insertion_point(module_scope)

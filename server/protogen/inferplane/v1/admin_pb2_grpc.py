@@ -49,6 +49,51 @@ class AdminStub:
                 request_serializer=inferplane_dot_v1_dot_admin__pb2.UnloadModelRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_admin__pb2.UnloadModelResponse.FromString,
                 _registered_method=True)
+        self.RegisterModel = channel.unary_unary(
+                '/inferplane.v1.Admin/RegisterModel',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.FromString,
+                _registered_method=True)
+        self.ListRegisteredModels = channel.unary_unary(
+                '/inferplane.v1.Admin/ListRegisteredModels',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsResponse.FromString,
+                _registered_method=True)
+        self.ShowModel = channel.unary_unary(
+                '/inferplane.v1.Admin/ShowModel',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.ShowModelRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.ShowModelResponse.FromString,
+                _registered_method=True)
+        self.GetLineage = channel.unary_unary(
+                '/inferplane.v1.Admin/GetLineage',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.GetLineageRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.GetLineageResponse.FromString,
+                _registered_method=True)
+        self.Deploy = channel.unary_unary(
+                '/inferplane.v1.Admin/Deploy',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.DeployRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.DeployResponse.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/inferplane.v1.Admin/Rollback',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.RollbackResponse.FromString,
+                _registered_method=True)
+        self.ListEndpoints = channel.unary_unary(
+                '/inferplane.v1.Admin/ListEndpoints',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.ListEndpointsResponse.FromString,
+                _registered_method=True)
+        self.GetEndpoint = channel.unary_unary(
+                '/inferplane.v1.Admin/GetEndpoint',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.GetEndpointRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.GetEndpointResponse.FromString,
+                _registered_method=True)
+        self.ListAudit = channel.unary_unary(
+                '/inferplane.v1.Admin/ListAudit',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -75,6 +120,67 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterModel(self, request, context):
+        """---- registry: immutable versions, content-addressed artifacts (safe formats only) ----
+        Register an artifact as the next version of a model; identical bytes return the existing version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRegisteredModels(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShowModel(self, request, context):
+        """One model's versions, or one version (version > 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLineage(self, request, context):
+        """A version and its ancestors (parent links), newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deploy(self, request, context):
+        """---- deploy: load a registered version and move the endpoint's traffic to it ----
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Traffic back to the previous version; instant while it is still loaded (grace period).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEndpoints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEndpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAudit(self, request, context):
+        """The control plane's audit records, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +198,51 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UnloadModel,
                     request_deserializer=inferplane_dot_v1_dot_admin__pb2.UnloadModelRequest.FromString,
                     response_serializer=inferplane_dot_v1_dot_admin__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'RegisterModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterModel,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.SerializeToString,
+            ),
+            'ListRegisteredModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRegisteredModels,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsResponse.SerializeToString,
+            ),
+            'ShowModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShowModel,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.ShowModelRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.ShowModelResponse.SerializeToString,
+            ),
+            'GetLineage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLineage,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.GetLineageRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.GetLineageResponse.SerializeToString,
+            ),
+            'Deploy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deploy,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.DeployRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.DeployResponse.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.RollbackRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.RollbackResponse.SerializeToString,
+            ),
+            'ListEndpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEndpoints,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.ListEndpointsRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.ListEndpointsResponse.SerializeToString,
+            ),
+            'GetEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEndpoint,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.GetEndpointRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.GetEndpointResponse.SerializeToString,
+            ),
+            'ListAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAudit,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.ListAuditRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.ListAuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +326,249 @@ class Admin:
             '/inferplane.v1.Admin/UnloadModel',
             inferplane_dot_v1_dot_admin__pb2.UnloadModelRequest.SerializeToString,
             inferplane_dot_v1_dot_admin__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/RegisterModel',
+            inferplane_dot_v1_dot_admin__pb2.RegisterModelRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRegisteredModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/ListRegisteredModels',
+            inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShowModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/ShowModel',
+            inferplane_dot_v1_dot_admin__pb2.ShowModelRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.ShowModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLineage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/GetLineage',
+            inferplane_dot_v1_dot_admin__pb2.GetLineageRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.GetLineageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deploy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/Deploy',
+            inferplane_dot_v1_dot_admin__pb2.DeployRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.DeployResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/Rollback',
+            inferplane_dot_v1_dot_admin__pb2.RollbackRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/ListEndpoints',
+            inferplane_dot_v1_dot_admin__pb2.ListEndpointsRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.ListEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/GetEndpoint',
+            inferplane_dot_v1_dot_admin__pb2.GetEndpointRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.GetEndpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/ListAudit',
+            inferplane_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,95 @@
+"""Alembic migrations up and down, on an empty and on a populated database (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from server import migrations
+from server.artifacts import ArtifactStore
+from server.db import make_engine
+from server.registry import Base, Registry
+from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
+
+V1_TABLES = {"models", "model_versions", "audit_log"}
+HEAD_TABLES = V1_TABLES | {"trusted_keys", "team_policies", "deployments"}
+
+
+def _tables(engine) -> set[str]:
+    return set(inspect(engine).get_table_names()) - {"alembic_version"}
+
+
+def test_up_and_down_on_an_empty_database(db_url):
+    engine = make_engine(db_url)
+    try:
+        assert migrations.current(engine) is None
+        migrations.upgrade(engine)
+        assert migrations.current(engine) == migrations.head() and _tables(engine) == HEAD_TABLES
+        migrations.downgrade(engine, "0001")
+        assert migrations.current(engine) == "0001" and _tables(engine) == V1_TABLES
+        migrations.downgrade(engine, "base")
+        assert migrations.current(engine) is None and _tables(engine) == set()
+        migrations.upgrade(engine)
+        assert _tables(engine) == HEAD_TABLES
+    finally:
+        engine.dispose()
+
+
+def test_the_models_match_the_newest_migration(db_url):
+    engine = make_engine(db_url)
+    try:
+        migrations.upgrade(engine)
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), Base.metadata)
+        assert diff == []
+    finally:
+        engine.dispose()
+
+
+def test_up_and_down_keep_the_data_of_a_populated_database(db_url, tmp_path):
+    engine = make_engine(db_url)
+    store = ArtifactStore(tmp_path / "artifacts")
+    artifact = lightgbm(2)
+    digest = store.put(artifact)
+    try:
+        migrations.upgrade(engine, "0001")
+        now = datetime.now(UTC)
+        with engine.begin() as conn:  # a version written by the first schema
+            conn.execute(text("INSERT INTO models (id, name, owner_team, description, created_at) VALUES (1, 'm', 't', '', :now)"), {"now": now})
+            conn.execute(
+                text(
+                    "INSERT INTO model_versions (id, model_id, version, sha256, format, framework, artifact_name, size_bytes, "
+                    "signature, companions, metrics, hardware, tags, created_at) VALUES (1, 1, 1, :sha, 'lightgbm-text', "
+                    "'lightgbm', 'model.txt', :size, :sig, '{}', '{}', '{}', '{}', :now)"
+                ),
+                {"sha": digest, "size": len(artifact), "sig": __import__("json").dumps(SIGNATURE), "now": now},
+            )
+        migrations.upgrade(engine)
+        registry = Registry(db_url, store, migrate=False)
+        try:
+            old = registry.get("m", 1)
+            assert old.sha256 == digest and old.artifact_signature is None and old.owner_team == "t"
+            v2, created = registry.register("m", lightgbm(3), signature=SIGNATURE, parent="m:1")
+            assert created and v2.version == 2
+            registry.record_deployment("m", "m", 2, {}, "alice")
+            again, created = registry.register("m", artifact, signature=SIGNATURE)
+            assert not created and again.version == 1
+        finally:
+            registry.close()
+        migrations.downgrade(engine, "0001")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version FROM model_versions ORDER BY version")).scalars().all() == [1, 2]
+        assert "deployments" not in _tables(engine)
+        migrations.upgrade(engine)
+        registry = Registry(db_url, store)
+        try:
+            assert [r.ref for r in registry.lineage("m", 2)] == ["m:2", "m:1"]
+        finally:
+            registry.close()
+        migrations.downgrade(engine, "base")
+        assert _tables(engine) == set()
+    finally:
+        engine.dispose()
