@@ -1,0 +1,223 @@
+"""Admission control in front of one model: a bounded queue, weighted fair across tenants.
+
+``slots`` requests may be past the gate at once (in the coalescer or at Triton). A request that
+finds a free slot and nobody waiting goes at once (no await, no allocation beyond a counter).
+Otherwise it waits in the model's queue, and freed slots go to waiting requests in weighted fair
+order across tenants (self-clocked fair queuing: each request gets the finish tag
+``max(V, tenant's last tag) + 1/weight``; the smallest tag goes next; ``V`` is the tag last
+served). A tenant offering ten times its share therefore waits behind itself, not in front of
+the others. Weights come from plan tiers (``server.tenancy.PLAN_WEIGHTS``).
+
+The queue is bounded by what the model can drain within ``max_queue_delay_s`` at its measured
+capacity (``slots`` / the EWMA of the time a request holds a slot), between ``min_queue`` and
+``max_queue``. When it is full, an arriving tenant that holds less than its fair share of the
+queue pushes out the newest request of the tenant holding the most (that one gets
+``Overloaded``); otherwise the arrival is refused with ``Overloaded`` and a retry hint (the
+queue's estimated drain time). A request whose deadline cannot be met — its estimated wait plus
+service time exceeds what is left — is shed at admission with ``DeadlineExceeded``, never after
+it waited; one whose deadline passes while queued leaves the queue then.
+
+Pure asyncio policy: an injectable clock, no I/O, nothing about transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from server.errors import DeadlineExceeded, Overloaded
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    slots: int = 64
+    max_queue_delay_s: float = 0.5  # the queue holds what the model drains in this long
+    min_queue: int = 4
+    max_queue: int = 4096
+    initial_service_s: float | None = None  # prior for the EWMA (None: no deadline shedding until measured)
+    ewma_alpha: float = 0.05
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tag: float
+    tenant: str
+    deadline: float | None
+    future: asyncio.Future
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _TenantState:
+    weight: float
+    last_tag: float = 0.0
+    waiting: deque = field(default_factory=deque)  # this tenant's waiters, oldest first
+
+
+class FairQueue:
+    def __init__(self, name: str, policy: AdmissionPolicy = AdmissionPolicy(), clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.policy = policy
+        self._clock = clock
+        self.inflight = 0
+        self.size = 0  # waiting requests
+        self._heap: list[tuple[float, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._tenants: dict[str, _TenantState] = {}
+        self._vtime = 0.0
+        self.service_s: float | None = policy.initial_service_s
+        self.admitted = 0
+        self.queued = 0
+        self.rejected = 0
+        self.shed = 0
+        self.pushed_out = 0
+
+    # ---- measured capacity ----------------------------------------------------------------
+
+    @property
+    def capacity_rps(self) -> float | None:
+        return None if not self.service_s else self.policy.slots / self.service_s
+
+    @property
+    def bound(self) -> int:
+        p = self.policy
+        cap = self.capacity_rps
+        if cap is None:
+            return p.max_queue
+        return int(min(p.max_queue, max(p.min_queue, cap * p.max_queue_delay_s)))
+
+    def _drain_s(self, ahead: float) -> float:
+        return 0.0 if not self.service_s else ahead * self.service_s / self.policy.slots
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def try_acquire(self) -> bool:
+        """The fast path: a free slot and nobody waiting."""
+        if self.inflight < self.policy.slots and not self.size:
+            self.inflight += 1
+            self.admitted += 1
+            return True
+        return False
+
+    async def acquire(self, tenant: str, weight: float = 1.0, timeout: float | None = None) -> None:
+        """Wait for a slot (weighted fair across tenants); ``release()`` it when done."""
+        if self.try_acquire():
+            return
+        now = self._clock()
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _TenantState(weight)
+        state.weight = weight
+        tag = max(self._vtime, state.last_tag) + 1.0 / weight
+        if self.service_s and timeout is not None:
+            wait = self._drain_s(self._ahead(tag) + 1)
+            if wait + self.service_s > timeout:
+                self.shed += 1
+                raise DeadlineExceeded(
+                    f"model '{self.name}' cannot answer within the deadline: ~{(wait + self.service_s) * 1000:.1f} ms "
+                    f"expected, {timeout * 1000:.1f} ms left"
+                )
+        if self.size >= self.bound and not self._push_out(tenant, state):
+            self.rejected += 1
+            raise Overloaded(
+                f"model '{self.name}' is saturated ({self.size} requests waiting)",
+                retry_after_s=max(0.001, self._drain_s(self.size)),
+            )
+        waiter = _Waiter(tag, tenant, None if timeout is None else now + timeout, asyncio.get_running_loop().create_future())
+        state.last_tag = tag
+        state.waiting.append(waiter)
+        heapq.heappush(self._heap, (tag, next(self._seq), waiter))
+        self.size += 1
+        self.queued += 1
+        try:
+            if timeout is None:
+                await waiter.future
+            else:
+                await asyncio.wait_for(waiter.future, timeout)
+        except asyncio.TimeoutError:
+            self._forget(waiter)
+            self.shed += 1
+            raise DeadlineExceeded(f"deadline exceeded waiting for model '{self.name}'") from None
+        except BaseException:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(None)  # granted a slot in the same tick it was cancelled: give it back
+            self._forget(waiter)
+            raise
+
+    def release(self, service_s: float | None = None) -> None:
+        """A request past the gate finished; ``service_s``: how long it held its slot."""
+        self.inflight -= 1
+        if service_s is not None:
+            a = self.policy.ewma_alpha
+            self.service_s = service_s if self.service_s is None else (1 - a) * self.service_s + a * service_s
+        while self._heap and self.inflight < self.policy.slots:
+            tag, _, waiter = heapq.heappop(self._heap)
+            if waiter.done or waiter.future.done():
+                continue
+            self._vtime = tag
+            self._forget(waiter)
+            self.inflight += 1
+            self.admitted += 1
+            waiter.future.set_result(None)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _ahead(self, tag: float) -> float:
+        """Waiting requests served before a new one with finish tag ``tag`` (an estimate)."""
+        span = tag - self._vtime
+        return sum(min(len(s.waiting), span * s.weight) for s in self._tenants.values() if s.waiting)
+
+    def _push_out(self, tenant: str, state: _TenantState) -> bool:
+        """Full queue: evict the newest waiter of the tenant most over its share, if not this one."""
+        victim_name, victim = None, None
+        worst = (len(state.waiting) + 1) / state.weight
+        for name, s in self._tenants.items():
+            if name != tenant and s.waiting and len(s.waiting) / s.weight > worst:
+                victim_name, victim, worst = name, s, len(s.waiting) / s.weight
+        if victim is None:
+            return False
+        waiter = victim.waiting.pop()
+        waiter.done = True
+        self.size -= 1
+        self.pushed_out += 1
+        if not waiter.future.done():
+            waiter.future.set_exception(
+                Overloaded(f"model '{self.name}' is saturated; tenant '{victim_name}' is over its share", retry_after_s=max(0.001, self._drain_s(self.size)))
+            )
+        return True
+
+    def _forget(self, waiter: _Waiter) -> None:
+        if waiter.done:
+            return
+        waiter.done = True
+        self.size -= 1
+        state = self._tenants.get(waiter.tenant)
+        if state is None:
+            return
+        if state.waiting and state.waiting[0] is waiter:
+            state.waiting.popleft()
+        else:
+            try:
+                state.waiting.remove(waiter)
+            except ValueError:
+                pass
+        if not state.waiting and state.last_tag <= self._vtime:
+            del self._tenants[waiter.tenant]
+
+    def snapshot(self) -> dict:
+        return {
+            "inflight": self.inflight,
+            "waiting": self.size,
+            "bound": self.bound,
+            "service_ms": None if self.service_s is None else self.service_s * 1000,
+            "admitted": self.admitted,
+            "queued": self.queued,
+            "rejected": self.rejected,
+            "shed": self.shed,
+            "pushed_out": self.pushed_out,
+        }

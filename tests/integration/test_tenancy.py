@@ -1,0 +1,299 @@
+"""Tenancy on the real stack with `--auth on`: keys, the cross-tenant matrix on both transports,
+quotas with retry hints, idempotency (Triton's statistics prove one execution), revocation,
+deadlines and metering."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from model_repository.layout import load_validation
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.quota_policy import Quota
+from server.tenancy_store import TenancyStore
+from tests.conftest import CACHED_MODEL, start_stack, stop_stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+PEPPER = "integration-pepper"
+MODELS = ["mlp_classifier", "fraud_xgboost", "lightgbm_regressor", CACHED_MODEL]
+GRANTS = {"alpha": ["mlp_classifier", "fraud_xgboost"], "beta": ["lightgbm_regressor"]}
+SVC = "/inference.GRPCInferenceService/"
+
+
+@pytest.fixture(scope="module")
+def tenancy(demo_repository, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tenancy")
+    url = f"sqlite:///{workdir}/tenancy.db"
+    store = TenancyStore(url)
+    pepper = PEPPER.encode()
+    keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=models)[1] for name, models in GRANTS.items()}
+    keys["gamma"] = store.create_key("gamma", pepper, team="team-gamma", models=["*"], model_quotas={"fraud_xgboost": Quota(rpm=5)})[1]
+    keys["idem"] = store.create_key("idem", pepper, models=["lightgbm_regressor"])[1]
+    keys["revokee_id"], keys["revokee"] = store.create_key("revokee", pepper, models=["*"])
+    env = {
+        "INFERPLANE_DATABASE_URL": url,
+        "INFERPLANE_KEY_PEPPER": PEPPER,
+        "INFERPLANE_AUTH_REFRESH_S": "0.3",
+        "INFERPLANE_USAGE_FLUSH_S": "0.3",
+    }
+    stack = start_stack(demo_repository, workdir, "--auth", "on", env={**env, "INFERPLANE_AUTH": "on"})
+    stack.env = env
+    stack.keys = keys
+    stack.store = store
+    channel = grpc.insecure_channel(stack.grpc)
+    stack.channel = channel
+    yield stack
+    channel.close()
+    stop_stack(stack)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _features(repository, model, rows=2):
+    return np.ascontiguousarray(load_validation(repository / model)["features"][:rows], dtype=np.float32)
+
+
+def _infer_request(repository, model, rows=2) -> pb.ModelInferRequest:
+    x = _features(repository, model, rows)
+    req = pb.ModelInferRequest(model_name=model)
+    req.inputs.add(name="features", datatype="FP32", shape=list(x.shape))
+    req.raw_input_contents.append(x.tobytes())
+    return req
+
+
+def _auth(key):
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def _grpc(stack, method, request, key=None, extra=(), timeout=30):
+    """(code, message or response bytes, trailing metadata) of one raw gRPC call."""
+    call = stack.channel.unary_unary(SVC + method, request_serializer=None, response_deserializer=None)
+    try:
+        out, c = call.with_call(request.SerializeToString(), metadata=_auth(key) + tuple(extra), timeout=timeout)
+        return grpc.StatusCode.OK, out, c.trailing_metadata()
+    except grpc.RpcError as err:
+        return err.code(), err.details(), err.trailing_metadata()
+
+
+def _http(stack, method, path, body=None, headers=None):
+    host, port = stack.http.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def _rest_infer_body(repository, model, rows=2) -> bytes:
+    x = _features(repository, model, rows)
+    return json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}).encode()
+
+
+def _bearer(key):
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+# ---- identity ---------------------------------------------------------------------------------
+
+
+def test_a_missing_or_wrong_key_is_unauthenticated_on_both_transports(tenancy):
+    req = _infer_request(tenancy.repository, "fraud_xgboost")
+    for key in (None, "ipk_00000000_nope", "not-a-key"):
+        code, message, _ = _grpc(tenancy, "ModelInfer", req, key)
+        assert code == grpc.StatusCode.UNAUTHENTICATED, (key, code, message)
+        status, _, body = _http(tenancy, "POST", "/v2/models/fraud_xgboost/infer", _rest_infer_body(tenancy.repository, "fraud_xgboost"), _bearer(key))
+        assert status == 401 and json.loads(body)["error"]["code"] == "UNAUTHENTICATED"
+    # x-api-key works as well as a bearer token; health needs no key
+    code, _, _ = _grpc(tenancy, "ModelInfer", req, extra=(("x-api-key", tenancy.keys["alpha"]),))
+    assert code == grpc.StatusCode.OK
+    assert _http(tenancy, "GET", "/v2/health/ready")[0] == 200
+    assert _grpc(tenancy, "ServerReady", pb.ServerReadyRequest())[0] == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("tenant", sorted(GRANTS))
+@pytest.mark.parametrize("model", MODELS)
+def test_cross_tenant_matrix_nothing_ungranted_leaks(tenancy, tenant, model):
+    """Every tenant x model x {infer, metadata, ready, config, statistics, index} on gRPC and REST:
+    granted works; ungranted answers byte for byte like a model that does not exist."""
+    key = tenancy.keys[tenant]
+    granted = model in GRANTS[tenant]
+    ghost = "no_such_model_x"
+
+    def same_as_unknown(code, message, ghost_code, ghost_message):
+        assert code == ghost_code == grpc.StatusCode.NOT_FOUND
+        assert message == ghost_message.replace(ghost, model)
+
+    calls = [
+        ("ModelInfer", lambda m: _infer_request(tenancy.repository, m) if m != ghost else pb.ModelInferRequest(model_name=m)),
+        ("ModelMetadata", lambda m: pb.ModelMetadataRequest(name=m)),
+        ("ModelConfig", lambda m: pb.ModelConfigRequest(name=m)),
+        ("ModelStatistics", lambda m: pb.ModelStatisticsRequest(name=m)),
+    ]
+    for method, build in calls:
+        code, message, _ = _grpc(tenancy, method, build(model), key)
+        if granted:
+            assert code == grpc.StatusCode.OK, (method, message)
+        else:
+            ghost_code, ghost_message, _ = _grpc(tenancy, method, build(ghost), key)
+            same_as_unknown(code, message, ghost_code, ghost_message)
+
+    code, raw, _ = _grpc(tenancy, "ModelReady", pb.ModelReadyRequest(name=model), key)
+    assert code == grpc.StatusCode.OK and pb.ModelReadyResponse.FromString(raw).ready == granted
+    code, raw, _ = _grpc(tenancy, "RepositoryIndex", pb.RepositoryIndexRequest(), key)
+    assert {m.name for m in pb.RepositoryIndexResponse.FromString(raw).models} == set(GRANTS[tenant])
+    code, raw, _ = _grpc(tenancy, "ModelStatistics", pb.ModelStatisticsRequest(), key)
+    assert {m.name for m in pb.ModelStatisticsResponse.FromString(raw).model_stats} <= set(GRANTS[tenant])
+
+    rest = [
+        ("POST", f"/v2/models/{{}}/infer", lambda m: _rest_infer_body(tenancy.repository, model)),
+        ("GET", "/v2/models/{}", lambda m: None),
+        ("GET", "/v2/models/{}/ready", lambda m: None),
+        ("GET", "/v2/models/{}/config", lambda m: None),
+        ("POST", "/v1/models/{}:predict", lambda m: json.dumps({"instances": _features(tenancy.repository, model).tolist()}).encode()),
+    ]
+    for method, path, body in rest:
+        status, _, answer = _http(tenancy, method, path.format(model), body(model), {**_bearer(key), "Content-Type": "application/json"})
+        if granted:
+            assert status == 200, (path, answer)
+        else:
+            g_status, _, g_answer = _http(tenancy, method, path.format(ghost), body(ghost), {**_bearer(key), "Content-Type": "application/json"})
+            assert status == g_status == 404, (path, answer)
+            assert json.loads(answer) == json.loads(g_answer.replace(ghost.encode(), model.encode()))
+
+
+def test_loading_models_needs_an_admin_key(tenancy):
+    code, _, _ = _grpc(tenancy, "RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name="fraud_xgboost"), tenancy.keys["alpha"])
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+# ---- quotas -----------------------------------------------------------------------------------
+
+
+def test_quota_exact_count_and_retry_hint_on_both_transports(tenancy):
+    key = tenancy.keys["gamma"]  # fraud_xgboost: 5 requests/min; other models unlimited
+    req = _infer_request(tenancy.repository, "fraud_xgboost")
+    outcomes = [_grpc(tenancy, "ModelInfer", req, key) for _ in range(8)]
+    codes = [c for c, _, _ in outcomes]
+    assert codes.count(grpc.StatusCode.OK) == 5 and codes[:5] == [grpc.StatusCode.OK] * 5
+    code, message, trailing = outcomes[5]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "5 requests/min" in message
+    meta = dict(trailing)
+    assert 10.0 <= float(meta["retry-after"]) <= 12.0  # one request refills in 12 s
+    rich = status_pb2.Status.FromString(meta["grpc-status-details-bin"])
+    info = error_details_pb2.RetryInfo()
+    assert any(d.Unpack(info) for d in rich.details) and info.retry_delay.seconds >= 10
+    status, headers, body = _http(tenancy, "POST", "/v2/models/fraud_xgboost/infer", _rest_infer_body(tenancy.repository, "fraud_xgboost"), _bearer(key))
+    assert status == 429 and int(headers["Retry-After"]) >= 10 and headers["x-should-retry"] == "true"
+    assert json.loads(body)["error"]["code"] == "RESOURCE_EXHAUSTED"
+    # another model of the same tenant, and another tenant on the same model, are unaffected
+    assert _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "mlp_classifier"), key)[0] == grpc.StatusCode.OK
+    assert _grpc(tenancy, "ModelInfer", req, tenancy.keys["alpha"])[0] == grpc.StatusCode.OK
+
+
+# ---- idempotency ------------------------------------------------------------------------------
+
+
+def _triton_counts(stack, model):
+    ch = grpc.insecure_channel(stack.triton)
+    try:
+        raw = ch.unary_unary(SVC + "ModelStatistics", request_serializer=None, response_deserializer=None)(
+            pb.ModelStatisticsRequest(name=model).SerializeToString(), timeout=10
+        )
+    finally:
+        ch.close()
+    stats = pb.ModelStatisticsResponse.FromString(raw).model_stats[0]
+    return stats.inference_count, stats.inference_stats.success.count
+
+
+async def test_concurrent_duplicates_with_one_key_run_the_model_once(tenancy):
+    model, rows = "lightgbm_regressor", 3
+    req = _infer_request(tenancy.repository, model, rows).SerializeToString()
+    before = _triton_counts(tenancy, model)
+    metadata = _auth(tenancy.keys["idem"]) + (("idempotency-key", "order-42"),)
+    async with grpc.aio.insecure_channel(tenancy.grpc) as ch:
+        call = ch.unary_unary(SVC + "ModelInfer", request_serializer=None, response_deserializer=None)
+        answers = await asyncio.gather(*(call(req, metadata=metadata, timeout=30) for _ in range(16)))
+        assert len(set(answers)) == 1
+        again = await call(req, metadata=metadata, timeout=30)  # after it finished: the stored answer
+        assert again == answers[0]
+        other = _infer_request(tenancy.repository, model, rows + 1).SerializeToString()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(other, metadata=metadata, timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    after = _triton_counts(tenancy, model)
+    assert after[0] - before[0] == rows  # rows inferred once, not 17 times
+    assert after[1] - before[1] == 1
+    # REST: same key + same body replays; a different body is a 422
+    body = _rest_infer_body(tenancy.repository, model)
+    headers = {**_bearer(tenancy.keys["idem"]), "Idempotency-Key": "rest-1"}
+    s1, _, b1 = _http(tenancy, "POST", f"/v2/models/{model}/infer", body, headers)
+    s2, _, b2 = _http(tenancy, "POST", f"/v2/models/{model}/infer", body, headers)
+    assert s1 == s2 == 200 and b1 == b2
+    s3, _, b3 = _http(tenancy, "POST", f"/v2/models/{model}/infer", _rest_infer_body(tenancy.repository, model, 1), headers)
+    assert s3 == 422 and json.loads(b3)["error"]["code"] == "IDEMPOTENCY_KEY_REUSED"
+    assert _triton_counts(tenancy, model)[1] - after[1] == 1
+
+
+# ---- deadlines --------------------------------------------------------------------------------
+
+
+def test_request_timeout_header_and_grpc_deadline(tenancy):
+    key = tenancy.keys["alpha"]
+    body = _rest_infer_body(tenancy.repository, "mlp_classifier")
+    assert _http(tenancy, "POST", "/v2/models/mlp_classifier/infer", body, {**_bearer(key), "x-request-timeout": "5"})[0] == 200
+    status, _, answer = _http(tenancy, "POST", "/v2/models/mlp_classifier/infer", body, {**_bearer(key), "x-request-timeout": "soon"})
+    assert status == 400 and b"x-request-timeout" in answer
+    status, _, answer = _http(tenancy, "POST", "/v2/models/mlp_classifier/infer", body, {**_bearer(key), "x-request-timeout": "0.000001"})
+    assert status == 504, answer
+    code, _, _ = _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "mlp_classifier"), key, timeout=0.000001)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# ---- key lifecycle and metering ---------------------------------------------------------------
+
+
+def _cli(stack, *args):
+    env = dict(os.environ, **stack.env)
+    out = subprocess.run([sys.executable, "-m", "server.cli", *args], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_keys_created_and_revoked_by_the_cli_take_effect_on_refresh(tenancy):
+    created = json.loads(_cli(tenancy, "keys", "create", "--tenant", "delta", "--model", "fraud_xgboost", "--json"))
+    req = _infer_request(tenancy.repository, "fraud_xgboost")
+    assert wait_until(lambda: _grpc(tenancy, "ModelInfer", req, created["key"])[0] == grpc.StatusCode.OK, timeout=10)
+    _cli(tenancy, "keys", "revoke", created["key_id"])
+    assert wait_until(lambda: _grpc(tenancy, "ModelInfer", req, created["key"])[0] == grpc.StatusCode.UNAUTHENTICATED, timeout=10)
+    listed = _cli(tenancy, "keys", "list", "--json")
+    assert created["key"] not in listed and created["key"] not in tenancy.log.read_text(errors="replace")
+
+
+def test_answered_requests_are_metered_to_the_database(tenancy):
+    key = tenancy.keys["beta"]
+    for _ in range(3):
+        assert _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "lightgbm_regressor"), key)[0] == grpc.StatusCode.OK
+
+    def beta_usage():
+        rows = {r["tenant"]: r for r in tenancy.store.usage("tenant")}
+        return rows.get("beta", {}).get("requests", 0) >= 3 and rows["beta"]
+
+    row = wait_until(beta_usage, timeout=10)
+    assert row and row["compute_us"] > 0
+    report = json.loads(_cli(tenancy, "usage", "--by", "team", "--since", "1h", "--json"))
+    assert any(r["team"] == "team-beta" and r["requests"] >= 3 for r in report)
+    cost = json.loads(_cli(tenancy, "cost", "--by", "tenant", "--since", "1h", "--json"))
+    assert any(r["tenant"] == "beta" and r["cost_usd"] > 0 for r in cost)

@@ -1,0 +1,154 @@
+"""Admission: fast path, weighted fair order across tenants, bounded queue with push-out,
+deadline shedding at admission, cancellation and timeouts while queued."""
+
+import asyncio
+
+import pytest
+
+from batching.fair_queue import AdmissionPolicy, FairQueue
+from server.errors import DeadlineExceeded, Overloaded
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+async def _settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def _enqueue(q, order, tenant, n, weight=1.0, timeout=None):
+    async def one(i):
+        await q.acquire(tenant, weight, timeout)
+        order.append(f"{tenant}{i}")
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    await _settle()
+    return tasks
+
+
+async def _serve(q, order, n):
+    for _ in range(n):
+        q.release(None)
+        await _settle()
+
+
+async def test_free_slots_admit_at_once_without_waiting():
+    q = FairQueue("m", AdmissionPolicy(slots=2))
+    assert q.try_acquire() and q.try_acquire() and not q.try_acquire()
+    q.release(0.01)
+    await q.acquire("a")  # returns immediately
+    assert q.inflight == 2 and q.size == 0
+
+
+async def test_a_flooding_tenant_waits_behind_itself():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    assert q.try_acquire()
+    order: list[str] = []
+    tasks = await _enqueue(q, order, "A", 10)
+    tasks += await _enqueue(q, order, "B", 2)
+    await _serve(q, order, 12)
+    await asyncio.gather(*tasks)
+    # B arrived behind ten of A's, yet is served alternately with A
+    assert order.index("B0") <= 2 and order.index("B1") <= 4
+    assert [o for o in order if o[0] == "A"] == [f"A{i}" for i in range(10)]  # FIFO within a tenant
+
+
+async def test_weights_split_a_saturated_model_by_plan():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q.try_acquire()
+    order: list[str] = []
+    tasks = await _enqueue(q, order, "A", 30, weight=1.0)
+    tasks += await _enqueue(q, order, "B", 30, weight=2.0)
+    await _serve(q, order, 30)
+    first = order[:30]
+    assert sum(o[0] == "B" for o in first) in (19, 20, 21)
+    await _serve(q, order, 30)
+    await asyncio.gather(*tasks)
+
+
+async def test_full_queue_refuses_with_a_drain_time_hint_and_pushes_out_the_heaviest_tenant():
+    q = FairQueue("m", AdmissionPolicy(slots=1, min_queue=4, max_queue=4, initial_service_s=0.01))
+    q.try_acquire()
+    order: list[str] = []
+    a_tasks = await _enqueue(q, order, "A", 4)
+    assert q.size == 4
+    with pytest.raises(Overloaded) as info:
+        await q.acquire("A")
+    assert info.value.retry_after_s == pytest.approx(0.04)
+    # B holds less than its share: A's newest waiter is pushed out, B takes its place
+    b_tasks = await _enqueue(q, order, "B", 1)
+    assert q.size == 4 and q.pushed_out == 1
+    with pytest.raises(Overloaded, match="over its share"):
+        await a_tasks[3]
+    await _serve(q, order, 4)
+    await asyncio.gather(*a_tasks[:3], *b_tasks)
+    assert order.index("B0") <= 1
+
+
+async def test_a_deadline_that_cannot_be_met_is_shed_at_admission():
+    q = FairQueue("m", AdmissionPolicy(slots=1, initial_service_s=0.1))
+    q.try_acquire()
+    order: list[str] = []
+    tasks = await _enqueue(q, order, "A", 3)
+    # 3 waiting + itself, 100 ms each: ~400 ms + 100 ms service; 250 ms left -> shed now
+    with pytest.raises(DeadlineExceeded, match="cannot answer within the deadline"):
+        await q.acquire("A", timeout=0.25)
+    # another tenant with the same deadline jumps ahead under fair queuing: admitted to the queue
+    b = asyncio.create_task(q.acquire("B", timeout=0.35))
+    await _settle()
+    assert q.size == 4 and q.shed == 1
+    await _serve(q, order, 4)
+    await asyncio.gather(*tasks, b)
+
+
+async def test_a_deadline_passing_in_the_queue_leaves_the_queue():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q.try_acquire()
+    with pytest.raises(DeadlineExceeded):
+        await q.acquire("A", timeout=0.02)
+    assert q.size == 0
+    q.release(None)
+    assert q.inflight == 0
+
+
+async def test_a_cancelled_waiter_leaves_and_never_takes_a_slot():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q.try_acquire()
+    t = asyncio.create_task(q.acquire("A"))
+    await _settle()
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert q.size == 0
+    q.release(None)
+    assert q.inflight == 0 and q.try_acquire()
+
+
+async def test_a_waiter_cancelled_right_after_its_grant_gives_the_slot_back():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q.try_acquire()
+    t = asyncio.create_task(q.acquire("A"))
+    await _settle()
+    q.release(None)  # granted
+    t.cancel()  # ... and cancelled before it ran
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert q.inflight == 0
+
+
+def test_queue_bound_follows_measured_capacity():
+    q = FairQueue("m", AdmissionPolicy(slots=4, max_queue_delay_s=0.5, min_queue=8, max_queue=1000))
+    assert q.bound == 1000  # nothing measured yet
+    q.inflight = 1
+    q.release(0.01)  # 4 slots / 10 ms = 400 req/s -> 200 in 0.5 s
+    assert q.capacity_rps == pytest.approx(400) and q.bound == 200
+    q.inflight = 1
+    for _ in range(200):
+        q.inflight = 1
+        q.release(1.0)
+    assert q.bound == 8

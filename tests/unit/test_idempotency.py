@@ -1,0 +1,133 @@
+"""Idempotency keys: replay, conflicts, concurrent duplicates run once, TTL; memory and Redis stores."""
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from server.errors import BackendError, IdempotencyKeyReused
+from server.idempotency import MemoryIdempotency, RedisIdempotency, body_digest, scoped
+
+
+class Counter:
+    def __init__(self, delay=0.0, fail_first=0):
+        self.calls = 0
+        self.delay = delay
+        self.fail_first = fail_first
+
+    async def __call__(self):
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        if self.calls <= self.fail_first:
+            raise BackendError("boom")
+        return b"answer-%d" % self.calls
+
+
+async def _contract(store):
+    key, d1, d2 = scoped("t", "k1"), body_digest(b"body-1"), body_digest(b"body-2")
+    fn = Counter(delay=0.05)
+    results = await asyncio.gather(*(store.run(key, d1, fn) for _ in range(8)))
+    assert results == [b"answer-1"] * 8 and fn.calls == 1
+    assert await store.run(key, d1, fn) == b"answer-1" and fn.calls == 1
+    with pytest.raises(IdempotencyKeyReused, match="'k1'"):
+        await store.run(key, d2, fn)
+    # another tenant's identical key is another key
+    assert await store.run(scoped("u", "k1"), d2, fn) == b"answer-2"
+
+    # a failed first run is not stored: a waiting duplicate runs in its place
+    flaky = Counter(delay=0.05, fail_first=1)
+    key2 = scoped("t", "k2")
+    outcome = await asyncio.gather(store.run(key2, d1, flaky), store.run(key2, d1, flaky), return_exceptions=True)
+    assert isinstance(outcome[0], BackendError) and outcome[1] == b"answer-2" and flaky.calls == 2
+    assert await store.run(key2, d1, flaky) == b"answer-2"
+
+    # a cancelled first run frees the key
+    slow = Counter(delay=10)
+    task = asyncio.create_task(store.run(scoped("t", "k3"), d1, slow))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.run(scoped("t", "k3"), d1, Counter()) == b"answer-1"
+
+
+async def test_memory_store_contract():
+    await _contract(MemoryIdempotency())
+
+
+async def test_memory_store_ttl_and_size_bound():
+    now = [0.0]
+    store = MemoryIdempotency(ttl_s=10, max_entries=2, clock=lambda: now[0])
+    fn = Counter()
+    d = body_digest(b"x")
+    await store.run("a", d, fn)
+    now[0] = 9.9
+    assert await store.run("a", d, fn) == b"answer-1"
+    now[0] = 10.0
+    assert await store.run("a", d, fn) == b"answer-2"  # expired: runs again
+    await store.run("b", d, fn)
+    await store.run("c", d, fn)
+    assert len(store._entries) <= 3
+    await store.run("d", d, fn)
+    assert "a" not in store._entries and len(store._entries) <= 3
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    pytest.importorskip("redis", reason="the redis client package is not installed")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.skip("redis-server did not start")
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+async def test_redis_store_contract(redis_url):
+    store = RedisIdempotency(redis_url, poll_s=0.002)
+    try:
+        await store.client.flushdb()
+        await _contract(store)
+        # two stores (two frontend processes) share the keys
+        other = RedisIdempotency(redis_url)
+        try:
+            assert await other.run(scoped("t", "k1"), body_digest(b"body-1"), Counter()) == b"answer-1"
+        finally:
+            await other.close()
+    finally:
+        await store.close()
+
+
+async def test_redis_store_ttl(redis_url):
+    store = RedisIdempotency(redis_url, ttl_s=0.2)
+    try:
+        fn = Counter()
+        d = body_digest(b"x")
+        await store.run("ttl", d, fn)
+        assert await store.run("ttl", d, fn) == b"answer-1"
+        await asyncio.sleep(0.3)
+        assert await store.run("ttl", d, fn) == b"answer-2"
+    finally:
+        await store.close()
