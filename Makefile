@@ -26,7 +26,7 @@ $(REPO)/.built: $(STAMP) model_repository/*.py model_repository/adapters/*.py
 models: $(REPO)/.built
 
 serve: models
-	$(BIN)/inferplane serve --model-repository $(REPO) $(ARGS)
+	$(BIN)/inferplane serve --model-repository $(REPO) --auth off $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(ARGS)

@@ -46,6 +46,8 @@ class Frontend:
         self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task] = []
+        self.registry = None  # server.registry.Registry, with the deployer (issue 5)
+        self.deployer = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -66,7 +68,14 @@ class Frontend:
         self.triton = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
         self.triton.connect()
         self.dataplane = DataPlane(self.triton, self.metrics)
+        if s.workers == 1:  # the processes that serve: tenancy, quotas, admission, metering
+            await self._setup_tenancy(target)
         await self._load_models()
+        if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
+            from server.deployer import build_control_plane
+
+            self.registry, self.deployer = await asyncio.to_thread(build_control_plane, s, self.dataplane)
+            await self.deployer.start()
         self.metrics.triton_up.set(1)
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
@@ -79,6 +88,35 @@ class Frontend:
             await self._start_metrics()
         await self._start_http()
         await self._set_serving(True)
+
+    async def _setup_tenancy(self, target: str) -> None:
+        from batching.fair_queue import AdmissionPolicy
+        from server.circuit_breaker import BreakerPolicy, CircuitBreaker
+        from server.idempotency import MemoryIdempotency, RedisIdempotency
+        from server.quota_policy import Quota
+        from server.tenancy import Gatekeeper, KeyRing
+
+        s, dp = self.settings, self.dataplane
+        default = Quota(s.quota_rps, s.quota_rpm, s.quota_tpm, s.quota_concurrency)
+        if s.auth:
+            from server.metering import Meter
+            from server.tenancy_store import TenancyStore
+
+            store = await asyncio.to_thread(TenancyStore, s.tenancy_database_url)
+            ring = KeyRing(s.key_pepper.get_secret_value().encode())
+            ring.load(*await asyncio.to_thread(store.snapshot))
+            log.info("auth on: %d API keys of %d tenants", len(ring), len(ring.tenants))
+            dp.gate = Gatekeeper(ring, default)
+            self._tasks.append(asyncio.create_task(dp.gate.refresh_forever(store.snapshot, s.auth_refresh_s), name="key-refresh"))
+            dp.meter = Meter(store.write_usage, s.usage_flush_s)
+            dp.meter.start()
+        else:
+            log.warning("auth off: every caller is the open tenant and sees every model (development mode)")
+            dp.gate = Gatekeeper(None, default)
+        dp.idempotency = RedisIdempotency(s.redis_url, s.idempotency_ttl_s) if s.redis_url else MemoryIdempotency(s.idempotency_ttl_s)
+        dp.breaker = CircuitBreaker(target, BreakerPolicy(s.breaker_failures, s.breaker_open_s))
+        dp.admission_policy = AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue)
+        dp.admission_slots = s.admission_slots
 
     async def _start_workers(self, target: str) -> None:
         from server.workers import WorkerPool, worker_settings
@@ -111,7 +149,7 @@ class Frontend:
             ]
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
         admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -145,7 +183,8 @@ class Frontend:
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s)
+        # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
@@ -184,6 +223,9 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.deployer is not None:
+            await self.deployer.stop()
+            self.registry.close()
         if self.workers is not None:
             await self.workers.stop()
         if self.grpc_server is not None:
@@ -191,6 +233,12 @@ class Frontend:
             await self.grpc_server.stop(self.settings.shutdown_grace_s)
         for runner in self._runners:
             await runner.cleanup()
+        if self.dataplane is not None:
+            if self.dataplane.meter is not None:
+                await self.dataplane.meter.stop()  # the last usage records
+            close = getattr(self.dataplane.idempotency, "close", None)
+            if close is not None:
+                await close()
         if self.triton is not None:
             await self.triton.close()
         if self.supervisor is not None:

@@ -21,6 +21,24 @@ def _mount_loadtest() -> None:
 _mount_loadtest()
 
 
+def _mount_tenancy() -> None:
+    from server.tenancy_cli import mount
+
+    mount(app)
+
+
+_mount_tenancy()
+
+
+def _mount_registry() -> None:
+    from server.registry_cli import mount
+
+    mount(app)
+
+
+_mount_registry()
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address the frontend listens on."),
@@ -33,6 +51,9 @@ def serve(
     model: Optional[list[str]] = typer.Option(None, "--model", help="Load only these models (default: all)."),
     workers: Optional[int] = typer.Option(
         None, help="Frontend processes sharing the ports (default: half the cores, at least 1)."
+    ),
+    auth: Optional[str] = typer.Option(
+        None, help="on: API keys required (the default); off: development mode, one open tenant, no keys."
     ),
     log_level: str = typer.Option("INFO"),
 ) -> None:
@@ -62,8 +83,15 @@ def serve(
         models=model or ["*"],
         workers=workers,
         log_level=log_level,
+        **({} if auth is None else {"auth": _on_off(auth, "--auth")}),
     )
     run(settings)
+
+
+def _on_off(value: str, flag: str) -> bool:
+    if value.lower() not in ("on", "off"):
+        raise typer.BadParameter(f"{flag} takes on or off")
+    return value.lower() == "on"
 
 
 @demo_app.command("build")

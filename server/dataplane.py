@@ -15,17 +15,23 @@ from collections.abc import AsyncIterator
 from google.protobuf.message import DecodeError
 
 from batching.coalescer import Coalescer
+from batching.fair_queue import AdmissionPolicy, FairQueue
+from server.circuit_breaker import CircuitBreaker
 from server.errors import (
     BackendError,
     BackendUnavailable,
+    DeadlineExceeded,
     InferplaneError,
     InvalidRequest,
     ModelNotFound,
     ModelNotReady,
 )
+from server.idempotency import MemoryIdempotency, body_digest, scoped
 from server.metrics import Metrics
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.quota_policy import QuotaPolicy
 from server.signature import ModelSignature, version_key
+from server.tenancy import CallContext, Gatekeeper, Principal, Tenant
 from server.triton_client import TritonClient
 from server.validation import validate_infer_request
 
@@ -57,6 +63,15 @@ class DataPlane:
         self.backend_up = True
         self._reloading: asyncio.Lock = asyncio.Lock()
         self.coalescer = Coalescer(self.triton.infer_raw)
+        # tenancy and overload (server.app replaces these with the configured ones)
+        self.gate = Gatekeeper()
+        self.quotas = QuotaPolicy()
+        self.idempotency = MemoryIdempotency()
+        self.breaker = CircuitBreaker(triton.target)
+        self.meter = None  # server.metering.Meter
+        self.admission_policy = AdmissionPolicy()
+        self.admission_slots: int | None = None  # None: from each model's coalescing policy
+        self.admission: dict[str, FairQueue] = {}
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
 
     # ---- control ------------------------------------------------------------------------
@@ -140,20 +155,59 @@ class DataPlane:
             )
         return signature
 
+    def authorize(self, ctx: CallContext | None, name: str) -> Principal:
+        """Who is calling, and may they see ``name``? An ungranted model is an unknown one."""
+        principal = self.gate.authenticate(ctx)
+        if not principal.tenant.may_use(name):
+            raise ModelNotFound(f"unknown model '{name}'")
+        return principal
+
+    def resolve_for(self, ctx: CallContext | None, name: str, version: str = "") -> ModelSignature:
+        """:meth:`resolve` as the caller sees it: authenticated, and only models granted to them."""
+        self.authorize(ctx, name)
+        return self.resolve(name, version)
+
+    def visible(self, ctx: CallContext | None, names):
+        """The names among ``names`` the caller may see."""
+        tenant = self.gate.authenticate(ctx).tenant
+        return [n for n in names if tenant.may_use(n)]
+
+    def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
+        queue = self.admission.get(name)
+        if queue is None:
+            slots = self.admission_slots
+            if slots is None:
+                c = signature.coalesce
+                slots = c.max_inflight * c.max_batch if c.enabled else 8
+            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": max(1, slots)})
+            queue = self.admission[name] = FairQueue(name, policy)
+        return queue
+
     # ---- inference ----------------------------------------------------------------------
 
-    async def infer(self, request: pb.ModelInferRequest, raw: bytes | None = None, timeout: float | None = None) -> bytes:
-        """Validate and forward one request; returns Triton's ModelInferResponse bytes.
+    async def infer(
+        self,
+        request: pb.ModelInferRequest,
+        raw: bytes | None = None,
+        timeout: float | None = None,
+        ctx: CallContext | None = None,
+    ) -> bytes:
+        """Authorize, admit, validate and forward one request; returns Triton's ModelInferResponse bytes.
 
         ``raw`` is the request exactly as the caller sent it; when given it travels to Triton
-        untouched (no re-serialization). ``timeout`` is the caller's remaining deadline.
+        untouched (no re-serialization). ``timeout`` is the caller's remaining deadline (or
+        ``ctx.timeout``); it becomes Triton's. ``ctx`` carries the caller's key and idempotency key.
+        Order: key -> grant -> model -> quota -> validation -> idempotency -> admission queue -> Triton.
         """
         started = time.perf_counter()
         name = request.model_name
         label = UNKNOWN_MODEL_LABEL
         version = request.model_version
         code = "OK"
+        if timeout is None and ctx is not None:
+            timeout = ctx.timeout
         try:
+            tenant = self.authorize(ctx, name).tenant
             if not version and name in self.routes:
                 version = request.model_version = self.routes[name]
                 raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
@@ -161,20 +215,29 @@ class DataPlane:
             label = name
             if not version:
                 version = signature.latest_version
-            validate_infer_request(request, signature)
-            latency, inflight = self.metrics.model(name)
-            inflight.inc()
+            ticket = self.quotas.admit(tenant.name, name, self.gate.quota(tenant), tenant.model_quota(name))
             try:
-                data = raw if raw is not None else request.SerializeToString()
-                return await self.coalescer.submit(request, data, signature.coalesce, timeout)
-            except InferplaneError:
-                raise
-            except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
-                log.exception("inference on %s failed", name)
-                raise BackendError(f"inference failed: {err}") from None
+                validate_infer_request(request, signature)
+                latency, inflight = self.metrics.model(name)
+                inflight.inc()
+                try:
+                    data = raw if raw is not None else request.SerializeToString()
+                    if ctx is not None and ctx.idempotency_key:
+                        key = scoped(tenant.name, ctx.idempotency_key)
+                        return await self.idempotency.run(
+                            key, body_digest(data), lambda: self._forward(request, data, signature, tenant, version, timeout), timeout
+                        )
+                    return await self._forward(request, data, signature, tenant, version, timeout)
+                except InferplaneError:
+                    raise
+                except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
+                    log.exception("inference on %s failed", name)
+                    raise BackendError(f"inference failed: {err}") from None
+                finally:
+                    inflight.dec()
+                    latency.observe(time.perf_counter() - started)
             finally:
-                inflight.dec()
-                latency.observe(time.perf_counter() - started)
+                self.quotas.release(ticket, ctx.tokens if ctx is not None else 0)
         except InferplaneError as err:
             code = err.reason
             raise
@@ -184,12 +247,53 @@ class DataPlane:
         finally:
             self.metrics.count(label, version if label != UNKNOWN_MODEL_LABEL else "", code)
 
-    async def stream_infer(self, raw_requests: AsyncIterator[bytes], timeout: float | None = None) -> AsyncIterator[bytes]:
+    async def _forward(
+        self, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature, tenant: Tenant, version: str, timeout: float | None
+    ) -> bytes:
+        """Through the model's admission queue and the replica's circuit breaker to Triton."""
+        queue = self._queue(request.model_name, signature)
+        if timeout is not None and timeout <= (queue.service_s or 0.0):
+            raise DeadlineExceeded(
+                f"model '{request.model_name}' cannot answer within the deadline ({timeout * 1000:.3f} ms left, "
+                f"~{(queue.service_s or 0.0) * 1000:.3f} ms needed)"
+            )
+        self.breaker.before()  # an open circuit refuses before the request waits anywhere
+        admitted = False
+        err: BaseException | None = None
+        try:
+            if not queue.try_acquire():
+                waited = time.perf_counter()
+                await queue.acquire(tenant.name, tenant.weight, timeout)
+                if timeout is not None:
+                    timeout = max(0.0, timeout - (time.perf_counter() - waited))
+            admitted = True
+            t0 = time.perf_counter()
+            try:
+                answer = await self.coalescer.submit(request, data, signature.coalesce, timeout)
+            finally:
+                service_s = time.perf_counter() - t0
+                queue.release(service_s)
+            if self.meter is not None:
+                self.meter.record(tenant.name, tenant.team, request.model_name, version, 0, int(service_s * 1e6))
+            return answer
+        except BaseException as e:
+            err = e
+            raise
+        finally:
+            if admitted:
+                self.breaker.record(err)
+            else:
+                self.breaker.neutral()
+
+    async def stream_infer(
+        self, raw_requests: AsyncIterator[bytes], timeout: float | None = None, ctx: CallContext | None = None
+    ) -> AsyncIterator[bytes]:
         """ModelStreamInfer: each request is validated; invalid ones get an in-stream error.
 
         Yields serialized ModelStreamInferResponse messages, Triton's and the frontend's own,
         until the caller has finished writing and Triton has sent its last response.
         """
+        tenant = self.gate.authenticate(ctx).tenant  # before the first message: the call is refused
         out: asyncio.Queue = asyncio.Queue()
         call = self.triton.stream_raw(timeout=timeout)
         done = object()
@@ -200,7 +304,12 @@ class DataPlane:
                     request = None
                     try:
                         request = parse_infer_request(raw)
-                        validate_infer_request(request, self.resolve(request.model_name, request.model_version))
+                        if not tenant.may_use(request.model_name):
+                            raise ModelNotFound(f"unknown model '{request.model_name}'")
+                        signature = self.resolve(request.model_name, request.model_version)
+                        model_quota = tenant.model_quota(request.model_name)
+                        self.quotas.release(self.quotas.admit(tenant.name, request.model_name, self.gate.quota(tenant), model_quota))
+                        validate_infer_request(request, signature)
                     except InferplaneError as err:
                         self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)
                         await out.put(_stream_error(err, request))

@@ -18,10 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import __version__, rest_codec
 from server.dataplane import DataPlane
-from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, http_error
+from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, RequestTooLarge, UnsupportedMediaType, http_error
+from server.generation import LLMService
 from server.metrics import Metrics
+from server.openai_endpoints import LLM
+from server.openai_endpoints import ROUTES as OPENAI_ROUTES
 from server.openapi import BINARY, JSON, TEXT, Body, Route, document, error_body, error_responses, error_statuses, json_body
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.tenancy import CallContext, bearer_token
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,22 @@ def _json(document: object, status: int = 200, headers: dict[str, str] | None = 
 def _error(err: InferplaneError) -> web.Response:
     status, body, headers = http_error(err)
     return _json(body, status, headers)
+
+
+def _context(request: web.Request) -> CallContext:
+    """The caller's key (``Authorization: Bearer`` / ``x-api-key``), ``Idempotency-Key`` and ``x-request-timeout`` (s)."""
+    headers = request.headers
+    timeout = headers.get("x-request-timeout")
+    if timeout is not None:
+        try:
+            timeout = float(timeout)
+            if not timeout > 0:
+                raise ValueError
+        except ValueError:
+            raise InvalidRequest(f"x-request-timeout: expected seconds > 0, got {timeout!r:.40}") from None
+    return CallContext(
+        bearer_token(headers.get("Authorization"), headers.get("x-api-key")), headers.get("Idempotency-Key"), timeout
+    )
 
 
 def _model(request: web.Request) -> tuple[str, str]:
@@ -101,14 +121,14 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     name, version = _model(request)
-    request.app[DATAPLANE].resolve(name, version)  # NOT_FOUND / MODEL_NOT_READY / UNAVAILABLE
+    request.app[DATAPLANE].resolve_for(_context(request), name, version)  # NOT_FOUND / MODEL_NOT_READY / UNAVAILABLE
     return _json({"name": name, "version": version, "ready": True})
 
 
 async def model_metadata(request: web.Request) -> web.Response:
     dp = request.app[DATAPLANE]
     name, version = _model(request)
-    dp.resolve(name, version)
+    dp.resolve_for(_context(request), name, version)
     raw = await dp.triton.unary_raw("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version).SerializeToString())
     return _json(rest_codec.model_metadata_json(raw))
 
@@ -116,7 +136,7 @@ async def model_metadata(request: web.Request) -> web.Response:
 async def model_config(request: web.Request) -> web.Response:
     dp = request.app[DATAPLANE]
     name, version = _model(request)
-    dp.resolve(name, version)
+    dp.resolve_for(_context(request), name, version)
     raw = await dp.triton.unary_raw("ModelConfig", pb.ModelConfigRequest(name=name, version=version).SerializeToString())
     return _json(rest_codec.model_config_json(raw))
 
@@ -128,11 +148,13 @@ async def model_infer(request: web.Request) -> web.Response:
     """v2 infer: JSON tensors, or Triton's binary tensor extension (Inference-Header-Content-Length)."""
     dp = request.app[DATAPLANE]
     name, version = _model(request)
+    ctx = _context(request)
+    dp.authorize(ctx, name)  # an unknown key or ungranted model answers before the body is read
     _require_content_type(request, (JSON, BINARY))
     body = await _read_body(request)
     header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
     infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
-    raw = await dp.infer(infer_request)
+    raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
     payload, header_len = await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
     if header_len is None:
         return web.Response(body=payload, content_type=JSON)
@@ -143,14 +165,23 @@ async def predict(request: web.Request) -> web.Response:
     """KServe v1 convenience form: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
     dp = request.app[DATAPLANE]
     name, version = _model(request)
+    ctx = _context(request)
+    dp.authorize(ctx, name)
     _require_content_type(request, (JSON,))
     body = await _read_body(request)
     signature = dp.resolve(name, version)
     requests = await _cpu(len(body), rest_codec.decode_instances, body, signature, version)
-    raws = await asyncio.gather(*(dp.infer(r) for r in requests))
+    raws = await asyncio.gather(*(dp.infer(r, None, ctx.timeout, _instance(ctx, i)) for i, r in enumerate(requests)))
     size = sum(len(r) for r in raws)
     predictions = await _cpu(size, rest_codec.encode_predictions, list(raws), signature.max_batch_size > 0)
     return web.Response(body=await _cpu(size, rest_codec.dumps, {"predictions": predictions}), content_type=JSON)
+
+
+def _instance(ctx: CallContext, index: int) -> CallContext:
+    """Each instance of a predict call is its own request; an idempotency key covers each by index."""
+    if not ctx.idempotency_key:
+        return ctx
+    return CallContext(ctx.api_key, f"{ctx.idempotency_key}#{index}", ctx.timeout, ctx.principal)
 
 
 # ---- operations -----------------------------------------------------------------------------
@@ -221,6 +252,7 @@ ROUTES: list[Route] = [
           {200: Body("Prometheus text exposition", {TEXT: {"schema": {"type": "string"}}})} | _BASIC),
     Route("GET", "/openapi.json", openapi, "openapi", "This document", "operations",
           {200: json_body("OpenAPI 3 document", "OpenAPI")} | _BASIC),
+    *OPENAI_ROUTES,
 ]  # fmt: skip
 
 
@@ -255,6 +287,7 @@ def create_app(dataplane: DataPlane, metrics: Metrics, *, max_body_bytes: int) -
     app[DATAPLANE] = dataplane
     app[METRICS] = metrics
     app[MAX_BODY] = max_body_bytes
+    app[LLM] = LLMService(dataplane)
     app[OPENAPI] = rest_codec.dumps(openapi_document())
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler, name=route.operation_id)

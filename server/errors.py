@@ -84,6 +84,26 @@ class BackendError(InferplaneError):
     """The model or Triton failed while serving an otherwise valid request."""
 
 
+class Unauthenticated(InferplaneError):
+    """No API key, or one that is unknown, revoked or expired."""
+
+
+class PermissionDenied(InferplaneError):
+    """The caller is known but may not perform this operation (never used to hide a model)."""
+
+
+class IdempotencyKeyReused(InferplaneError):
+    """The idempotency key was already used with a different request body."""
+
+
+class Conflict(InferplaneError):
+    """The operation conflicts with the current state (e.g. nothing to roll back to, signature required)."""
+
+
+class DeployFailed(InferplaneError):
+    """A deploy did not complete (bad artifact, adapter crash, readiness timeout); the live version still serves."""
+
+
 @dataclass(frozen=True)
 class _Entry:
     grpc_code: grpc.StatusCode
@@ -103,6 +123,11 @@ _TABLE: dict[type[InferplaneError], _Entry] = {
     Cancelled: _Entry(grpc.StatusCode.CANCELLED, 499, "CANCELLED"),
     Unimplemented: _Entry(grpc.StatusCode.UNIMPLEMENTED, 501, "UNIMPLEMENTED"),
     BackendError: _Entry(grpc.StatusCode.INTERNAL, 500, "INTERNAL"),
+    Unauthenticated: _Entry(grpc.StatusCode.UNAUTHENTICATED, 401, "UNAUTHENTICATED"),
+    PermissionDenied: _Entry(grpc.StatusCode.PERMISSION_DENIED, 403, "PERMISSION_DENIED"),
+    IdempotencyKeyReused: _Entry(grpc.StatusCode.FAILED_PRECONDITION, 422, "IDEMPOTENCY_KEY_REUSED"),
+    Conflict: _Entry(grpc.StatusCode.FAILED_PRECONDITION, 409, "FAILED_PRECONDITION"),
+    DeployFailed: _Entry(grpc.StatusCode.ABORTED, 409, "DEPLOY_FAILED"),
     InferplaneError: _Entry(grpc.StatusCode.INTERNAL, 500, "INTERNAL"),
 }
 

@@ -13,8 +13,9 @@ import grpc
 
 from server import __version__
 from server.dataplane import DataPlane, parse_infer_request, parse_message
-from server.errors import InferplaneError, grpc_status
+from server.errors import InferplaneError, PermissionDenied, grpc_status
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.tenancy import CallContext, bearer_token
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "binary_tensor_data")
@@ -38,14 +39,35 @@ def _guarded(handler):
     return wrapper
 
 
+def call_context(context: grpc.aio.ServicerContext) -> CallContext:
+    """The caller's key (``authorization: Bearer`` or ``x-api-key``), idempotency key and deadline."""
+    authorization = api_key = idempotency_key = None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            authorization = value
+        elif key == "x-api-key":
+            api_key = value
+        elif key == "idempotency-key":
+            idempotency_key = value
+    return CallContext(bearer_token(authorization, api_key), idempotency_key, context.time_remaining())
+
+
 def _passthrough(method: str, request_type):
-    """A raw-bytes RPC about one model: check the model is served here, forward to Triton."""
+    """A raw-bytes RPC about one model: check the caller may see it and it is served here, forward to Triton."""
 
     async def handler(self, raw: bytes, context):
         request = parse_message(request_type, raw)
+        ctx = call_context(context)
         if request.name or method != "ModelStatistics":
-            self.dp.resolve(request.name, request.version)
-        return await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining())
+            self.dp.resolve_for(ctx, request.name, request.version)
+            return await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining())
+        # statistics of every model: only those the caller may see
+        answer = pb.ModelStatisticsResponse.FromString(await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining()))
+        visible = set(self.dp.visible(ctx, [m.name for m in answer.model_stats]))
+        kept = [m for m in answer.model_stats if m.name in visible]
+        del answer.model_stats[:]
+        answer.model_stats.extend(kept)
+        return answer.SerializeToString()
 
     return handler
 
@@ -63,8 +85,10 @@ class InferenceService:
         return pb.ServerReadyResponse(ready=self.dp.is_ready())
 
     async def model_ready(self, request, context):
+        ctx = call_context(context)
+        self.dp.gate.authenticate(ctx)  # an unknown key is UNAUTHENTICATED, not "not ready"
         try:
-            self.dp.resolve(request.name, request.version)
+            self.dp.resolve_for(ctx, request.name, request.version)
             return pb.ModelReadyResponse(ready=True)
         except InferplaneError:
             return pb.ModelReadyResponse(ready=False)
@@ -78,28 +102,47 @@ class InferenceService:
 
     async def repository_index(self, request, context):
         response = pb.RepositoryIndexResponse()
-        for name in sorted(set(self.dp.models) | self.dp.loaded):
+        for name in self.dp.visible(call_context(context), sorted(set(self.dp.models) | self.dp.loaded)):
             signature = self.dp.models.get(name)
             versions = sorted(signature.versions) if signature else [""]
             for version in versions:
                 response.models.add(name=name, version=version, state="READY" if signature else "UNAVAILABLE")
         return response
 
+    def _operator(self, context) -> None:
+        """Loading and unloading models is for admin tenants when auth is on."""
+        principal = self.dp.gate.authenticate(call_context(context))
+        if self.dp.gate.enabled and not principal.tenant.admin:
+            raise PermissionDenied("loading and unloading models needs an admin key")
+
     async def repository_model_load(self, request, context):
+        self._operator(context)
         await self.dp.load_model(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(self, request, context):
+        self._operator(context)
         await self.dp.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # ---- inference ------------------------------------------------------------------------
 
     async def model_infer(self, raw: bytes, context):
-        return await self.dp.infer(parse_infer_request(raw), raw, timeout=context.time_remaining())
+        ctx = call_context(context)
+        return await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
 
     async def model_stream_infer(self, request_iterator, context):
-        async for response in self.dp.stream_infer(request_iterator, timeout=context.time_remaining()):
+        ctx = call_context(context)
+        try:
+            stream = self.dp.stream_infer(request_iterator, ctx.timeout, ctx)
+            first = await anext(stream, None)
+        except InferplaneError as err:  # phase one: refused before any response
+            await abort(context, err)
+            return
+        if first is None:
+            return
+        yield first
+        async for response in stream:
             yield response
 
     # ---- registration ---------------------------------------------------------------------

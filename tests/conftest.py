@@ -16,7 +16,7 @@ from loadtest.stack import Stack, stop_stack  # noqa: F401 - re-exported for the
 from loadtest.stack import start_stack as _start_stack
 
 MAX_REQUEST_BYTES = 4 << 20  # the test stack's request size limit (the default is 64 MiB)
-TEST_ENV = {"INFERPLANE_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES), "INFERPLANE_STATS_POLL_S": "0.5"}
+TEST_ENV = {"INFERPLANE_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES), "INFERPLANE_STATS_POLL_S": "0.5", "INFERPLANE_AUTH": "off"}
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +46,9 @@ def add_cached_copy(repository: Path, source: str, name: str) -> None:
 
 
 def start_stack(repository: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
-    return _start_stack(repository, workdir, *extra, env={**TEST_ENV, **(env or {})})
+    # each stack's registry lives in its workdir, not in the checkout's var/
+    registry = {"INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}
+    return _start_stack(repository, workdir, *extra, env={**TEST_ENV, **registry, **(env or {})})
 
 
 @pytest.fixture(scope="session")

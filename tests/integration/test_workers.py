@@ -33,11 +33,14 @@ def two_workers(demo_repository, tmp_path_factory):
 
 
 def _workers(stack) -> list[int]:
-    return [
-        p.pid
-        for p in psutil.Process(stack.process.pid).children()
-        if "server.workers" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
-    ]
+    pids = []
+    for child in psutil.Process(stack.process.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "server.workers" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:  # exited between listing and reading: not a live worker
+            continue
+    return pids
 
 
 def _infer_fresh_connection(stack) -> float:

