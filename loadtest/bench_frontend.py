@@ -39,6 +39,15 @@ def _frontend_cpu_ms(run: dict, frontend_pid: int, triton_pid: int) -> float | N
     return (tree["cpu_s"] - triton["cpu_s"]) * 1000 / (run["requests"] + run.get("errors_total", 0))
 
 
+def _set_parameter(repo: Path, key: str, value: str) -> None:
+    from model_repository.config_writer import read_config, write_config
+
+    for model_dir in sorted(p for p in repo.iterdir() if (p / "config.pbtxt").exists()):
+        config = read_config(model_dir)
+        config.parameters[key].string_value = value
+        write_config(config, model_dir)
+
+
 def _median(values):
     vals = sorted(v for v in values if v is not None)
     return vals[len(vals) // 2] if vals else None
@@ -59,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rates", default="", help="open-loop sweep rates (default: from the c=32 direct throughput)")
+    ap.add_argument("--no-coalesce", action="store_true", help="turn request coalescing off in every model's config")
     ap.add_argument("--quick", action="store_true", help="1 round, 1 s runs, one model (a smoke run)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -72,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
 
         repo = args.out / "model_repository"
         build_demo_repository(repo)
-    extra = ["--workers", str(args.workers)]
+    if args.no_coalesce:
+        if args.repository is not None:  # never edit the caller's repository
+            import shutil
+
+            repo = Path(shutil.copytree(args.repository, args.out / "model_repository", dirs_exist_ok=True))
+        _set_parameter(repo, "inferplane.coalesce", "false")
+    extra = ["--workers", str(args.workers), "--auth", "off"]
     if args.workers > 1:
         from server.supervisor import free_port
 
@@ -83,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "workers": args.workers,
+        "coalesce": not args.no_coalesce,
         "models": {},
     }
     try:
@@ -143,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(results: dict) -> str:
     lines = [f"Command: `{results['command']}` ({results['date']}, {results['machine']['cpus']} CPUs, "
-             f"{results['machine']['platform']}, frontend workers: {results['workers']})", ""]
+             f"{results['machine']['platform']}, frontend workers: {results['workers']}, "
+             f"coalescing: {'on' if results.get('coalesce', True) else 'off'})", ""]
     lines += [
         "| model | c | Triton rps | frontend rps | ratio (min–max) | p50 Triton / frontend ms | p99 Triton / frontend ms | frontend CPU ms/req | Triton CPU ms/req (direct) |",
         "|---|---|---|---|---|---|---|---|---|",
