@@ -85,7 +85,7 @@ def test_unavailable_carries_a_retry_hint(own_stack):
         time.sleep(0.01)
     assert hint is not None
     # and it comes back
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             call(req.SerializeToString(), timeout=5)
@@ -93,7 +93,7 @@ def test_unavailable_carries_a_retry_hint(own_stack):
         except grpc.RpcError:
             time.sleep(0.05)
     else:
-        pytest.fail("not serving again within 10 s")
+        pytest.fail("not serving again within 30 s")
     channel.close()
 
 
