@@ -582,10 +582,10 @@ class Engine:
             "prompt_tokens": len(seq.prompt),
             "completion_tokens": len(seq.generated),
             "cached_tokens": seq.cached_tokens,
-            "step": self.step,
+            "step": self.step,  # the engine's decode step when it finished (noticed a cancel, deadline, stop)
             "submitted_step": seq.submitted_step,
             "admitted_step": seq.admitted_step,
-            "last_step": seq.last_step,
+            "last_step": seq.last_step,  # the last decode step that computed a token for it
             "queue_ms": None if seq.admitted_step < 0 else round((seq.first_token_at or now) - seq.submitted, 6) * 1000,
         }
         if error:

