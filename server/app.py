@@ -18,12 +18,18 @@ from grpc_reflection.v1alpha import reflection
 
 from server.admin_servicer import AdminService
 from server.dataplane import DataPlane
+from server.generate_servicer import add_to_server as add_generation
+from server.generation import LLMService
 from server.metrics import Metrics
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.servicer import SERVICE, InferenceService
 from server.settings import Settings
 from server.supervisor import TritonSupervisor
+from server.tenancy_servicer import TenancyService
+from server.tenancy_servicer import add_to_server as add_tenancy
+from server.traffic_servicer import TrafficService
+from server.traffic_servicer import add_to_server as add_traffic
 from server.triton_client import TritonClient
 
 log = logging.getLogger("inferplane")
@@ -48,6 +54,8 @@ class Frontend:
         self._tasks: list[asyncio.Task] = []
         self.registry = None  # server.registry.Registry, with the deployer (issue 5)
         self.deployer = None
+        self.traffic = None  # server.traffic.TrafficController, beside the deployer (issue 8)
+        self.tenancy_store = None  # server.tenancy_store.TenancyStore, with --auth on (the Tenancy API)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -76,6 +84,10 @@ class Frontend:
 
             self.registry, self.deployer = await asyncio.to_thread(build_control_plane, s, self.dataplane)
             await self.deployer.start()
+            from server.traffic import TrafficController
+
+            self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
+            await self.traffic.start()
         self.metrics.triton_up.set(1)
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
@@ -102,7 +114,7 @@ class Frontend:
             from server.metering import Meter
             from server.tenancy_store import TenancyStore
 
-            store = await asyncio.to_thread(TenancyStore, s.tenancy_database_url)
+            store = self.tenancy_store = await asyncio.to_thread(TenancyStore, s.tenancy_database_url)
             ring = KeyRing(s.key_pepper.get_secret_value().encode())
             ring.load(*await asyncio.to_thread(store.snapshot))
             log.info("auth on: %d API keys of %d tenants", len(ring), len(ring.tenants))
@@ -150,11 +162,14 @@ class Frontend:
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
+        tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy_store, s.key_pepper.get_secret_value().encode(), self.registry), server)
+        generation_name = add_generation(LLMService(self.dataplane), server)
+        traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
         admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
         reflection.enable_server_reflection(
-            (SERVICE, admin_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
             pool=_pool.POOL,
         )
@@ -223,6 +238,8 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.traffic is not None:
+            await self.traffic.stop()
         if self.deployer is not None:
             await self.deployer.stop()
             self.registry.close()

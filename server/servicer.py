@@ -16,6 +16,7 @@ from server.dataplane import DataPlane, parse_infer_request, parse_message
 from server.errors import InferplaneError, PermissionDenied, grpc_status
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy import CallContext, bearer_token
+from server.traffic_state import ARM_HEADER, VERSION_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "binary_tensor_data")
@@ -42,14 +43,15 @@ def _guarded(handler):
 def call_context(context: grpc.aio.ServicerContext) -> CallContext:
     """The caller's key (``authorization: Bearer`` or ``x-api-key``), idempotency key and deadline."""
     authorization = api_key = idempotency_key = None
-    for key, value in context.invocation_metadata() or ():
+    metadata = context.invocation_metadata() or ()
+    for key, value in metadata:
         if key == "authorization":
             authorization = value
         elif key == "x-api-key":
             api_key = value
         elif key == "idempotency-key":
             idempotency_key = value
-    return CallContext(bearer_token(authorization, api_key), idempotency_key, context.time_remaining())
+    return CallContext(bearer_token(authorization, api_key), idempotency_key, context.time_remaining(), headers=metadata)
 
 
 def _passthrough(method: str, request_type):
@@ -129,7 +131,9 @@ class InferenceService:
 
     async def model_infer(self, raw: bytes, context):
         ctx = call_context(context)
-        return await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
+        answer = await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
+        context.set_trailing_metadata(((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm)))  # who answered
+        return answer
 
     async def model_stream_infer(self, request_iterator, context):
         ctx = call_context(context)

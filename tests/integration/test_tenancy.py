@@ -1,6 +1,6 @@
 """Tenancy on the real stack with `--auth on`: keys, the cross-tenant matrix on both transports,
 quotas with retry hints, idempotency (Triton's statistics prove one execution), revocation,
-deadlines and metering."""
+deadlines, metering, the Tenancy admin API and the Admin service's authorization."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from model_repository.layout import load_validation
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc, tenancy_pb2, tenancy_pb2_grpc
 from server.quota_policy import Quota
 from server.tenancy_store import TenancyStore
 from tests.conftest import CACHED_MODEL, start_stack, stop_stack, wait_until
@@ -40,6 +41,7 @@ def tenancy(demo_repository, tmp_path_factory):
     keys["gamma"] = store.create_key("gamma", pepper, team="team-gamma", models=["*"], model_quotas={"fraud_xgboost": Quota(rpm=5)})[1]
     keys["idem"] = store.create_key("idem", pepper, models=["lightgbm_regressor"])[1]
     keys["revokee_id"], keys["revokee"] = store.create_key("revokee", pepper, models=["*"])
+    keys["ops"] = store.create_key("ops", pepper, team="platform", models=["*"], admin=True)[1]
     env = {
         "INFERPLANE_DATABASE_URL": url,
         "INFERPLANE_KEY_PEPPER": PEPPER,
@@ -297,3 +299,63 @@ def test_answered_requests_are_metered_to_the_database(tenancy):
     assert any(r["team"] == "team-beta" and r["requests"] >= 3 for r in report)
     cost = json.loads(_cli(tenancy, "cost", "--by", "tenant", "--since", "1h", "--json"))
     assert any(r["tenant"] == "beta" and r["cost_usd"] > 0 for r in cost)
+
+
+# ---- the Tenancy admin API and Admin authorization (gRPC) ---------------------------------------
+
+
+def _rpc_code(fn, request, key=None):
+    try:
+        return grpc.StatusCode.OK, fn(request, metadata=_auth(key), timeout=30)
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+
+
+def test_an_admin_key_creates_a_granted_key_that_sees_only_its_model(tenancy):
+    tenancy_api = tenancy_pb2_grpc.TenancyStub(tenancy.channel)
+    admin_api = admin_pb2_grpc.AdminStub(tenancy.channel)
+    ops = tenancy.keys["ops"]
+    changes = tenancy_pb2.TenantChanges(team="team-t", grants=tenancy_pb2.Grants(models=["mlp_classifier"]))
+    created = tenancy_api.CreateKey(tenancy_pb2.CreateKeyRequest(tenant="tenant-t", changes=changes), metadata=_auth(ops), timeout=30)
+    assert created.key.startswith(f"ipk_{created.key_id}_") and list(created.tenant.models) == ["mlp_classifier"]
+    key = created.key
+    # the frontend that minted it serves it at once; it infers its model and nothing else
+    assert _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "mlp_classifier"), key)[0] == grpc.StatusCode.OK
+    code, message, _ = _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "fraud_xgboost"), key)
+    assert code == grpc.StatusCode.NOT_FOUND and message == "unknown model 'fraud_xgboost'"
+    code, listed = _rpc_code(admin_api.ListModels, admin_pb2.ListModelsRequest(), key)
+    assert code == grpc.StatusCode.OK and [m.name for m in listed.models] == ["mlp_classifier"]
+    code, listed = _rpc_code(admin_api.ListModels, admin_pb2.ListModelsRequest(), ops)
+    assert {m.name for m in listed.models} >= set(MODELS)
+    assert _rpc_code(admin_api.ListModels, admin_pb2.ListModelsRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
+    # listings never carry keys or hashes
+    code, keys = _rpc_code(tenancy_api.ListKeys, tenancy_pb2.ListKeysRequest(tenant="tenant-t"), ops)
+    assert [(k.key_id, k.state) for k in keys.keys] == [(created.key_id, "active")]
+    assert key.encode() not in keys.SerializeToString() and key not in tenancy.log.read_text(errors="replace")
+    # revoked through the API: refused (at once here; elsewhere after a refresh)
+    tenancy_api.RevokeKey(tenancy_pb2.RevokeKeyRequest(key_id=created.key_id), metadata=_auth(ops), timeout=30)
+    req = _infer_request(tenancy.repository, "mlp_classifier")
+    assert wait_until(lambda: _grpc(tenancy, "ModelInfer", req, key)[0] == grpc.StatusCode.UNAUTHENTICATED, timeout=10)
+    # every call is in the control plane's audit log, under the admin's tenant and key id
+    code, audit = _rpc_code(admin_api.ListAudit, admin_pb2.ListAuditRequest(limit=200), ops)
+    actions = {(e.action, e.outcome) for e in audit.entries if e.actor.startswith("ops/")}
+    assert {("tenancy.CreateKey", "ok"), ("tenancy.ListKeys", "ok"), ("tenancy.RevokeKey", "ok")} <= actions
+    assert all(key not in e.detail for e in audit.entries)
+
+
+def test_a_non_admin_key_may_not_manage_keys_or_deploy(tenancy):
+    tenancy_api = tenancy_pb2_grpc.TenancyStub(tenancy.channel)
+    admin_api = admin_pb2_grpc.AdminStub(tenancy.channel)
+    alpha = tenancy.keys["alpha"]
+    request = tenancy_pb2.CreateKeyRequest(tenant="mallory", changes=tenancy_pb2.TenantChanges(admin=True))
+    assert _rpc_code(tenancy_api.CreateKey, request, alpha)[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert _rpc_code(tenancy_api.CreateKey, request)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert "mallory" not in {t.name for t in tenancy.store.tenants()}
+    assert _rpc_code(admin_api.Deploy, admin_pb2.DeployRequest(ref="mlp_classifier:1"), alpha)[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert _rpc_code(admin_api.Rollback, admin_pb2.RollbackRequest(name="mlp_classifier"), alpha)[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert _rpc_code(admin_api.UnloadModel, admin_pb2.UnloadModelRequest(name="fraud_xgboost"), alpha)[0] == grpc.StatusCode.PERMISSION_DENIED
+    code, listed = _rpc_code(admin_api.ListModels, admin_pb2.ListModelsRequest(), alpha)
+    assert code == grpc.StatusCode.OK and {m.name for m in listed.models} == set(GRANTS["alpha"])
+    # an ungranted endpoint reads like one never deployed
+    code, message = _rpc_code(admin_api.GetEndpoint, admin_pb2.GetEndpointRequest(name="lightgbm_regressor"), alpha)
+    assert code == grpc.StatusCode.NOT_FOUND and message == "endpoint 'lightgbm_regressor' has never been deployed"

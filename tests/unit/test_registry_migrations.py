@@ -12,10 +12,14 @@ from server import migrations
 from server.artifacts import ArtifactStore
 from server.db import make_engine
 from server.registry import Base, Registry
+from server.tenancy_store import Base as TenancyBase
+from server.traffic import metadata as traffic_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
 
 V1_TABLES = {"models", "model_versions", "audit_log"}
-HEAD_TABLES = V1_TABLES | {"trusted_keys", "team_policies", "deployments"}
+V2_TABLES = V1_TABLES | {"trusted_keys", "team_policies", "deployments"}
+HEAD_TABLES = V2_TABLES | {"tenancy_tenants", "tenancy_keys", "tenancy_usage"}  # 0003: tests/unit/test_tenancy_migrations.py
+HEAD_TABLES |= {"traffic_policies"}  # 0004: server/traffic.py
 
 
 def _tables(engine) -> set[str]:
@@ -43,7 +47,7 @@ def test_the_models_match_the_newest_migration(db_url):
     try:
         migrations.upgrade(engine)
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), Base.metadata)
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata])
         assert diff == []
     finally:
         engine.dispose()
