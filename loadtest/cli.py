@@ -13,12 +13,12 @@ from loadtest.engine import LoadSpec
 
 app = typer.Typer(
     name="loadtest",
-    help="Load generator for OIP v2 gRPC targets (Triton, the inferplane frontend).",
+    help="Load generator for OIP v2 gRPC, KServe v2 REST and SSE token-stream targets (Triton, the inferplane frontend).",
     no_args_is_help=True,
     add_completion=False,
 )
 
-Target = Annotated[str, typer.Option("--target", "-t", help="grpc://HOST:PORT")]
+Target = Annotated[str, typer.Option("--target", "-t", help="grpc://HOST:PORT, http://HOST:PORT (REST) or sse://HOST:PORT")]
 Model = Annotated[str, typer.Option("--model", "-m", help="model name")]
 Concurrency = Annotated[int | None, typer.Option("--concurrency", "-c", help="closed loop: N concurrent callers")]
 Rate = Annotated[float | None, typer.Option("--rate", "-r", help="open loop: requests/s")]
@@ -33,12 +33,17 @@ Pids = Annotated[list[int] | None, typer.Option("--pid", help="process under tes
 Stream = Annotated[bool, typer.Option("--stream", help="use ModelStreamInfer (bidi) instead of ModelInfer")]
 Processes = Annotated[int, typer.Option("--processes", "-p", help="client worker processes")]
 Channels = Annotated[int, typer.Option("--channels", help="gRPC channels (TCP connections) per process")]
-Headers = Annotated[list[str] | None, typer.Option("--header", "-H", help="gRPC metadata KEY=VALUE (repeatable)")]
+Headers = Annotated[list[str] | None, typer.Option("--header", "-H", help="gRPC metadata / HTTP header KEY=VALUE (repeatable)")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar or summary")]
 PoolSize = Annotated[int, typer.Option("--pool-size", help="distinct pre-serialized requests")]
 Timeout = Annotated[float, typer.Option("--timeout", help="per-request deadline, seconds")]
 MaxInflight = Annotated[int, typer.Option("--max-inflight", help="open loop: cap on outstanding requests")]
 Seed = Annotated[int, typer.Option("--seed")]
+RestJson = Annotated[bool, typer.Option("--rest-json", help="http:// targets: JSON tensors instead of the binary extension")]
+Sse = Annotated[bool, typer.Option("--sse", help="http:// targets: stream /v1/chat/completions (like sse://)")]
+Prompts = Annotated[list[str] | None, typer.Option("--prompt", help="SSE: prompt text (repeatable; default: a built-in set)")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", help="SSE: max_tokens per completion")]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="SSE: ask for exactly --max-tokens tokens (server extension)")]
 
 
 def _headers(items: list[str] | None) -> tuple[tuple[str, str], ...]:
@@ -49,6 +54,24 @@ def _headers(items: list[str] | None) -> tuple[tuple[str, str], ...]:
         k, v = item.split("=", 1)
         out.append((k.strip().lower(), v.strip()))
     return tuple(out)
+
+
+def _check_protocol(cfg) -> str:
+    try:
+        return cfg.protocol
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _http_flags(target: str, rest_json: bool, sse: bool) -> dict:
+    """--rest-json/--sse apply to http(s):// targets only (compare/sweep may mix protocols)."""
+    if target.startswith(("http://", "https://")):
+        return {"rest_json": rest_json, "sse": sse}
+    return {}
+
+
+def _proto_kw(rest_json: bool, sse: bool, prompts, max_tokens: int, ignore_eos: bool) -> dict:
+    return dict(rest_json=rest_json, sse=sse, prompts=prompts, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed) -> LoadSpec:
@@ -79,15 +102,25 @@ def _summary_line(r: dict) -> str:
     lat = r["latency_ms"]
     cpu = (r.get("cpu") or {}).get("total_cpu_ms_per_request")
     cpu_s = f" cpu/req {cpu:.3f} ms" if cpu is not None else ""
-    return (
+    line = (
         f"{r['throughput_rps']:.1f} req/s  p50 {lat['p50']:.3f}  p90 {lat['p90']:.3f}  p99 {lat['p99']:.3f}"
         f"  p99.9 {lat['p99.9']:.3f}  max {lat['max']:.3f} ms  errors {r['errors_total']}{cpu_s}"
     )
+    if "ttft_ms" in r:
+        ttft, itl = r["ttft_ms"], r["itl_ms"]
+        line += (
+            f"\n  {r['tokens_per_s']:.1f} tokens/s  ttft p50 {ttft['p50']:.3f} p99 {ttft['p99']:.3f} ms"
+            f"  itl p50 {itl['p50']:.3f} p99 {itl['p99']:.3f} ms  {r['tokens_per_stream']:.1f} tokens/stream"
+        )
+    return line
+
+
+_SCHEMES = ("grpc://", "http://", "https://", "sse://")
 
 
 def _parse_labeled(target: str, default: str) -> tuple[str, str]:
-    """'label=grpc://h:p' or 'grpc://h:p' -> (label, target)."""
-    if "=" in target and not target.startswith("grpc://"):
+    """'label=grpc://h:p' or 'grpc://h:p' (also http://, https://, sse://) -> (label, target)."""
+    if "=" in target and not target.startswith(_SCHEMES):
         label, t = target.split("=", 1)
         return label, t
     return default, target
@@ -116,6 +149,11 @@ def run(
     timeout: Timeout = 30.0,
     max_inflight: MaxInflight = 10_000,
     seed: Seed = 0,
+    rest_json: RestJson = False,
+    sse: Sse = False,
+    prompt: Prompts = None,
+    max_tokens: MaxTokens = 64,
+    ignore_eos: IgnoreEos = False,
 ) -> None:
     """One measured run (closed loop with --concurrency, open loop with --rate)."""
     from loadtest.runner import RunConfig, prepare_pool
@@ -123,13 +161,15 @@ def run(
 
     spec = _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed)
     md = _headers(header)
-    pool = prepare_pool(target, model, data=data, repository=repository, batch=batch, size=pool_size, seed=seed, metadata=md)
     cfg = RunConfig(
         target=target, model=model, spec=spec, stream=stream, channels=channels, timeout=timeout,
-        metadata=md, processes=processes, batch=batch, pids=tuple(pid or ()),
+        metadata=md, processes=processes, batch=batch, pids=tuple(pid or ()), rest_json=rest_json, sse=sse,
     )
+    _check_protocol(cfg)
+    pool = prepare_pool(target, model, data=data, repository=repository, batch=batch, size=pool_size, seed=seed,
+                        metadata=md, **_proto_kw(rest_json, sse, prompt, max_tokens, ignore_eos))
     result = do_run(cfg, pool, quiet=quiet)
-    result["data"] = data
+    result["data"] = "prompts" if result["protocol"] == "sse" else data
     if not quiet:
         typer.echo(_summary_line(result), err=True)
         for code, e in result["errors"].items():
@@ -139,8 +179,8 @@ def run(
 
 @app.command()
 def compare(
-    target_a: Annotated[str, typer.Argument(help="A (baseline), e.g. direct Triton: [label=]grpc://HOST:PORT")],
-    target_b: Annotated[str, typer.Argument(help="B, e.g. through the frontend: [label=]grpc://HOST:PORT")],
+    target_a: Annotated[str, typer.Argument(help="A (baseline), e.g. direct Triton: [label=]grpc://HOST:PORT (or http://, sse://)")],
+    target_b: Annotated[str, typer.Argument(help="B, e.g. through the frontend: [label=]grpc://HOST:PORT (or http://, sse://)")],
     model: Model,
     rounds: Annotated[int, typer.Option("--rounds", help="interleaved rounds A, B, A, B, ...")] = 6,
     concurrency: Concurrency = None,
@@ -164,8 +204,16 @@ def compare(
     timeout: Timeout = 30.0,
     max_inflight: MaxInflight = 10_000,
     seed: Seed = 0,
+    rest_json: RestJson = False,
+    sse: Sse = False,
+    prompt: Prompts = None,
+    max_tokens: MaxTokens = 64,
+    ignore_eos: IgnoreEos = False,
 ) -> None:
-    """Same load against A and B in interleaved rounds; reports B/A ratios with spread."""
+    """Same load against A and B in interleaved rounds; reports B/A ratios with spread.
+
+    A and B may speak different protocols (e.g. grpc:// vs http://); --rest-json/--sse apply
+    to whichever is an http:// target."""
     from loadtest.compare import compare as do_compare
     from loadtest.runner import RunConfig, prepare_pool
 
@@ -173,11 +221,13 @@ def compare(
     (label_a, ta), (label_b, tb) = _parse_labeled(target_a, "A"), _parse_labeled(target_b, "B")
     md_a, md_b = _headers(header_a), _headers(header_b)
     common = dict(model=model, spec=spec, stream=stream, channels=channels, timeout=timeout, processes=processes, batch=batch)
-    cfg_a = RunConfig(target=ta, metadata=md_a, pids=tuple(pid_a or ()), label=label_a, **common)
-    cfg_b = RunConfig(target=tb, metadata=md_b, pids=tuple(pid_b or ()), label=label_b, **common)
+    cfg_a = RunConfig(target=ta, metadata=md_a, pids=tuple(pid_a or ()), label=label_a, **common, **_http_flags(ta, rest_json, sse))
+    cfg_b = RunConfig(target=tb, metadata=md_b, pids=tuple(pid_b or ()), label=label_b, **common, **_http_flags(tb, rest_json, sse))
+    _check_protocol(cfg_a)
+    _check_protocol(cfg_b)
     kw = dict(data=data, repository=repository, batch=batch, size=pool_size, seed=seed)
-    pool_a = prepare_pool(ta, model, metadata=md_a, **kw)
-    pool_b = prepare_pool(tb, model, metadata=md_b, **kw)
+    pool_a = prepare_pool(ta, model, metadata=md_a, **kw, **_proto_kw(cfg_a.rest_json, cfg_a.sse, prompt, max_tokens, ignore_eos))
+    pool_b = prepare_pool(tb, model, metadata=md_b, **kw, **_proto_kw(cfg_b.rest_json, cfg_b.sse, prompt, max_tokens, ignore_eos))
 
     def on_round(i: int, ra: dict, rb: dict) -> None:
         if not quiet:
@@ -216,7 +266,7 @@ def _levels(text: str) -> list[float]:
 
 @app.command()
 def sweep(
-    target: Annotated[list[str], typer.Option("--target", "-t", help="[label=]grpc://HOST:PORT (repeatable)")],
+    target: Annotated[list[str], typer.Option("--target", "-t", help="[label=]grpc://HOST:PORT, http://HOST:PORT or sse://HOST:PORT (repeatable)")],
     model: Model,
     concurrency: Annotated[str | None, typer.Option("--concurrency", "-c", help="levels, e.g. 1,2,4,8,16")] = None,
     rate: Annotated[str | None, typer.Option("--rate", "-r", help="levels in req/s, e.g. 100,500,1000")] = None,
@@ -237,6 +287,11 @@ def sweep(
     timeout: Timeout = 30.0,
     max_inflight: MaxInflight = 10_000,
     seed: Seed = 0,
+    rest_json: RestJson = False,
+    sse: Sse = False,
+    prompt: Prompts = None,
+    max_tokens: MaxTokens = 64,
+    ignore_eos: IgnoreEos = False,
 ) -> None:
     """Concurrency or rate sweep; writes a latency-vs-throughput PNG and JSON."""
     from loadtest.runner import RunConfig, prepare_pool
@@ -252,9 +307,12 @@ def sweep(
     cfgs, pools = [], []
     for i, t in enumerate(target):
         label, addr = _parse_labeled(t, t)
-        cfgs.append(RunConfig(target=addr, model=model, spec=spec, stream=stream, channels=channels, timeout=timeout,
-                              metadata=md, processes=processes, batch=batch, label=label))
-        pools.append(prepare_pool(addr, model, data=data, repository=repository, batch=batch, size=pool_size, seed=seed, metadata=md))
+        cfg = RunConfig(target=addr, model=model, spec=spec, stream=stream, channels=channels, timeout=timeout,
+                        metadata=md, processes=processes, batch=batch, label=label, **_http_flags(addr, rest_json, sse))
+        _check_protocol(cfg)
+        cfgs.append(cfg)
+        pools.append(prepare_pool(addr, model, data=data, repository=repository, batch=batch, size=pool_size, seed=seed,
+                                  metadata=md, **_proto_kw(cfg.rest_json, cfg.sse, prompt, max_tokens, ignore_eos)))
 
     def on_point(c, r) -> None:
         if not quiet:

@@ -1,17 +1,30 @@
 """Transport drivers: what the load engine calls, one small interface per protocol.
 
 The engine only knows `Driver` and `Session`: a session sends one pre-serialized request and
-returns when its answer arrived, raising `CallError(code, message)` on failure. Later protocols
-(REST, SSE token streams) add a driver here; the engine, histograms and reports stay the same.
-Only OIP v2 gRPC is implemented now.
+returns when its answer arrived, raising `CallError(code, message)` on failure. The target's
+scheme picks the driver (`make_driver`):
+
+- `grpc://HOST:PORT` (or bare `HOST:PORT`): OIP v2 gRPC, `ModelInfer` or `ModelStreamInfer`.
+- `http(s)://HOST:PORT`: KServe v2 REST `POST /v2/models/{model}/infer`, Triton's binary tensor
+  extension by default (`rest`), JSON tensors with `rest_json` (`rest-json`).
+- `sse://HOST:PORT` (or `http://` with `sse`): OpenAI chat completions streamed as Server-Sent
+  Events (`loadtest.sse.SSEDriver`), with time to first token and inter-token latency.
+
+A pool item is whatever the protocol's session takes: serialized protobuf bytes for gRPC,
+`(body, headers)` for REST, a JSON body for SSE (`loadtest.request_pool.build_pool`).
+Drivers may report per-request figures beyond latency (`measure_window`, `extra_wire`,
+`extra_report`); the runner merges them into the result JSON.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from urllib.parse import urlsplit
+import json
+from types import SimpleNamespace
+from urllib.parse import quote, urlsplit
 
+import aiohttp
 import grpc
 
 SERVICE = "inference.GRPCInferenceService"
@@ -60,6 +73,66 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     async def session(self, index: int) -> Session: ...
 
+    # Optional per-request figures beyond latency (SSE: time to first token, tokens/s, ...).
+    def measure_window(self, t_meas: float, t_end: float) -> None:  # noqa: B027 - optional hook
+        """Requests *started* in [t_meas, t_end) (monotonic clock) count towards `extra_wire`."""
+
+    def extra_wire(self) -> dict | None:
+        """Picklable per-process extras, merged across worker processes by `extra_report`."""
+        return None
+
+    @classmethod
+    def extra_report(cls, wires: list[dict], duration_s: float) -> dict:
+        """Keys added to the result JSON from the `extra_wire` of every process."""
+        return {}
+
+
+# ---------------------------------------------------------------- targets
+
+PROTOCOLS = ("grpc", "grpc-stream", "rest", "rest-json", "sse")
+
+
+def protocol_of(target: str, *, stream: bool = False, rest_json: bool = False, sse: bool = False) -> str:
+    """The protocol a target speaks: grpc | grpc-stream | rest | rest-json | sse."""
+    scheme = urlsplit(target).scheme if "://" in target else "grpc"
+    if scheme == "grpc":
+        if sse or rest_json:
+            raise ValueError(f"--sse/--rest-json need an http:// target, got {target!r}")
+        return "grpc-stream" if stream else "grpc"
+    if scheme not in ("http", "https", "sse"):
+        raise ValueError(f"unsupported target scheme {scheme!r} in {target!r} (grpc://, http(s)://, sse://)")
+    if stream:
+        raise ValueError("--stream is gRPC's ModelStreamInfer; for token streams use sse:// or --sse")
+    if scheme == "sse" or sse:
+        if rest_json:
+            raise ValueError("--rest-json does not apply to SSE targets")
+        return "sse"
+    return "rest-json" if rest_json else "rest"
+
+
+def http_base(target: str) -> str:
+    """'http://h:p', 'https://h:p' or 'sse://h:p' (any path dropped) -> 'http(s)://h:p'."""
+    parts = urlsplit(target)
+    if parts.scheme not in ("http", "https", "sse") or not parts.hostname:
+        raise ValueError(f"target needs http(s)://HOST:PORT or sse://HOST:PORT, got {target!r}")
+    scheme = "http" if parts.scheme == "sse" else parts.scheme
+    return f"{scheme}://{parts.netloc}"
+
+
+def http_error(status: int, body: bytes) -> CallError:
+    """A non-2xx answer as CallError('HTTP 429', 'RESOURCE_EXHAUSTED: ...') (message from the
+    bridge's {"error": {code, message}} body when it has one, else the body's start)."""
+    message = body[:300].decode(errors="replace")
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict):
+            message = f"{err.get('code', '')}: {err.get('message', '')}".strip(": ")
+        elif isinstance(err, str):
+            message = err
+    except (ValueError, AttributeError):
+        pass
+    return CallError(f"HTTP {status}", message)
+
 
 def parse_grpc_target(target: str) -> str:
     """'grpc://host:port' (or bare 'host:port') -> 'host:port'."""
@@ -67,7 +140,7 @@ def parse_grpc_target(target: str) -> str:
         return target
     parts = urlsplit(target)
     if parts.scheme != "grpc":
-        raise ValueError(f"only grpc:// targets are supported for now, got {target!r}")
+        raise ValueError(f"not a grpc:// target: {target!r}")
     if not parts.hostname or not parts.port:
         raise ValueError(f"target needs host and port: {target!r}")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
@@ -168,11 +241,97 @@ class GrpcDriver(Driver):
         return _UnarySession(self._unary[i], self.timeout, self.metadata)
 
 
-def make_driver(target: str, **kwargs) -> Driver:
-    """Pick the driver for a target URL. Only grpc:// for now."""
-    if target.startswith(("http://", "https://")):
-        raise NotImplementedError("REST/SSE drivers are not implemented yet; use grpc://")
-    return GrpcDriver(target, **kwargs)
+# ---------------------------------------------------------------- KServe v2 REST
+
+
+class _RestSession(Session):
+    __slots__ = ("_post", "_url")
+    concurrent_safe = True
+
+    def __init__(self, http, url: str) -> None:
+        self._post = http.post
+        self._url = url
+
+    async def call(self, payload) -> None:
+        body, headers = payload
+        try:
+            async with self._post(self._url, data=body, headers=headers) as response:
+                data = await response.read()  # read to the end so the connection is reused
+                if response.status != 200:
+                    raise http_error(response.status, data)
+        except asyncio.TimeoutError:
+            raise CallError("TIMEOUT", f"no answer within the deadline ({self._url})") from None
+        except aiohttp.ClientError as e:
+            raise CallError("HTTP_ERROR", f"{type(e).__name__}: {e}") from None
+
+
+class RestDriver(Driver):
+    """KServe v2 REST infer on one `aiohttp.ClientSession`; a pool item is `(body, headers)`
+    (`request_pool.rest_binary_body` / `rest_json_body`), so no JSON or numpy work per request."""
+
+    def __init__(
+        self,
+        target: str,
+        model: str,
+        *,
+        version: str = "",
+        connections: int = 0,
+        timeout: float | None = 30.0,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.base = http_base(target)
+        path = f"/v2/models/{quote(model, safe='')}"
+        if version:
+            path += f"/versions/{quote(version, safe='')}"
+        self.url = f"{self.base}{path}/infer"
+        self.connections = max(0, connections)  # aiohttp: 0 = no limit
+        self.timeout = timeout
+        self.headers = dict(metadata)
+        self.http = None
+
+    async def open(self) -> None:
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.connections, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            headers=self.headers,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
+
+    async def session(self, index: int) -> Session:
+        return _RestSession(self.http, self.url)
+
+
+# ---------------------------------------------------------------- routing
+
+
+def make_driver(
+    target: str,
+    *,
+    model: str = "",
+    stream: bool = False,
+    rest_json: bool = False,
+    sse: bool = False,
+    channels: int = 1,
+    connections: int = 0,
+    timeout: float | None = 30.0,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> Driver:
+    """The driver for a target URL (see the module docstring for the schemes)."""
+    proto = protocol_of(target, stream=stream, rest_json=rest_json, sse=sse)
+    if proto in ("grpc", "grpc-stream"):
+        return GrpcDriver(target, stream=stream, channels=channels, timeout=timeout, metadata=metadata)
+    if proto == "sse":
+        from loadtest.sse import SSEDriver
+
+        return SSEDriver(http_base(target), connections=connections, timeout=timeout or 300.0, metadata=metadata)
+    if not model:
+        raise ValueError("REST targets need the model name")
+    return RestDriver(target, model, connections=connections, timeout=timeout, metadata=metadata)
 
 
 def fetch_model_metadata(
@@ -183,7 +342,11 @@ def fetch_model_metadata(
     metadata: tuple[tuple[str, str], ...] = (),
     timeout: float = 10.0,
 ):
-    """ModelMetadataResponse for `model` (blocking; used once before a run)."""
+    """The model's signature (blocking; used once before a run): the ModelMetadata RPC for gRPC
+    targets, `GET /v2/models/{model}` for http(s):// ones (same attributes: name, inputs[].name,
+    .datatype, .shape)."""
+    if "://" in target and urlsplit(target).scheme in ("http", "https"):
+        return fetch_rest_metadata(target, model, version=version, metadata=metadata, timeout=timeout)
     from server.protogen.inference import grpc_service_pb2 as pb
 
     with grpc.insecure_channel(parse_grpc_target(target), options=_CHANNEL_OPTIONS) as ch:
@@ -198,3 +361,44 @@ def fetch_model_metadata(
             metadata=tuple(metadata) or None,
             wait_for_ready=True,
         )
+
+
+def fetch_rest_metadata(
+    target: str,
+    model: str,
+    *,
+    version: str = "",
+    metadata: tuple[tuple[str, str], ...] = (),
+    timeout: float = 10.0,
+) -> SimpleNamespace:
+    """`GET /v2/models/{model}[/versions/{v}]` as an object shaped like ModelMetadataResponse."""
+    import urllib.error
+    import urllib.request
+
+    path = f"/v2/models/{quote(model, safe='')}"
+    if version:
+        path += f"/versions/{quote(version, safe='')}"
+    req = urllib.request.Request(http_base(target) + path, headers=dict(metadata))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            doc = json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        err = http_error(e.code, e.read())
+        raise RuntimeError(f"model metadata for {model!r}: {err.code}: {err.message}") from None
+    return metadata_from_json(doc, model)
+
+
+def metadata_from_json(doc: dict, model: str = "") -> SimpleNamespace:
+    def tensors(items) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(name=t["name"], datatype=t["datatype"], shape=[int(d) for d in t.get("shape", [])])
+            for t in items or ()
+        ]
+
+    return SimpleNamespace(
+        name=doc.get("name") or model,
+        versions=list(doc.get("versions") or ()),
+        platform=doc.get("platform", ""),
+        inputs=tensors(doc.get("inputs")),
+        outputs=tensors(doc.get("outputs")),
+    )

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from loadtest import procstat
 from loadtest.engine import LoadSpec, Stats, clock, run_engine
 from loadtest.progress import LiveProgress
-from loadtest.protocol import fetch_model_metadata, make_driver
-from loadtest.request_pool import build_pool
+from loadtest.protocol import fetch_model_metadata, make_driver, protocol_of
+from loadtest.request_pool import build_pool, sse_pool
 from loadtest.schedule import split_rate
 
 
@@ -30,6 +30,12 @@ class RunConfig:
     batch: int = 1
     pids: tuple[int, ...] = field(default_factory=tuple)
     label: str = ""
+    rest_json: bool = False  # http:// targets: JSON tensors instead of the binary extension
+    sse: bool = False  # http:// targets: OpenAI chat completion token streams (as sse://)
+
+    @property
+    def protocol(self) -> str:
+        return protocol_of(self.target, stream=self.stream, rest_json=self.rest_json, sse=self.sse)
 
 
 def prepare_pool(
@@ -43,18 +49,39 @@ def prepare_pool(
     seed: int = 0,
     metadata: tuple[tuple[str, str], ...] = (),
     version: str = "",
-) -> list[bytes]:
-    """Fetch the model's signature over ModelMetadata and pre-serialize `size` requests."""
+    rest_json: bool = False,
+    sse: bool = False,
+    prompts: list[str] | tuple[str, ...] | None = None,
+    max_tokens: int = 64,
+    ignore_eos: bool = False,
+) -> list:
+    """Pre-serialize `size` requests for the target's protocol.
+
+    gRPC and REST: fetch the model's signature (ModelMetadata RPC, or `GET /v2/models/{model}`)
+    and encode the data as ModelInferRequest bytes or REST `(body, headers)` items. SSE: one
+    streaming chat-completion body per prompt (`prompts`, else a small built-in set).
+    """
+    proto = protocol_of(target, rest_json=rest_json, sse=sse)
+    if proto == "sse":
+        extra = {"ignore_eos": True} if ignore_eos else {}
+        return sse_pool(model, prompts, max_tokens=max_tokens, size=size, **extra)
     md = fetch_model_metadata(target, model, version=version, metadata=metadata)
     if not md.name:
         md.name = model
-    return build_pool(md, data=data, repository=repository, batch=batch, size=size, seed=seed, version=version)
-
-
-def _driver_for(cfg: RunConfig):
-    return make_driver(
-        cfg.target, stream=cfg.stream, channels=cfg.channels, timeout=cfg.timeout, metadata=cfg.metadata
+    encoding = {"grpc": "grpc", "rest": "rest", "rest-json": "rest-json"}[proto]
+    return build_pool(
+        md, data=data, repository=repository, batch=batch, size=size, seed=seed, version=version, encoding=encoding
     )
+
+
+def _driver_for(cfg: RunConfig, spec: LoadSpec | None = None):
+    spec = spec or cfg.spec
+    # HTTP drivers: one connection per caller (closed loop), up to --max-inflight (open loop)
+    connections = spec.max_inflight if spec.open_loop else spec.concurrency
+    return make_driver(
+        cfg.target, model=cfg.model, stream=cfg.stream, rest_json=cfg.rest_json, sse=cfg.sse,
+        channels=cfg.channels, connections=connections, timeout=cfg.timeout, metadata=cfg.metadata,
+    )  # fmt: skip
 
 
 def _worker_spec(spec: LoadSpec, parts: int, index: int) -> LoadSpec | None:
@@ -79,6 +106,7 @@ async def run_async(cfg: RunConfig, pool: list[bytes], *, quiet: bool = True) ->
     try:
         t0 = clock() + 0.05
         t_meas, t_end = t0 + spec.warmup, t0 + spec.warmup + spec.duration
+        driver.measure_window(t_meas, t_end)
         keeper = asyncio.ensure_future(_timekeeper(t0, t_meas, t_end, cfg.pids, cpu, stats, cfg, quiet))
         try:
             await run_engine(driver, pool, spec, t0, stats)
@@ -87,7 +115,8 @@ async def run_async(cfg: RunConfig, pool: list[bytes], *, quiet: bool = True) ->
             await keeper
     finally:
         await driver.close()
-    return assemble(cfg, stats, cpu)
+    wire = driver.extra_wire()
+    return assemble(cfg, stats, cpu, extras=[wire] if wire is not None else None, driver_cls=type(driver))
 
 
 async def _timekeeper(t0, t_meas, t_end, pids, cpu, stats, cfg, quiet) -> None:
@@ -120,7 +149,7 @@ def _worker_main(index, parts, cfg: RunConfig, pool, barrier, counters, results)
 
     async def main() -> None:
         stats = Stats()
-        driver = _driver_for(cfg)
+        driver = _driver_for(cfg, spec)
         try:
             await driver.open()
         except BaseException:
@@ -128,6 +157,7 @@ def _worker_main(index, parts, cfg: RunConfig, pool, barrier, counters, results)
             raise
         barrier.wait(timeout=120)
         t0 = clock() + 0.05
+        driver.measure_window(t0 + spec.warmup, t0 + spec.warmup + spec.duration)
 
         async def tick() -> None:
             while True:
@@ -143,7 +173,7 @@ def _worker_main(index, parts, cfg: RunConfig, pool, barrier, counters, results)
             counters[2 * index] = stats.live_ok
             counters[2 * index + 1] = stats.live_err
             await driver.close()
-        results.put((index, stats.to_wire()))
+        results.put((index, {**stats.to_wire(), "extra": driver.extra_wire()}))
 
     try:
         _run_loop(main())
@@ -214,7 +244,8 @@ def _run_processes(cfg: RunConfig, pool: list[bytes], quiet: bool) -> dict:
     if failed or len(got) < len(active):
         raise RuntimeError(f"load workers failed: {failed or 'timed out'}")
     stats = Stats.merge_wire([got[i] for i in sorted(got)])
-    return assemble(cfg, stats, cpu)
+    extras = [got[i]["extra"] for i in sorted(got) if got[i].get("extra") is not None]
+    return assemble(cfg, stats, cpu, extras=extras or None, driver_cls=type(_driver_for(cfg)))
 
 
 def _drain_errors(results) -> list:
@@ -237,7 +268,7 @@ def run(cfg: RunConfig, pool: list[bytes], *, quiet: bool = True) -> dict:
     return _run_loop(run_async(cfg, pool, quiet=quiet))
 
 
-def assemble(cfg: RunConfig, stats: Stats, cpu: dict) -> dict:
+def assemble(cfg: RunConfig, stats: Stats, cpu: dict, *, extras: list[dict] | None = None, driver_cls=None) -> dict:
     spec = cfg.spec
     ok = stats.ok
     errors = dict(stats.errors)
@@ -248,7 +279,7 @@ def assemble(cfg: RunConfig, stats: Stats, cpu: dict) -> dict:
     out = {
         "target": cfg.target,
         "model": cfg.model,
-        "protocol": "grpc-stream" if cfg.stream else "grpc",
+        "protocol": cfg.protocol,
         "mode": "open" if spec.open_loop else "closed",
         "concurrency": spec.concurrency,
         "rate": spec.rate,
@@ -264,6 +295,8 @@ def assemble(cfg: RunConfig, stats: Stats, cpu: dict) -> dict:
         "inferences_per_s": ok * cfg.batch / spec.duration,
         "latency_ms": stats.latency.summary_ms(),
     }
+    if extras and driver_cls is not None:
+        out.update(driver_cls.extra_report(extras, spec.duration))
     if spec.open_loop:
         out["scheduled"] = stats.scheduled
         out["offered_rps"] = stats.scheduled / spec.duration

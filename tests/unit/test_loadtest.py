@@ -471,3 +471,233 @@ def test_run_perf_analyzer_against_dummy_server(dummy_factory):
     assert r["concurrency"] == 2 and r["throughput_rps"] > 0
     assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
     assert r["latency_ms"]["mean"] is not None
+
+
+# ---------------------------------------------------------------- REST and SSE drivers
+
+
+def _two_input_metadata():
+    md = pb.ModelMetadataResponse(name="multi")
+    a = md.inputs.add()
+    a.name, a.datatype = "dense", "FP32"
+    a.shape.extend([-1, 3])
+    b = md.inputs.add()
+    b.name, b.datatype = "ids", "INT64"
+    b.shape.extend([-1, 2])
+    c = md.inputs.add()
+    c.name, c.datatype = "text", "BYTES"
+    c.shape.extend([-1, 1])
+    return md
+
+
+def test_rest_binary_body_is_what_the_bridge_decodes():
+    """The binary tensor extension framing round-trips through the server's own decoder to the
+    same tensors as the gRPC pool (same seed), with binary outputs asked for."""
+    from server import rest_codec
+
+    md = _two_input_metadata()
+    grpc_pool = build_pool(md, batch=2, size=4, seed=3)
+    rest_pool = build_pool(md, batch=2, size=4, seed=3, encoding="rest")
+    for raw, (body, headers) in zip(grpc_pool, rest_pool):
+        assert headers["Content-Type"] == "application/octet-stream"
+        split = rest_codec.header_length(headers[rest_codec.HEADER_LENGTH], len(body))
+        decoded, plan = rest_codec.decode_infer_request(body, split, "multi")
+        want = pb.ModelInferRequest.FromString(raw)
+        assert plan.default_binary is True and not plan.binary
+        assert [(t.name, t.datatype, list(t.shape)) for t in decoded.inputs] == [
+            ("dense", "FP32", [2, 3]), ("ids", "INT64", [2, 2]), ("text", "BYTES", [2, 1])
+        ]
+        assert list(decoded.raw_input_contents) == list(want.raw_input_contents)
+        assert decoded.id == want.id
+        assert "binary_data_output" not in decoded.parameters  # consumed by the bridge
+    assert isinstance(rest_pool[0][0], bytes)  # pre-serialized: nothing to build per request
+
+
+def test_rest_json_body_is_what_the_bridge_decodes(tmp_path):
+    from server import rest_codec
+
+    md = _metadata(shape=(-1, 4))
+    features = np.random.default_rng(1).standard_normal((10, 4)).astype(np.float32)
+    grpc_pool = validation_pool(md, features, batch=3, size=4)
+    json_pool = validation_pool(md, features, batch=3, size=4, encoding="rest-json")
+    for raw, (body, headers) in zip(grpc_pool, json_pool):
+        assert headers == {"Content-Type": "application/json"}
+        decoded, plan = rest_codec.decode_infer_request(body, None, "m")
+        assert plan.default_binary is False  # JSON outputs too
+        want = pb.ModelInferRequest.FromString(raw)
+        assert list(decoded.inputs[0].shape) == [3, 4]
+        assert decoded.raw_input_contents[0] == want.raw_input_contents[0]  # FP32 exact through JSON
+    # BYTES as JSON strings, INT64 as integers
+    body, _ = build_pool(_two_input_metadata(), size=1, encoding="rest-json")[0]
+    decoded, _ = rest_codec.decode_infer_request(body, None, "multi")
+    assert [t.datatype for t in decoded.inputs] == ["FP32", "INT64", "BYTES"]
+    with pytest.raises(ValueError, match="encoding"):
+        build_pool(md, encoding="xml")
+
+
+def test_sse_pool_and_target_routing():
+    from loadtest.protocol import GrpcDriver, RestDriver, http_error, make_driver, metadata_from_json, protocol_of
+    from loadtest.request_pool import sse_pool
+    from loadtest.sse import DEFAULT_PROMPTS, SSEDriver
+
+    bodies = sse_pool("tiny", ["a", "b"], max_tokens=5, ignore_eos=True)
+    docs = [json.loads(b) for b in bodies]
+    assert [d["messages"][0]["content"] for d in docs] == ["a", "b"]
+    assert all(d["stream"] and d["max_tokens"] == 5 and d["ignore_eos"] and d["model"] == "tiny" for d in docs)
+    assert docs[0]["stream_options"] == {"include_usage": True}
+    assert len(sse_pool("tiny")) == len(DEFAULT_PROMPTS)
+
+    assert protocol_of("grpc://h:1") == "grpc" and protocol_of("h:1", stream=True) == "grpc-stream"
+    assert protocol_of("http://h:1") == "rest" and protocol_of("http://h:1", rest_json=True) == "rest-json"
+    assert protocol_of("sse://h:1") == protocol_of("http://h:1", sse=True) == "sse"
+    for bad in (dict(target="grpc://h:1", sse=True), dict(target="http://h:1", stream=True), dict(target="ftp://h:1")):
+        with pytest.raises(ValueError):
+            protocol_of(**bad)
+
+    assert isinstance(make_driver("grpc://h:1"), GrpcDriver)
+    rest = make_driver("http://h:1", model="a b", metadata=(("authorization", "Bearer k"),), connections=8)
+    assert isinstance(rest, RestDriver) and rest.url == "http://h:1/v2/models/a%20b/infer"
+    assert rest.headers == {"authorization": "Bearer k"} and rest.connections == 8
+    sse = make_driver("sse://h:1", model="tiny")
+    assert isinstance(sse, SSEDriver) and sse.url == "http://h:1/v1/chat/completions"
+
+    e = http_error(429, b'{"error": {"code": "RESOURCE_EXHAUSTED", "message": "quota", "details": []}}')
+    assert (e.code, e.message) == ("HTTP 429", "RESOURCE_EXHAUSTED: quota")
+    assert http_error(502, b"<html>bad gateway</html>").message == "<html>bad gateway</html>"
+
+    md = metadata_from_json({"name": "m", "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]})
+    assert random_pool(md, batch=2, size=1, encoding="rest")[0][1]["Inference-Header-Content-Length"]
+
+
+class FakeHttpServer:
+    """An aiohttp app on its own loop in a thread: v2 metadata and infer (every `fail_every`-th
+    infer answers 429), and a chat completion stream of `tokens` content events."""
+
+    def __init__(self, fail_every: int = 0, tokens: int = 4, gap_s: float = 0.002) -> None:
+        import threading
+
+        from aiohttp import web
+
+        self.fail_every, self.tokens, self.gap_s = fail_every, tokens, gap_s
+        self.infers = 0
+        self.seen_headers: list[dict] = []
+        self.bodies: list[tuple[bytes, dict]] = []
+        app = web.Application()
+        app.router.add_get("/v2/models/{name}", self.metadata)
+        app.router.add_post("/v2/models/{name}/infer", self.infer)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def metadata(self, request):
+        from aiohttp import web
+
+        self.seen_headers.append(request.headers.copy())
+        return web.json_response(
+            {"name": request.match_info["name"], "versions": ["1"], "platform": "fake",
+             "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 4]}],
+             "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 1]}]}
+        )
+
+    async def infer(self, request):
+        from aiohttp import web
+
+        self.infers += 1
+        body = await request.read()
+        self.bodies[1:] = [(body, request.headers.copy())]  # the first and the latest
+        if self.fail_every and self.infers % self.fail_every == 0:
+            return web.json_response({"error": {"code": "RESOURCE_EXHAUSTED", "message": "slow down", "details": []}},
+                                     status=429)
+        return web.json_response({"model_name": "m", "outputs": []})
+
+    async def chat(self, request):
+        from aiohttp import web
+
+        doc = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(min(self.tokens, doc["max_tokens"])):
+            await asyncio.sleep(self.gap_s)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        usage = {"choices": [], "usage": {"completion_tokens": self.tokens, "prompt_tokens": 3}}
+        await response.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture
+def fake_http():
+    servers = []
+
+    def make(**kw) -> FakeHttpServer:
+        servers.append(FakeHttpServer(**kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_rest_driver_counts_http_errors_and_passes_headers(fake_http):
+    from server import rest_codec
+
+    srv = fake_http(fail_every=4)
+    target = f"http://127.0.0.1:{srv.port}"
+    auth = (("authorization", "Bearer k1"),)
+    pool = prepare_pool(target, "m", batch=2, size=8, metadata=auth)  # metadata over GET /v2/models/m
+    assert srv.seen_headers[0]["authorization"] == "Bearer k1"
+    r = run(_cfg(target, concurrency=2, warmup=0.0, duration=0.6, metadata=auth), pool)
+    assert r["protocol"] == "rest"
+    total = r["requests"] + r["errors_total"]
+    assert total > 20 and set(r["errors"]) == {"HTTP 429"}
+    assert abs(r["errors"]["HTTP 429"]["count"] - total / 4) <= 2
+    assert r["errors"]["HTTP 429"]["first_message"] == "RESOURCE_EXHAUSTED: slow down"
+    body, headers = srv.bodies[0]
+    assert headers["authorization"] == "Bearer k1"
+    decoded, _ = rest_codec.decode_infer_request(body, int(headers[rest_codec.HEADER_LENGTH]), "m")
+    assert list(decoded.inputs[0].shape) == [2, 4]
+    # JSON tensors, open loop, two worker processes
+    pool = prepare_pool(target, "m", size=4, rest_json=True)
+    r = run(_cfg(target, spec=LoadSpec(rate=100.0, warmup=0.1, duration=0.5), rest_json=True, processes=2), pool)
+    assert r["protocol"] == "rest-json" and r["scheduled"] == 50
+    assert r["requests"] + r["errors_total"] == 50
+    assert b'"data":' in srv.bodies[-1][0] and rest_codec.HEADER_LENGTH not in srv.bodies[-1][1]
+
+
+def test_sse_driver_reports_ttft_itl_and_tokens(fake_http, tmp_path):
+    from typer.testing import CliRunner
+
+    from loadtest.cli import app
+
+    srv = fake_http(tokens=4, gap_s=0.003)
+    target = f"sse://127.0.0.1:{srv.port}"
+    pool = prepare_pool(target, "tiny", prompts=["hi"], max_tokens=8)
+    r = run(_cfg(target, concurrency=2, warmup=0.1, duration=0.5), pool)
+    assert r["protocol"] == "sse" and r["errors_total"] == 0
+    assert r["streams"] == r["requests"] > 5
+    assert r["tokens"] == 4 * r["streams"] and r["tokens_per_stream"] == 4
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / 0.5)
+    assert 0 < r["ttft_ms"]["p50"] <= r["latency_ms"]["p50"]
+    assert r["itl_ms"]["p50"] >= 2.0  # three 3 ms gaps per stream
+    # the CLI with --sse on an http:// target, merged over two processes
+    out = tmp_path / "sse.json"
+    res = CliRunner().invoke(app, ["run", "-t", f"http://127.0.0.1:{srv.port}", "--sse", "-m", "tiny", "-c", "2",
+                                   "-p", "2", "-d", "0.4", "-w", "0.1", "--prompt", "a", "--prompt", "b",
+                                   "--max-tokens", "3", "--json", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["protocol"] == "sse" and r["processes"] == 2 and r["streams"] > 2 and r["itl_ms"]["p50"] > 0
+    res = CliRunner().invoke(app, ["run", "-t", "grpc://127.0.0.1:1", "--sse", "-m", "tiny", "-q"])
+    assert res.exit_code != 0 and "http://" in res.output
