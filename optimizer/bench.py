@@ -1,10 +1,12 @@
 """``python -m optimizer.bench``: the optimizer tables for BENCHMARKS.md.
 
-For each demo model (ONNX MLP, XGBoost, LightGBM) and the synthetic transformer block (the only
-INT4 target until a transformer ONNX model is registered): register it in a throwaway registry,
-run ``optimize --all`` (plus a forced INT4 on the MLP, to show the gate rejecting), profile the
-parent and every gate-passing candidate together in one real Triton, and print the tables as
-markdown. Nothing here touches ``var/``.
+For each demo model (ONNX MLP, XGBoost, LightGBM) and the synthetic transformer block: register it
+in a throwaway registry, run ``optimize --all`` (plus a forced INT4 on the MLP, to show the gate
+rejecting), profile the parent and every gate-passing candidate together in one real Triton, and
+print the tables as markdown. The embedding model (``minilm_embeddings``: all-MiniLM-L6-v2 exported
+to ONNX, text in through the embedding adapter) goes through ``optimizer.embedding`` instead: same
+recipes, a cosine gate on stored sentences, same profile, no registration.
+``--models minilm_embeddings`` runs that one alone. Nothing here touches ``var/``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import numpy as np
 import typer
 
 app = typer.Typer(add_completion=False)
-MODELS = ("mlp_classifier", "fraud_xgboost", "lightgbm_regressor", "tiny_transformer")
+MODELS = ("mlp_classifier", "fraud_xgboost", "lightgbm_regressor", "tiny_transformer", "minilm_embeddings")
+EMBEDDING = "minilm_embeddings"  # not registered: see optimizer/embedding.py
 
 
 def _npz(**arrays) -> bytes:
@@ -84,7 +87,7 @@ def main(
         f"Each variant is its own model in one embedded Triton (Python-backend adapter, 1 instance, 1 thread, dynamic "
         f"batching up to 64); closed loop on Triton's gRPC port, 1 row per request, concurrency {'/'.join(map(str, settings.concurrencies))}, "
         f"{settings.warmup_s:g} s warm-up + {settings.duration_s:g} s measured, {settings.rounds} interleaved rounds, medians. "
-        "Accuracy: the candidate against its parent on the 256 stored validation rows.",
+        "Accuracy: the candidate against its parent on the stored validation rows (256 rows; the embedding model: sentences).",
     ]
     reports = []
     with tempfile.TemporaryDirectory(prefix="inferplane-bench-") as tmp:
@@ -95,6 +98,17 @@ def main(
                 console=Console(stderr=True), transient=True,
             ) as progress:  # fmt: skip
                 for name in names:
+                    if name == EMBEDDING:
+                        from optimizer.embedding import SENTENCES, run_minilm
+
+                        report = run_minilm(profile_settings=settings, progress=progress)
+                        reports.append(report.to_dict())
+                        parts += ["", f"### {name} (onnx, {report.task}; all-MiniLM-L6-v2, text in through the embedding adapter)", "",
+                                  f"Every variant is the same adapter + tokenizer with its own model.onnx, one sentence per request; "
+                                  f"accuracy: cosine against the parent on the {len(SENTENCES)} stored sentences (optimizer/embedding.py). "
+                                  "Not registered (the registry keeps tokenizer companions for safetensors models only).", "",
+                                  report.table()]  # fmt: skip
+                        continue
                     record = _register_demo(registry, name)
                     forced = ["int4"] if name == "mlp_classifier" else []
                     report = optimize(registry, record.ref, forced, all_=True, profile_settings=settings, actor="bench", progress=progress)

@@ -211,6 +211,46 @@ def _metrics(parent: Row, cand: Row) -> dict[str, float]:
     return out
 
 
+def candidates(
+    chosen: Sequence[str],
+    source: recipes.Source,
+    predict,
+    parent_out: np.ndarray,
+    task: str,
+    limits: Mapping[str, float | None],
+    labels: np.ndarray | None,
+    steps: _Steps,
+    ref: str,
+) -> list[Row]:
+    """One row per recipe: skipped / failed with why, or a candidate with its outputs (``predict(cand)``) gated."""
+    rows = []
+    for recipe in chosen:
+        steps.step(f"{ref}: {recipe}", 0)
+        row = Row(recipe, recipe)
+        rows.append(row)
+        try:
+            cand = recipes.apply(recipe, source)
+        except recipes.Skipped as skip:
+            row.verdict = f"skipped: {skip.reason}"
+            steps.step(f"{ref}: {recipe} skipped")
+            continue
+        except Exception as err:  # a converter crash is a row in the table, not the end of the run
+            row.verdict = f"failed: {type(err).__name__}: {err}"
+            steps.step(f"{ref}: {recipe} failed")
+            continue
+        row.format, row.size_bytes, row.sha256, row.artifact = cand.format, len(cand.artifact), cand.sha256, cand.artifact
+        row.params, row.notes, row.target = cand.params, cand.notes, cand.target
+        try:
+            row.outputs = predict(cand)
+        except Exception as err:
+            row.verdict = f"failed: cannot run the candidate for the gate: {type(err).__name__}: {err}"
+            steps.step(f"{ref}: {recipe} failed")
+            continue
+        row.gate = gate.evaluate(parent_out, row.outputs, task, limits, labels)
+        steps.step(f"{ref}: {recipe} {'passed' if row.gate.passed else 'failed'} the gate")
+    return rows
+
+
 def optimize(
     registry: Registry,
     ref: str,
@@ -258,30 +298,10 @@ def optimize(
 
     calib = load_rows(calibration, sig["inputs"][0]["name"]) if calibration is not None else features
     source = recipes.Source(name, record.format, artifact, sig, calibration=calib, max_batch=int(sig.get("max_batch_size", 64) or 64))
-    for recipe in chosen:
-        steps.step(f"{record.ref}: {recipe}", 0)
-        row = Row(recipe, recipe)
-        rows.append(row)
-        try:
-            cand = recipes.apply(recipe, source)
-        except recipes.Skipped as skip:
-            row.verdict = f"skipped: {skip.reason}"
-            steps.step(f"{record.ref}: {recipe} skipped")
-            continue
-        except Exception as err:  # a converter crash is a row in the table, not the end of the run
-            row.verdict = f"failed: {type(err).__name__}: {err}"
-            steps.step(f"{record.ref}: {recipe} failed")
-            continue
-        row.format, row.size_bytes, row.sha256, row.artifact = cand.format, len(cand.artifact), cand.sha256, cand.artifact
-        row.params, row.notes, row.target = cand.params, cand.notes, cand.target
-        try:
-            row.outputs = runtime.predict(cand.format, cand.artifact, features, out_dims)
-        except Exception as err:
-            row.verdict = f"failed: cannot run the candidate for the gate: {type(err).__name__}: {err}"
-            steps.step(f"{record.ref}: {recipe} failed")
-            continue
-        row.gate = gate.evaluate(parent_out, row.outputs, task, limits, labels)
-        steps.step(f"{record.ref}: {recipe} {'passed' if row.gate.passed else 'failed'} the gate")
+    rows += candidates(
+        chosen, source, lambda cand: runtime.predict(cand.format, cand.artifact, features, out_dims),
+        parent_out, task, limits, labels, steps, record.ref,
+    )  # fmt: skip
 
     order = {r: i for i, r in enumerate(recipes.RECIPES)}
     rows[1:] = sorted(rows[1:], key=lambda r: order.get(r.recipe or "", len(order)))

@@ -125,27 +125,50 @@ def profile(
     on_run: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, dict[int, dict[str, float]]]:
     """label -> concurrency -> {p50_ms, p99_ms, throughput_rps, cpu_ms_per_request, errors} (medians)."""
-    from loadtest.engine import LoadSpec
-    from loadtest.runner import RunConfig, prepare_pool, run
-    from loadtest.stack import start_stack, stop_stack
+    from loadtest.runner import prepare_pool
 
     if len({v.label for v in variants}) != len(variants):
         raise ValueError("variant labels must be unique")
+
+    def pools(stack, repository: Path, names: Mapping[str, str]) -> dict[str, list[bytes]]:
+        return {
+            label: prepare_pool(stack.triton, name, data="validation", repository=str(repository), batch=settings.batch)
+            for label, name in names.items()
+        }
+
+    return measure(lambda repository: write_repository(repository, variants, features), pools, settings, workdir=workdir, on_run=on_run)
+
+
+def measure(
+    write: Callable[[Path], dict[str, str]],
+    make_pools: Callable[[Any, Path, Mapping[str, str]], dict[str, list[bytes]]],
+    settings: ProfileSettings = ProfileSettings(),
+    *,
+    workdir: Path | None = None,
+    on_run: Callable[[str, int, int], None] | None = None,
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The measuring loop behind ``profile``, for any repository layout.
+
+    ``write(repository)`` writes one Triton model per variant and returns label -> model name;
+    ``make_pools(stack, repository, names)`` returns label -> pre-serialized requests. One stack,
+    interleaved rounds, medians (see the module docstring).
+    """
+    from loadtest.engine import LoadSpec
+    from loadtest.runner import RunConfig, run
+    from loadtest.stack import start_stack, stop_stack
+
     own = workdir is None
     root = Path(tempfile.mkdtemp(prefix="inferplane-profile-")) if own else Path(workdir)
     try:
         repository = root / "model_repository"
-        names = write_repository(repository, variants, features)
+        names = write(repository)
         env = {**STACK_ENV, "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts")}
         stack = start_stack(repository, root / "stack", "--workers", "1", env=env)
         try:
             triton_pid = stack.triton_pid()
-            pools = {
-                v.label: prepare_pool(stack.triton, names[v.label], data="validation", repository=str(repository), batch=settings.batch)
-                for v in variants
-            }
-            runs: dict[str, dict[int, list[dict[str, float]]]] = {v.label: {c: [] for c in settings.concurrencies} for v in variants}
-            labels = [v.label for v in variants]
+            pools = make_pools(stack, repository, names)
+            labels = list(names)
+            runs: dict[str, dict[int, list[dict[str, float]]]] = {label: {c: [] for c in settings.concurrencies} for label in labels}
             for concurrency in settings.concurrencies:
                 spec = LoadSpec(concurrency=concurrency, warmup=settings.warmup_s, duration=settings.duration_s)
                 for rnd in range(settings.rounds):

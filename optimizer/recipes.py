@@ -19,8 +19,10 @@ for the same reason it refuses pickles.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,9 @@ class Source:
     signature: Mapping[str, Any]
     calibration: np.ndarray | None = None  # rows for static quantization
     max_batch: int = 64
+    # feeds for static quantization of a multi-input graph (e.g. a text encoder's token ids and
+    # masks, one dict per batch); when given they replace ``calibration``
+    calibration_feeds: tuple[Mapping[str, np.ndarray], ...] | None = None
 
     @property
     def input_name(self) -> str:
@@ -179,7 +184,7 @@ def graph(source: Source) -> Candidate:
             model = slim
     except ImportError:
         steps.append("onnxslim not installed: simplification skipped")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _scratch_cwd(tmp):
         out = Path(tmp) / "optimized.onnx"
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -200,10 +205,45 @@ def fp16(source: Source) -> Candidate:
 
     _require_onnx(source, "fp16")
     model = float16.convert_float_to_float16(_load(source.artifact), keep_io_types=True)
+    fixed = _retarget_casts(model)
     return Candidate(
-        "fp16", _finish(model, source.name), safe_formats.ONNX, {"keep_io_types": True}, target="gpu",
+        "fp16", _finish(model, source.name), safe_formats.ONNX, {"keep_io_types": True, **({"casts_retargeted": fixed} if fixed else {})}, target="gpu",
         notes=("float16 compute is for GPUs; on CPU it is usually slower",),
     )  # fmt: skip
+
+
+def _retarget_casts(model) -> int:
+    """Cast-to-float32 nodes inside a converted float16 graph now feed float16 ops: make them cast to float16.
+
+    onnxconverter-common converts tensors and value infos but leaves a Cast's ``to`` attribute, so
+    e.g. an attention mask cast from int64 to float32 (every BERT export has one) no longer matches
+    its declared float16 output and ONNX Runtime refuses the graph. Returns how many were changed.
+    """
+    from onnx import TensorProto
+
+    half = {vi.name for vi in model.graph.value_info if vi.type.tensor_type.elem_type == TensorProto.FLOAT16}
+    outputs = {o.name for o in model.graph.output}
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type != "Cast" or node.output[0] in outputs or node.output[0] not in half:
+            continue
+        for attr in node.attribute:
+            if attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.FLOAT16
+                changed += 1
+    return changed
+
+
+@contextlib.contextmanager
+def _scratch_cwd(path):
+    """Run in ``path``: ONNX Runtime's quantizers drop scratch files (shape-inference temps,
+    external tensor data) into the current directory."""
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 def _preprocessed(source: Source, tmp: Path) -> Path:
@@ -214,7 +254,10 @@ def _preprocessed(source: Source, tmp: Path) -> Path:
     model = _load(source.artifact)
     _name_nodes(model)
     src.write_bytes(model.SerializeToString())
-    quant_pre_process(str(src), str(pre))
+    try:
+        quant_pre_process(str(src), str(pre))
+    except Exception:  # symbolic shape inference gives up on some graphs: ONNX shape inference still runs
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
     return pre
 
 
@@ -224,7 +267,7 @@ def int8_dynamic(source: Source) -> Candidate:
     _require_onnx(source, "int8-dynamic")
     import onnx
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _scratch_cwd(tmp):
         pre = _preprocessed(source, Path(tmp))
         out = Path(tmp) / "int8.onnx"
         quantize_dynamic(str(pre), str(out), per_channel=True, weight_type=QuantType.QInt8)
@@ -250,17 +293,41 @@ def _reader(name: str, rows: np.ndarray, batch: int = 32):
     return Rows()
 
 
+def _feeds_reader(feeds: Sequence[Mapping[str, np.ndarray]]):
+    """A CalibrationDataReader replaying prepared feed dicts (multi-input graphs)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter([{k: np.ascontiguousarray(v) for k, v in f.items()} for f in feeds])
+
+        def get_next(self):
+            return next(self._it, None)
+
+    return Feeds()
+
+
 def int8_static(source: Source) -> Candidate:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     _require_onnx(source, "int8-static")
-    if source.calibration is None or len(source.calibration) == 0:
+    feeds = source.calibration_feeds
+    if not feeds and (source.calibration is None or len(source.calibration) == 0):
         raise Skipped("int8-static", "needs calibration rows: the version's validation set or --calibration FILE")
     import onnx
 
-    rows = np.ascontiguousarray(source.calibration, dtype=np.float32)
-    reader = _reader(source.input_name, rows)
-    with tempfile.TemporaryDirectory() as tmp:
+    if feeds:
+        reader = _feeds_reader(feeds)
+        digest = hashlib.sha256()
+        for f in feeds:
+            for key in sorted(f):
+                digest.update(key.encode() + np.ascontiguousarray(f[key]).tobytes())
+        n_rows, calibration_sha = sum(len(next(iter(f.values()))) for f in feeds), digest.hexdigest()
+    else:
+        rows = np.ascontiguousarray(source.calibration, dtype=np.float32)
+        reader = _reader(source.input_name, rows)
+        n_rows, calibration_sha = int(len(rows)), hashlib.sha256(rows.tobytes()).hexdigest()
+    with tempfile.TemporaryDirectory() as tmp, _scratch_cwd(tmp):
         pre = _preprocessed(source, Path(tmp))
         out = Path(tmp) / "int8_qdq.onnx"
         quantize_static(
@@ -270,8 +337,7 @@ def int8_static(source: Source) -> Candidate:
         model = onnx.load(str(out))
     params = {
         "format": "QDQ", "per_channel": True, "activation_type": "QUInt8", "weight_type": "QInt8",
-        "calibration": "MinMax", "calibration_rows": int(len(rows)),
-        "calibration_sha256": hashlib.sha256(rows.tobytes()).hexdigest(),
+        "calibration": "MinMax", "calibration_rows": int(n_rows), "calibration_sha256": calibration_sha,
     }  # fmt: skip
     return Candidate("int8-static", _finish(model, source.name), safe_formats.ONNX, params)
 

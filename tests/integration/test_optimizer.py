@@ -77,3 +77,24 @@ def test_profile_register_and_deploy_a_tree_model_compiled_to_onnx(tmp_path):
         np.testing.assert_allclose(answer.as_numpy("probability"), bundle.expected[:16], rtol=1e-4, atol=1e-5)
     finally:
         stop_stack(stack)
+
+
+def test_embedding_variants_are_profiled_through_the_embedding_adapter(tmp_path):
+    """A tiny BERT-like sentence encoder: parent and its INT8 variant, each the embedding adapter +
+    tokenizer + its own model.onnx, in one Triton, driven with text requests."""
+    import json
+
+    from optimizer import embedding, synthetic
+
+    text = synthetic.tiny_tokenizer_json(embedding.SENTENCES)
+    (tmp_path / "tokenizer.json").write_text(text)
+    model = embedding.EmbeddingModel("tiny_bert", synthetic.bert_like_onnx(len(json.loads(text)["model"]["vocab"])), tmp_path, max_length=32)
+    settings = ProfileSettings(concurrencies=(2,), warmup_s=0.2, duration_s=0.5, rounds=1)
+    report = embedding.optimize_embedding(model, ["int8-dynamic"], texts=embedding.SENTENCES[:24], profile_settings=settings)
+    assert report.speed_source == "triton"
+    parent_row, cand = report.rows
+    assert cand.gate.passed, cand.gate.report()
+    for row in (parent_row, cand):
+        assert row.profile[2]["throughput_rps"] > 0 and row.profile[2]["errors"] == 0 and row.profile[2]["p99_ms"] > 0
+    assert cand.verdict.startswith("accepted") and cand.registered is None
+    print("\n" + report.table())
