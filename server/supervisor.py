@@ -111,7 +111,8 @@ class TritonSupervisor:
         ]
 
     async def start(self) -> None:
-        # regions left by a frontend that was killed before it could clean up
+        # model processes and regions left by a frontend that was killed before it could clean up
+        kill_stale_stubs(_is_dead)
         remove_shm_regions(_is_dead)
         self._stopping = False
         self.state = "starting"
@@ -170,6 +171,7 @@ class TritonSupervisor:
                 return
             self.state = "restarting"
             self.restarts += 1
+            _kill_group(self._proc.pid)  # its Python-backend stubs do not die with it
             log.warning("tritonserver exited with %s; restarting (restart #%d)", code, self.restarts)
             if self.on_down:
                 self.on_down()
@@ -213,6 +215,8 @@ class TritonSupervisor:
                 await asyncio.wait_for(proc.wait(), timeout)
             except asyncio.TimeoutError:
                 await self._kill()
+        if proc is not None:
+            _kill_group(proc.pid)
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -236,6 +240,37 @@ def remove_shm_regions(owned: Callable[[int], bool], shm: Path = Path("/dev/shm"
                 region.unlink()
                 removed.append(region.name)
     return removed
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a Triton's process group (it runs in a session of its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def kill_stale_stubs(owned: Callable[[int], bool], proc: Path = Path("/proc")) -> list[int]:
+    """SIGKILL Python-backend stubs whose shm prefix ``inferplane_<pid>_`` names an owner ``owned(pid)``.
+
+    A frontend killed with SIGKILL takes its Triton along (PDEATHSIG), but Triton's stub
+    processes survive it; the next supervisor to start finds them by their command line.
+    """
+    killed = []
+    for entry in proc.glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"triton_python_backend_stub"):
+            continue
+        for arg in argv[1:]:
+            if arg.startswith(b"inferplane_"):
+                owner = arg.split(b"_")[1]
+                if owner.isdigit() and owned(int(owner)):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        killed.append(int(entry.name))
+                break
+    return killed
 
 
 def _is_dead(pid: int) -> bool:

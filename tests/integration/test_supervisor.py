@@ -43,6 +43,8 @@ def test_killed_triton_is_restarted_with_its_models(own_stack):
     np.testing.assert_allclose(_infer(client, features), expected, rtol=1e-4, atol=1e-5)
 
     old_pid = own_stack.triton_pid()
+    old_stubs = [p.pid for p in psutil.Process(old_pid).children()]
+    assert old_stubs, "the model runs in a Python-backend stub process"
     os.kill(old_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     codes = []
@@ -62,6 +64,8 @@ def test_killed_triton_is_restarted_with_its_models(own_stack):
     assert served_again is not None and served_again < 10, f"not serving again within 10 s: {codes[-3:]}"
     assert own_stack.triton_pid() != old_pid
     assert psutil.Process(own_stack.process.pid).is_running()
+    # the dead Triton's model processes went with it
+    assert not [pid for pid in old_stubs if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_unavailable_carries_a_retry_hint(own_stack):
@@ -107,11 +111,18 @@ def test_clean_shutdown_leaves_no_process_and_no_shm(own_stack):
 
 
 def test_triton_dies_with_its_parent(demo_repository, tmp_path):
+    from server.supervisor import _is_dead, kill_stale_stubs
+
     stack = start_stack(demo_repository, tmp_path, "--model", MODEL)
     triton_pid = stack.triton_pid()
+    stubs = [p.pid for p in psutil.Process(triton_pid).children()]
     stack.process.kill()  # SIGKILL: no chance to clean up
     stack.process.wait(10)
     deadline = time.monotonic() + 10
     while psutil.pid_exists(triton_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not psutil.pid_exists(triton_pid)
+    # Triton's stubs outlive it; the next supervisor to start finds and ends them
+    assert set(kill_stale_stubs(_is_dead)) >= {pid for pid in stubs if psutil.pid_exists(pid)}
+    time.sleep(0.5)
+    assert not [pid for pid in stubs if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
