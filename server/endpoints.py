@@ -18,14 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import __version__, rest_codec
 from server.dataplane import DataPlane
-from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, RequestTooLarge, UnsupportedMediaType, http_error
+from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, http_error
 from server.generation import LLMService
 from server.metrics import Metrics
 from server.openai_endpoints import LLM
 from server.openai_endpoints import ROUTES as OPENAI_ROUTES
 from server.openapi import BINARY, JSON, TEXT, Body, Route, document, error_body, error_responses, error_statuses, json_body
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy import CallContext, bearer_token
+from server.tenancy import CallContext
 from server.traffic_state import ARM_HEADER, VERSION_HEADER
 
 log = logging.getLogger(__name__)
@@ -54,19 +54,7 @@ def _error(err: InferplaneError) -> web.Response:
 
 
 def _context(request: web.Request) -> CallContext:
-    """The caller's key (``Authorization: Bearer`` / ``x-api-key``), ``Idempotency-Key`` and ``x-request-timeout`` (s)."""
-    headers = request.headers
-    timeout = headers.get("x-request-timeout")
-    if timeout is not None:
-        try:
-            timeout = float(timeout)
-            if not timeout > 0:
-                raise ValueError
-        except ValueError:
-            raise InvalidRequest(f"x-request-timeout: expected seconds > 0, got {timeout!r:.40}") from None
-    return CallContext(
-        bearer_token(headers.get("Authorization"), headers.get("x-api-key")), headers.get("Idempotency-Key"), timeout, headers=headers
-    )
+    return CallContext.from_headers(request.headers)
 
 
 def _model(request: web.Request) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from server.errors import Cancelled, InferplaneError, InvalidRequest, UnsupportedMediaType, Violation, http_error
 from server.generation import Chunk, GenerateParams, LLMService
-from server.tenancy import CallContext, bearer_token
+from server.tenancy import CallContext
 from server.openapi import JSON, Body, Route, error_body, error_responses, error_statuses, json_body
 
 log = logging.getLogger(__name__)
@@ -41,17 +41,7 @@ _FINISH = {"stop": "stop", "length": "length"}
 
 
 def _ctx(request: web.Request) -> CallContext:
-    """The caller's key (``Authorization: Bearer`` / ``x-api-key``) and ``x-request-timeout`` (s)."""
-    timeout = request.headers.get("x-request-timeout")
-    if timeout is not None:
-        try:
-            timeout = float(timeout)
-            if not timeout > 0:
-                raise ValueError
-        except ValueError:
-            raise _bad("x-request-timeout", f"expected seconds > 0, got {timeout!r:.40}") from None
-    key = bearer_token(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-    return CallContext(key, None, timeout)
+    return CallContext.from_headers(request.headers)
 
 
 def service(request: web.Request) -> LLMService:

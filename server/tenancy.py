@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from server.errors import ModelNotFound, PermissionDenied, Unauthenticated
+from server.errors import InvalidRequest, ModelNotFound, PermissionDenied, Unauthenticated, Violation
 from server.quota_policy import Quota
 
 KEY_PREFIX = "ipk_"
@@ -130,6 +130,24 @@ class CallContext:
     headers: object = None
     version: str = ""
     arm: str = ""
+
+    @classmethod
+    def from_headers(cls, headers) -> "CallContext":
+        """From HTTP headers: ``Authorization: Bearer`` / ``x-api-key``, ``Idempotency-Key`` and
+        ``x-request-timeout`` (seconds)."""
+        timeout = headers.get("x-request-timeout")
+        if timeout is not None:
+            try:
+                timeout = float(timeout)
+                if not timeout > 0:
+                    raise ValueError
+            except ValueError:
+                raise InvalidRequest(
+                    f"x-request-timeout: expected seconds > 0, got {timeout!r:.40}",
+                    [Violation("x-request-timeout", f"expected seconds > 0, got {timeout!r:.40}")],
+                ) from None
+        key = bearer_token(headers.get("Authorization"), headers.get("x-api-key"))
+        return cls(key, headers.get("Idempotency-Key"), timeout, headers=headers)
 
 
 # ---- the in-memory key index ----------------------------------------------------------------
