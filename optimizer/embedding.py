@@ -168,18 +168,9 @@ def predict(artifact: bytes, feeds: Sequence[Mapping[str, np.ndarray]]) -> np.nd
 
 def local_latency_us(artifact: bytes, feeds: Mapping[str, np.ndarray], calls: int = 100) -> float:
     """Median in-process latency (µs) of one one-sentence call: the fallback speed estimate."""
-    import time
-
     run = _session(artifact)
     one = {k: v[:1] for k, v in feeds.items()}
-    for _ in range(5):
-        run(one)
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        run(one)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e6)
+    return runtime.median_call_us(lambda: run(one), warmup=5, calls=calls)
 
 
 def save_validation(path: Path, texts: Sequence[str], expected: np.ndarray) -> Path:

@@ -66,11 +66,16 @@ def local_latency_us(fmt: str, artifact: bytes, rows: np.ndarray, batch: int = 1
     """Median in-process latency (µs) of one ``batch``-row call: the fallback speed estimate."""
     run = predictor(fmt, artifact)
     x = np.ascontiguousarray(rows[:batch], dtype=np.float32)
-    for _ in range(10):
-        run(x)
+    return median_call_us(lambda: run(x), warmup=10, calls=calls)
+
+
+def median_call_us(call: Callable[[], object], *, warmup: int, calls: int) -> float:
+    """Median wall time (µs) of ``call()`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(calls):
         t = time.perf_counter()
-        run(x)
+        call()
         times.append(time.perf_counter() - t)
     return float(np.median(times) * 1e6)
