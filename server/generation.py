@@ -92,6 +92,18 @@ def _bytes_input(request: pb.ModelInferRequest, name: str, value: str) -> None:
     request.raw_input_contents.append(codecs.serialize_bytes([value.encode("utf-8")]))
 
 
+async def _stream_outputs(call, request: pb.ModelInferRequest) -> AsyncIterator[dict]:
+    """Send one request on a ModelStreamInfer call; yield each response's outputs (an in-stream
+    error raises)."""
+    await call.write(request.SerializeToString())
+    await call.done_writing()
+    async for raw in call:
+        response = pb.ModelStreamInferResponse.FromString(raw)
+        if response.error_message:
+            raise _engine_error(response.error_message)
+        yield _outputs(response.infer_response)
+
+
 def _outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     out = {}
     for i, tensor in enumerate(response.outputs):
@@ -165,13 +177,7 @@ class LLMService:
             _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
             # a little slack past the engine's own deadline, so the engine reports it
             call = self.dp.triton.stream_raw(timeout=None if timeout is None else timeout + 5.0)
-            await call.write(request.SerializeToString())
-            await call.done_writing()
-            async for raw in call:
-                response = pb.ModelStreamInferResponse.FromString(raw)
-                if response.error_message:
-                    raise _engine_error(response.error_message)
-                outputs = _outputs(response.infer_response)
+            async for outputs in _stream_outputs(call, request):
                 if "info" not in outputs:
                     continue  # an empty final flag
                 text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
@@ -232,13 +238,7 @@ class LLMService:
         _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
         call = self.dp.triton.stream_raw(timeout=10.0)
         try:
-            await call.write(request.SerializeToString())
-            await call.done_writing()
-            async for raw in call:
-                response = pb.ModelStreamInferResponse.FromString(raw)
-                if response.error_message:
-                    raise _engine_error(response.error_message)
-                outputs = _outputs(response.infer_response)
+            async for outputs in _stream_outputs(call, request):
                 if "info" in outputs:
                     return json.loads(bytes(outputs["info"].reshape(-1)[0]))
         finally:
