@@ -56,6 +56,7 @@ class EngineSettings:
     default_max_tokens: int = 256
     prefix_cache_tokens: int = 4096
     prefix_block: int = 16
+    dtype: str = "float32"  # "auto": bfloat16 where the CPU/GPU computes it natively
 
     def parameters(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}
@@ -225,7 +226,7 @@ def convert_smollm2(out_dir: Path | None = None) -> Path:
 # ---- repository builders -------------------------------------------------------------------------
 
 TINY_SETTINGS = EngineSettings(threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
-SMOLLM2_SETTINGS = EngineSettings(threads=2, kv_cache_memory="1GiB", default_max_tokens=256)
+SMOLLM2_SETTINGS = EngineSettings(threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto")
 
 
 def build_llm_models(out: Path, *, tiny: bool = True, smollm2: bool = False, work: Path | None = None) -> list[str]:

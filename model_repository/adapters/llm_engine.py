@@ -121,6 +121,7 @@ class TritonPythonModel:
             default_max_tokens=int(params.get("default_max_tokens") or 256),
             prefix_cache_tokens=int(params.get("prefix_cache_tokens") or 0),
             prefix_block=int(params.get("prefix_block") or 16),
+            dtype=params.get("dtype") or "float32",
         )
         try:
             hooks = _Hooks(args["model_name"])
