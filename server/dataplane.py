@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from google.protobuf.message import DecodeError
 
@@ -175,6 +175,11 @@ class DataPlane:
         tenant = self.gate.authenticate(ctx).tenant
         return [n for n in names if tenant.may_use(n)]
 
+    def admit(self, tenant: Tenant, name: str) -> tuple:
+        """Charge one request to the tenant's and the tenant x model quotas before any work
+        (``Overloaded`` with a retry hint when over); hand the ticket to ``quotas.release``."""
+        return self.quotas.admit(tenant.name, name, self.gate.quota(tenant), tenant.model_quota(name))
+
     def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
         queue = self.admission.get(name)
         if queue is None:
@@ -194,12 +199,16 @@ class DataPlane:
         raw: bytes | None = None,
         timeout: float | None = None,
         ctx: CallContext | None = None,
+        count_tokens: Callable[[bytes], int] | None = None,
     ) -> bytes:
         """Authorize, admit, validate and forward one request; returns Triton's ModelInferResponse bytes.
 
         ``raw`` is the request exactly as the caller sent it; when given it travels to Triton
         untouched (no re-serialization). ``timeout`` is the caller's remaining deadline (or
         ``ctx.timeout``); it becomes Triton's. ``ctx`` carries the caller's key and idempotency key.
+        ``count_tokens`` reads from Triton's answer how many input tokens it covered (embedding
+        models report them): they are metered and charged to the tenant's token quota, which only
+        the answer can tell.
         Order: key -> grant -> model -> quota -> validation -> idempotency -> admission queue -> Triton.
         """
         started = time.perf_counter()
@@ -209,8 +218,10 @@ class DataPlane:
         code = "OK"
         arm = ""
         data = answer = None
-        if timeout is None and ctx is not None:
-            timeout = ctx.timeout
+        if ctx is not None:
+            ctx.tokens = 0  # this call's, set from its answer (a context may serve several calls)
+            if timeout is None:
+                timeout = ctx.timeout
         try:
             tenant = self.authorize(ctx, name).tenant
             if not version:
@@ -222,20 +233,22 @@ class DataPlane:
             label = name
             if not version:
                 version = signature.latest_version
-            ticket = self.quotas.admit(tenant.name, name, self.gate.quota(tenant), tenant.model_quota(name))
+            ticket = self.admit(tenant, name)
             try:
                 validate_infer_request(request, signature)
                 latency, inflight = self.metrics.model(name)
                 inflight.inc()
                 try:
                     data = raw if raw is not None else request.SerializeToString()
+
+                    def forward():
+                        return self._forward(request, data, signature, tenant, version, timeout, ctx, count_tokens)
+
                     if ctx is not None and ctx.idempotency_key:
                         key = scoped(tenant.name, ctx.idempotency_key)
-                        answer = await self.idempotency.run(
-                            key, body_digest(data), lambda: self._forward(request, data, signature, tenant, version, timeout), timeout
-                        )
+                        answer = await self.idempotency.run(key, body_digest(data), forward, timeout)
                         return answer
-                    answer = await self._forward(request, data, signature, tenant, version, timeout)
+                    answer = await forward()
                     return answer
                 except InferplaneError:
                     raise
@@ -264,9 +277,19 @@ class DataPlane:
                     log.exception("traffic bookkeeping for %s failed", name)
 
     async def _forward(
-        self, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature, tenant: Tenant, version: str, timeout: float | None
+        self,
+        request: pb.ModelInferRequest,
+        data: bytes,
+        signature: ModelSignature,
+        tenant: Tenant,
+        version: str,
+        timeout: float | None,
+        ctx: CallContext | None,
+        count_tokens: Callable[[bytes], int] | None,
     ) -> bytes:
-        """Through the model's admission queue and the replica's circuit breaker to Triton."""
+        """Through the model's admission queue and the replica's circuit breaker to Triton.
+
+        Only an answer Triton computed is metered (an idempotent replay never comes here)."""
         queue = self._queue(request.model_name, signature)
         if timeout is not None and timeout <= (queue.service_s or 0.0):
             raise DeadlineExceeded(
@@ -289,8 +312,13 @@ class DataPlane:
             finally:
                 service_s = time.perf_counter() - t0
                 queue.release(service_s)
+            tokens = 0
+            if count_tokens is not None:
+                tokens = count_tokens(answer)
+                if ctx is not None:
+                    ctx.tokens = tokens  # charged to the token quota when the ticket is released
             if self.meter is not None:
-                self.meter.record(tenant.name, tenant.team, request.model_name, version, 0, int(service_s * 1e6))
+                self.meter.record(tenant.name, tenant.team, request.model_name, version, input_tokens=tokens, compute_us=int(service_s * 1e6))
             return answer
         except BaseException as e:
             err = e
@@ -323,8 +351,7 @@ class DataPlane:
                         if not tenant.may_use(request.model_name):
                             raise ModelNotFound(f"unknown model '{request.model_name}'")
                         signature = self.resolve(request.model_name, request.model_version)
-                        model_quota = tenant.model_quota(request.model_name)
-                        self.quotas.release(self.quotas.admit(tenant.name, request.model_name, self.gate.quota(tenant), model_quota))
+                        self.quotas.release(self.admit(tenant, request.model_name))
                         validate_infer_request(request, signature)
                     except InferplaneError as err:
                         self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)

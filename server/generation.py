@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -112,8 +113,14 @@ def _outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     return out
 
 
-def chunk_tokens(info: dict[str, Any]) -> int:
-    return int(info.get("prompt_tokens", 0)) + int(info.get("completion_tokens", 0))
+def _tokens(outputs: dict[str, np.ndarray]) -> int:
+    """The input tokens an embedding answer covered (its ``tokens`` output; 0 without one)."""
+    return int(outputs[TOKENS_OUTPUT].sum()) if TOKENS_OUTPUT in outputs else 0
+
+
+def _input_tokens(raw: bytes) -> int:
+    """:func:`_tokens` of a serialized answer: what the data plane meters and charges."""
+    return _tokens(_outputs(pb.ModelInferResponse.FromString(raw)))
 
 
 def _engine_error(message: str) -> InferplaneError:
@@ -157,14 +164,26 @@ class LLMService:
     async def generate(
         self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
     ) -> AsyncIterator[Chunk]:
-        """Stream the engine's chunks; the last has ``finish_reason``. Raises domain errors."""
+        """Stream the engine's chunks; the last has ``finish_reason``. Raises domain errors.
+
+        The request is admitted against the tenant's and tenant x model quotas before any work
+        (``Overloaded`` when over). However it ends — answered, failed, the caller gone, the
+        deadline passed — the prompt + completion tokens the engine last reported are charged to
+        the token quota, and a generation sent to the engine is metered (those tokens and the
+        engine's wall time): a caller that leaves mid-stream still pays for what was generated.
+        """
         label, code = UNKNOWN_MODEL_LABEL, "OK"
-        call = None
-        if timeout is None and ctx is not None:
+        ctx = ctx if ctx is not None else CallContext()
+        call = ticket = None
+        prompt_tokens = completion_tokens = 0
+        sent_at = ended_at = 0.0
+        if timeout is None:
             timeout = ctx.timeout
         try:
-            self.llm(model, ctx)
+            signature = self.llm(model, ctx)
             label = model
+            tenant = ctx.principal.tenant
+            ticket = self.dp.admit(tenant, model)
             if (params.messages is None) == (params.prompt is None):
                 raise InvalidRequest("send exactly one of messages and prompt")
             if timeout is not None and params.deadline_ms is None:
@@ -177,25 +196,25 @@ class LLMService:
             _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
             # a little slack past the engine's own deadline, so the engine reports it
             call = self.dp.triton.stream_raw(timeout=None if timeout is None else timeout + 5.0)
+            sent_at = time.perf_counter()
             async for outputs in _stream_outputs(call, request):
                 if "info" not in outputs:
                     continue  # an empty final flag
                 text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
                 info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
+                prompt_tokens = int(info.get("prompt_tokens", prompt_tokens))
+                completion_tokens = int(info.get("completion_tokens", completion_tokens))
                 reason = info.get("finish_reason")
+                if reason is not None:
+                    ended_at = time.perf_counter()
                 if reason == "deadline":
-                    raise DeadlineExceeded(f"the request's deadline passed after {info.get('completion_tokens', 0)} tokens")
+                    raise DeadlineExceeded(f"the request's deadline passed after {completion_tokens} tokens")
                 if reason == "cancelled":
                     raise Cancelled("the generation was cancelled")
                 if reason == "error":
                     raise _engine_error(info.get("error", "engine error"))
-                yield Chunk(
-                    text, reason, info.get("prompt_tokens", 0), info.get("completion_tokens", 0),
-                    info.get("cached_tokens", 0), info.get("step", 0),
-                )  # fmt: skip
+                yield Chunk(text, reason, prompt_tokens, completion_tokens, info.get("cached_tokens", 0), info.get("step", 0))
                 if reason is not None:
-                    if ctx is not None:
-                        ctx.tokens = chunk_tokens(info)
                     return
             raise BackendError("the model ended the stream without a final response")
         except InferplaneError as err:
@@ -217,6 +236,15 @@ class LLMService:
         finally:
             if call is not None:
                 call.cancel()
+            ctx.tokens = prompt_tokens + completion_tokens
+            if ticket is not None:
+                self.dp.quotas.release(ticket, ctx.tokens)
+            if call is not None and self.dp.meter is not None:
+                compute_us = int(((ended_at or time.perf_counter()) - sent_at) * 1e6)
+                self.dp.meter.record(
+                    tenant.name, tenant.team, model, signature.latest_version,
+                    input_tokens=prompt_tokens, output_tokens=completion_tokens, compute_us=compute_us,
+                )  # fmt: skip
             self.dp.metrics.count(label, "", code)
 
     async def complete(
@@ -261,12 +289,11 @@ class LLMService:
             request = pb.ModelInferRequest(model_name=model)
             request.inputs.add(name=EMBEDDING_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            raw = await self.dp.infer(request, timeout=timeout, ctx=ctx)
+            raw = await self.dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)
             outputs = _outputs(pb.ModelInferResponse.FromString(raw))
             if EMBEDDING_OUTPUT not in outputs:
                 raise BackendError(f"model '{model}' returned no '{EMBEDDING_OUTPUT}' output")
             vectors.append(outputs[EMBEDDING_OUTPUT].reshape(len(batch), -1))
-            if TOKENS_OUTPUT in outputs:
-                tokens += int(outputs[TOKENS_OUTPUT].sum())
+            tokens += _tokens(outputs)
         return np.concatenate(vectors, axis=0), tokens
 

@@ -1,4 +1,5 @@
-"""Usage metering: every answered request is counted in memory, written to the DB in batches.
+"""Usage metering: every answered request (and every generation the LLM engine worked on, however
+it ended) is counted in memory, written to the DB in batches.
 
 The hot path does one dict update (:meth:`Meter.record`); a background task flushes the sums
 every ``flush_s`` seconds as one ``tenancy_usage`` row per (tenant, team, model, version) and
@@ -6,8 +7,11 @@ period, through ``asyncio.to_thread`` — never on the request path. A failed wr
 for the next flush; ``stop()`` flushes what is left.
 
 ``compute_us`` is the Triton service time the frontend observed for the request (from the
-moment it left the admission gate to its answer). Reports: :func:`usage_report` (by tenant,
-team or model since a time) and :func:`cost_report` (compute hours x a per-hardware price table).
+moment it left the admission gate to its answer; for LLM generation, while the engine had it).
+``input_tokens`` / ``output_tokens`` are an LLM request's prompt and completion tokens (an
+embedding request's input tokens); ``tokens`` is their sum, the only count rows written before
+revision 0005 carry. Reports: :func:`usage_report` (by tenant, team or model since a time) and
+:func:`cost_report` (compute hours x a per-hardware price table).
 """
 
 from __future__ import annotations
@@ -48,29 +52,36 @@ class Meter:
 
     # ---- hot path -------------------------------------------------------------------------
 
-    def record(self, tenant: str, team: str, model: str, version: str, tokens: int = 0, compute_us: int = 0) -> None:
+    def record(
+        self, tenant: str, team: str, model: str, version: str, *, input_tokens: int = 0, output_tokens: int = 0, compute_us: int = 0
+    ) -> None:
         key = (tenant, team, model, version)
         sums = self._sums.get(key)
         if sums is None:
-            self._sums[key] = [1, tokens, compute_us]
+            self._sums[key] = [1, input_tokens, output_tokens, compute_us]
         else:
             sums[0] += 1
-            sums[1] += tokens
-            sums[2] += compute_us
+            sums[1] += input_tokens
+            sums[2] += output_tokens
+            sums[3] += compute_us
 
     # ---- batches --------------------------------------------------------------------------
 
     def drain(self) -> list[UsageRecord]:
         sums, self._sums = self._sums, {}
         ts, self._period_start = self._period_start, self._clock()
-        return [UsageRecord(ts, t, team, m, v, r, tok, us) for (t, team, m, v), (r, tok, us) in sums.items()]
+        return [
+            UsageRecord(ts, t, team, m, v, r, inp + out, us, input_tokens=inp, output_tokens=out)
+            for (t, team, m, v), (r, inp, out, us) in sums.items()
+        ]
 
     def _restore(self, records: list[UsageRecord]) -> None:
         for r in records:
-            sums = self._sums.setdefault((r.tenant, r.team, r.model, r.version), [0, 0, 0])
+            sums = self._sums.setdefault((r.tenant, r.team, r.model, r.version), [0, 0, 0, 0])
             sums[0] += r.requests
-            sums[1] += r.tokens
-            sums[2] += r.compute_us
+            sums[1] += r.input_tokens
+            sums[2] += r.output_tokens
+            sums[3] += r.compute_us
 
     async def flush(self) -> int:
         records = self.drain()

@@ -5,8 +5,8 @@ concurrent requests); each rate limit is one token bucket whose capacity is the 
 refills continuously at ``limit / window``. So over any window the bucket admits at most its
 limit plus what refilled — a burst of exactly ``limit`` from a full bucket, then ``limit/window``
 per second. Requests are checked against every bucket that applies and charged only when all of
-them have room (a refused request costs nothing). Tokens (LLM output) are charged after the
-answer: admission needs the token bucket to be out of debt, the answer's tokens are then taken
+them have room (a refused request costs nothing). Tokens (an LLM request's prompt + completion,
+also when the caller left mid-stream; an embedding's input) are charged after the answer: admission needs the token bucket to be out of debt, the answer's tokens are then taken
 from it, possibly into debt, which delays the next request by exactly the overdraft.
 
 Pure: a clock is injected, nothing here awaits, sleeps or does I/O. One decision is a few dict
@@ -29,7 +29,7 @@ class Quota:
 
     rps: float | None = None
     rpm: float | None = None
-    tpm: float | None = None  # tokens per minute (LLM output + prompt, as the caller reports)
+    tpm: float | None = None  # tokens per minute (LLM prompt + completion, embedding input)
     concurrency: int | None = None
 
     @property

@@ -124,7 +124,7 @@ class CallContext:
     idempotency_key: str | None = None
     timeout: float | None = None
     principal: Principal | None = None
-    tokens: int = 0  # tokens the answer used (LLM endpoints fill this in for metering and quotas)
+    tokens: int = 0  # tokens the call used (LLM prompt + completion, embedding input): charged to the token quota
     # traffic (server.traffic_state): the call's headers / gRPC metadata, read only when a split
     # needs a caller key; the data plane fills in the version and arm that answered
     headers: object = None

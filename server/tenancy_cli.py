@@ -193,7 +193,7 @@ def usage(
     database_url: DbUrl = None,
     as_json: AsJson = False,
 ) -> None:
-    """Requests, tokens and Triton compute seconds per tenant, team or model."""
+    """Requests, input/output tokens (LLMs, embeddings) and Triton compute seconds per tenant, team or model."""
     from server.metering import parse_since, usage_report
 
     try:
@@ -204,8 +204,12 @@ def usage(
     _emit(
         rows,
         as_json,
-        [f"{by:<24} {'requests':>12} {'tokens':>12} {'compute_s':>12}"]
-        + [f"{r[key] + ('@' + r['version'] if 'version' in r else ''):<24} {r['requests']:>12} {r['tokens']:>12} {r['compute_s']:>12.3f}" for r in rows],
+        [f"{by:<24} {'requests':>12} {'in_tokens':>12} {'out_tokens':>12} {'tokens':>12} {'compute_s':>12}"]
+        + [
+            f"{r[key] + ('@' + r['version'] if 'version' in r else ''):<24} {r['requests']:>12} "
+            f"{r['input_tokens']:>12} {r['output_tokens']:>12} {r['tokens']:>12} {r['compute_s']:>12.3f}"
+            for r in rows
+        ],
     )
 
 

@@ -190,7 +190,7 @@ class TenancyService(tenancy_pb2_grpc.TenancyServicer):
             for r in rows:
                 response.rows.add(
                     key=str(r[key]), version=str(r.get("version", "")), requests=r["requests"], tokens=r["tokens"],
-                    compute_s=r["compute_us"] / 1e6,
+                    input_tokens=r["input_tokens"], output_tokens=r["output_tokens"], compute_s=r["compute_us"] / 1e6,
                 )  # fmt: skip
             return response, f"by={by} since={since:.0f} rows={len(rows)}"
 

@@ -2,7 +2,7 @@
 
 Tables are prefixed ``tenancy_`` and live in the platform's database
 (``INFERPLANE_DATABASE_URL``; SQLite by default, PostgreSQL by URL). The Alembic migrations in
-``server/migrations`` (revision 0003) create them, with the registry's tables: opening a store
+``server/migrations`` (revisions 0003, 0005) create them, with the registry's tables: opening a store
 brings its database to the newest revision, exactly as opening the registry does. Every call here blocks:
 the server calls it through ``asyncio.to_thread`` (key refresh, usage flush), the CLI directly.
 Nothing on the request path reads or writes the database.
@@ -66,8 +66,10 @@ class UsageRow(Base):
     model: Mapped[str] = mapped_column(String(256))
     version: Mapped[str] = mapped_column(String(32))
     requests: Mapped[int] = mapped_column(Integer, default=0)
-    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)  # input + output (rows before 0005: the only count)
     compute_us: Mapped[int] = mapped_column(BigInteger, default=0)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # 0005
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     __table_args__ = (Index("ix_tenancy_usage_ts", "ts"),)
 
 
@@ -96,8 +98,10 @@ class UsageRecord:
     model: str
     version: str
     requests: int
-    tokens: int
+    tokens: int  # input_tokens + output_tokens
     compute_us: int
+    input_tokens: int = 0  # LLM prompt / embedding input
+    output_tokens: int = 0  # LLM completion
 
 
 class TenancyStore:
@@ -221,7 +225,7 @@ class TenancyStore:
         return len(rows)
 
     def usage(self, by: str = "tenant", since: float = 0.0, until: float | None = None) -> list[dict]:
-        """Sums of requests, tokens and compute per ``by`` (tenant | team | model | model_version)."""
+        """Sums of requests, input/output/total tokens and compute per ``by`` (tenant | team | model | model_version)."""
         columns = {
             "tenant": (UsageRow.tenant,),
             "team": (UsageRow.team,),
@@ -236,6 +240,8 @@ class TenancyStore:
         q = select(
             *keys,
             func.sum(UsageRow.requests),
+            func.sum(UsageRow.input_tokens),
+            func.sum(UsageRow.output_tokens),
             func.sum(UsageRow.tokens),
             func.sum(UsageRow.compute_us),
         ).where(UsageRow.ts >= since)
@@ -246,7 +252,8 @@ class TenancyStore:
         with Session(self.engine) as s:
             for row in s.execute(q):
                 d = {k.key: v for k, v in zip(keys, row[: len(keys)])}
-                d.update(requests=int(row[-3] or 0), tokens=int(row[-2] or 0), compute_us=int(row[-1] or 0))
+                requests, input_tokens, output_tokens, tokens, compute_us = (int(v or 0) for v in row[len(keys) :])
+                d.update(requests=requests, input_tokens=input_tokens, output_tokens=output_tokens, tokens=tokens, compute_us=compute_us)
                 out.append(d)
         return out
 

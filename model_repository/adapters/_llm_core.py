@@ -591,7 +591,7 @@ class Engine:
         visible = text.rstrip("\ufffd")  # an incomplete UTF-8 character waits for its next byte
         visible = visible[: len(visible) - _held_back(visible, p.stop)]
         if len(visible) > seq.emitted:
-            self._send(seq, visible[seq.emitted :], {"step": self.step, "completion_tokens": len(seq.generated)}, final=False)
+            self._send(seq, visible[seq.emitted :], {"step": self.step, "prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.generated)}, final=False)
             seq.emitted = len(visible)
         seq.text = text
         return True

@@ -88,19 +88,24 @@ def test_store_usage_sums_by_tenant_team_and_model(tmp_path):
     store.write_usage(
         [
             UsageRecord(100.0, "a", "t1", "m1", "1", 10, 0, 1000),
-            UsageRecord(160.0, "a", "t1", "m2", "1", 5, 50, 500),
+            UsageRecord(160.0, "a", "t1", "m2", "1", 5, 50, 500, input_tokens=20, output_tokens=30),
+            UsageRecord(170.0, "a", "t1", "m2", "1", 1, 7, 5, input_tokens=7),  # an embedding request
             UsageRecord(160.0, "b", "t1", "m1", "1", 1, 0, 100),
             UsageRecord(10.0, "b", "t2", "m1", "1", 99, 0, 9),
         ]
     )
     by_tenant = store.usage("tenant", since=50.0)
     assert by_tenant == [
-        {"tenant": "a", "requests": 15, "tokens": 50, "compute_us": 1500},
-        {"tenant": "b", "requests": 1, "tokens": 0, "compute_us": 100},
+        {"tenant": "a", "requests": 16, "input_tokens": 27, "output_tokens": 30, "tokens": 57, "compute_us": 1505},
+        {"tenant": "b", "requests": 1, "input_tokens": 0, "output_tokens": 0, "tokens": 0, "compute_us": 100},
     ]
     assert store.usage("team", since=0) == [
-        {"team": "t1", "requests": 16, "tokens": 50, "compute_us": 1600},
-        {"team": "t2", "requests": 99, "tokens": 0, "compute_us": 9},
+        {"team": "t1", "requests": 17, "input_tokens": 27, "output_tokens": 30, "tokens": 57, "compute_us": 1605},
+        {"team": "t2", "requests": 99, "input_tokens": 0, "output_tokens": 0, "tokens": 0, "compute_us": 9},
+    ]
+    assert store.usage("model_version", since=150.0) == [
+        {"model": "m1", "version": "1", "requests": 1, "input_tokens": 0, "output_tokens": 0, "tokens": 0, "compute_us": 100},
+        {"model": "m2", "version": "1", "requests": 6, "input_tokens": 27, "output_tokens": 30, "tokens": 57, "compute_us": 505},
     ]
     assert [r["model"] for r in store.usage("model")] == ["m1", "m2"]
     with pytest.raises(ValueError):

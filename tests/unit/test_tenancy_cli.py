@@ -48,10 +48,12 @@ def test_keys_lifecycle_and_reports(tmp_path, monkeypatch):
     assert json.loads(out.output)["models"] == ["m3"]
     assert run(app, ["tenants", "set", "acme", "--plan", "gold"]).exit_code != 0
 
-    store.write_usage([UsageRecord(1e10 - 5, "acme", "ml", "m3", "1", 3, 0, 7_200_000_000)])
+    store.write_usage([UsageRecord(1e10 - 5, "acme", "ml", "m3", "1", 3, 50, 7_200_000_000, input_tokens=20, output_tokens=30)])
     usage = json.loads(run(app, ["usage", "--by", "team", "--since", "1e9", "--json"]).output)
-    assert usage == [{"team": "ml", "requests": 3, "tokens": 0, "compute_s": 7200.0}]
+    assert usage == [{"team": "ml", "requests": 3, "input_tokens": 20, "output_tokens": 30, "tokens": 50, "compute_s": 7200.0}]
     out = run(app, ["usage", "--by", "model_version", "--since", "1e9"])
-    assert "m3@1" in out.output
+    header, line = out.output.splitlines()
+    assert header.split() == ["model_version", "requests", "in_tokens", "out_tokens", "tokens", "compute_s"]
+    assert line.split() == ["m3@1", "3", "20", "30", "50", "7200.000"]
     cost = json.loads(run(app, ["cost", "--by", "tenant", "--since", "1e9", "--hardware", "m3=h100", "--json"]).output)
     assert cost[0]["tenant"] == "acme" and cost[0]["compute_hours"] == 2.0 and cost[0]["cost_usd"] > 10

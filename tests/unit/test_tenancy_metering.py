@@ -12,12 +12,13 @@ async def test_records_are_summed_and_flushed_in_one_batch(tmp_path):
     meter = Meter(store.write_usage, clock=lambda: now[0])
     for _ in range(100):
         meter.record("a", "t1", "m1", "1", compute_us=10)
-    meter.record("b", "t2", "m1", "1", tokens=7, compute_us=5)
-    assert await meter.flush() == 2  # two rows for 101 requests
+    meter.record("b", "t2", "m1", "1", input_tokens=7, output_tokens=3, compute_us=5)
+    meter.record("b", "t2", "m1", "1", input_tokens=4, compute_us=5)  # an embedding: input only
+    assert await meter.flush() == 2  # two rows for 102 requests
     assert await meter.flush() == 0
     assert store.usage("tenant") == [
-        {"tenant": "a", "requests": 100, "tokens": 0, "compute_us": 1000},
-        {"tenant": "b", "requests": 1, "tokens": 7, "compute_us": 5},
+        {"tenant": "a", "requests": 100, "input_tokens": 0, "output_tokens": 0, "tokens": 0, "compute_us": 1000},
+        {"tenant": "b", "requests": 2, "input_tokens": 11, "output_tokens": 3, "tokens": 14, "compute_us": 10},
     ]
 
 
@@ -31,11 +32,12 @@ async def test_a_failed_write_keeps_the_sums_for_the_next_flush():
         return len(records)
 
     meter = Meter(flaky)
-    meter.record("a", "t", "m", "1")
+    meter.record("a", "t", "m", "1", input_tokens=5, output_tokens=2)
     assert await meter.flush() == 0 and meter.failures == 1
-    meter.record("a", "t", "m", "1")
+    meter.record("a", "t", "m", "1", input_tokens=1, output_tokens=1)
     assert await meter.flush() == 1
-    assert calls[1][0].requests == 2
+    kept = calls[1][0]
+    assert (kept.requests, kept.input_tokens, kept.output_tokens, kept.tokens) == (2, 6, 3, 9)
 
 
 async def test_stop_flushes_what_is_left(tmp_path):
@@ -61,7 +63,9 @@ def test_usage_and_cost_reports(tmp_path):
     meter.record("a", "ml", "tree", "1", compute_us=1_800_000_000)
     meter.record("b", "ads", "tree", "1", compute_us=3_600_000_000)
     store.write_usage(meter.drain())
-    assert usage_report(store, "team", 0)[0] == {"team": "ads", "requests": 1, "tokens": 0, "compute_s": 3600.0}
+    assert usage_report(store, "team", 0)[0] == {
+        "team": "ads", "requests": 1, "input_tokens": 0, "output_tokens": 0, "tokens": 0, "compute_s": 3600.0,
+    }  # fmt: skip
     prices = {"cpu": 0.1, "h100": 7.0}
     by_tenant = cost_report(store, "tenant", 0, prices, {"gpu_model": "h100"})
     assert by_tenant == [

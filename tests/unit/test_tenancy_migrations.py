@@ -1,5 +1,6 @@
 """Revision 0003 (tenancy tables) up and down, on an empty and on a populated database, and the
-adoption of tables an earlier build made with ``create_all`` (SQLite always, PostgreSQL when
+adoption of tables an earlier build made with ``create_all``; revision 0005 (usage input/output
+tokens) up and down over existing rows (SQLite always, PostgreSQL when
 ``INFERPLANE_TEST_POSTGRES_URL`` is set)."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _tables(engine) -> set[str]:
 def _populate(store: TenancyStore) -> str:
     store.create_key("acme", PEPPER, team="ml", plan="premium", models=["m1"], quota=Quota(rpm=10), admin=True)
     _, key = store.create_key("beta", PEPPER, models=["*"])
-    store.write_usage([UsageRecord(time.time(), "acme", "ml", "m1", "1", 3, 7, 1500)])
+    store.write_usage([UsageRecord(time.time(), "acme", "ml", "m1", "1", 3, 7, 1500, input_tokens=5, output_tokens=2)])
     return key
 
 
@@ -38,7 +39,7 @@ def _check(store: TenancyStore, key: str) -> None:
     ring = KeyRing(PEPPER)
     ring.load(*store.snapshot())
     assert ring.authenticate(key).name == "beta"
-    assert store.usage("tenant")[0] == {"tenant": "acme", "requests": 3, "tokens": 7, "compute_us": 1500}
+    assert store.usage("tenant")[0] == {"tenant": "acme", "requests": 3, "input_tokens": 5, "output_tokens": 2, "tokens": 7, "compute_us": 1500}
 
 
 def test_0003_up_and_down_on_an_empty_database(db_url):
@@ -115,5 +116,53 @@ def test_0003_adopts_tables_an_earlier_build_created(db_url):
             store.close()
         migrations.downgrade(engine, "0002")
         assert not _tables(engine) & TENANCY_TABLES
+    finally:
+        engine.dispose()
+
+
+# ---- 0005: input and output tokens ---------------------------------------------------------------
+
+USAGE_SPLIT = {"input_tokens", "output_tokens"}
+
+
+def _usage_columns(engine) -> dict[str, dict]:
+    return {c["name"]: c for c in inspect(engine).get_columns("tenancy_usage")}
+
+
+def _insert_0004_row(engine, ts: float, tokens: int) -> None:
+    """A usage row as a 0004 database holds it: one ``tokens`` count."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO tenancy_usage (ts, tenant, team, model, version, requests, tokens, compute_us) "
+                "VALUES (:ts, 'acme', 'ml', 'llm', '1', 2, :tokens, 900)"
+            ),
+            {"ts": ts, "tokens": tokens},
+        )
+
+
+def test_0005_splits_tokens_and_keeps_the_rows_it_finds(db_url):
+    engine = make_engine(db_url)
+    try:
+        migrations.upgrade(engine, "0004")
+        assert not USAGE_SPLIT & set(_usage_columns(engine))
+        _insert_0004_row(engine, 100.0, 40)
+        migrations.upgrade(engine, "0005")
+        columns = _usage_columns(engine)
+        assert USAGE_SPLIT <= set(columns) and not any(columns[c]["nullable"] for c in USAGE_SPLIT)
+        store = TenancyStore(db_url, engine=engine, migrate=False)
+        # the old row keeps its total; which part was prompt is not known, so both read 0
+        assert store.usage("tenant") == [{"tenant": "acme", "requests": 2, "input_tokens": 0, "output_tokens": 0, "tokens": 40, "compute_us": 900}]
+        store.write_usage([UsageRecord(200.0, "acme", "ml", "llm", "1", 1, 12, 50, input_tokens=9, output_tokens=3)])
+        assert store.usage("tenant") == [{"tenant": "acme", "requests": 3, "input_tokens": 9, "output_tokens": 3, "tokens": 52, "compute_us": 950}]
+        _insert_0004_row(engine, 300.0, 5)  # a writer that does not know the columns: server default 0
+        assert store.usage("tenant", since=250.0)[0]["input_tokens"] == 0
+        migrations.downgrade(engine, "0004")
+        assert migrations.current(engine) == "0004" and not USAGE_SPLIT & set(_usage_columns(engine))
+        assert "ix_tenancy_usage_ts" in {i["name"] for i in inspect(engine).get_indexes("tenancy_usage")}
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT SUM(requests), SUM(tokens) FROM tenancy_usage")).one() == (5, 57)
+        migrations.upgrade(engine, "head")
+        assert store.usage("tenant")[0]["tokens"] == 57
     finally:
         engine.dispose()

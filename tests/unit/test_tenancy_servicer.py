@@ -142,11 +142,15 @@ async def test_revoke_and_rotate(env):
 async def test_get_usage_by_group_and_since(env):
     now = time.time()
     env.store.write_usage(
-        [UsageRecord(now - 10, "alpha", "ta", "m1", "1", 3, 5, 2_000_000), UsageRecord(now - 7200, "alpha", "ta", "m1", "2", 4, 0, 1)]
+        [
+            UsageRecord(now - 10, "alpha", "ta", "m1", "1", 3, 5, 2_000_000, input_tokens=2, output_tokens=3),
+            UsageRecord(now - 7200, "alpha", "ta", "m1", "2", 4, 0, 1),
+        ]
     )
     t = env.tenancy
     answer = await t.GetUsage(tpb.GetUsageRequest(by="model_version", since="1h"), Context(env.admin))
-    assert [(r.key, r.version, r.requests, r.tokens, r.compute_s) for r in answer.rows] == [("m1", "1", 3, 5, 2.0)]
+    rows = [(r.key, r.version, r.requests, r.input_tokens, r.output_tokens, r.tokens, r.compute_s) for r in answer.rows]
+    assert rows == [("m1", "1", 3, 2, 3, 5, 2.0)]
     answer = await t.GetUsage(tpb.GetUsageRequest(by="team", since="3h"), Context(env.admin))
     assert [(r.key, r.requests) for r in answer.rows] == [("ta", 7)]
     for bad in (tpb.GetUsageRequest(by="planet"), tpb.GetUsageRequest(since="yesterday-ish")):

@@ -187,18 +187,22 @@ class GetUsageRequest(_message.Message):
     def __init__(self, by: _Optional[str] = ..., since: _Optional[str] = ..., until: _Optional[str] = ...) -> None: ...
 
 class UsageRow(_message.Message):
-    __slots__ = ("key", "version", "requests", "tokens", "compute_s")
+    __slots__ = ("key", "version", "requests", "tokens", "compute_s", "input_tokens", "output_tokens")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     key: str
     version: str
     requests: int
     tokens: int
     compute_s: float
-    def __init__(self, key: _Optional[str] = ..., version: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    input_tokens: int
+    output_tokens: int
+    def __init__(self, key: _Optional[str] = ..., version: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class GetUsageResponse(_message.Message):
     __slots__ = ("by", "since", "rows")

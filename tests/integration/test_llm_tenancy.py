@@ -1,0 +1,261 @@
+"""The LLM endpoints under tenancy, on the real stack with `--auth on`: chat completions and gRPC
+``Generate`` are admitted against request and token quotas (429 / RESOURCE_EXHAUSTED with retry
+hints the official openai SDK reads as ``RateLimitError``), and every generation — answered or
+left mid-stream — is metered with its input and output tokens; embeddings meter their input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import aiohttp
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
+from server.quota_policy import Quota
+from server.tenancy_store import TenancyStore
+from tests.conftest import start_stack, stop_stack, wait_until
+
+pytestmark = pytest.mark.integration
+openai = pytest.importorskip("openai")
+
+PEPPER = "llm-tenancy-pepper"
+MODEL = "tiny_llama"
+EMBEDDINGS = "minilm_embeddings"
+MESSAGES = [{"role": "user", "content": "hello world"}]
+RPM = 3  # tenant "rpm" on tiny_llama
+FLUSH_WAIT_S = 30  # the meter flushes every 0.3 s; this only bounds a hang
+
+
+@pytest.fixture(scope="module")
+def llm_tenancy(llm_repository, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("llm_tenancy")
+    url = f"sqlite:///{workdir}/tenancy.db"
+    store = TenancyStore(url)
+    pepper = PEPPER.encode()
+    tenants = {
+        "rpm": dict(model_quotas={MODEL: Quota(rpm=RPM)}),
+        "tpm": dict(quota=Quota(tpm=10)),
+        "metered": {},
+        "embedder": {},
+        "embed_tpm": dict(quota=Quota(tpm=5)),
+        "quitter": dict(quota=Quota(tpm=5)),
+        "grpc_quitter": dict(quota=Quota(tpm=5)),
+    }
+    keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=[MODEL, EMBEDDINGS], **fields)[1] for name, fields in tenants.items()}
+    env = {
+        "INFERPLANE_DATABASE_URL": url,
+        "INFERPLANE_KEY_PEPPER": PEPPER,
+        "INFERPLANE_AUTH_REFRESH_S": "0.3",
+        "INFERPLANE_USAGE_FLUSH_S": "0.3",
+    }
+    stack = start_stack(llm_repository, workdir, "--auth", "on", "--model", MODEL, "--model", EMBEDDINGS, env={**env, "INFERPLANE_AUTH": "on"})
+    stack.env, stack.keys, stack.store = env, keys, store
+    yield stack
+    stop_stack(stack)
+    store.close()
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _client(stack, tenant: str):
+    return openai.OpenAI(base_url=f"http://{stack.http}/v1", api_key=stack.keys[tenant], max_retries=0, timeout=60)
+
+
+def _metadata(stack, tenant: str):
+    return (("authorization", f"Bearer {stack.keys[tenant]}"),)
+
+
+def _usage(stack, tenant: str, requests: int) -> dict:
+    """The tenant's usage sums once ``requests`` requests of it are in the database."""
+
+    def flushed():
+        row = next((r for r in stack.store.usage("tenant") if r["tenant"] == tenant), None)
+        return row if row is not None and row["requests"] >= requests else None
+
+    row = wait_until(flushed, timeout=FLUSH_WAIT_S)
+    assert row, f"no usage of {requests} requests for {tenant}: {stack.store.usage('tenant')}"
+    return row
+
+
+def _rate_limited(err) -> float:
+    """Checks a RateLimitError is the quota's 429 with its retry headers; returns Retry-After."""
+    assert err.status_code == 429
+    headers = err.response.headers
+    assert headers["x-should-retry"] == "true"
+    assert err.response.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
+    return float(headers["retry-after"])
+
+
+async def _read_then_leave(stack, tenant: str, chunks: int) -> int:
+    """Stream a long chat completion, read ``chunks`` content deltas, close the connection; returns
+    how many content deltas arrived."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1900, "ignore_eos": True, "stream": True, "seed": 7}
+    headers = {"Authorization": f"Bearer {stack.keys[tenant]}"}
+    seen = 0
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://{stack.http}/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    choices = json.loads(line[6:])["choices"]
+                    if choices and choices[0]["delta"].get("content"):
+                        seen += 1
+                if seen >= chunks:
+                    r.close()
+                    break
+    return seen
+
+
+# ---- quotas -----------------------------------------------------------------------------------
+
+
+def test_a_request_quota_answers_429_rate_limit_error_with_retry_headers(llm_tenancy):
+    client = _client(llm_tenancy, "rpm")
+    try:
+        for _ in range(RPM):
+            assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert 1 <= _rate_limited(info.value) <= 60 / RPM  # one request refills in 20 s
+        assert f"{RPM} requests/min" in info.value.response.json()["error"]["message"]
+        # streaming is refused the same way, before any event
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=True)
+        _rate_limited(info.value)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+        # the quota is on tiny_llama only: the tenant's embeddings still answer
+        assert client.embeddings.create(model=EMBEDDINGS, input="hello").data
+    finally:
+        client.close()
+
+
+def test_a_token_quota_refuses_after_the_generated_tokens_on_both_transports(llm_tenancy):
+    client = _client(llm_tenancy, "tpm")  # 10 tokens/min for the whole tenant
+    try:
+        first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, extra_body={"ignore_eos": True})
+        assert first.usage.completion_tokens == 16 and first.usage.total_tokens > 10  # charged into debt
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert _rate_limited(info.value) > 0
+        assert "10 tokens/min" in info.value.response.json()["error"]["message"]
+        with pytest.raises(openai.RateLimitError):  # the tenant's quota covers every model
+            client.embeddings.create(model=EMBEDDINGS, input="hello")
+    finally:
+        client.close()
+    request = generate_pb2.GenerateRequest(model=MODEL, prompt="hello", max_tokens=2)
+    with grpc.insecure_channel(llm_tenancy.grpc) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate_pb2_grpc.GenerationStub(channel).Generate(request, metadata=_metadata(llm_tenancy, "tpm"), timeout=30))
+    err = info.value
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens/min" in err.details()
+    trailing = dict(err.trailing_metadata())
+    assert float(trailing["retry-after"]) > 0
+    rich = status_pb2.Status.FromString(trailing["grpc-status-details-bin"])
+    retry = error_details_pb2.RetryInfo()
+    assert any(d.Unpack(retry) for d in rich.details) and retry.retry_delay.ToMilliseconds() > 0
+
+
+def test_embedding_input_tokens_are_charged_to_the_token_quota(llm_tenancy):
+    client = _client(llm_tenancy, "embed_tpm")  # 5 tokens/min
+    try:
+        answer = client.embeddings.create(model=EMBEDDINGS, input="a sentence of rather more than five tokens, surely")
+        assert answer.usage.prompt_tokens > 5
+        with pytest.raises(openai.RateLimitError) as info:
+            client.embeddings.create(model=EMBEDDINGS, input="again")
+        assert _rate_limited(info.value) > 0
+    finally:
+        client.close()
+    row = _usage(llm_tenancy, "embed_tpm", 1)
+    assert (row["requests"], row["input_tokens"], row["output_tokens"]) == (1, answer.usage.prompt_tokens, 0)
+
+
+# ---- metering ---------------------------------------------------------------------------------
+
+
+def test_chat_and_generate_are_metered_with_input_and_output_tokens(llm_tenancy):
+    client = _client(llm_tenancy, "metered")
+    try:
+        usages = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True}).usage]
+        stream = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=7, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+        usages += [chunk.usage for chunk in stream if chunk.usage is not None]
+        usages.append(client.completions.create(model=MODEL, prompt="The capital of", max_tokens=3, extra_body={"ignore_eos": True}).usage)
+    finally:
+        client.close()
+    request = generate_pb2.GenerateRequest(model=MODEL, prompt="once upon a time", max_tokens=4, ignore_eos=True)
+    with grpc.insecure_channel(llm_tenancy.grpc) as channel:
+        responses = list(generate_pb2_grpc.GenerationStub(channel).Generate(request, metadata=_metadata(llm_tenancy, "metered"), timeout=30))
+    usages.append(responses[-1].usage)
+    assert len(usages) == 4 and [u.completion_tokens for u in usages] == [5, 7, 3, 4]
+
+    row = _usage(llm_tenancy, "metered", 4)
+    assert row["requests"] == 4
+    assert row["input_tokens"] == sum(u.prompt_tokens for u in usages)
+    assert row["output_tokens"] == sum(u.completion_tokens for u in usages) == 19
+    assert row["tokens"] == row["input_tokens"] + row["output_tokens"] and row["compute_us"] > 0
+    by_version = [r for r in llm_tenancy.store.usage("model_version") if r["model"] == MODEL]
+    assert [r["version"] for r in by_version] == ["1"]
+    # the operator's view: `inferplane usage`
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "usage", "--by", "tenant", "--since", "1h", "--json"],
+        env=dict(os.environ, **llm_tenancy.env), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = {r["tenant"]: r for r in json.loads(out.stdout)}
+    assert (report["metered"]["input_tokens"], report["metered"]["output_tokens"]) == (row["input_tokens"], 19)
+
+
+def test_embeddings_are_metered_with_their_input_tokens(llm_tenancy):
+    client = _client(llm_tenancy, "embedder")
+    try:
+        answer = client.embeddings.create(model=EMBEDDINGS, input=["hello world", "a second, longer text to embed"])
+    finally:
+        client.close()
+    row = _usage(llm_tenancy, "embedder", 1)
+    assert (row["requests"], row["input_tokens"], row["output_tokens"]) == (1, answer.usage.prompt_tokens, 0)
+    assert row["tokens"] == answer.usage.prompt_tokens > 0
+
+
+def test_a_stream_the_client_leaves_is_charged_the_tokens_it_generated(llm_tenancy):
+    seen = asyncio.run(_read_then_leave(llm_tenancy, "quitter", chunks=6))
+    assert seen >= 6
+    row = _usage(llm_tenancy, "quitter", 1)
+    assert row["requests"] == 1 and row["input_tokens"] > 0
+    assert seen <= row["output_tokens"] < 1900  # what was generated before the frontend saw it go
+    # those tokens were charged: 5 tokens/min is deep in debt, the next request is refused
+    client = _client(llm_tenancy, "quitter")
+    try:
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert _rate_limited(info.value) > 0
+    finally:
+        client.close()
+
+
+def test_a_cancelled_grpc_generate_is_charged_the_tokens_it_generated(llm_tenancy):
+    request = generate_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=1900, ignore_eos=True)
+    metadata = _metadata(llm_tenancy, "grpc_quitter")
+    with grpc.insecure_channel(llm_tenancy.grpc) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request, metadata=metadata, timeout=60)
+        texts = 0
+        for response in call:
+            texts += bool(response.text)
+            if texts >= 4:
+                call.cancel()
+                break
+        row = _usage(llm_tenancy, "grpc_quitter", 1)
+        assert row["input_tokens"] > 0 and texts <= row["output_tokens"] < 1900
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=2), metadata=metadata, timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert float(dict(info.value.trailing_metadata())["retry-after"]) > 0
