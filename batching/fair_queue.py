@@ -8,8 +8,12 @@ order across tenants (self-clocked fair queuing: each request gets the finish ta
 served). A tenant offering ten times its share therefore waits behind itself, not in front of
 the others. Weights come from plan tiers (``server.tenancy.PLAN_WEIGHTS``).
 
-The queue is bounded by what the model can drain within ``max_queue_delay_s`` at its measured
-capacity (``slots`` / the EWMA of the time a request holds a slot), between ``min_queue`` and
+The queue is bounded so that an admitted request waits at most about ``queue_rounds`` service
+times: by default it holds ``queue_rounds x slots`` requests (two rounds: an admitted request's
+latency stays within ~3x an unloaded one's, whatever the model's speed). With
+``max_queue_delay_s`` set it holds instead what the model drains in that long at its measured
+capacity (``slots`` / the EWMA of the time a request holds a slot), to absorb longer bursts at
+the cost of latency. Either way the bound stays between ``min_queue`` and
 ``max_queue``. When it is full, an arriving tenant that holds less than its fair share of the
 queue pushes out the newest request of the tenant holding the most (that one gets
 ``Overloaded``); otherwise the arrival is refused with ``Overloaded`` and a retry hint (the
@@ -36,7 +40,8 @@ from server.errors import DeadlineExceeded, Overloaded
 @dataclass(frozen=True)
 class AdmissionPolicy:
     slots: int = 64
-    max_queue_delay_s: float = 0.5  # the queue holds what the model drains in this long
+    max_queue_delay_s: float | None = None  # set: the queue holds what the model drains in this long
+    queue_rounds: float = 2.0  # unset: the queue holds this many rounds of ``slots``
     min_queue: int = 4
     max_queue: int = 4096
     initial_service_s: float | None = None  # prior for the EWMA (None: no deadline shedding until measured)
@@ -66,7 +71,7 @@ class FairQueue:
         self._clock = clock
         self.inflight = 0
         self.size = 0  # waiting requests
-        self._heap: list[tuple[float, int, _Waiter]] = []
+        self._heap: list[tuple[float, int, int, _Waiter]] = []
         self._seq = itertools.count()
         self._tenants: dict[str, _TenantState] = {}
         self._vtime = 0.0
@@ -86,10 +91,13 @@ class FairQueue:
     @property
     def bound(self) -> int:
         p = self.policy
-        cap = self.capacity_rps
-        if cap is None:
+        if p.max_queue_delay_s is None:
+            n = p.queue_rounds * p.slots
+        elif (cap := self.capacity_rps) is None:
             return p.max_queue
-        return int(min(p.max_queue, max(p.min_queue, cap * p.max_queue_delay_s)))
+        else:
+            n = cap * p.max_queue_delay_s
+        return int(min(p.max_queue, max(p.min_queue, n)))
 
     def _drain_s(self, ahead: float) -> float:
         return 0.0 if not self.service_s else ahead * self.service_s / self.policy.slots
@@ -131,7 +139,9 @@ class FairQueue:
         waiter = _Waiter(tag, tenant, None if timeout is None else now + timeout, asyncio.get_running_loop().create_future())
         state.last_tag = tag
         state.waiting.append(waiter)
-        heapq.heappush(self._heap, (tag, next(self._seq), waiter))
+        # equal tags: the request that found its tenant's queue shorter goes first (a tenant
+        # arriving idle gets the turn a backlogged one would otherwise win by arriving earlier)
+        heapq.heappush(self._heap, (tag, len(state.waiting), next(self._seq), waiter))
         self.size += 1
         self.queued += 1
         try:
@@ -156,7 +166,7 @@ class FairQueue:
             a = self.policy.ewma_alpha
             self.service_s = service_s if self.service_s is None else (1 - a) * self.service_s + a * service_s
         while self._heap and self.inflight < self.policy.slots:
-            tag, _, waiter = heapq.heappop(self._heap)
+            tag, _, _, waiter = heapq.heappop(self._heap)
             if waiter.done or waiter.future.done():
                 continue
             self._vtime = tag

@@ -1,9 +1,14 @@
 """Fairness and overload benchmarks: two tenants against the real stack with ``--auth on``.
 
-    python -m loadtest.fairness [--model mlp_classifier] [--batch 32] [--duration 10] [--slots 4] [--json out.json]
+    python -m loadtest.fairness [--service-ms 80 --instances 8] [--duration 10] [--json out.json]
+    python -m loadtest.fairness --model mlp_classifier --service-us 4000 --slots 1   # a demo model
 
 One run starts the stack (embedded Triton, a fresh tenancy database with tenants A and B on the
-same plan), then measures, all open loop (latency from the scheduled send time) on one model:
+same plan), then measures, all open loop (latency from the scheduled send time) on one model.
+The default model is ``paced`` (``loadtest.paced_model``): ``--instances`` instances that each
+answer after ``--service-ms`` without using the CPU — an accelerator stand-in with a known
+capacity, so that the model saturates before the two CPUs the load generator, the frontend and
+Triton share. With a demo model, ``--service-us`` sets its Triton batching delay instead.
 
 1. capacity: B alone, closed loop, many callers -> goodput C; unloaded latency: one caller.
 2. fairness: B offers its share (C/2) alone; then B offers its share while A offers 10x its
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import tempfile
 import time
@@ -102,10 +108,14 @@ async def _closed_loop(call, payload: bytes, metadata, concurrency: int, duratio
 
 
 def _payload(repository: Path, model: str, batch: int) -> bytes:
+    from loadtest.paced_model import NAME as PACED, sample_features
     from model_repository.layout import load_validation
     from server.protogen.inference import grpc_service_pb2 as pb
 
-    x = np.ascontiguousarray(load_validation(repository / model)["features"][:batch], dtype=np.float32)
+    if model == PACED:
+        x = sample_features(batch)
+    else:
+        x = np.ascontiguousarray(load_validation(repository / model)["features"][:batch], dtype=np.float32)
     req = pb.ModelInferRequest(model_name=model)
     req.inputs.add(name="features", datatype="FP32", shape=list(x.shape))
     req.raw_input_contents.append(x.tobytes())
@@ -120,6 +130,8 @@ async def _measure(stack, keys: dict, model: str, payload: bytes, duration: floa
     meta = {t: (("authorization", f"Bearer {k}"),) for t, k in keys.items()}
     frontend = psutil.Process(stack.process.pid)
     out: dict = {"model": model}
+    gc.collect()
+    gc.freeze()  # the load generator's own collections must not delay its scheduled sends
     try:
         await _closed_loop(calls["B"], payload, meta["B"], concurrency, 2.0)  # warm-up
         ok, _ = await _closed_loop(calls["B"], payload, meta["B"], 1, min(duration, 5.0))
@@ -159,26 +171,54 @@ async def _measure(stack, keys: dict, model: str, payload: bytes, duration: floa
             "admitted_p99_over_unloaded_p99": None if not unloaded_p99 else round(over["latency_ms"]["p99"] / unloaded_p99, 2),
             "frontend_rss_mb": {"before": round(rss_before / 2**20, 1), "after": round(rss_after / 2**20, 1)},
         }
+        out["frontend_gc_pauses"] = _gc_pauses(stack.metrics)
     finally:
         for ch in channels.values():
             await ch.close()
     return out
 
 
+def _gc_pauses(metrics_address: str) -> dict:
+    """The frontend's garbage-collector pauses over the whole run (``inferplane_gc_pause_seconds``)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    out: dict = {}
+    for line in text.splitlines():
+        if not line.startswith("inferplane_gc_pause_seconds_"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        gen = name.split('generation="', 1)[1].split('"', 1)[0]
+        entry = out.setdefault(f"gen{gen}", {"count": 0, "total_ms": 0.0, "over_5ms": 0})
+        if name.startswith("inferplane_gc_pause_seconds_count"):
+            entry["count"] = int(float(value))
+        elif name.startswith("inferplane_gc_pause_seconds_sum"):
+            entry["total_ms"] = round(float(value) * 1000, 1)
+        elif 'le="0.005"' in name:
+            entry["over_5ms"] = -int(float(value))
+    for entry in out.values():
+        entry["over_5ms"] += entry["count"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="mlp_classifier")
+    parser.add_argument("--model", default="paced", help="paced (default) or a demo model")
+    parser.add_argument("--service-ms", type=float, default=80.0, help="paced: each instance's service time")
+    parser.add_argument("--instances", type=int, default=8, help="paced: instances (capacity = instances / service time)")
+    parser.add_argument("--jitter", type=float, default=0.25, help="paced: service times spread over +-this fraction (0: lockstep)")
     parser.add_argument("--batch", type=int, default=8, help="rows per request")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
-    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop callers for the capacity phase")
-    parser.add_argument("--slots", type=int, default=1, help="admission slots per model (INFERPLANE_ADMISSION_SLOTS)")
-    parser.add_argument("--queue-delay-s", type=float, default=0.5, help="admission queue bound in seconds of drain (INFERPLANE_ADMISSION_QUEUE_DELAY_S)")
+    parser.add_argument("--concurrency", type=int, default=None, help="closed-loop callers for the capacity phase (default: 2 x slots)")
+    parser.add_argument("--slots", type=int, default=None, help="admission slots per model (INFERPLANE_ADMISSION_SLOTS; default: --instances for paced, 1 otherwise)")
+    parser.add_argument("--queue-delay-s", type=float, default=None, help="admission queue bound in seconds of drain (INFERPLANE_ADMISSION_QUEUE_DELAY_S; default: the server's, two rounds of slots)")
     parser.add_argument("--repository", type=Path, default=None, help="demo model repository (default: build one)")
     parser.add_argument(
-        "--service-us", type=int, default=4000,
+        "--service-us", type=int, default=0,
         help="the model's Triton batching delay (max_queue_delay_microseconds) in this run's copy of the repository: "
         "service time that does not burn CPU, as on an accelerator; 0 keeps the model's own",
     )  # fmt: skip
+    parser.add_argument("--no-gc-freeze", action="store_true", help="start the frontend with INFERPLANE_GC_FREEZE=false (to compare)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -188,7 +228,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         work = Path(tmp)
         repository = args.repository
-        if repository is None:
+        if args.model == "paced":
+            from loadtest.paced_model import build_paced_model
+
+            repository = work / "model_repository"
+            build_paced_model(repository, args.service_ms, args.instances, args.jitter)
+            args.slots = args.slots or args.instances
+        elif repository is None:
             from model_repository.demo import build_demo_repository
 
             repository = work / "model_repository"
@@ -198,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
 
             shutil.copytree(repository, work / "model_repository")
             repository = work / "model_repository"
-        if args.service_us:
+        args.slots = args.slots or 1
+        if args.service_us and args.model != "paced":
             from model_repository.config_writer import read_config, write_config
 
             config = read_config(repository / args.model)
@@ -213,15 +260,23 @@ def main(argv: list[str] | None = None) -> dict:
             "INFERPLANE_DATABASE_URL": url,
             "INFERPLANE_KEY_PEPPER": PEPPER,
             "INFERPLANE_ADMISSION_SLOTS": str(args.slots),
-            "INFERPLANE_ADMISSION_QUEUE_DELAY_S": str(args.queue_delay_s),
             "INFERPLANE_LOG_LEVEL": "WARNING",
         }
+        if args.no_gc_freeze:
+            env["INFERPLANE_GC_FREEZE"] = "false"
+        if args.queue_delay_s is not None:
+            env["INFERPLANE_ADMISSION_QUEUE_DELAY_S"] = str(args.queue_delay_s)
+        args.concurrency = args.concurrency or 2 * args.slots
         stack = start_stack(repository, work / "stack", "--workers", "1", env=env)
         try:
             result = asyncio.run(_measure(stack, keys, args.model, _payload(repository, args.model, args.batch), args.duration, args.concurrency))
         finally:
             stop_stack(stack)
-    result["settings"] = {"batch": args.batch, "duration_s": args.duration, "slots": args.slots, "queue_delay_s": args.queue_delay_s, "service_us": args.service_us}
+    result["settings"] = {
+        "model": args.model, "batch": args.batch, "duration_s": args.duration, "slots": args.slots,
+        "queue_delay_s": args.queue_delay_s, "service_us": args.service_us, "gc_freeze": not args.no_gc_freeze,
+        **({"service_ms": args.service_ms, "instances": args.instances, "jitter": args.jitter} if args.model == "paced" else {}),
+    }  # fmt: skip
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

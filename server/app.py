@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from server.admin_servicer import AdminService
+from server import gc_pauses
 from server.dataplane import DataPlane
 from server.generate_servicer import add_to_server as add_generation
 from server.generation import LLMService
@@ -41,6 +42,7 @@ class Frontend:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
+        gc_pauses.watch(self.metrics.gc_pause)
         self.supervisor: TritonSupervisor | None = None
         self.triton: TritonClient | None = None
         self.dataplane: DataPlane | None = None
@@ -99,6 +101,8 @@ class Frontend:
         if not s.worker:
             await self._start_metrics()
         await self._start_http()
+        if s.gc_freeze:
+            gc_pauses.settle()
         await self._set_serving(True)
 
     async def _setup_tenancy(self, target: str) -> None:

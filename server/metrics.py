@@ -79,6 +79,13 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="max",
         )
+        self.gc_pause = Histogram(
+            "inferplane_gc_pause_seconds",
+            "Garbage-collector pauses of the frontend process, by generation.",
+            ("generation",),
+            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+            registry=self.registry,
+        )
         self._counted: dict[tuple[str, str, str], object] = {}
         self._per_model: dict[str, tuple[object, object]] = {}
 

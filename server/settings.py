@@ -57,11 +57,13 @@ class Settings(BaseSettings):
     quota_concurrency: int | None = Field(None, ge=1)
     # admission: requests past the gate per model (unset: from the model's coalescing policy), queue bound
     admission_slots: int | None = Field(None, ge=1)
-    admission_queue_delay_s: float = Field(0.5, gt=0)
+    admission_queue_delay_s: float | None = Field(None, gt=0)  # unset: two rounds of slots
     admission_max_queue: int = Field(4096, ge=1)
     breaker_failures: int = Field(5, ge=1)
     breaker_open_s: float = Field(2.0, gt=0)
     usage_flush_s: float = Field(5.0, gt=0)
+    # freeze what start-up left alive so garbage collections stay short (server.gc_pauses)
+    gc_freeze: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":

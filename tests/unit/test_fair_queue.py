@@ -46,7 +46,7 @@ async def test_free_slots_admit_at_once_without_waiting():
 
 
 async def test_a_flooding_tenant_waits_behind_itself():
-    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q = FairQueue("m", AdmissionPolicy(slots=1, queue_rounds=100))
     assert q.try_acquire()
     order: list[str] = []
     tasks = await _enqueue(q, order, "A", 10)
@@ -59,7 +59,7 @@ async def test_a_flooding_tenant_waits_behind_itself():
 
 
 async def test_weights_split_a_saturated_model_by_plan():
-    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q = FairQueue("m", AdmissionPolicy(slots=1, queue_rounds=100))
     q.try_acquire()
     order: list[str] = []
     tasks = await _enqueue(q, order, "A", 30, weight=1.0)
@@ -152,3 +152,14 @@ def test_queue_bound_follows_measured_capacity():
         q.inflight = 1
         q.release(1.0)
     assert q.bound == 8
+
+
+def test_default_queue_bound_is_two_rounds_of_slots():
+    q = FairQueue("m", AdmissionPolicy(slots=8, min_queue=4, max_queue=1000))
+    assert q.bound == 16  # before anything is measured, and after: independent of the model's speed
+    for service_s in (0.001, 0.5):
+        q.inflight = 1
+        q.release(service_s)
+        assert q.bound == 16
+    assert FairQueue("m", AdmissionPolicy(slots=1, min_queue=4)).bound == 4
+    assert FairQueue("m", AdmissionPolicy(slots=4096, max_queue=1000)).bound == 1000

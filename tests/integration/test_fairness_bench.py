@@ -1,0 +1,24 @@
+"""The fairness/overload benchmark runs end to end against a real stack (tiny durations: the
+figures themselves are for BENCHMARKS.md, not asserted here — only that every phase ran, the
+paced model answered, and overload was answered with RESOURCE_EXHAUSTED, not timeouts)."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest import fairness
+
+
+def test_fairness_benchmark_runs_every_phase(tmp_path):
+    out = tmp_path / "fair.json"
+    result = fairness.main(["--duration", "1", "--service-ms", "20", "--instances", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["capacity"]["codes"] == {"OK": result["capacity"]["codes"]["OK"]} and result["capacity"]["goodput_rps"] > 0
+    fair = result["fairness"]
+    assert fair["B_solo"]["ok"] > 0 and fair["B_with_A"]["ok"] > 0
+    assert set(fair["A_flooding"]["codes"]) <= {"OK", "RESOURCE_EXHAUSTED"}
+    overload = result["overload"]
+    assert overload["codes"].get("RESOURCE_EXHAUSTED", 0) > 0 and overload["ok"] > 0
+    assert "DEADLINE_EXCEEDED" not in overload["codes"] and "UNAVAILABLE" not in overload["codes"]
+    assert result["frontend_gc_pauses"]["gen0"]["count"] > 0
+    assert result["settings"]["slots"] == 2
