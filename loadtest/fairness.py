@@ -132,6 +132,7 @@ async def _measure(stack, keys: dict, model: str, payload: bytes, duration: floa
     out: dict = {"model": model}
     gc.collect()
     gc.freeze()  # the load generator's own collections must not delay its scheduled sends
+    gc_at_start = _gc_pauses(stack.metrics)
     try:
         await _closed_loop(calls["B"], payload, meta["B"], concurrency, 2.0)  # warm-up
         ok, _ = await _closed_loop(calls["B"], payload, meta["B"], 1, min(duration, 5.0))
@@ -171,7 +172,10 @@ async def _measure(stack, keys: dict, model: str, payload: bytes, duration: floa
             "admitted_p99_over_unloaded_p99": None if not unloaded_p99 else round(over["latency_ms"]["p99"] / unloaded_p99, 2),
             "frontend_rss_mb": {"before": round(rss_before / 2**20, 1), "after": round(rss_after / 2**20, 1)},
         }
-        out["frontend_gc_pauses"] = _gc_pauses(stack.metrics)
+        at_end = _gc_pauses(stack.metrics)
+        out["frontend_gc_pauses"] = {  # while measuring (start-up's own collections left out)
+            gen: {k: round(v - gc_at_start.get(gen, {}).get(k, 0), 1) for k, v in entry.items()} for gen, entry in at_end.items()
+        }
     finally:
         for ch in channels.values():
             await ch.close()

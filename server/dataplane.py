@@ -184,9 +184,9 @@ class DataPlane:
         queue = self.admission.get(name)
         if queue is None:
             slots = self.admission_slots
-            if slots is None:
+            if slots is None:  # what the model runs at once; the rest waits here, where a caller can leave
                 c = signature.coalesce
-                slots = c.max_inflight * c.max_batch if c.enabled else 8
+                slots = c.max_inflight * c.max_batch if c.enabled else signature.instances * max(1, signature.max_batch_size)
             policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": max(1, slots)})
             queue = self.admission[name] = FairQueue(name, policy)
         return queue

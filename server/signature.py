@@ -32,6 +32,7 @@ class ModelSignature:
     decoupled: bool = False
     required: frozenset[str] = field(default=frozenset())
     coalesce: CoalescePolicy = CoalescePolicy(enabled=False)
+    instances: int = 1  # Triton instances serving it (all instance groups)
 
     @classmethod
     def from_config(cls, config: model_config_pb2.ModelConfig, versions=()) -> "ModelSignature":
@@ -51,6 +52,7 @@ class ModelSignature:
             decoupled=config.model_transaction_policy.decoupled,
             required=frozenset(name for name, s in inputs.items() if not s.optional),
             coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size)),
+            instances=max(1, sum(max(1, g.count) for g in config.instance_group)),
         )
 
     @property

@@ -117,3 +117,27 @@ def test_pin_version_overrides_without_reserializing():
         pinned = pb.ModelInferRequest.FromString(pin_version(req.SerializeToString(), version))
         assert pinned.model_version == version
         assert pinned.raw_input_contents == req.raw_input_contents
+
+
+def test_signature_counts_instances_and_sizes_admission_by_them():
+    from server.dataplane import DataPlane
+
+    config = mc.ModelConfig(name="m", backend="python", max_batch_size=0)
+    config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[-1])
+    config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[-1])
+    assert ModelSignature.from_config(config).instances == 1  # no instance group: Triton's one
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=3)
+    config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=2)
+    signature = ModelSignature.from_config(config)
+    assert signature.instances == 5
+
+    class _Triton:  # DataPlane only reads .target/.infer_raw at construction
+        target = "unused"
+        infer_raw = None
+
+    dp = DataPlane(_Triton())
+    assert dp._queue("m", signature).policy.slots == 5  # noqa: SLF001 - the default the data plane derives
+    config.max_batch_size = 4  # coalescing on by default: its in-flight batches x their size
+    assert dp._queue("n", ModelSignature.from_config(config)).policy.slots == 2 * 4  # noqa: SLF001
+    config.parameters["inferplane.coalesce"].string_value = "false"  # each instance batches up to 4
+    assert dp._queue("o", ModelSignature.from_config(config)).policy.slots == 5 * 4  # noqa: SLF001
