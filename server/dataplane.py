@@ -31,6 +31,7 @@ from server.metrics import Metrics
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.quota_policy import QuotaPolicy
 from server.signature import ModelSignature, version_key
+from server.stream_ledger import StreamLedger
 from server.tenancy import CallContext, Gatekeeper, Principal, Tenant
 from server.traffic_state import Router
 from server.triton_client import TritonClient
@@ -332,14 +333,17 @@ class DataPlane:
     async def stream_infer(
         self, raw_requests: AsyncIterator[bytes], timeout: float | None = None, ctx: CallContext | None = None
     ) -> AsyncIterator[bytes]:
-        """ModelStreamInfer: each request is validated; invalid ones get an in-stream error.
+        """ModelStreamInfer: each request is admitted and validated; refused ones get an in-stream error.
 
         Yields serialized ModelStreamInferResponse messages, Triton's and the frontend's own,
-        until the caller has finished writing and Triton has sent its last response.
+        until the caller has finished writing and Triton has sent its last response. Each
+        request written to Triton holds its quota ticket until its final response (or the end of
+        the stream) and is metered then, with the LLM's tokens (server.stream_ledger).
         """
         tenant = self.gate.authenticate(ctx).tenant  # before the first message: the call is refused
         out: asyncio.Queue = asyncio.Queue()
         call = self.triton.stream_raw(timeout=timeout)
+        ledger = StreamLedger(tenant, self.quotas, self.meter)
         done = object()
 
         async def pump() -> None:
@@ -351,12 +355,17 @@ class DataPlane:
                         if not tenant.may_use(request.model_name):
                             raise ModelNotFound(f"unknown model '{request.model_name}'")
                         signature = self.resolve(request.model_name, request.model_version)
-                        self.quotas.release(self.admit(tenant, request.model_name))
-                        validate_infer_request(request, signature)
+                        ticket = self.admit(tenant, request.model_name)
+                        try:
+                            validate_infer_request(request, signature)
+                        except InferplaneError:
+                            self.quotas.release(ticket)
+                            raise
                     except InferplaneError as err:
                         self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)
                         await out.put(_stream_error(err, request))
                         continue
+                    ledger.sent(request, signature, ticket)
                     await call.write(raw)
             finally:
                 await call.done_writing()
@@ -364,6 +373,10 @@ class DataPlane:
         async def relay() -> None:
             try:
                 async for response in call:
+                    try:
+                        ledger.answered(response)  # before the caller sees it: its tokens are charged
+                    except Exception:  # bookkeeping must never change or stop an answer
+                        log.exception("stream bookkeeping failed")
                     await out.put(response)
             except Exception as err:  # the stream failed after it started: tell the caller in-stream
                 await out.put(_stream_error(BackendUnavailable(f"Triton stream failed: {err}"), None))
@@ -379,6 +392,7 @@ class DataPlane:
             for task in tasks:
                 task.cancel()
             call.cancel()
+            ledger.close()
 
 
 def pin_version(raw: bytes, version: str) -> bytes:

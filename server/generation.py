@@ -28,12 +28,10 @@ from server import codecs
 from server.dataplane import DataPlane, UNKNOWN_MODEL_LABEL
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.signature import ModelSignature
+from server.signature import ModelSignature, is_llm
 from server.tenancy import CallContext
 from server.triton_client import translate
 
-LLM_INPUTS = frozenset({"text_input", "messages", "parameters"})
-LLM_OUTPUTS = frozenset({"text_output", "info"})
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "tokens"
@@ -78,10 +76,6 @@ class Chunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     step: int = 0
-
-
-def is_llm(signature: ModelSignature) -> bool:
-    return signature.decoupled and LLM_OUTPUTS <= set(signature.outputs) and set(signature.inputs) <= LLM_INPUTS
 
 
 def is_embedding(signature: ModelSignature) -> bool:

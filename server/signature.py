@@ -65,6 +65,16 @@ class ModelSignature:
         return ([-1] if self.max_batch_size > 0 else []) + list(tensor.dims)
 
 
+# the LLM engine's contract (model_repository/adapters/llm_engine.py): BYTES in, text and info JSON out
+LLM_INPUTS = frozenset({"text_input", "messages", "parameters"})
+LLM_OUTPUTS = frozenset({"text_output", "info"})
+
+
+def is_llm(signature: ModelSignature) -> bool:
+    """A decoupled text-generation model speaking the LLM engine's inputs and outputs."""
+    return signature.decoupled and LLM_OUTPUTS <= set(signature.outputs) and set(signature.inputs) <= LLM_INPUTS
+
+
 def version_key(version: str):
     """Sort key for version strings: numbers numerically, anything else after them."""
     return (0, int(version), "") if version.isdigit() else (1, 0, version)

@@ -1,19 +1,23 @@
-"""The LLM endpoints under tenancy, on the real stack with `--auth on`: chat completions and gRPC
-``Generate`` are admitted against request and token quotas (429 / RESOURCE_EXHAUSTED with retry
-hints the official openai SDK reads as ``RateLimitError``), and every generation — answered or
-left mid-stream — is metered with its input and output tokens; embeddings meter their input."""
+"""The LLM endpoints under tenancy, on the real stack with `--auth on`: chat completions, gRPC
+``Generate`` and Triton's own ``ModelStreamInfer`` are admitted against request, token and
+concurrency quotas (429 / RESOURCE_EXHAUSTED with retry hints the official openai SDK reads as
+``RateLimitError``; in-stream errors on ModelStreamInfer), and every generation — answered or left
+mid-stream — is metered with its input and output tokens; embeddings meter their input."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import queue
 import subprocess
 import sys
 
 import aiohttp
 import grpc
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from google.rpc import error_details_pb2, status_pb2
 
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
@@ -46,6 +50,9 @@ def llm_tenancy(llm_repository, tmp_path_factory):
         "embed_tpm": dict(quota=Quota(tpm=5)),
         "quitter": dict(quota=Quota(tpm=5)),
         "grpc_quitter": dict(quota=Quota(tpm=5)),
+        "streamer": {},
+        "stream_tpm": dict(quota=Quota(tpm=10)),
+        "stream_one": dict(model_quotas={MODEL: Quota(concurrency=1)}),
     }
     keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=[MODEL, EMBEDDINGS], **fields)[1] for name, fields in tenants.items()}
     env = {
@@ -259,3 +266,107 @@ def test_a_cancelled_grpc_generate_is_charged_the_tokens_it_generated(llm_tenanc
             list(stub.Generate(generate_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=2), metadata=metadata, timeout=30))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert float(dict(info.value.trailing_metadata())["retry-after"]) > 0
+
+
+# ---- Triton's ModelStreamInfer, passed through ----------------------------------------------------
+
+
+class _Stream:
+    """A tritonclient ModelStreamInfer call to the frontend as ``tenant``, sending tiny_llama prompts."""
+
+    def __init__(self, stack, tenant: str):
+        self.results: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(stack.grpc)
+        headers = {"authorization": f"Bearer {stack.keys[tenant]}"}
+        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)), headers=headers)
+
+    def send(self, request_id: str, max_tokens: int, **kwargs) -> None:
+        inputs = []
+        for name, value in (("text_input", "hello world"), ("parameters", json.dumps({"max_tokens": max_tokens, "ignore_eos": True}))):
+            tensor = grpcclient.InferInput(name, [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+            inputs.append(tensor)
+        self.client.async_stream_infer(MODEL, inputs, request_id=request_id, **kwargs)
+
+    def next(self):
+        """(request id, info or None, final, error) of the next response."""
+        result, error = self.results.get(timeout=60)
+        if error is not None:
+            return None, None, True, str(error)
+        response = result.get_response()
+        info = result.as_numpy("info")
+        info = json.loads(info.reshape(-1)[0]) if info is not None else None
+        return response.id, info, response.parameters["triton_final_response"].bool_param, None
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def test_model_stream_infer_generations_are_metered_with_their_tokens(llm_tenancy):
+    stream = _Stream(llm_tenancy, "streamer")
+    finals: dict[str, dict] = {}
+    try:
+        stream.send("a", 5)
+        stream.send("b", 3, enable_empty_final_response=True)
+        last: dict[str, dict] = {}
+        while len(finals) < 2:
+            request_id, info, final, error = stream.next()
+            assert error is None, error
+            if info is not None:
+                last[request_id] = info
+            if final:
+                finals[request_id] = last[request_id]
+    finally:
+        stream.close()
+    assert [finals[r]["completion_tokens"] for r in "ab"] == [5, 3]
+    row = _usage(llm_tenancy, "streamer", 2)
+    assert row["requests"] == 2 and row["output_tokens"] == 8 and row["compute_us"] > 0
+    assert row["input_tokens"] == sum(f["prompt_tokens"] for f in finals.values()) > 0
+
+
+def test_model_stream_infer_is_refused_in_stream_once_its_tokens_are_used(llm_tenancy):
+    stream = _Stream(llm_tenancy, "stream_tpm")  # 10 tokens/min for the whole tenant
+    try:
+        stream.send("first", 16)
+        while not (response := stream.next())[2]:
+            assert response[3] is None, response[3]
+        assert response[1]["completion_tokens"] == 16  # charged before this final response came: in debt
+        stream.send("second", 2)
+        _, _, _, error = stream.next()
+        assert error is not None and "RESOURCE_EXHAUSTED" in error and "10 tokens/min" in error
+        stream.send("third", 2)  # the stream goes on, and still refuses
+        assert "RESOURCE_EXHAUSTED" in stream.next()[3]
+    finally:
+        stream.close()
+    row = _usage(llm_tenancy, "stream_tpm", 1)
+    assert (row["requests"], row["output_tokens"]) == (1, 16)
+
+
+def test_model_stream_infer_requests_count_against_concurrency_until_they_end(llm_tenancy):
+    stream = _Stream(llm_tenancy, "stream_one")  # one tiny_llama request at a time
+    try:
+        stream.send("long", 1900)
+        request_id, _, final, error = stream.next()  # it is generating: in flight
+        assert (request_id, final, error) == ("long", False, None)
+        stream.send("second", 2)
+        while (response := stream.next())[0] == "long":
+            pass
+        assert "RESOURCE_EXHAUSTED" in response[3] and "1 concurrent" in response[3]
+    finally:
+        stream.close(cancel=True)  # the caller leaves: its request ends with the stream
+
+    def answered_on_a_new_stream():
+        again = _Stream(llm_tenancy, "stream_one")
+        try:
+            again.send("after", 2)
+            while True:
+                _, _, final, error = again.next()
+                if error is not None or final:
+                    return error is None
+        finally:
+            again.close()
+
+    assert wait_until(answered_on_a_new_stream, timeout=30, interval=0.2)
+    row = _usage(llm_tenancy, "stream_one", 2)  # the cancelled generation is metered with what it generated
+    assert row["requests"] == 2 and 2 < row["output_tokens"] < 1900 + 2

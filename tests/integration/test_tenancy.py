@@ -8,12 +8,14 @@ import asyncio
 import http.client
 import json
 import os
+import queue
 import subprocess
 import sys
 
 import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from google.rpc import error_details_pb2, status_pb2
 
 from model_repository.layout import load_validation
@@ -42,6 +44,7 @@ def tenancy(demo_repository, tmp_path_factory):
     keys["idem"] = store.create_key("idem", pepper, models=["lightgbm_regressor"])[1]
     keys["revokee_id"], keys["revokee"] = store.create_key("revokee", pepper, models=["*"])
     keys["ops"] = store.create_key("ops", pepper, team="platform", models=["*"], admin=True)[1]
+    keys["streamer"] = store.create_key("streamer", pepper, team="team-streamer", models=["lightgbm_regressor"])[1]
     env = {
         "INFERPLANE_DATABASE_URL": url,
         "INFERPLANE_KEY_PEPPER": PEPPER,
@@ -299,6 +302,38 @@ def test_answered_requests_are_metered_to_the_database(tenancy):
     assert any(r["team"] == "team-beta" and r["requests"] >= 3 for r in report)
     cost = json.loads(_cli(tenancy, "cost", "--by", "tenant", "--since", "1h", "--json"))
     assert any(r["tenant"] == "beta" and r["cost_usd"] > 0 for r in cost)
+
+
+def test_stream_infer_requests_are_metered_once_each(tenancy):
+    model = "lightgbm_regressor"
+    x = _features(tenancy.repository, model)
+    good = grpcclient.InferInput("features", list(x.shape), "FP32")
+    good.set_data_from_numpy(x)
+    bad = grpcclient.InferInput("features", [2, 3], "FP32")
+    bad.set_data_from_numpy(np.zeros((2, 3), np.float32))
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(tenancy.grpc)
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers={"authorization": f"Bearer {tenancy.keys['streamer']}"})
+    try:
+        client.async_stream_infer(model, [good], request_id="s1")
+        client.async_stream_infer(model, [bad], request_id="s2")  # refused by validation: never sent, not metered
+        client.async_stream_infer(model, [good])  # no id
+        client.async_stream_infer(model, [good], request_id="s1")  # an id used twice
+        got = [results.get(timeout=30) for _ in range(4)]
+    finally:
+        client.stop_stream()
+        client.close()
+    assert sum(e is None for _, e in got) == 3, [str(e) for _, e in got]
+    # each answer was recorded before the caller saw it: the meter holds all three now
+
+    def streamer_usage():
+        row = next((r for r in tenancy.store.usage("tenant_model") if r["tenant"] == "streamer"), None)
+        return row if row is not None and row["requests"] >= 3 else None
+
+    row = wait_until(streamer_usage, timeout=10)
+    assert row and (row["model"], row["requests"], row["tokens"]) == (model, 3, 0) and row["compute_us"] > 0
+    report = json.loads(_cli(tenancy, "usage", "--by", "team", "--since", "1h", "--json"))
+    assert [r["requests"] for r in report if r["team"] == "team-streamer"] == [3]
 
 
 # ---- the Tenancy admin API and Admin authorization (gRPC) ---------------------------------------

@@ -1,0 +1,175 @@
+"""The ModelStreamInfer ledger: tickets held until each request's final response, tokens from the
+LLM's final info charged, one usage row per request however it ends."""
+
+import json
+
+import pytest
+
+from server import codecs
+from server.errors import Overloaded
+from server.metering import Meter
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.quota_policy import Quota, QuotaPolicy
+from server.signature import ModelSignature, TensorSpec
+from server.stream_ledger import StreamLedger
+from server.tenancy import Tenant
+
+TABULAR = ModelSignature(
+    "gbm", 8, {"features": TensorSpec("features", "FP32", (16,))}, {"prediction": TensorSpec("prediction", "FP32", (1,))}, frozenset({"1", "2"})
+)
+LLM = ModelSignature(
+    "llm", 0,
+    {n: TensorSpec(n, "BYTES", (1,), optional=True) for n in ("text_input", "messages", "parameters")},
+    {n: TensorSpec(n, "BYTES", (1,)) for n in ("text_output", "info")},
+    frozenset({"1"}), decoupled=True,
+)  # fmt: skip
+TENANT = Tenant("acme", team="ml")
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _request(signature, id=""):
+    return pb.ModelInferRequest(model_name=signature.name, id=id)
+
+
+def _response(model, id="", version="1", final=None, info=None, error=""):
+    response = pb.ModelStreamInferResponse(error_message=error)
+    answer = response.infer_response
+    answer.model_name, answer.model_version, answer.id = model, version, id
+    if final is not None:
+        answer.parameters["triton_final_response"].bool_param = final
+    if info is not None:
+        answer.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+        answer.raw_output_contents.append(codecs.serialize_bytes([b"hi"]))
+        answer.outputs.add(name="info", datatype="BYTES", shape=[1])
+        answer.raw_output_contents.append(codecs.serialize_bytes([json.dumps(info).encode()]))
+    return response.SerializeToString()
+
+
+def _setup(quota=Quota()):
+    policy = QuotaPolicy(Clock())
+    meter = Meter(None)
+    ledger = StreamLedger(TENANT, policy, meter)
+
+    def send(signature, id=""):
+        ticket = policy.admit(TENANT.name, signature.name, quota)
+        ledger.sent(_request(signature, id), signature, ticket)
+
+    return policy, meter, ledger, send
+
+
+def _rows(meter):
+    return {(r.model, r.version): (r.requests, r.input_tokens, r.output_tokens) for r in meter.drain()}
+
+
+def test_each_answered_request_is_metered_once_with_the_version_that_answered():
+    policy, meter, ledger, send = _setup(Quota(concurrency=10))
+    send(TABULAR, "a")
+    send(TABULAR, "b")
+    assert policy.inflight("acme") == 2
+    ledger.answered(_response("gbm", "b", version="2", final=True))
+    ledger.answered(_response("gbm", "a"))  # no final parameter (an older Triton): final for a non-decoupled model
+    assert policy.inflight("acme") == 0 and len(ledger) == 0
+    records = meter.drain()
+    assert {(r.model, r.version, r.requests) for r in records} == {("gbm", "2", 1), ("gbm", "1", 1)}
+    assert all(r.compute_us >= 0 for r in records)
+
+
+def test_an_llm_request_is_final_on_its_flagged_response_and_charges_its_last_tokens():
+    policy, meter, ledger, send = _setup(Quota(tpm=10))
+    send(LLM, "g")
+    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 4, "completion_tokens": 1}))
+    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 4, "completion_tokens": 6}))
+    assert len(ledger) == 1 and _rows(meter) == {}
+    ledger.answered(_response("llm", "g", final=True, info={"prompt_tokens": 4, "completion_tokens": 9, "finish_reason": "length"}))
+    assert _rows(meter) == {("llm", "1"): (1, 4, 9)}
+    with pytest.raises(Overloaded, match="10 tokens/min"):  # 13 tokens charged: in debt
+        policy.admit(TENANT.name, "llm", Quota(tpm=10))
+
+
+def test_an_empty_final_response_ends_the_request_with_the_tokens_reported_before():
+    policy, meter, ledger, send = _setup()
+    send(LLM, "g")
+    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 3, "completion_tokens": 2}))
+    ledger.answered(_response("llm", "g", final=True))  # enable_empty_final_response: no outputs
+    assert _rows(meter) == {("llm", "1"): (1, 3, 2)}
+
+
+def test_without_the_final_parameter_an_llm_response_is_final_on_its_finish_reason():
+    _, meter, ledger, send = _setup()
+    send(LLM, "g")
+    ledger.answered(_response("llm", "g", info={"prompt_tokens": 3, "completion_tokens": 1}))
+    assert len(ledger) == 1
+    ledger.answered(_response("llm", "g", info={"prompt_tokens": 3, "completion_tokens": 2, "finish_reason": "stop"}))
+    assert len(ledger) == 0 and _rows(meter) == {("llm", "1"): (1, 3, 2)}
+
+
+def test_an_error_naming_only_the_id_ends_its_request():
+    policy, meter, ledger, send = _setup(Quota(concurrency=5))
+    send(TABULAR, "x")
+    ledger.answered(_response("", "x", version="", error="[request id: x] unexpected shape"))
+    assert policy.inflight("acme") == 0 and _rows(meter) == {("gbm", "2"): (1, 0, 0)}  # the model's latest version
+
+
+def test_requests_without_ids_are_matched_by_model_then_oldest_first():
+    _, meter, ledger, send = _setup()
+    send(LLM)
+    send(TABULAR)
+    send(TABULAR)
+    ledger.answered(_response("gbm", final=True))
+    assert len(ledger) == 2
+    ledger.answered(_response("llm", final=True, info={"prompt_tokens": 2, "completion_tokens": 5, "finish_reason": "length"}))
+    ledger.answered(_response("gbm", final=True))
+    assert len(ledger) == 0
+    assert _rows(meter) == {("gbm", "1"): (2, 0, 0), ("llm", "1"): (1, 2, 5)}
+
+
+def test_a_response_the_ledger_did_not_write_changes_nothing():
+    policy, meter, ledger, send = _setup(Quota(concurrency=5))
+    send(TABULAR, "a")
+    ledger.answered(_response("gbm", "zzz", final=True))
+    ledger.answered(pb.ModelStreamInferResponse(error_message="INVALID_ARGUMENT: shape").SerializeToString())
+    assert policy.inflight("acme") == 1 and len(ledger) == 1 and _rows(meter) == {}
+
+
+def test_concurrency_counts_streamed_requests_until_their_final_response():
+    policy, _, ledger, send = _setup(Quota(concurrency=1))
+    send(LLM, "one")
+    with pytest.raises(Overloaded, match="1 concurrent"):
+        send(LLM, "two")
+    ledger.answered(_response("llm", "one", final=True, info={"prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}))
+    send(LLM, "three")
+    assert policy.inflight("acme") == 1
+
+
+def test_closing_the_stream_releases_and_meters_every_open_request():
+    policy, meter, ledger, send = _setup(Quota(concurrency=5, tpm=100))
+    send(LLM, "g")
+    send(TABULAR, "t")
+    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 5, "completion_tokens": 7}))
+    ledger.close()
+    assert policy.inflight("acme") == 0 and len(ledger) == 0
+    assert _rows(meter) == {("llm", "1"): (1, 5, 7), ("gbm", "2"): (1, 0, 0)}
+    ledger.close()  # idempotent
+    assert _rows(meter) == {}
+
+
+def test_an_unreadable_info_counts_nothing_and_keeps_the_request_open():
+    _, meter, ledger, send = _setup()
+    send(LLM, "g")
+    response = pb.ModelStreamInferResponse()
+    answer = response.infer_response
+    answer.model_name, answer.id = "llm", "g"
+    answer.parameters["triton_final_response"].bool_param = False
+    answer.outputs.add(name="info", datatype="BYTES", shape=[1])
+    answer.raw_output_contents.append(codecs.serialize_bytes([b"{not json"]))
+    ledger.answered(response.SerializeToString())
+    assert len(ledger) == 1
+    ledger.answered(_response("llm", "g", final=True))
+    assert _rows(meter) == {("llm", "1"): (1, 0, 0)}
