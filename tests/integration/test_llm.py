@@ -267,3 +267,47 @@ def test_smollm2_answers_a_real_question(client):
     )
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_reader_that_stalls_blocks_neither_the_engine_nor_other_streams(client, llm_stack):
+    """SSE flow control: the engine and other streams never wait for a client that does not read.
+    (Its socket takes ~300 KB here before the kernel's send buffer, up to 4 MB, fills, so the
+    merging of pending deltas that bounds memory past that point is tested on ``_Pending``.)"""
+    import socket
+
+    tokens = 1777  # recognisable in the engine's records
+    request = {"model": MODEL, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0}
+    body = json.dumps({**request, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    host, port = llm_stack.http.rsplit(":", 1)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a tiny window: the server's writes back up
+    stalled.connect((host, int(port)))
+    # HTTP/1.0: no chunked framing, the server closes the connection after [DONE]
+    head = f"POST /v1/chat/completions HTTP/1.0\r\nHost: {llm_stack.http}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    stalled.sendall(head.encode() + body)
+    try:
+        # another stream runs to the end while the first one is not read at all
+        text, reasons, usages, _ = _stream(client, model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+        assert reasons == ["length"] and usages[-1].completion_tokens == 16
+        # the engine finishes the stalled request without waiting for its reader
+        assert wait_until(
+            lambda: any(r["completion_tokens"] == tokens and r["finish_reason"] == "length" for r in _stats(llm_stack)["records"]),
+            timeout=60,
+        )
+        received = b""
+        stalled.settimeout(30)
+        while part := stalled.recv(1 << 16):
+            received += part
+    finally:
+        stalled.close()
+    assert received.startswith(b"HTTP/1.0 200") and received.endswith(b"data: [DONE]\n\n")
+    chunks = [json.loads(line[6:]) for line in received.decode().splitlines() if line.startswith("data: {")]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == tokens
+    content = [c["choices"][0]["delta"]["content"] for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content")]
+    # the same greedy request read as it comes: the same answer
+    read = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, extra_body={"ignore_eos": True}, **request)
+            if c.choices and c.choices[0].delta.content]  # fmt: skip
+    assert "".join(content) == "".join(read)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]] == ["length"]
