@@ -94,6 +94,11 @@ class Frontend:
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
+            if not s.redis_url:
+                log.warning(
+                    "quotas and idempotency keys are per worker process: each of the %d workers admits every "
+                    "tenant's full quota (set INFERPLANE_REDIS_URL to share them)", s.workers,
+                )  # fmt: skip
             await self._start_metrics()
             await self._start_workers(target)
             return
@@ -109,7 +114,7 @@ class Frontend:
         from batching.fair_queue import AdmissionPolicy
         from server.circuit_breaker import BreakerPolicy, CircuitBreaker
         from server.idempotency import MemoryIdempotency, RedisIdempotency
-        from server.quota_policy import Quota
+        from server.quota_policy import Quota, QuotaPolicy
         from server.tenancy import Gatekeeper, KeyRing
 
         s, dp = self.settings, self.dataplane
@@ -130,6 +135,12 @@ class Frontend:
             log.warning("auth off: every caller is the open tenant and sees every model (development mode)")
             dp.gate = Gatekeeper(None, default)
         dp.idempotency = RedisIdempotency(s.redis_url, s.idempotency_ttl_s) if s.redis_url else MemoryIdempotency(s.idempotency_ttl_s)
+        if s.redis_url:  # one set of buckets for every frontend process
+            from server.redis_quotas import RedisQuotaPolicy
+
+            dp.quotas = RedisQuotaPolicy(s.redis_url)
+        else:
+            dp.quotas = QuotaPolicy()
         dp.breaker = CircuitBreaker(target, BreakerPolicy(s.breaker_failures, s.breaker_open_s))
         dp.admission_policy = AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue)
         dp.admission_slots = s.admission_slots
@@ -257,9 +268,10 @@ class Frontend:
         if self.dataplane is not None:
             if self.dataplane.meter is not None:
                 await self.dataplane.meter.stop()  # the last usage records
-            close = getattr(self.dataplane.idempotency, "close", None)
-            if close is not None:
-                await close()
+            for shared in (self.dataplane.idempotency, self.dataplane.quotas):  # Redis connections
+                close = getattr(shared, "close", None)
+                if close is not None:
+                    await close()
         if self.triton is not None:
             await self.triton.close()
         if self.supervisor is not None:

@@ -176,10 +176,11 @@ class DataPlane:
         tenant = self.gate.authenticate(ctx).tenant
         return [n for n in names if tenant.may_use(n)]
 
-    def admit(self, tenant: Tenant, name: str) -> tuple:
+    async def admit(self, tenant: Tenant, name: str):
         """Charge one request to the tenant's and the tenant x model quotas before any work
-        (``Overloaded`` with a retry hint when over); hand the ticket to ``quotas.release``."""
-        return self.quotas.admit(tenant.name, name, self.gate.quota(tenant), tenant.model_quota(name))
+        (``Overloaded`` with a retry hint when over); hand the ticket to ``quotas.release``.
+        The in-process policy answers without suspending; the Redis one in one round trip."""
+        return await self.quotas.admit(tenant.name, name, self.gate.quota(tenant), tenant.model_quota(name))
 
     def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
         queue = self.admission.get(name)
@@ -234,7 +235,7 @@ class DataPlane:
             label = name
             if not version:
                 version = signature.latest_version
-            ticket = self.admit(tenant, name)
+            ticket = await self.admit(tenant, name)
             try:
                 validate_infer_request(request, signature)
                 latency, inflight = self.metrics.model(name)
@@ -260,7 +261,7 @@ class DataPlane:
                     inflight.dec()
                     latency.observe(time.perf_counter() - started)
             finally:
-                self.quotas.release(ticket, ctx.tokens if ctx is not None else 0)
+                await self.quotas.release(ticket, ctx.tokens if ctx is not None else 0)
         except InferplaneError as err:
             code = err.reason
             raise
@@ -355,11 +356,11 @@ class DataPlane:
                         if not tenant.may_use(request.model_name):
                             raise ModelNotFound(f"unknown model '{request.model_name}'")
                         signature = self.resolve(request.model_name, request.model_version)
-                        ticket = self.admit(tenant, request.model_name)
+                        ticket = await self.admit(tenant, request.model_name)
                         try:
                             validate_infer_request(request, signature)
                         except InferplaneError:
-                            self.quotas.release(ticket)
+                            await self.quotas.release(ticket)
                             raise
                     except InferplaneError as err:
                         self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)
@@ -374,7 +375,7 @@ class DataPlane:
             try:
                 async for response in call:
                     try:
-                        ledger.answered(response)  # before the caller sees it: its tokens are charged
+                        await ledger.answered(response)  # before the caller sees it: its tokens are charged
                     except Exception:  # bookkeeping must never change or stop an answer
                         log.exception("stream bookkeeping failed")
                     await out.put(response)
@@ -392,7 +393,7 @@ class DataPlane:
             for task in tasks:
                 task.cancel()
             call.cancel()
-            ledger.close()
+            await ledger.close()
 
 
 def pin_version(raw: bytes, version: str) -> bytes:

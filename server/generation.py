@@ -177,7 +177,7 @@ class LLMService:
             signature = self.llm(model, ctx)
             label = model
             tenant = ctx.principal.tenant
-            ticket = self.dp.admit(tenant, model)
+            ticket = await self.dp.admit(tenant, model)
             if (params.messages is None) == (params.prompt is None):
                 raise InvalidRequest("send exactly one of messages and prompt")
             if timeout is not None and params.deadline_ms is None:
@@ -232,7 +232,7 @@ class LLMService:
                 call.cancel()
             ctx.tokens = prompt_tokens + completion_tokens
             if ticket is not None:
-                self.dp.quotas.release(ticket, ctx.tokens)
+                await self.dp.quotas.release(ticket, ctx.tokens)
             if call is not None and self.dp.meter is not None:
                 compute_us = int(((ended_at or time.perf_counter()) - sent_at) * 1e6)
                 self.dp.meter.record(

@@ -9,9 +9,15 @@ them have room (a refused request costs nothing). Tokens (an LLM request's promp
 also when the caller left mid-stream; an embedding's input) are charged after the answer: admission needs the token bucket to be out of debt, the answer's tokens are then taken
 from it, possibly into debt, which delays the next request by exactly the overdraft.
 
-Pure: a clock is injected, nothing here awaits, sleeps or does I/O. One decision is a few dict
-lookups and float operations (microseconds). Refusals carry ``retry_after_s``: when the fullest
-blocking bucket has room again.
+Refusals carry ``retry_after_s``: when the fullest blocking bucket has room again (a full
+concurrency cap hints 50 ms: a slot frees when some request finishes).
+
+Two policies with one contract, ``await admit(...)`` then ``await release(ticket, tokens)``:
+:class:`QuotaPolicy` keeps the buckets in this process — pure, a clock is injected, it never
+suspends (its ``admit`` is a coroutine only so both policies are called one way; one decision is a
+few dict lookups and float operations, microseconds) — and ``server.redis_quotas.RedisQuotaPolicy``
+keeps the same buckets in Redis, shared by every frontend process (``--workers N``, several hosts),
+when ``redis_url`` is configured. Without Redis each worker process enforces the whole quota.
 """
 
 from __future__ import annotations
@@ -79,16 +85,32 @@ class TokenBucket:
         return missing / self.rate if self.rate > 0 else float("inf")
 
 
+def refusal(label: str, quota: Quota, kind: str) -> str:
+    """Why a request was refused: ``kind`` is the blocking limit (rps | rpm | tpm | concurrency)."""
+    if kind == "concurrency":
+        return f"{label}: {quota.concurrency} concurrent requests in flight"
+    limit, unit = {"rps": (quota.rps, "requests/s"), "rpm": (quota.rpm, "requests/min"), "tpm": (quota.tpm, "tokens/min")}[kind]
+    return f"{label}: quota of {limit:g} {unit} exceeded"
+
+
+def scope_labels(tenant: str, model: str) -> tuple[str, str]:
+    """How a refusal names the tenant's scope and the tenant x model scope."""
+    return f"tenant '{tenant}'", f"tenant '{tenant}' on model '{model}'"
+
+
+CONCURRENCY_RETRY_S = 0.05
+
+
 @dataclass
 class _Scope:
     quota: Quota
-    buckets: list[tuple[TokenBucket, str]]  # request buckets and what they limit
+    buckets: list[tuple[TokenBucket, str]]  # request buckets and their kind (rps | rpm)
     tokens: TokenBucket | None
     inflight: int = 0
 
 
 class QuotaPolicy:
-    """Per-tenant and per-(tenant, model) limits. ``admit`` then ``release`` (or ``Admission``)."""
+    """Per-tenant and per-(tenant, model) limits in this process. ``admit`` then ``release``."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
@@ -96,7 +118,8 @@ class QuotaPolicy:
         self.refused = 0
 
     def _scope(self, tenant: str, model: str, quota: Quota) -> _Scope | None:
-        """The scope's state; rebuilt (full buckets) when its quota changed."""
+        """The scope's state; its buckets start over (full) when its quota changed. The scope object
+        itself stays: tickets of requests in flight hold it, and their release must find it."""
         if quota.unlimited:
             return None
         key = (tenant, model)
@@ -105,57 +128,59 @@ class QuotaPolicy:
             now = self._clock()
             buckets = []
             if quota.rps is not None:
-                buckets.append((TokenBucket(max(quota.rps, 1.0), quota.rps, now), f"{quota.rps:g} requests/s"))
+                buckets.append((TokenBucket(max(quota.rps, 1.0), quota.rps, now), "rps"))
             if quota.rpm is not None:
-                buckets.append((TokenBucket(max(quota.rpm, 1.0), quota.rpm / 60.0, now), f"{quota.rpm:g} requests/min"))
+                buckets.append((TokenBucket(max(quota.rpm, 1.0), quota.rpm / 60.0, now), "rpm"))
             tokens = TokenBucket(quota.tpm, quota.tpm / 60.0, now) if quota.tpm is not None else None
-            inflight = scope.inflight if scope is not None else 0
-            scope = self._scopes[key] = _Scope(quota, buckets, tokens, inflight)
+            if scope is None:
+                scope = self._scopes[key] = _Scope(quota, buckets, tokens)
+            else:
+                scope.quota, scope.buckets, scope.tokens = quota, buckets, tokens
         return scope
 
-    def admit(self, tenant: str, model: str, tenant_quota: Quota, model_quota: Quota | None = None) -> tuple:
+    async def admit(self, tenant: str, model: str, tenant_quota: Quota, model_quota: Quota | None = None) -> tuple:
         """Charge one request to the tenant's and the tenant x model's limits, or raise Overloaded.
 
-        Returns a ticket to hand to :meth:`release` when the request is answered.
+        Returns a ticket to hand to :meth:`release` when the request is answered. Never suspends.
         """
         now = self._clock()
         scopes = []
+        tenant_label, model_label = scope_labels(tenant, model)
         for label, scope in (
-            (f"tenant '{tenant}'", self._scope(tenant, "", tenant_quota)),
-            (f"tenant '{tenant}' on model '{model}'", self._scope(tenant, model, model_quota) if model_quota else None),
+            (tenant_label, self._scope(tenant, "", tenant_quota)),
+            (model_label, self._scope(tenant, model, model_quota) if model_quota else None),
         ):
             if scope is not None:
                 scopes.append((label, scope))
         wait = 0.0
-        reason = ""
+        blocked = None
         for label, scope in scopes:
             q = scope.quota
             if q.concurrency is not None and scope.inflight >= q.concurrency:
-                # a slot frees when some request finishes; hint a short retry
-                if wait < 0.05:
-                    wait, reason = 0.05, f"{label}: {q.concurrency} concurrent requests in flight"
-            for bucket, what in scope.buckets:
+                if wait < CONCURRENCY_RETRY_S:
+                    wait, blocked = CONCURRENCY_RETRY_S, (label, q, "concurrency")
+            for bucket, kind in scope.buckets:
                 bucket.refill(now)
                 w = bucket.wait_for(1.0)
                 if w > wait:
-                    wait, reason = w, f"{label}: quota of {what} exceeded"
+                    wait, blocked = w, (label, q, kind)
             if scope.tokens is not None:
                 scope.tokens.refill(now)
                 if scope.tokens.level <= 0:
                     w = scope.tokens.wait_for(1e-9)
                     if w > wait:
-                        wait, reason = w, f"{label}: quota of {q.tpm:g} tokens/min exceeded"
+                        wait, blocked = w, (label, q, "tpm")
         if wait > 0:
             self.refused += 1
-            raise Overloaded(reason, retry_after_s=wait)
+            raise Overloaded(refusal(*blocked), retry_after_s=wait)
         for _, scope in scopes:
             for bucket, _ in scope.buckets:
                 bucket.level -= 1.0
             scope.inflight += 1
         return tuple(s for _, s in scopes)
 
-    def release(self, ticket: tuple, tokens: float = 0.0) -> None:
-        """The request was answered: free its concurrency slot, charge the tokens it used."""
+    async def release(self, ticket: tuple, tokens: float = 0.0) -> None:
+        """The request was answered: free its concurrency slot, charge the tokens it used. Never suspends."""
         now = self._clock()
         for scope in ticket:
             scope.inflight -= 1

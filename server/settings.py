@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     key_pepper: SecretStr = SecretStr("")  # HMAC key for API-key hashes; the CLI needs the same one
     auth_refresh_s: float = Field(5.0, gt=0)  # how soon key changes (revocations) take effect
     tenancy_database_url: str | None = None  # unset: INFERPLANE_DATABASE_URL, else sqlite:///var/inferplane.db
-    # shared idempotency keys across frontend processes; unset: in-process
+    # idempotency keys and quota buckets shared by every frontend process (server.redis_quotas); unset: per process
     redis_url: str | None = None
     idempotency_ttl_s: float = Field(24 * 3600.0, gt=0)
     # quotas of tenants that have none of their own (and of the open tenant with --auth off)

@@ -55,7 +55,7 @@ class _Pending:
 
 
 class StreamLedger:
-    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None):
+    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None):  # or a RedisQuotaPolicy
         self.tenant = tenant
         self.quotas = quotas
         self.meter = meter  # server.metering.Meter, or None
@@ -73,7 +73,7 @@ class StreamLedger:
         )  # fmt: skip
         self._pending.setdefault(request.id, []).append(entry)
 
-    def answered(self, raw: bytes) -> None:
+    async def answered(self, raw: bytes) -> None:
         """One response Triton streamed back: close its request's books if it is the last."""
         response = pb.ModelStreamInferResponse.FromString(raw)
         answer = response.infer_response
@@ -93,18 +93,18 @@ class StreamLedger:
         entries.remove(entry)
         if not entries:
             del self._pending[answer.id]
-        self._close(entry, answer.model_version or entry.version)
+        await self._close(entry, answer.model_version or entry.version)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """The stream ended: every request still open ends here, with what it reported so far."""
         pending, self._pending = self._pending, {}
         for entries in pending.values():
             for entry in entries:
-                self._close(entry, entry.version)
+                await self._close(entry, entry.version)
 
-    def _close(self, entry: _Pending, version: str) -> None:
+    async def _close(self, entry: _Pending, version: str) -> None:
         compute_us = int((time.perf_counter() - entry.sent) * 1e6)
-        self.quotas.release(entry.ticket, entry.prompt_tokens + entry.completion_tokens)
+        await self.quotas.release(entry.ticket, entry.prompt_tokens + entry.completion_tokens)
         if self.meter is not None:
             self.meter.record(
                 self.tenant.name, self.tenant.team, entry.model, version,

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+from pydantic import SecretStr
+
 from server.settings import Settings
 from server.supervisor import _die_with_parent
 
@@ -27,6 +29,16 @@ def worker_settings(settings: Settings, triton_target: str, grpc_port: int, http
     return settings.model_copy(
         update={"triton_url": triton_target, "grpc_port": grpc_port, "http_port": http_port, "workers": 1, "worker": True}
     )
+
+
+def settings_json(settings: Settings) -> str:
+    """The settings a worker starts with, secrets in clear: ``model_dump_json`` masks them (a
+    worker given ``**********`` as the key pepper would refuse every API key)."""
+    doc = settings.model_dump(mode="json")
+    for name, value in settings:
+        if isinstance(value, SecretStr):
+            doc[name] = value.get_secret_value()
+    return json.dumps(doc)
 
 
 class WorkerPool:
@@ -45,7 +57,7 @@ class WorkerPool:
         self._watchers = [asyncio.create_task(self._watch(i)) for i in range(self.count)]
 
     async def _spawn(self, index: int) -> None:
-        env = dict(os.environ, **{WORKER_SETTINGS_ENV: self.settings.model_dump_json()})
+        env = dict(os.environ, **{WORKER_SETTINGS_ENV: settings_json(self.settings)})
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "server.workers",
             env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

@@ -1,23 +1,30 @@
-"""Multi-process frontend: N workers share the ports, all serve, a crashed one comes back."""
+"""Multi-process frontend: N workers share the ports, all serve, a crashed one comes back; with
+Redis their quotas are one set of buckets, without it the log says each worker enforces its own."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from prometheus_client.mmap_dict import MmapedDict
 
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.quota_policy import Quota
 from server.supervisor import free_port
+from server.tenancy_store import TenancyStore
 from tests.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
 
 MODEL = "fraud_xgboost"
+PER_WORKER_WARNING = "quotas and idempotency keys are per worker process"
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +100,77 @@ def test_a_crashed_worker_is_restarted(two_workers):
         pytest.fail(f"worker not restarted: {_workers(two_workers)}")
     for _ in range(20):
         _infer_fresh_connection(two_workers)
+
+
+def test_without_redis_the_log_says_quotas_are_per_worker(two_workers):
+    assert PER_WORKER_WARNING in two_workers.log.read_text(errors="replace")
+
+
+# ---- quotas shared through Redis ----------------------------------------------------------------
+
+PEPPER = "workers-pepper"
+RPM = 4  # one request refills every 15 s: the test sends its requests well within that
+
+
+@pytest.fixture(scope="module")
+def shared_quotas(demo_repository, tmp_path_factory, redis_url):
+    workdir = tmp_path_factory.mktemp("workers_redis")
+    url = f"sqlite:///{workdir}/tenancy.db"
+    store = TenancyStore(url)
+    key = store.create_key("capped", PEPPER.encode(), models=[MODEL], model_quotas={MODEL: Quota(rpm=RPM)})[1]
+    env = {
+        "INFERPLANE_DATABASE_URL": url,
+        "INFERPLANE_KEY_PEPPER": PEPPER,
+        "INFERPLANE_AUTH": "on",
+        "INFERPLANE_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/1",  # a database of its own
+    }
+    stack = start_stack(
+        demo_repository, workdir, "--auth", "on", "--workers", "2", "--model", MODEL,
+        "--grpc-port", str(free_port()), "--http-port", str(free_port()), env=env,
+    )  # fmt: skip
+    stack.metrics_dir = workdir / "run" / "metrics"
+    stack.key = key
+    yield stack
+    stop_stack(stack)
+    store.close()
+
+
+def _infer_code(stack, key: str) -> grpc.StatusCode:
+    """One ModelInfer on a connection of its own (each new connection may land on either worker)."""
+    request = pb.ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 32])
+    request.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
+    with grpc.insecure_channel(stack.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None)
+        try:
+            call(request.SerializeToString(), metadata=(("authorization", f"Bearer {key}"),), timeout=30)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            return err.code()
+
+
+def _answered_by(stack, pid: int) -> dict[str, float]:
+    """Requests a worker answered for MODEL, by status code (from its metrics file)."""
+    path = stack.metrics_dir / f"counter_{pid}.db"
+    out: dict[str, float] = {}
+    if path.exists():
+        for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(str(path)):
+            _metric, sample, labels, _help = json.loads(key)
+            if sample == "inferplane_requests_total" and labels.get("model") == MODEL:
+                out[labels["code"]] = out.get(labels["code"], 0) + value
+    return out
+
+
+def test_a_quota_is_shared_by_the_workers_through_redis(shared_quotas):
+    assert PER_WORKER_WARNING not in shared_quotas.log.read_text(errors="replace")
+    workers = _workers(shared_quotas)
+    assert len(workers) == 2
+    codes = [_infer_code(shared_quotas, shared_quotas.key) for _ in range(4 * RPM)]
+    assert codes.count(grpc.StatusCode.OK) == RPM, codes
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 3 * RPM
+    answered = {pid: _answered_by(shared_quotas, pid) for pid in workers}
+    totals = {pid: sum(by_code.values()) for pid, by_code in answered.items()}
+    assert all(n > 0 for n in totals.values()), answered  # both workers answered some
+    assert sum(by_code.get("OK", 0) for by_code in answered.values()) == RPM
+    # each worker enforcing its own rpm would have admitted up to RPM of its share: more than RPM in all
+    assert sum(min(n, RPM) for n in totals.values()) > RPM

@@ -1,10 +1,7 @@
-"""Idempotency keys: replay, conflicts, concurrent duplicates run once, TTL; memory and Redis stores."""
+"""Idempotency keys: replay, conflicts, concurrent duplicates run once, TTL; memory and Redis stores
+(``redis_url``: a real redis-server, tests/conftest.py)."""
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 
@@ -73,36 +70,6 @@ async def test_memory_store_ttl_and_size_bound():
     assert len(store._entries) <= 3
     await store.run("d", d, fn)
     assert "a" not in store._entries and len(store._entries) <= 3
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    pytest.importorskip("redis", reason="the redis client package is not installed")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.skip("redis-server did not start")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
 
 
 async def test_redis_store_contract(redis_url):

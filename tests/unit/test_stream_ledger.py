@@ -57,8 +57,8 @@ def _setup(quota=Quota()):
     meter = Meter(None)
     ledger = StreamLedger(TENANT, policy, meter)
 
-    def send(signature, id=""):
-        ticket = policy.admit(TENANT.name, signature.name, quota)
+    async def send(signature, id=""):
+        ticket = await policy.admit(TENANT.name, signature.name, quota)
         ledger.sent(_request(signature, id), signature, ticket)
 
     return policy, meter, ledger, send
@@ -68,108 +68,108 @@ def _rows(meter):
     return {(r.model, r.version): (r.requests, r.input_tokens, r.output_tokens) for r in meter.drain()}
 
 
-def test_each_answered_request_is_metered_once_with_the_version_that_answered():
+async def test_each_answered_request_is_metered_once_with_the_version_that_answered():
     policy, meter, ledger, send = _setup(Quota(concurrency=10))
-    send(TABULAR, "a")
-    send(TABULAR, "b")
+    await send(TABULAR, "a")
+    await send(TABULAR, "b")
     assert policy.inflight("acme") == 2
-    ledger.answered(_response("gbm", "b", version="2", final=True))
-    ledger.answered(_response("gbm", "a"))  # no final parameter (an older Triton): final for a non-decoupled model
+    await ledger.answered(_response("gbm", "b", version="2", final=True))
+    await ledger.answered(_response("gbm", "a"))  # no final parameter (an older Triton): final for a non-decoupled model
     assert policy.inflight("acme") == 0 and len(ledger) == 0
     records = meter.drain()
     assert {(r.model, r.version, r.requests) for r in records} == {("gbm", "2", 1), ("gbm", "1", 1)}
     assert all(r.compute_us >= 0 for r in records)
 
 
-def test_an_llm_request_is_final_on_its_flagged_response_and_charges_its_last_tokens():
+async def test_an_llm_request_is_final_on_its_flagged_response_and_charges_its_last_tokens():
     policy, meter, ledger, send = _setup(Quota(tpm=10))
-    send(LLM, "g")
-    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 4, "completion_tokens": 1}))
-    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 4, "completion_tokens": 6}))
+    await send(LLM, "g")
+    await ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 4, "completion_tokens": 1}))
+    await ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 4, "completion_tokens": 6}))
     assert len(ledger) == 1 and _rows(meter) == {}
-    ledger.answered(_response("llm", "g", final=True, info={"prompt_tokens": 4, "completion_tokens": 9, "finish_reason": "length"}))
+    await ledger.answered(_response("llm", "g", final=True, info={"prompt_tokens": 4, "completion_tokens": 9, "finish_reason": "length"}))
     assert _rows(meter) == {("llm", "1"): (1, 4, 9)}
     with pytest.raises(Overloaded, match="10 tokens/min"):  # 13 tokens charged: in debt
-        policy.admit(TENANT.name, "llm", Quota(tpm=10))
+        await policy.admit(TENANT.name, "llm", Quota(tpm=10))
 
 
-def test_an_empty_final_response_ends_the_request_with_the_tokens_reported_before():
+async def test_an_empty_final_response_ends_the_request_with_the_tokens_reported_before():
     policy, meter, ledger, send = _setup()
-    send(LLM, "g")
-    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 3, "completion_tokens": 2}))
-    ledger.answered(_response("llm", "g", final=True))  # enable_empty_final_response: no outputs
+    await send(LLM, "g")
+    await ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 3, "completion_tokens": 2}))
+    await ledger.answered(_response("llm", "g", final=True))  # enable_empty_final_response: no outputs
     assert _rows(meter) == {("llm", "1"): (1, 3, 2)}
 
 
-def test_without_the_final_parameter_an_llm_response_is_final_on_its_finish_reason():
+async def test_without_the_final_parameter_an_llm_response_is_final_on_its_finish_reason():
     _, meter, ledger, send = _setup()
-    send(LLM, "g")
-    ledger.answered(_response("llm", "g", info={"prompt_tokens": 3, "completion_tokens": 1}))
+    await send(LLM, "g")
+    await ledger.answered(_response("llm", "g", info={"prompt_tokens": 3, "completion_tokens": 1}))
     assert len(ledger) == 1
-    ledger.answered(_response("llm", "g", info={"prompt_tokens": 3, "completion_tokens": 2, "finish_reason": "stop"}))
+    await ledger.answered(_response("llm", "g", info={"prompt_tokens": 3, "completion_tokens": 2, "finish_reason": "stop"}))
     assert len(ledger) == 0 and _rows(meter) == {("llm", "1"): (1, 3, 2)}
 
 
-def test_an_error_naming_only_the_id_ends_its_request():
+async def test_an_error_naming_only_the_id_ends_its_request():
     policy, meter, ledger, send = _setup(Quota(concurrency=5))
-    send(TABULAR, "x")
-    ledger.answered(_response("", "x", version="", error="[request id: x] unexpected shape"))
+    await send(TABULAR, "x")
+    await ledger.answered(_response("", "x", version="", error="[request id: x] unexpected shape"))
     assert policy.inflight("acme") == 0 and _rows(meter) == {("gbm", "2"): (1, 0, 0)}  # the model's latest version
 
 
-def test_requests_without_ids_are_matched_by_model_then_oldest_first():
+async def test_requests_without_ids_are_matched_by_model_then_oldest_first():
     _, meter, ledger, send = _setup()
-    send(LLM)
-    send(TABULAR)
-    send(TABULAR)
-    ledger.answered(_response("gbm", final=True))
+    await send(LLM)
+    await send(TABULAR)
+    await send(TABULAR)
+    await ledger.answered(_response("gbm", final=True))
     assert len(ledger) == 2
-    ledger.answered(_response("llm", final=True, info={"prompt_tokens": 2, "completion_tokens": 5, "finish_reason": "length"}))
-    ledger.answered(_response("gbm", final=True))
+    await ledger.answered(_response("llm", final=True, info={"prompt_tokens": 2, "completion_tokens": 5, "finish_reason": "length"}))
+    await ledger.answered(_response("gbm", final=True))
     assert len(ledger) == 0
     assert _rows(meter) == {("gbm", "1"): (2, 0, 0), ("llm", "1"): (1, 2, 5)}
 
 
-def test_a_response_the_ledger_did_not_write_changes_nothing():
+async def test_a_response_the_ledger_did_not_write_changes_nothing():
     policy, meter, ledger, send = _setup(Quota(concurrency=5))
-    send(TABULAR, "a")
-    ledger.answered(_response("gbm", "zzz", final=True))
-    ledger.answered(pb.ModelStreamInferResponse(error_message="INVALID_ARGUMENT: shape").SerializeToString())
+    await send(TABULAR, "a")
+    await ledger.answered(_response("gbm", "zzz", final=True))
+    await ledger.answered(pb.ModelStreamInferResponse(error_message="INVALID_ARGUMENT: shape").SerializeToString())
     assert policy.inflight("acme") == 1 and len(ledger) == 1 and _rows(meter) == {}
 
 
-def test_concurrency_counts_streamed_requests_until_their_final_response():
+async def test_concurrency_counts_streamed_requests_until_their_final_response():
     policy, _, ledger, send = _setup(Quota(concurrency=1))
-    send(LLM, "one")
+    await send(LLM, "one")
     with pytest.raises(Overloaded, match="1 concurrent"):
-        send(LLM, "two")
-    ledger.answered(_response("llm", "one", final=True, info={"prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}))
-    send(LLM, "three")
+        await send(LLM, "two")
+    await ledger.answered(_response("llm", "one", final=True, info={"prompt_tokens": 1, "completion_tokens": 1, "finish_reason": "stop"}))
+    await send(LLM, "three")
     assert policy.inflight("acme") == 1
 
 
-def test_closing_the_stream_releases_and_meters_every_open_request():
+async def test_closing_the_stream_releases_and_meters_every_open_request():
     policy, meter, ledger, send = _setup(Quota(concurrency=5, tpm=100))
-    send(LLM, "g")
-    send(TABULAR, "t")
-    ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 5, "completion_tokens": 7}))
-    ledger.close()
+    await send(LLM, "g")
+    await send(TABULAR, "t")
+    await ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 5, "completion_tokens": 7}))
+    await ledger.close()
     assert policy.inflight("acme") == 0 and len(ledger) == 0
     assert _rows(meter) == {("llm", "1"): (1, 5, 7), ("gbm", "2"): (1, 0, 0)}
-    ledger.close()  # idempotent
+    await ledger.close()  # idempotent
     assert _rows(meter) == {}
 
 
-def test_an_unreadable_info_counts_nothing_and_keeps_the_request_open():
+async def test_an_unreadable_info_counts_nothing_and_keeps_the_request_open():
     _, meter, ledger, send = _setup()
-    send(LLM, "g")
+    await send(LLM, "g")
     response = pb.ModelStreamInferResponse()
     answer = response.infer_response
     answer.model_name, answer.id = "llm", "g"
     answer.parameters["triton_final_response"].bool_param = False
     answer.outputs.add(name="info", datatype="BYTES", shape=[1])
     answer.raw_output_contents.append(codecs.serialize_bytes([b"{not json"]))
-    ledger.answered(response.SerializeToString())
+    await ledger.answered(response.SerializeToString())
     assert len(ledger) == 1
-    ledger.answered(_response("llm", "g", final=True))
+    await ledger.answered(_response("llm", "g", final=True))
     assert _rows(meter) == {("llm", "1"): (1, 0, 0)}
