@@ -344,7 +344,7 @@ class DataPlane:
         tenant = self.gate.authenticate(ctx).tenant  # before the first message: the call is refused
         out: asyncio.Queue = asyncio.Queue()
         call = self.triton.stream_raw(timeout=timeout)
-        ledger = StreamLedger(tenant, self.quotas, self.meter)
+        ledger = StreamLedger(tenant, self.quotas, self.meter, self.metrics.count)
         done = object()
 
         async def pump() -> None:

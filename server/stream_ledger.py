@@ -32,12 +32,15 @@ import time
 from dataclasses import dataclass
 
 from server import codecs
+from server.errors import BackendError, Cancelled
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.quota_policy import QuotaPolicy
 from server.signature import ModelSignature, is_llm
 from server.tenancy import Tenant
 
 log = logging.getLogger(__name__)
+FAILED = BackendError("").reason  # the metrics code of a request Triton answered with an error
+GONE = Cancelled("").reason  # ... of one still open when the stream ended
 
 FINAL_PARAMETER = "triton_final_response"
 
@@ -55,10 +58,11 @@ class _Pending:
 
 
 class StreamLedger:
-    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None):  # or a RedisQuotaPolicy
+    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None, count=None):  # or a RedisQuotaPolicy
         self.tenant = tenant
         self.quotas = quotas
         self.meter = meter  # server.metering.Meter, or None
+        self.count = count  # Metrics.count(model, version, code), or None
         self._pending: dict[str, list[_Pending]] = {}
 
     def __len__(self) -> int:
@@ -93,16 +97,19 @@ class StreamLedger:
         entries.remove(entry)
         if not entries:
             del self._pending[answer.id]
-        await self._close(entry, answer.model_version or entry.version)
+        code = FAILED if response.error_message else "OK"
+        await self._close(entry, answer.model_version or entry.version, code)
 
     async def close(self) -> None:
         """The stream ended: every request still open ends here, with what it reported so far."""
         pending, self._pending = self._pending, {}
         for entries in pending.values():
             for entry in entries:
-                await self._close(entry, entry.version)
+                await self._close(entry, entry.version, GONE)
 
-    async def _close(self, entry: _Pending, version: str) -> None:
+    async def _close(self, entry: _Pending, version: str, code: str) -> None:
+        if self.count is not None:
+            self.count(entry.model, version, code)
         compute_us = int((time.perf_counter() - entry.sent) * 1e6)
         await self.quotas.release(entry.ticket, entry.prompt_tokens + entry.completion_tokens)
         if self.meter is not None:

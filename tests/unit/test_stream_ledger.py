@@ -173,3 +173,15 @@ async def test_an_unreadable_info_counts_nothing_and_keeps_the_request_open():
     assert len(ledger) == 1
     await ledger.answered(_response("llm", "g", final=True))
     assert _rows(meter) == {("llm", "1"): (1, 0, 0)}
+
+
+async def test_every_ended_request_is_counted_in_the_request_metrics_with_its_outcome():
+    policy = QuotaPolicy(Clock())
+    counted: list[tuple[str, str, str]] = []
+    ledger = StreamLedger(TENANT, policy, None, lambda *key: counted.append(key))
+    for id in ("ok", "bad", "open"):
+        ledger.sent(_request(TABULAR, id), TABULAR, await policy.admit(TENANT.name, TABULAR.name, Quota()))
+    await ledger.answered(_response("gbm", "ok", version="2", final=True))
+    await ledger.answered(_response("gbm", "bad", final=True, error="boom"))
+    await ledger.close()  # "open" never got its answer: the caller left
+    assert counted == [("gbm", "2", "OK"), ("gbm", "1", "INTERNAL"), ("gbm", "2", "CANCELLED")]
