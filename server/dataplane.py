@@ -344,8 +344,14 @@ class DataPlane:
         tenant = self.gate.authenticate(ctx).tenant  # before the first message: the call is refused
         out: asyncio.Queue = asyncio.Queue()
         call = self.triton.stream_raw(timeout=timeout)
-        ledger = StreamLedger(tenant, self.quotas, self.meter, self.metrics.count)
         done = object()
+
+        def on_end(model: str, version: str, code: str, seconds: float, request_id: str, arm: str) -> None:
+            self.metrics.count(model, version, code)
+            if arm:  # the split's windows (canary analysis, A/B); streams make no shadow copies
+                self.traffic.observe(model, arm, code, seconds, pb.ModelInferRequest(id=request_id), None, None, ctx)
+
+        ledger = StreamLedger(tenant, self.quotas, self.meter, on_end)
 
         async def pump() -> None:
             try:
@@ -355,6 +361,12 @@ class DataPlane:
                         request = parse_infer_request(raw)
                         if not tenant.may_use(request.model_name):
                             raise ModelNotFound(f"unknown model '{request.model_name}'")
+                        arm = ""
+                        if not request.model_version:  # the live version, or a split's arm, as for ModelInfer
+                            version, arm = self.traffic.choose(request.model_name, ctx)
+                            if version:
+                                request.model_version = version
+                                raw = pin_version(raw, version)
                         signature = self.resolve(request.model_name, request.model_version)
                         ticket = await self.admit(tenant, request.model_name)
                         try:
@@ -366,7 +378,7 @@ class DataPlane:
                         self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)
                         await out.put(_stream_error(err, request))
                         continue
-                    ledger.sent(request, signature, ticket)
+                    ledger.sent(request, signature, ticket, arm)
                     await call.write(raw)
             finally:
                 await call.done_writing()

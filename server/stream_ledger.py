@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server import codecs
@@ -53,27 +54,34 @@ class _Pending:
     decoupled: bool
     llm: bool
     sent: float  # perf_counter at the write to Triton
+    request_id: str = ""
+    arm: str = ""  # the traffic split's arm that chose the version ("" without a split)
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
 
+# on_end(model, version, code, seconds, request_id, arm): the request metrics and the traffic split's
+# windows (server.dataplane passes one)
+EndHook = Callable[[str, str, str, float, str, str], None]
+
+
 class StreamLedger:
-    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None, count=None):  # or a RedisQuotaPolicy
+    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None, on_end: EndHook | None = None):  # or a RedisQuotaPolicy
         self.tenant = tenant
         self.quotas = quotas
         self.meter = meter  # server.metering.Meter, or None
-        self.count = count  # Metrics.count(model, version, code), or None
+        self.on_end = on_end
         self._pending: dict[str, list[_Pending]] = {}
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._pending.values())
 
-    def sent(self, request: pb.ModelInferRequest, signature: ModelSignature, ticket: tuple) -> None:
+    def sent(self, request: pb.ModelInferRequest, signature: ModelSignature, ticket: tuple, arm: str = "") -> None:
         """``request`` is about to be written to Triton, holding ``ticket`` (call before the
         write: its first response may arrive before the write returns)."""
         entry = _Pending(
             request.model_name, request.model_version or signature.latest_version, ticket,
-            signature.decoupled, is_llm(signature), time.perf_counter(),
+            signature.decoupled, is_llm(signature), time.perf_counter(), request.id, arm,
         )  # fmt: skip
         self._pending.setdefault(request.id, []).append(entry)
 
@@ -108,9 +116,10 @@ class StreamLedger:
                 await self._close(entry, entry.version, GONE)
 
     async def _close(self, entry: _Pending, version: str, code: str) -> None:
-        if self.count is not None:
-            self.count(entry.model, version, code)
-        compute_us = int((time.perf_counter() - entry.sent) * 1e6)
+        seconds = time.perf_counter() - entry.sent
+        if self.on_end is not None:
+            self.on_end(entry.model, version, code, seconds, entry.request_id, entry.arm)
+        compute_us = int(seconds * 1e6)
         await self.quotas.release(entry.ticket, entry.prompt_tokens + entry.completion_tokens)
         if self.meter is not None:
             self.meter.record(

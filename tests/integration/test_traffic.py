@@ -125,6 +125,24 @@ def _infer(channel, rows=ROWS, user: str | None = None, request_id: str = ""):
     return response.model_version, trailing["x-inferplane-arm"], score
 
 
+def _stream_versions(channel, n: int) -> list[str]:
+    """``n`` unversioned requests over one ModelStreamInfer call: the version that answered each."""
+    def requests():
+        for i in range(n):
+            request = pb.ModelInferRequest(model_name=NAME, id=f"s{i}")
+            request.inputs.add(name="features", datatype="FP32", shape=list(ROWS.shape))
+            request.raw_input_contents.append(ROWS.tobytes())
+            yield request
+
+    call = channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=pb.ModelStreamInferResponse.FromString,
+    )  # fmt: skip
+    responses = list(call(requests(), timeout=30))
+    assert not [r.error_message for r in responses if r.error_message]
+    return [r.infer_response.model_version for r in responses]
+
+
 def _policy(traffic):
     return traffic.GetPolicy(tpb.GetPolicyRequest(name=NAME)).policy
 
@@ -165,6 +183,13 @@ def test_canary_split_is_weighted_sticky_and_promotes(traffic_stack, channel, ad
     http = urllib.request.Request(f"http://{traffic_stack.http}/v2/models/{NAME}/infer", body, {"x-user-id": user, "Content-Type": "application/json"})
     with urllib.request.urlopen(http, timeout=10) as reply:
         assert (reply.headers["x-inferplane-version"], reply.headers["x-inferplane-arm"]) == ("2", "canary")
+
+    # ModelStreamInfer requests naming no version follow the split too, and count in its windows
+    before = {a.name: a.window_requests for a in _policy(traffic).arms}
+    streamed = _stream_versions(channel, 50)
+    assert sorted(set(streamed)) == ["1", "2"] and streamed.count("2") == 10  # the same 20% round robin
+    after = {a.name: a.window_requests for a in _policy(traffic).arms}
+    assert after["canary"] - before["canary"] == 10 and after["stable"] - before["stable"] == 40
 
     status = _policy(traffic)
     assert {a.name: a.window_requests for a in status.arms}["canary"] >= 20

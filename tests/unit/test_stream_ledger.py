@@ -178,7 +178,7 @@ async def test_an_unreadable_info_counts_nothing_and_keeps_the_request_open():
 async def test_every_ended_request_is_counted_in_the_request_metrics_with_its_outcome():
     policy = QuotaPolicy(Clock())
     counted: list[tuple[str, str, str]] = []
-    ledger = StreamLedger(TENANT, policy, None, lambda *key: counted.append(key))
+    ledger = StreamLedger(TENANT, policy, None, lambda model, version, code, seconds, id, arm: counted.append((model, version, code)))
     for id in ("ok", "bad", "open"):
         ledger.sent(_request(TABULAR, id), TABULAR, await policy.admit(TENANT.name, TABULAR.name, Quota()))
     await ledger.answered(_response("gbm", "ok", version="2", final=True))
