@@ -4,7 +4,8 @@ Each is written as a decoupled Python-backend model running ``adapters/llm_engin
 
     NAME/config.pbtxt        backend python, decoupled, BYTES text_input/messages/parameters -> text_output/info
     NAME/1/model.py          adapters/llm_engine.py
-    NAME/1/_llm_core.py      the engine (continuous batching), + kv_budget.py, llm_scheduler.py
+    NAME/1/_llm_core.py      our engine (continuous batching on CPU), + kv_budget.py, llm_scheduler.py
+    NAME/1/_vllm_core.py     the vLLM engine (GPUs), + _llm_common.py (what both engines share)
     NAME/1/hf/               config.json, model.safetensors, tokenizer files, chat template
     NAME/inferplane.json     metadata (format safetensors, sha256, KV bytes per token)
 
@@ -47,8 +48,16 @@ CACHE_DIR = Path(os.environ.get("INFERPLANE_CACHE", Path.home() / ".cache" / "in
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the engine adapter reads from the config's parameters."""
+    """What the engine adapter reads from the config's parameters.
 
+    ``engine``: ``auto`` runs vLLM where it is importable and a CUDA device is visible, our CPU
+    engine otherwise; ``vllm`` or ``cpu`` force one (``vllm`` fails to load without vLLM).
+    ``gpu_memory_utilization`` is vLLM's (the share of the GPU it takes for weights and KV
+    blocks); ``threads``, ``kv_cache_memory``, ``max_running`` and ``max_prefill_tokens`` are the
+    CPU engine's (vLLM schedules and pages its KV itself)."""
+
+    engine: str = "auto"
+    gpu_memory_utilization: float = 0.9
     threads: int = 1
     kv_cache_memory: str = "256MiB"
     max_running: int = 16
@@ -103,7 +112,8 @@ def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings
             except OSError:
                 shutil.copyfile(f, target / f.name)
     shutil.copyfile(ADAPTERS_DIR / "llm_engine.py", version_dir / "model.py")
-    shutil.copyfile(ADAPTERS_DIR / "_llm_core.py", version_dir / "_llm_core.py")
+    for engine in ("_llm_common.py", "_llm_core.py", "_vllm_core.py"):
+        shutil.copyfile(ADAPTERS_DIR / engine, version_dir / engine)
     for helper in ("kv_budget.py", "llm_scheduler.py"):
         shutil.copyfile(BATCHING_DIR / helper, version_dir / helper)
     sha = _sha256(target / "model.safetensors")
@@ -225,8 +235,12 @@ def convert_smollm2(out_dir: Path | None = None) -> Path:
 
 # ---- repository builders -------------------------------------------------------------------------
 
-TINY_SETTINGS = EngineSettings(threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
-SMOLLM2_SETTINGS = EngineSettings(threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto")
+# The tiny model exists to test our engine (its scheduler, KV budget, records): CPU even on a GPU.
+TINY_SETTINGS = EngineSettings(engine="cpu", threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
+# vLLM on a GPU: a 135M model needs little of it, and a third leaves room for another engine there.
+SMOLLM2_SETTINGS = EngineSettings(
+    threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto", gpu_memory_utilization=0.3
+)
 
 
 def build_llm_models(out: Path, *, tiny: bool = True, smollm2: bool = False, work: Path | None = None) -> list[str]:

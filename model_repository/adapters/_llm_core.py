@@ -1,6 +1,7 @@
 """The LLM engine: continuous batching over a transformers causal LM on CPU (or one GPU).
 
-Copied beside ``model.py`` (the ``llm_engine.py`` adapter) together with ``kv_budget.py`` and
+Copied beside ``model.py`` (the ``llm_engine.py`` adapter) together with ``_llm_common.py`` (the
+request's parameters, finish reasons and sink, shared with the vLLM engine), ``kv_budget.py`` and
 ``llm_scheduler.py``; nothing here imports ``triton_python_backend_utils``, so the engine runs
 and is tested without Triton.
 
@@ -33,81 +34,28 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 try:  # beside model.py in the Triton model directory
+    from _llm_common import (
+        FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestError, SamplingParams, Sink,
+        encode_chat, encode_prompt,
+    )  # fmt: skip
     from kv_budget import KVSpec, parse_memory
     from llm_scheduler import ContinuousBatchScheduler, NeverFits, QueueFull, SchedulerConfig
 except ImportError:  # in the repository (tests, tools)
     from batching.kv_budget import KVSpec, parse_memory
     from batching.llm_scheduler import ContinuousBatchScheduler, NeverFits, QueueFull, SchedulerConfig
+    from model_repository.adapters._llm_common import (
+        FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestError, SamplingParams, Sink,
+        encode_chat, encode_prompt,
+    )  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_CANCELLED = "cancelled"
-FINISH_DEADLINE = "deadline"
-FINISH_ERROR = "error"
-
-
-class RequestError(ValueError):
-    """The request cannot be served as asked (bad parameters, too long for the KV budget)."""
-
-
-class Sink(Protocol):
-    """Where one sequence's output goes (a Triton response sender in the adapter)."""
-
-    def send(self, text: str, info: dict[str, Any], final: bool) -> None: ...
-
-    def cancelled(self) -> bool: ...
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    deadline_ms: float | None = None  # relative to submission
-
-    @classmethod
-    def parse(cls, doc: dict[str, Any], default_max_tokens: int) -> "SamplingParams":
-        def number(key, kind, default, low, high):
-            value = doc.get(key)
-            if value is None:
-                return default
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError(f"{key} must be a number, got {value!r}")
-            value = kind(value)
-            if not low <= value <= high:
-                raise RequestError(f"{key} must be in [{low}, {high}], got {value}")
-            return value
-
-        stop = doc.get("stop") or ()
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-            raise RequestError("stop must be a non-empty string or a list of at most 16 non-empty strings")
-        seed = doc.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(f"seed must be an integer, got {seed!r}")
-        deadline = number("deadline_ms", float, None, 0, 86_400_000)
-        return cls(
-            max_tokens=number("max_tokens", int, default_max_tokens, 1, 1 << 20),
-            temperature=number("temperature", float, 1.0, 0.0, 2.0),
-            top_p=number("top_p", float, 1.0, 1e-6, 1.0),
-            seed=seed,
-            stop=tuple(stop),
-            ignore_eos=bool(doc.get("ignore_eos", False)),
-            deadline_ms=deadline,
-        )
 
 
 @dataclass
@@ -309,16 +257,10 @@ class Engine:
     # ---- tokenization (caller threads) --------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
-                raise RequestError("each message needs a string role and string content")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_chat(self.tokenizer, messages)
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
+        return encode_prompt(self.tokenizer, prompt)
 
     # ---- requests (caller threads) ------------------------------------------------------
 
@@ -345,6 +287,7 @@ class Engine:
         with self._lock:
             records = list(self.records)
         return {
+            "engine": "cpu",
             **self.scheduler.snapshot(),
             **self.prefix.snapshot(),
             "engine_step": self.step,
@@ -627,14 +570,6 @@ class Engine:
             seq.sink.send(text, info, final)
         except Exception:  # the caller is gone (Triton refuses responses to a cancelled request)
             log.debug("response to %s not delivered", seq.id, exc_info=True)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _kv_layer(k: torch.Tensor, v: torch.Tensor) -> DynamicLayer:

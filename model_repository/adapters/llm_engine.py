@@ -1,4 +1,9 @@
-"""Triton Python-backend model (decoupled): streaming generation from the continuous-batching engine.
+"""Triton Python-backend model (decoupled): streaming generation from a continuous-batching engine.
+
+The ``engine`` parameter picks it: ``auto`` (default) runs vLLM (``_vllm_core``) where vLLM is
+importable and a CUDA device is visible, our CPU engine (``_llm_core``) otherwise; ``vllm`` fails
+to load without vLLM; ``cpu`` always runs ours. Both take the same requests and send the same
+responses, so the frontend does not know which one runs.
 
 Inputs (all BYTES ``[1]``, optional): ``text_input`` (a raw prompt), ``messages`` (a JSON list of
 ``{role, content}``, rendered with the model's chat template), ``parameters`` (JSON: max_tokens,
@@ -17,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from _llm_core import Engine, EngineConfig, RequestError, SamplingParams, _sha256_file
+from _llm_common import RequestError, SamplingParams, sha256_file
+from _vllm_core import EngineUnavailable, choose_engine
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -98,6 +104,36 @@ def _input(request, name):
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def _cpu_engine(model_dir, params, hooks):
+    from _llm_core import Engine, EngineConfig
+
+    config = EngineConfig(
+        threads=int(params.get("threads") or 1),
+        kv_cache_memory=params.get("kv_cache_memory") or "1GiB",
+        max_running=int(params.get("max_running") or 16),
+        max_prefill_tokens=int(params.get("max_prefill_tokens") or 4096),
+        default_max_tokens=int(params.get("default_max_tokens") or 256),
+        prefix_cache_tokens=int(params.get("prefix_cache_tokens") or 0),
+        prefix_block=int(params.get("prefix_block") or 16),
+        dtype=params.get("dtype") or "float32",
+    )
+    return Engine(model_dir, config, hooks=hooks)
+
+
+def _vllm_engine(model_dir, params, hooks):
+    """vLLM schedules and pages its KV itself: of our CPU engine's settings only the defaults,
+    the dtype and whether prefixes are cached carry over (``prefix_cache_tokens`` 0 turns it off)."""
+    from _vllm_core import VLLMConfig, VLLMEngine
+
+    config = VLLMConfig(
+        default_max_tokens=int(params.get("default_max_tokens") or 256),
+        gpu_memory_utilization=float(params.get("gpu_memory_utilization") or 0.9),
+        dtype=params.get("dtype") or "auto",
+        prefix_caching=int(params.get("prefix_cache_tokens") or 4096) > 0,
+    )
+    return VLLMEngine(model_dir, config, hooks=hooks)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -110,24 +146,18 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"parameter 'artifact' must be a folder name, got {artifact!r}")
         model_dir = version_dir / artifact
         expected = params.get("artifact_sha256", "")
-        actual = _sha256_file(model_dir / "model.safetensors")
+        actual = sha256_file(model_dir / "model.safetensors")
         if not expected or actual != expected.lower():
             raise pb_utils.TritonModelException(f"model.safetensors sha256 is {actual}, config expects {expected!r}")
-        engine_config = EngineConfig(
-            threads=int(params.get("threads") or 1),
-            kv_cache_memory=params.get("kv_cache_memory") or "1GiB",
-            max_running=int(params.get("max_running") or 16),
-            max_prefill_tokens=int(params.get("max_prefill_tokens") or 4096),
-            default_max_tokens=int(params.get("default_max_tokens") or 256),
-            prefix_cache_tokens=int(params.get("prefix_cache_tokens") or 0),
-            prefix_block=int(params.get("prefix_block") or 16),
-            dtype=params.get("dtype") or "float32",
-        )
+        try:
+            choice = choose_engine(params.get("engine") or "auto")
+        except (EngineUnavailable, ValueError) as err:
+            raise pb_utils.TritonModelException(str(err)) from None
         try:
             hooks = _Hooks(args["model_name"])
         except Exception:  # noqa: BLE001 - metrics are optional (older stubs)
             hooks = None
-        self.engine = Engine(model_dir, engine_config, hooks=hooks)
+        self.engine = _vllm_engine(model_dir, params, hooks) if choice == "vllm" else _cpu_engine(model_dir, params, hooks)
         self.engine.start()
 
     def execute(self, requests):

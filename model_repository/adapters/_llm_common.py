@@ -1,0 +1,98 @@
+"""What both LLM engines share: the request's parameters and their validation, the finish reasons,
+the sink a sequence streams to, prompt encoding and the model-file check.
+
+Copied beside ``model.py`` with the engines. Standard library only (the tokenizer is passed in),
+so the adapter can read a request and pick an engine before importing torch, transformers or
+vLLM, and the vLLM path does not depend on the transformers internals the CPU engine uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_DEADLINE = "deadline"
+FINISH_ERROR = "error"
+
+
+class RequestError(ValueError):
+    """The request cannot be served as asked (bad parameters, too long for the KV budget)."""
+
+
+class Sink(Protocol):
+    """Where one sequence's output goes (a Triton response sender in the adapter)."""
+
+    def send(self, text: str, info: dict[str, Any], final: bool) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    deadline_ms: float | None = None  # relative to submission
+
+    @classmethod
+    def parse(cls, doc: dict[str, Any], default_max_tokens: int) -> "SamplingParams":
+        def number(key, kind, default, low, high):
+            value = doc.get(key)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"{key} must be a number, got {value!r}")
+            value = kind(value)
+            if not low <= value <= high:
+                raise RequestError(f"{key} must be in [{low}, {high}], got {value}")
+            return value
+
+        stop = doc.get("stop") or ()
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+            raise RequestError("stop must be a non-empty string or a list of at most 16 non-empty strings")
+        seed = doc.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(f"seed must be an integer, got {seed!r}")
+        deadline = number("deadline_ms", float, None, 0, 86_400_000)
+        return cls(
+            max_tokens=number("max_tokens", int, default_max_tokens, 1, 1 << 20),
+            temperature=number("temperature", float, 1.0, 0.0, 2.0),
+            top_p=number("top_p", float, 1.0, 1e-6, 1.0),
+            seed=seed,
+            stop=tuple(stop),
+            ignore_eos=bool(doc.get("ignore_eos", False)),
+            deadline_ms=deadline,
+        )
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template, ready for the answer."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
+            raise RequestError("each message needs a string role and string content")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
