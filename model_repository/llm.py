@@ -19,7 +19,6 @@ Each is written as a decoupled Python-backend model running ``adapters/llm_engin
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_repository.adapters._common import sha256_file
 from model_repository.config_writer import write_config
 from server.protogen.inference import model_config_pb2
 
@@ -71,14 +71,6 @@ class EngineSettings:
         return {k: str(v) for k, v in vars(self).items()}
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # ---- the Triton model directory -------------------------------------------------------------
 
 
@@ -116,7 +108,7 @@ def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings
         shutil.copyfile(ADAPTERS_DIR / engine, version_dir / engine)
     for helper in ("kv_budget.py", "llm_scheduler.py"):
         shutil.copyfile(BATCHING_DIR / helper, version_dir / helper)
-    sha = _sha256(target / "model.safetensors")
+    sha = sha256_file(target / "model.safetensors")
     write_config(llm_config(name, settings, sha), model_dir)
     hf_config = json.loads((target / "config.json").read_text())
     from batching.kv_budget import KVSpec
@@ -208,7 +200,7 @@ def smollm2_gguf() -> Path:
 def convert_smollm2(out_dir: Path | None = None) -> Path:
     """Dequantize the wheel's GGUF to float32 safetensors (cached by the GGUF's sha256); return the folder."""
     gguf = smollm2_gguf()
-    digest = _sha256(gguf)
+    digest = sha256_file(gguf)
     out_dir = Path(out_dir) if out_dir else CACHE_DIR / f"smollm2-{digest[:16]}"
     if (out_dir / "model.safetensors").is_file() and (out_dir / "inferplane-source.json").is_file():
         return out_dir
