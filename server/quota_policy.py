@@ -6,8 +6,9 @@ refills continuously at ``limit / window``. So over any window the bucket admits
 limit plus what refilled — a burst of exactly ``limit`` from a full bucket, then ``limit/window``
 per second. Requests are checked against every bucket that applies and charged only when all of
 them have room (a refused request costs nothing). Tokens (an LLM request's prompt + completion,
-also when the caller left mid-stream; an embedding's input) are charged after the answer: admission needs the token bucket to be out of debt, the answer's tokens are then taken
-from it, possibly into debt, which delays the next request by exactly the overdraft.
+also when the caller left mid-stream; an embedding's input) are charged after the answer:
+admission needs the token bucket to be out of debt, the answer's tokens are then taken from it,
+possibly into debt, which delays the next request by exactly the overdraft.
 
 Refusals carry ``retry_after_s``: when the fullest blocking bucket has room again (a full
 concurrency cap hints 50 ms: a slot frees when some request finishes).
