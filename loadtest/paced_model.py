@@ -8,7 +8,8 @@ contention rather than admission policy. ``paced`` stands in for an accelerator:
 on average (sleeping, so the CPU stays free), giving a known capacity of ``instances /
 service_ms`` requests per second. ``jitter`` spreads each pause uniformly over
 ``service_ms x [1 - jitter, 1 + jitter]`` as real service times vary; with ``jitter 0`` the
-instances of a saturated model finish in lockstep (all slots free at once, once per service time). Inputs ``features`` FP32 ``[rows, 8]``; output ``score`` FP32 ``[rows, 1]`` (row sums,
+instances of a saturated model finish in lockstep (all slots free at once, once per service
+time). Inputs ``features`` FP32 ``[rows, 8]``; output ``score`` FP32 ``[rows, 1]`` (row sums,
 so answers are checkable). Never part of the demo repository.
 """
 
