@@ -14,7 +14,6 @@ the frontend stays free of transformers, and Triton's batcher pads a whole batch
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -24,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from model_repository.adapters._common import sha256_file
 from model_repository.config_writer import write_config
+from model_repository.layout import install_adapter
 from server.protogen.inference import model_config_pb2
 
-ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 NAME = "minilm_embeddings"
 VERSION = "1"
 DIM = 384
@@ -135,8 +135,8 @@ def build_embedding_model(out: Path, name: str = NAME, max_batch_size: int = 64,
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         if (source / f).is_file():
             shutil.copyfile(source / f, version_dir / f)
-    shutil.copyfile(ADAPTERS_DIR / "embedding_runtime.py", version_dir / "model.py")
-    sha = hashlib.sha256((version_dir / "model.onnx").read_bytes()).hexdigest()
+    install_adapter(version_dir, "embedding_runtime.py")
+    sha = sha256_file(version_dir / "model.onnx")
     write_config(embedding_config(name, sha, max_batch_size, threads), model_dir)
     metadata = {
         "name": name,

@@ -66,6 +66,14 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def install_adapter(version_dir: Path, adapter: str, *helpers: str) -> None:
+    """Copy the Python-backend adapter ``adapter`` into ``version_dir`` as ``model.py``, with
+    ``_common.py`` (the artifact digest check every adapter runs) and ``helpers`` beside it."""
+    shutil.copyfile(ADAPTERS_DIR / adapter, version_dir / "model.py")
+    for name in ("_common.py", *helpers):
+        shutil.copyfile(ADAPTERS_DIR / name, version_dir / name)
+
+
 def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """``np.savez`` layout (stored .npy members) with fixed zip timestamps, so the bytes are reproducible."""
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
@@ -84,8 +92,7 @@ def write_model(out: Path, bundle: ModelBundle, serving: ServingConfig = Serving
     version_dir.mkdir(parents=True)
     digest = sha256_bytes(bundle.artifact)
     (version_dir / bundle.artifact_name).write_bytes(bundle.artifact)
-    shutil.copyfile(ADAPTERS_DIR / ADAPTERS[bundle.framework], version_dir / "model.py")
-    shutil.copyfile(ADAPTERS_DIR / "_common.py", version_dir / "_common.py")
+    install_adapter(version_dir, ADAPTERS[bundle.framework])
     parameters = {"artifact": bundle.artifact_name, "artifact_sha256": digest, "threads": str(threads)}
     config = python_backend_config(
         bundle.name,

@@ -6,6 +6,7 @@ Each is written as a decoupled Python-backend model running ``adapters/llm_engin
     NAME/1/model.py          adapters/llm_engine.py
     NAME/1/_llm_core.py      our engine (continuous batching on CPU), + kv_budget.py, llm_scheduler.py
     NAME/1/_vllm_core.py     the vLLM engine (GPUs), + _llm_common.py (what both engines share)
+    NAME/1/_common.py        the artifact digest check (shared with every adapter)
     NAME/1/hf/               config.json, model.safetensors, tokenizer files, chat template
     NAME/inferplane.json     metadata (format safetensors, sha256, KV bytes per token)
 
@@ -30,9 +31,9 @@ from pathlib import Path
 
 from model_repository.adapters._common import sha256_file
 from model_repository.config_writer import write_config
+from model_repository.layout import install_adapter
 from server.protogen.inference import model_config_pb2
 
-ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 BATCHING_DIR = Path(__file__).resolve().parents[1] / "batching"
 VERSION = "1"
 HF_DIR = "hf"
@@ -103,9 +104,7 @@ def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings
                 os.link(f, target / f.name)
             except OSError:
                 shutil.copyfile(f, target / f.name)
-    shutil.copyfile(ADAPTERS_DIR / "llm_engine.py", version_dir / "model.py")
-    for engine in ("_llm_common.py", "_llm_core.py", "_vllm_core.py"):
-        shutil.copyfile(ADAPTERS_DIR / engine, version_dir / engine)
+    install_adapter(version_dir, "llm_engine.py", "_llm_common.py", "_llm_core.py", "_vllm_core.py")
     for helper in ("kv_budget.py", "llm_scheduler.py"):
         shutil.copyfile(BATCHING_DIR / helper, version_dir / helper)
     sha = sha256_file(target / "model.safetensors")

@@ -192,7 +192,8 @@ def load_validation(path: Path) -> tuple[tuple[str, ...], np.ndarray | None]:
 def write_repository(root: Path, model: EmbeddingModel, variants: Sequence[tuple[str, bytes]]) -> dict[str, str]:
     """One Triton model per (label, model.onnx): the embedding adapter, the tokenizer files, that graph; label -> name."""
     from model_repository.config_writer import write_config
-    from model_repository.embeddings import ADAPTERS_DIR, VERSION, embedding_config
+    from model_repository.embeddings import VERSION, embedding_config
+    from model_repository.layout import install_adapter
     from optimizer.profile import _model_name
 
     names = {}
@@ -204,7 +205,7 @@ def write_repository(root: Path, model: EmbeddingModel, variants: Sequence[tuple
         for f in TOKENIZER_FILES:
             if (Path(model.tokenizer_dir) / f).is_file():
                 shutil.copyfile(Path(model.tokenizer_dir) / f, version_dir / f)
-        shutil.copyfile(ADAPTERS_DIR / "embedding_runtime.py", version_dir / "model.py")
+        install_adapter(version_dir, "embedding_runtime.py")
         config = embedding_config(name, hashlib.sha256(artifact).hexdigest(), model.max_batch_size, threads=1)
         config.parameters["max_length"].string_value = str(model.max_length)
         write_config(config, Path(root) / name)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from model_repository.config_writer import ServingConfig, python_backend_config, write_config
-from model_repository.layout import ADAPTERS, ADAPTERS_DIR, VALIDATION_FILE, save_npz, sha256_bytes
+from model_repository.layout import ADAPTERS, VALIDATION_FILE, install_adapter, save_npz, sha256_bytes
 from server import safe_formats
 
 # formats the embedded Triton's adapters load (XGBoost UBJ is refused by the xgboost adapter)
@@ -83,8 +83,7 @@ def write_repository(root: Path, variants: Sequence[Variant], features: np.ndarr
         version_dir.mkdir(parents=True)
         artifact_name = safe_formats.FILE_NAMES[v.format]
         (version_dir / artifact_name).write_bytes(v.artifact)
-        shutil.copyfile(ADAPTERS_DIR / ADAPTERS[safe_formats.FRAMEWORKS[v.format]], version_dir / "model.py")
-        shutil.copyfile(ADAPTERS_DIR / "_common.py", version_dir / "_common.py")
+        install_adapter(version_dir, ADAPTERS[safe_formats.FRAMEWORKS[v.format]])
         sig = v.signature
         serving = ServingConfig(max_batch_size=int(sig.get("max_batch_size", 64)) or 64)
         parameters = {"artifact": artifact_name, "artifact_sha256": sha256_bytes(v.artifact), "threads": "1"}

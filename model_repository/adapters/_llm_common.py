@@ -1,5 +1,5 @@
 """What both LLM engines share: the request's parameters and their validation, the finish reasons,
-the sink a sequence streams to, prompt encoding and the model-file check.
+the sink a sequence streams to, and prompt encoding (the model-file check is ``_common.py``'s).
 
 Copied beside ``model.py`` with the engines. Standard library only (the tokenizer is passed in),
 so the adapter can read a request and pick an engine before importing torch, transformers or
@@ -8,9 +8,7 @@ vLLM, and the vLLM path does not depend on the transformers internals the CPU en
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 FINISH_STOP = "stop"
@@ -88,11 +86,3 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -6,7 +6,6 @@ The dynamic batcher hands several requests to ``execute``; their rows are tokeni
 (padded to the longest row), run in one ``session.run`` and cut back per request.
 """
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,13 +14,7 @@ import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
-
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+from _common import ArtifactMismatch, verify_artifact
 
 
 class TritonPythonModel:
@@ -30,10 +23,10 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
         artifact = version_dir / Path(params.get("artifact", "model.onnx")).name
-        expected = params.get("artifact_sha256", "")
-        actual = _sha256(artifact)
-        if not expected or actual != expected.lower():
-            raise pb_utils.TritonModelException(f"{artifact.name} sha256 is {actual}, config expects {expected!r}")
+        try:
+            verify_artifact(artifact, params.get("artifact_sha256", ""))
+        except ArtifactMismatch as err:
+            raise pb_utils.TritonModelException(str(err)) from None
         max_length = int(params.get("max_length") or 256)
         self.tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
         self.tokenizer.enable_truncation(max_length)

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from _llm_common import RequestError, SamplingParams, sha256_file
+from _common import ArtifactMismatch, verify_artifact
+from _llm_common import RequestError, SamplingParams
 from _vllm_core import EngineUnavailable, choose_engine
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -145,10 +146,10 @@ class TritonPythonModel:
         if not artifact or Path(artifact).name != artifact:
             raise pb_utils.TritonModelException(f"parameter 'artifact' must be a folder name, got {artifact!r}")
         model_dir = version_dir / artifact
-        expected = params.get("artifact_sha256", "")
-        actual = sha256_file(model_dir / "model.safetensors")
-        if not expected or actual != expected.lower():
-            raise pb_utils.TritonModelException(f"model.safetensors sha256 is {actual}, config expects {expected!r}")
+        try:
+            verify_artifact(model_dir / "model.safetensors", params.get("artifact_sha256", ""))
+        except ArtifactMismatch as err:
+            raise pb_utils.TritonModelException(str(err)) from None
         try:
             choice = choose_engine(params.get("engine") or "auto")
         except (EngineUnavailable, ValueError) as err:

@@ -311,3 +311,33 @@ def test_a_reader_that_stalls_blocks_neither_the_engine_nor_other_streams(client
             if c.choices and c.choices[0].delta.content]  # fmt: skip
     assert "".join(content) == "".join(read)
     assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]] == ["length"]
+
+
+@pytest.mark.parametrize("model, artifact", [(MODEL, "hf/model.safetensors"), ("minilm_embeddings", "model.onnx")])
+def test_a_tampered_llm_or_embedding_artifact_refuses_to_load(llm_stack, llm_repository, model, artifact):
+    """The LLM and embedding adapters run the same digest check as the tabular ones (``_common``)."""
+    import shutil
+
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    from model_repository.config_writer import read_config, write_config
+
+    name = f"tampered_{model}"
+    shutil.copytree(llm_repository / model, llm_repository / name)
+    config = read_config(llm_repository / name)
+    config.name = name
+    write_config(config, llm_repository / name)
+    path = llm_repository / name / "1" / artifact
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.unlink()  # the LLM's weights may be a hard link to the original's
+    path.write_bytes(bytes(data))
+    client = tg.InferenceServerClient(llm_stack.triton)
+    try:
+        with pytest.raises(InferenceServerException, match="sha256.*refusing to load"):
+            client.load_model(name)
+        assert not client.is_model_ready(name)
+    finally:
+        client.close()
+        shutil.rmtree(llm_repository / name, ignore_errors=True)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from model_repository.embeddings import ADAPTERS_DIR
+from model_repository.layout import ADAPTERS_DIR
 from optimizer import embedding, synthetic
 from server.codecs import deserialize_bytes
 from server.protogen.inference import grpc_service_pb2 as pb
