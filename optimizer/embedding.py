@@ -148,14 +148,7 @@ def encode(model: EmbeddingModel, texts: Sequence[str], chunk: int = runtime.CHU
 
 
 def _session(artifact: bytes, threads: int = 1):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(artifact, sess_options=options, providers=["CPUExecutionProvider"])
+    session = runtime.onnx_session(artifact, threads)
     names = {i.name for i in session.get_inputs()}
     return lambda feeds: session.run([OUTPUT], {k: v for k, v in feeds.items() if k in names})[0]
 

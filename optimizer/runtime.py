@@ -21,17 +21,22 @@ from server import safe_formats
 CHUNK = 8  # server.deployer.WARMUP_ROWS
 
 
+def onnx_session(artifact: bytes, threads: int = 1):
+    """An ONNX Runtime CPU session configured as the adapters run it (sequential, ``threads`` intra-op)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    return ort.InferenceSession(artifact, sess_options=options, providers=["CPUExecutionProvider"])
+
+
 def predictor(fmt: str, artifact: bytes, threads: int = 1) -> Callable[[np.ndarray], np.ndarray]:
     """A function rows -> outputs for ``artifact`` (ONNX Runtime CPU, XGBoost, LightGBM, TensorRT)."""
     if fmt == safe_formats.ONNX:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = 3
-        session = ort.InferenceSession(artifact, sess_options=options, providers=["CPUExecutionProvider"])
+        session = onnx_session(artifact, threads)
         graph_input, graph_output = session.get_inputs()[0].name, session.get_outputs()[0].name
         return lambda rows: session.run([graph_output], {graph_input: rows})[0]
     if fmt in (safe_formats.XGBOOST_JSON, safe_formats.XGBOOST_UBJ):
