@@ -58,6 +58,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not principal.tenant.may_use(name):
             raise ModelNotFound(hidden)
 
+    def _registered(self, context, request) -> tuple[Principal, object]:
+        """(caller, registry) for a request naming a registered model (and maybe a version): an
+        ungranted one answers like an unregistered one."""
+        principal = self._caller(context)
+        registry, _ = self._control()
+        what = f"version {int(request.version)} of model '{request.name}'" if request.version else f"model '{request.name}'"
+        self._granted(principal, request.name, f"{what} is not registered")
+        return principal, registry
+
     def _actor(self, context, principal: Principal) -> str:
         """The audit log's actor: the authenticated tenant and key when auth is on."""
         if self.dp.gate.enabled:
@@ -150,10 +159,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def ShowModel(self, request, context):
         async def run():
-            principal = self._caller(context)
-            registry, _ = self._control()
-            what = f"version {int(request.version)} of model '{request.name}'" if request.version else f"model '{request.name}'"
-            self._granted(principal, request.name, f"{what} is not registered")
+            _, registry = self._registered(context, request)
             if request.version:
                 records = [await asyncio.to_thread(registry.get, request.name, int(request.version))]
             else:
@@ -164,10 +170,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def GetLineage(self, request, context):
         async def run():
-            principal = self._caller(context)
-            registry, _ = self._control()
-            what = f"version {int(request.version)} of model '{request.name}'" if request.version else f"model '{request.name}'"
-            self._granted(principal, request.name, f"{what} is not registered")
+            principal, registry = self._registered(context, request)
             chain = await asyncio.to_thread(registry.lineage, request.name, int(request.version) or None)
             chain = [r for r in chain if principal.tenant.may_use(r.name)]  # ancestors under ungranted names stay hidden
             return admin_pb2.GetLineageResponse(chain=[version_info(r) for r in chain])
