@@ -371,7 +371,6 @@ async def _generate(request: web.Request, doc: dict, model: str, params: Generat
     include_usage = _stream_options(doc) if stream_mode else False
     svc = service(request)
     ctx = _ctx(request)
-    svc.llm(model, ctx)
     created = int(time.time())
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     stream = svc.generate(model, params, ctx=ctx)
