@@ -195,6 +195,15 @@ class DataPlane:
 
     # ---- inference ----------------------------------------------------------------------
 
+    def _route(self, request: pb.ModelInferRequest, raw: bytes | None, ctx: CallContext | None) -> tuple[bytes | None, str]:
+        """A request naming no version: pin the live version or a traffic split's arm into it (and
+        into its bytes). Returns (bytes to forward, the arm or "")."""
+        version, arm = self.traffic.choose(request.model_name, ctx)
+        if version:
+            request.model_version = version
+            raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
+        return raw, arm
+
     async def infer(
         self,
         request: pb.ModelInferRequest,
@@ -227,10 +236,8 @@ class DataPlane:
         try:
             tenant = self.authorize(ctx, name).tenant
             if not version:
-                version, arm = self.traffic.choose(name, ctx)  # the live version, or a split's arm
-                if version:
-                    request.model_version = version
-                    raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
+                raw, arm = self._route(request, raw, ctx)
+                version = request.model_version
             signature = self.resolve(name, version)
             label = name
             if not version:
@@ -362,11 +369,8 @@ class DataPlane:
                         if not tenant.may_use(request.model_name):
                             raise ModelNotFound(f"unknown model '{request.model_name}'")
                         arm = ""
-                        if not request.model_version:  # the live version, or a split's arm, as for ModelInfer
-                            version, arm = self.traffic.choose(request.model_name, ctx)
-                            if version:
-                                request.model_version = version
-                                raw = pin_version(raw, version)
+                        if not request.model_version:
+                            raw, arm = self._route(request, raw, ctx)
                         signature = self.resolve(request.model_name, request.model_version)
                         ticket = await self.admit(tenant, request.model_name)
                         try:
