@@ -110,7 +110,8 @@ class OptimizeReport:
             else:
                 p50 = p99 = thr = cpu = "—"
             acc = "—" if r.gate is None else (r.gate.summary() if r.label != PARENT else "reference")
-            lines.append("| " + " | ".join([name, size, p50, p99, thr, cpu, acc, r.verdict]) + " |")
+            cells = [c.replace("|", "\\|") for c in (name, size, p50, p99, thr, cpu, acc, r.verdict)]  # "max|Δ|" in a cell
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -78,6 +79,9 @@ def test_an_impossible_tolerance_rejects_and_registers_nothing(registry, bundles
     audit = registry.audit_log(5, "mlp_classifier")
     assert [(e.action, e.outcome) for e in audit[:2]] == [("optimize", "rejected"), ("optimize", "rejected")]
     assert "rejected" in report.table() and "reference" in report.table()
+    # every row has the header's columns: a "|" inside a cell (max|Δp|) is escaped
+    assert "max\\|Δp\\|" in report.table()
+    assert len({len(re.split(r"(?<!\\)\|", row)) for row in report.table().splitlines()}) == 1
     # per-model thresholds from the parent's tags are applied too
     strict = _register(registry, demo.mlp_classifier(seed=5), tags={"gate.min_top1_agreement": "1.01"})
     tagged = optimize(registry, strict.ref, ["int8-dynamic"], profile_settings=None, register=False)
