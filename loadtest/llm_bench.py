@@ -86,12 +86,17 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
     return out
 
 
-def prepare_repository(out: Path) -> list[str]:
-    """SmolLM2 batched and serial (same weights, hard-linked) in a fresh repository."""
+def prepare_repository(out: Path, dtype: str | None = None) -> list[str]:
+    """SmolLM2 batched and serial (same weights, hard-linked) in a fresh repository; ``dtype``
+    overrides the engine's (``auto``)."""
     from model_repository.config_writer import read_config, write_config
     from model_repository.llm import SMOLLM2_NAME, build_llm_models
 
     build_llm_models(out, tiny=False, smollm2=True)
+    if dtype:
+        config = read_config(out / SMOLLM2_NAME)
+        config.parameters["dtype"].string_value = dtype
+        write_config(config, out / SMOLLM2_NAME)
     serial = SMOLLM2_NAME + "_serial"
     shutil.copytree(out / SMOLLM2_NAME, out / serial, copy_function=_link)
     config = read_config(out / serial)
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per stream at each level")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default=None, help="with --start: the engine's dtype (default: the model's, auto)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
             workdir = Path(tempfile.mkdtemp(prefix="llm_bench_"))
             repo = workdir / "model_repository"
-            names = prepare_repository(repo)
+            names = prepare_repository(repo, args.dtype)
             args.serial_model = args.serial_model or names[1]
             env = {
                 "INFERPLANE_AUTH": "off",
