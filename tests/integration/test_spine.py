@@ -176,8 +176,15 @@ def test_server_still_answers_after_the_matrix(raw_infer):
 # ---- streaming ------------------------------------------------------------------------------
 
 
+def _requests_total(stack, model: str, code: str) -> float:
+    text = urllib.request.urlopen(f"http://{stack.metrics}/metrics", timeout=10).read().decode()
+    prefix = f'inferplane_requests_total{{code="{code}",model="{model}",'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
 def test_stream_infer_answers_valid_and_reports_invalid_in_stream(stack):
     features, expected, _ = _rows(stack, "lightgbm_regressor", n=4)
+    ok_before = _requests_total(stack, "lightgbm_regressor", "OK")
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(stack.grpc)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -199,6 +206,8 @@ def test_stream_infer_answers_valid_and_reports_invalid_in_stream(stack):
     assert "INVALID_ARGUMENT" in str(errors[0]) and "shape[1]" in str(errors[0])
     for answer in answers:
         np.testing.assert_allclose(answer.as_numpy("prediction"), expected, rtol=1e-4, atol=1e-5)
+    # the answered stream requests are counted like unary ones (when their final response passed)
+    assert _requests_total(stack, "lightgbm_regressor", "OK") - ok_before == 2
 
 
 # ---- health, reflection, admin, metrics ----------------------------------------------------------

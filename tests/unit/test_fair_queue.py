@@ -163,3 +163,15 @@ def test_default_queue_bound_is_two_rounds_of_slots():
         assert q.bound == 16
     assert FairQueue("m", AdmissionPolicy(slots=1, min_queue=4)).bound == 4
     assert FairQueue("m", AdmissionPolicy(slots=4096, max_queue=1000)).bound == 1000
+
+
+async def test_an_arriving_idle_tenant_wins_a_tie_with_the_backlogged_head():
+    q = FairQueue("m", AdmissionPolicy(slots=1, queue_rounds=100))
+    assert q.try_acquire()
+    order: list[str] = []
+    tasks = await _enqueue(q, order, "A", 3)  # finish tags 1, 2, 3
+    await _serve(q, order, 1)  # A0 goes: virtual time 1
+    tasks += await _enqueue(q, order, "B", 1)  # tag max(1, 0) + 1 = 2, equal to A1's
+    await _serve(q, order, 3)
+    await asyncio.gather(*tasks)
+    assert order == ["A0", "B0", "A1", "A2"]  # B does not wait behind A's head for the same turn
