@@ -8,7 +8,9 @@ slot goes at once, untouched: a lone caller is never held. Triton's answer is sp
 one response per caller. A failure of the merged call fails every member with the same error.
 
 Members are validated before they get here (an invalid request never joins a batch). The
-module is transport-free: it sees protobuf messages and bytes, and an async ``send`` callable.
+module is transport-free and format-free: requests are opaque to it; a ``BatchCodec`` (the data
+plane's protobuf one, ``server.dataplane.batch_codec``) says which requests may merge, how many
+rows each carries, and how to merge them and split the answer; ``send`` is an async callable.
 """
 
 from __future__ import annotations
@@ -18,9 +20,23 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from server.protogen.inference import grpc_service_pb2 as pb
+from typing import Any, Protocol
 
 Send = Callable[[bytes, "float | None"], Awaitable[bytes]]
+
+
+class BatchCodec(Protocol):
+    def key(self, request: Any) -> tuple | None:
+        """Requests with equal keys can be merged; None: this request is never merged."""
+
+    def rows(self, request: Any) -> int:
+        """The request's batch size (its first dimension)."""
+
+    def merge(self, requests: list[Any]) -> bytes:
+        """One serialized request whose inputs are the members' concatenated along dimension 0."""
+
+    def split(self, response: bytes, requests: list[Any], rows: list[int]) -> list[bytes]:
+        """The merged answer cut back into one serialized response per member."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,7 @@ class CoalescePolicy:
 
 @dataclass
 class _Member:
-    request: pb.ModelInferRequest
+    request: Any
     raw: bytes
     rows: int
     future: asyncio.Future
@@ -62,28 +78,17 @@ class _Lane:
     tick_scheduled: bool = False
 
 
-def merge_key(request: pb.ModelInferRequest) -> tuple | None:
-    """Requests with equal keys can be merged; None: this request is never merged."""
-    if request.parameters or not request.raw_input_contents:
-        return None
-    inputs = tuple((t.name, t.datatype, tuple(t.shape[1:])) for t in request.inputs)
-    if any(t.parameters for t in request.inputs) or any(dt == "BYTES" for _, dt, _ in inputs):
-        return None
-    outputs = tuple(o.name for o in request.outputs)
-    if any(o.parameters for o in request.outputs):
-        return None
-    return (request.model_name, request.model_version, inputs, outputs)
-
-
 class Coalescer:
     def __init__(
         self,
         send: Send,
+        codec: BatchCodec,
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self._send = send
+        self._codec = codec
         self._clock = clock
         self._sleep = sleep
         self._lanes: dict[tuple, _Lane] = {}
@@ -91,16 +96,16 @@ class Coalescer:
         self.merged_rows = 0
 
     async def submit(
-        self, request: pb.ModelInferRequest, raw: bytes, policy: CoalescePolicy, timeout: float | None = None
+        self, request: Any, raw: bytes, policy: CoalescePolicy, timeout: float | None = None
     ) -> bytes:
         """Serve one validated request; returns its own serialized ModelInferResponse."""
-        key = merge_key(request) if policy.enabled else None
+        key = self._codec.key(request) if policy.enabled else None
         if key is None:
             return await self._send(raw, timeout)
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
-        rows = int(request.inputs[0].shape[0])
+        rows = self._codec.rows(request)
         if lane.rows + rows > policy.max_batch and lane.pending:
             self._flush(key, lane, policy)
         now = self._clock()
@@ -156,10 +161,10 @@ class Coalescer:
                 m = members[0]
                 results = [await self._send(m.raw, _remaining(m.deadline, self._clock()))]
             else:
-                merged = merge_requests([m.request for m in members])
+                requests = [m.request for m in members]
                 timeout = _latest(members, self._clock())
-                response = pb.ModelInferResponse.FromString(await self._send(merged.SerializeToString(), timeout))
-                results = split_response(response, members)
+                answer = await self._send(self._codec.merge(requests), timeout)
+                results = self._codec.split(answer, requests, [m.rows for m in members])
                 self.merged_calls += 1
                 self.merged_rows += sum(m.rows for m in members)
         except asyncio.CancelledError:
@@ -177,40 +182,6 @@ class Coalescer:
         finally:
             lane.inflight -= 1
             self._on_slot_free(key, lane, policy)
-
-
-def merge_requests(requests: list[pb.ModelInferRequest]) -> pb.ModelInferRequest:
-    """One request whose inputs are the members' inputs concatenated along dimension 0."""
-    first = requests[0]
-    merged = pb.ModelInferRequest(model_name=first.model_name, model_version=first.model_version)
-    total = sum(int(r.inputs[0].shape[0]) for r in requests)
-    for index, tensor in enumerate(first.inputs):
-        merged.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=[total, *tensor.shape[1:]])
-        merged.raw_input_contents.append(b"".join(r.raw_input_contents[index] for r in requests))
-    for output in first.outputs:
-        merged.outputs.add(name=output.name)
-    return merged
-
-
-def split_response(response: pb.ModelInferResponse, members: list[_Member]) -> list[bytes]:
-    """Cut Triton's merged answer back into one serialized response per member, by rows."""
-    total = sum(m.rows for m in members)
-    slices = []
-    for index, tensor in enumerate(response.outputs):
-        data = response.raw_output_contents[index]
-        if not tensor.shape or tensor.shape[0] != total or len(data) % total:
-            raise ValueError(f"output '{tensor.name}' of shape {list(tensor.shape)} cannot be split into {total} rows")
-        slices.append((tensor, len(data) // total, data))
-    out = []
-    offset = 0
-    for m in members:
-        answer = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version, id=m.request.id)
-        for tensor, row_bytes, data in slices:
-            answer.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=[m.rows, *tensor.shape[1:]])
-            answer.raw_output_contents.append(data[offset * row_bytes : (offset + m.rows) * row_bytes])
-        offset += m.rows
-        out.append(answer.SerializeToString())
-    return out
 
 
 def _remaining(deadline: float | None, now: float) -> float | None:

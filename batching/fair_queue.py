@@ -6,7 +6,7 @@ Otherwise it waits in the model's queue, and freed slots go to waiting requests 
 order across tenants (self-clocked fair queuing: each request gets the finish tag
 ``max(V, tenant's last tag) + 1/weight``; the smallest tag goes next; ``V`` is the tag last
 served). A tenant offering ten times its share therefore waits behind itself, not in front of
-the others. Weights come from plan tiers (``server.tenancy.PLAN_WEIGHTS``).
+the others. Weights come from plan tiers (``server.tenancy.identity.PLAN_WEIGHTS``).
 
 The queue is bounded so that an admitted request waits at most about ``queue_rounds`` service
 times: by default it holds ``queue_rounds x slots`` requests (two rounds: an admitted request's
@@ -16,9 +16,9 @@ capacity (``slots`` / the EWMA of the time a request holds a slot), to absorb lo
 the cost of latency. Either way the bound stays between ``min_queue`` and
 ``max_queue``. When it is full, an arriving tenant that holds less than its fair share of the
 queue pushes out the newest request of the tenant holding the most (that one gets
-``Overloaded``); otherwise the arrival is refused with ``Overloaded`` and a retry hint (the
+``QueueFull``); otherwise the arrival is refused with ``QueueFull`` and a retry hint (the
 queue's estimated drain time). A request whose deadline cannot be met — its estimated wait plus
-service time exceeds what is left — is shed at admission with ``DeadlineExceeded``, never after
+service time exceeds what is left — is shed at admission with ``DeadlineUnmeetable``, never after
 it waited; one whose deadline passes while queued leaves the queue then.
 
 Pure asyncio policy: an injectable clock, no I/O, nothing about transports.
@@ -34,7 +34,23 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.errors import DeadlineExceeded, Overloaded
+
+
+class Refused(Exception):
+    """Admission said no before any work; the data plane maps each kind to its domain error."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(Refused):
+    """The model's queue is at its bound (or this request was pushed out): retry after ``retry_after_s``."""
+
+
+class DeadlineUnmeetable(Refused):
+    """The request's deadline cannot be met (estimated at admission), or passed while it waited."""
 
 
 @dataclass(frozen=True)
@@ -126,13 +142,13 @@ class FairQueue:
             wait = self._drain_s(self._ahead(tag) + 1)
             if wait + self.service_s > timeout:
                 self.shed += 1
-                raise DeadlineExceeded(
+                raise DeadlineUnmeetable(
                     f"model '{self.name}' cannot answer within the deadline: ~{(wait + self.service_s) * 1000:.1f} ms "
                     f"expected, {timeout * 1000:.1f} ms left"
                 )
         if self.size >= self.bound and not self._push_out(tenant, state):
             self.rejected += 1
-            raise Overloaded(
+            raise QueueFull(
                 f"model '{self.name}' is saturated ({self.size} requests waiting)",
                 retry_after_s=max(0.001, self._drain_s(self.size)),
             )
@@ -152,7 +168,7 @@ class FairQueue:
         except asyncio.TimeoutError:
             self._forget(waiter)
             self.shed += 1
-            raise DeadlineExceeded(f"deadline exceeded waiting for model '{self.name}'") from None
+            raise DeadlineUnmeetable(f"deadline exceeded waiting for model '{self.name}'") from None
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release(None)  # granted a slot in the same tick it was cancelled: give it back
@@ -197,7 +213,7 @@ class FairQueue:
         self.pushed_out += 1
         if not waiter.future.done():
             waiter.future.set_exception(
-                Overloaded(f"model '{self.name}' is saturated; tenant '{victim_name}' is over its share", retry_after_s=max(0.001, self._drain_s(self.size)))
+                QueueFull(f"model '{self.name}' is saturated; tenant '{victim_name}' is over its share", retry_after_s=max(0.001, self._drain_s(self.size)))
             )
         return True
 

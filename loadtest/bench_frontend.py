@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         _set_parameter(repo, "inferplane.coalesce", "false")
     extra = ["--workers", str(args.workers), "--auth", "off"]
     if args.workers > 1:
-        from server.supervisor import free_port
+        from server.runtime.supervisor import free_port
 
         extra += ["--grpc-port", str(free_port()), "--http-port", str(free_port())]
     stack = start_stack(repo, args.out / "stack", *extra)

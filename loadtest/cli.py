@@ -359,6 +359,11 @@ def perf_analyzer_cmd(
     _emit(result, json_out, quiet)
 
 
+def mount(parent: typer.Typer) -> None:
+    """``inferplane loadtest ...`` (an ``inferplane.cli`` entry point)."""
+    parent.add_typer(app, name="loadtest", help="Load generators and benchmarks (closed/open loop, compare, sweep).")
+
+
 def main() -> None:
     app(prog_name="loadtest")
 

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from loadtest.stack import start_stack, stop_stack
-    from server.tenancy_store import TenancyStore
+    from server.tenancy.store import TenancyStore
 
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         work = Path(tmp)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from server.codecs import deserialize_bytes, numpy_dtype, serialize_bytes
+from server.dataplane.codecs import deserialize_bytes, numpy_dtype, serialize_bytes
 
 ENCODINGS = ("grpc", "rest", "rest-json")
-HEADER_LENGTH = "Inference-Header-Content-Length"  # server.rest_codec.HEADER_LENGTH
+HEADER_LENGTH = "Inference-Header-Content-Length"  # server.transports.rest.codec.HEADER_LENGTH
 
 def concrete_shape(shape, batch: int) -> list[int]:
     """Metadata shape with every -1 replaced by the batch size."""

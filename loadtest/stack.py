@@ -46,7 +46,7 @@ def start_stack(repository: Path, workdir: Path, *extra: str, env: dict[str, str
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "frontend.log"
     cmd = [
-        sys.executable, "-m", "server.cli", "serve",
+        sys.executable, "-m", "server.cli.main", "serve",
         "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
         "--model-repository", str(repository), "--workdir", str(workdir / "run"), *extra,
     ]  # fmt: skip

@@ -66,7 +66,7 @@ def optimize(
     from optimizer.pipeline import optimize as run_optimize
     from optimizer.profile import ProfileSettings
     from server.errors import InferplaneError
-    from server.registry_cli import _fail, _pairs, _registry, _who
+    from server.cli.registry import actor_name, fail, key_values, open_registry
 
     requested = [name for flag, name in ((graph, "graph"), (fp16, "fp16"), (int4, "int4"), (tree_onnx, "tree-onnx"), (tensorrt, "tensorrt")) if flag]
     for mode in int8 or []:
@@ -81,18 +81,18 @@ def optimize(
     console = Console(stderr=True)
     registry = None
     try:
-        registry = _registry(database_url, artifact_store)
+        registry = open_registry(database_url, artifact_store)
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console, transient=True,
         ) as progress:  # fmt: skip
             report = run_optimize(
-                registry, ref, requested, all_=all_, calibration=calibration, thresholds=_pairs(threshold, "--threshold"),
-                task=task, profile_settings=settings, register=register, actor=_who(actor),
+                registry, ref, requested, all_=all_, calibration=calibration, thresholds=key_values(threshold, "--threshold"),
+                task=task, profile_settings=settings, register=register, actor=actor_name(actor),
                 sign_key=sign_key.read_bytes() if sign_key else None, progress=progress,
             )  # fmt: skip
     except InferplaneError as err:
-        _fail(err)
+        fail(err)
     finally:
         if registry is not None:
             registry.close()

@@ -39,7 +39,7 @@ import numpy as np
 from optimizer import gate, recipes, runtime
 from optimizer.pipeline import PARENT, OptimizeReport, Row, _Steps, _verdict, candidates
 from optimizer.profile import ProfileSettings
-from server import safe_formats
+from server.control import safe_formats
 
 TASK = "embedding"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
@@ -208,7 +208,7 @@ def write_repository(root: Path, model: EmbeddingModel, variants: Sequence[tuple
 
 def text_pool(model_name: str, texts: Sequence[str], batch: int = 1, size: int = 64) -> list[bytes]:
     """Pre-serialized ModelInferRequests: input ``text`` (BYTES ``[batch, 1]``), consecutive sentences, wrapping."""
-    from server.codecs import serialize_bytes
+    from server.dataplane.codecs import serialize_bytes
     from server.protogen.inference import grpc_service_pb2 as pb
 
     pool = []

@@ -16,22 +16,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from server.admin_servicer import AdminService
-from server import gc_pauses
-from server.dataplane import DataPlane
-from server.generate_servicer import add_to_server as add_generation
-from server.generation import LLMService
-from server.metrics import Metrics
+from server.transports.grpc.admin import AdminService
+from server.runtime import gc_pauses
+from server.dataplane.dataplane import DataPlane
+from server.transports.grpc.generation import add_to_server as add_generation
+from server.dataplane.generation import LLMService
+from server.dataplane.metrics import Metrics
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
-from server.servicer import SERVICE, InferenceService
+from server.transports.grpc.inference import SERVICE, InferenceService
 from server.settings import Settings
-from server.supervisor import TritonSupervisor
-from server.tenancy_servicer import TenancyService
-from server.tenancy_servicer import add_to_server as add_tenancy
-from server.traffic_servicer import TrafficService
-from server.traffic_servicer import add_to_server as add_traffic
-from server.triton_client import TritonClient
+from server.runtime.supervisor import TritonSupervisor
+from server.transports.grpc.tenancy import TenancyService
+from server.transports.grpc.tenancy import add_to_server as add_tenancy
+from server.transports.grpc.traffic import TrafficService
+from server.transports.grpc.traffic import add_to_server as add_traffic
+from server.dataplane.triton_client import TritonClient
 
 log = logging.getLogger("inferplane")
 
@@ -54,10 +54,10 @@ class Frontend:
         self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task] = []
-        self.registry = None  # server.registry.Registry, with the deployer (issue 5)
+        self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
-        self.traffic = None  # server.traffic.TrafficController, beside the deployer (issue 8)
-        self.tenancy_store = None  # server.tenancy_store.TenancyStore, with --auth on (the Tenancy API)
+        self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
+        self.tenancy_store = None  # server.tenancy.store.TenancyStore, with --auth on (the Tenancy API)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -82,11 +82,11 @@ class Frontend:
             await self._setup_tenancy(target)
         await self._load_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
-            from server.deployer import build_control_plane
+            from server.control.deployer import build_control_plane
 
             self.registry, self.deployer = await asyncio.to_thread(build_control_plane, s, self.dataplane)
             await self.deployer.start()
-            from server.traffic import TrafficController
+            from server.control.traffic import TrafficController
 
             self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
             await self.traffic.start()
@@ -112,16 +112,16 @@ class Frontend:
 
     async def _setup_tenancy(self, target: str) -> None:
         from batching.fair_queue import AdmissionPolicy
-        from server.circuit_breaker import BreakerPolicy, CircuitBreaker
-        from server.idempotency import MemoryIdempotency, RedisIdempotency
-        from server.quota_policy import Quota, QuotaPolicy
-        from server.tenancy import Gatekeeper, KeyRing
+        from server.dataplane.circuit_breaker import BreakerPolicy, CircuitBreaker
+        from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
+        from server.tenancy.quota_policy import Quota, QuotaPolicy
+        from server.tenancy.identity import Gatekeeper, KeyRing
 
         s, dp = self.settings, self.dataplane
         default = Quota(s.quota_rps, s.quota_rpm, s.quota_tpm, s.quota_concurrency)
         if s.auth:
-            from server.metering import Meter
-            from server.tenancy_store import TenancyStore
+            from server.tenancy.metering import Meter
+            from server.tenancy.store import TenancyStore
 
             store = self.tenancy_store = await asyncio.to_thread(TenancyStore, s.tenancy_database_url)
             ring = KeyRing(s.key_pepper.get_secret_value().encode())
@@ -136,7 +136,7 @@ class Frontend:
             dp.gate = Gatekeeper(None, default)
         dp.idempotency = RedisIdempotency(s.redis_url, s.idempotency_ttl_s) if s.redis_url else MemoryIdempotency(s.idempotency_ttl_s)
         if s.redis_url:  # one set of buckets for every frontend process
-            from server.redis_quotas import RedisQuotaPolicy
+            from server.tenancy.redis_quotas import RedisQuotaPolicy
 
             dp.quotas = RedisQuotaPolicy(s.redis_url)
         else:
@@ -146,7 +146,7 @@ class Frontend:
         dp.admission_slots = s.admission_slots
 
     async def _start_workers(self, target: str) -> None:
-        from server.workers import WorkerPool, worker_settings
+        from server.runtime.workers import WorkerPool, worker_settings
 
         s = self.settings
         self.grpc_port, self.http_port = s.grpc_port, s.http_port
@@ -209,7 +209,7 @@ class Frontend:
 
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
-        from server.endpoints import create_app
+        from server.transports.rest.endpoints import create_app
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
@@ -299,7 +299,7 @@ async def serve(settings: Settings) -> None:
         await frontend.stop()
         raise
     if settings.worker:
-        from server.workers import READY_MARK
+        from server.runtime.workers import READY_MARK
 
         print(f"{READY_MARK} pid={os.getpid()}", flush=True)
     else:
@@ -320,3 +320,16 @@ def run(settings: Settings) -> None:
         asyncio.run(serve(settings))
     else:
         uvloop.run(serve(settings))
+
+
+def _worker_main() -> None:
+    """A worker process of ``serve --workers N`` (``python -m server.app``): its settings come from the parent."""
+    import json
+
+    from server.runtime.workers import WORKER_SETTINGS_ENV
+
+    run(Settings(**json.loads(os.environ.pop(WORKER_SETTINGS_ENV))))
+
+
+if __name__ == "__main__":
+    _worker_main()

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     key_pepper: SecretStr = SecretStr("")  # HMAC key for API-key hashes; the CLI needs the same one
     auth_refresh_s: float = Field(5.0, gt=0)  # how soon key changes (revocations) take effect
     tenancy_database_url: str | None = None  # unset: INFERPLANE_DATABASE_URL, else sqlite:///var/inferplane.db
-    # idempotency keys and quota buckets shared by every frontend process (server.redis_quotas); unset: per process
+    # idempotency keys and quota buckets shared by every frontend process (server.tenancy.redis_quotas); unset: per process
     redis_url: str | None = None
     idempotency_ttl_s: float = Field(24 * 3600.0, gt=0)
     # quotas of tenants that have none of their own (and of the open tenant with --auth off)
@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     breaker_failures: int = Field(5, ge=1)
     breaker_open_s: float = Field(2.0, gt=0)
     usage_flush_s: float = Field(5.0, gt=0)
-    # freeze what start-up left alive so garbage collections stay short (server.gc_pauses)
+    # freeze what start-up left alive so garbage collections stay short (server.runtime.gc_pauses)
     gc_freeze: bool = True
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from model_repository.layout import VERSION
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from server.triton_install import TritonInstallation, TritonNotInstalled  # noqa: E402
+from server.runtime.triton_install import TritonInstallation, TritonNotInstalled  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

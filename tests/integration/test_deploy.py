@@ -99,7 +99,7 @@ def _infer(client, bundle, version="", rows=4, model=ENDPOINT):
 
 def _cli(stack, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, **stack.env)
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run([sys.executable, "-m", "server.cli.main", *args], capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_register_deploy_infer_then_rollback(deploy_stack, admin, client, bundles):

@@ -21,8 +21,8 @@ import tritonclient.grpc as grpcclient
 from google.rpc import error_details_pb2, status_pb2
 
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
-from server.quota_policy import Quota
-from server.tenancy_store import TenancyStore
+from server.tenancy.quota_policy import Quota
+from server.tenancy.store import TenancyStore
 from tests.conftest import start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -213,7 +213,7 @@ def test_chat_and_generate_are_metered_with_input_and_output_tokens(llm_tenancy)
     assert [r["version"] for r in by_version] == ["1"]
     # the operator's view: `inferplane usage`
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "usage", "--by", "tenant", "--since", "1h", "--json"],
+        [sys.executable, "-m", "server.cli.main", "usage", "--by", "tenant", "--since", "1h", "--json"],
         env=dict(os.environ, **llm_tenancy.env), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -186,7 +186,7 @@ def test_metrics_is_the_same_registry(stack, http_client):
 
 
 def test_openapi_is_the_route_table(stack):
-    from server.endpoints import openapi_document
+    from server.transports.rest.endpoints import openapi_document
 
     status, headers, body = _call(stack, "GET", "/openapi.json")
     assert status == 200 and headers["Content-Type"].startswith("application/json")
@@ -345,8 +345,8 @@ class _StubDataPlane:
 async def _in_process(max_body_bytes: int):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from server.endpoints import create_app
-    from server.metrics import Metrics
+    from server.transports.rest.endpoints import create_app
+    from server.dataplane.metrics import Metrics
 
     client = TestClient(TestServer(create_app(_StubDataPlane(), Metrics(), max_body_bytes=max_body_bytes)))
     await client.start_server()

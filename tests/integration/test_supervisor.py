@@ -111,7 +111,7 @@ def test_clean_shutdown_leaves_no_process_and_no_shm(own_stack):
 
 
 def test_triton_dies_with_its_parent(demo_repository, tmp_path):
-    from server.supervisor import _is_dead, kill_stale_stubs
+    from server.runtime.supervisor import _is_dead, kill_stale_stubs
 
     stack = start_stack(demo_repository, tmp_path, "--model", MODEL)
     triton_pid = stack.triton_pid()

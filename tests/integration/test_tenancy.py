@@ -21,8 +21,8 @@ from google.rpc import error_details_pb2, status_pb2
 from model_repository.layout import load_validation
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc, tenancy_pb2, tenancy_pb2_grpc
-from server.quota_policy import Quota
-from server.tenancy_store import TenancyStore
+from server.tenancy.quota_policy import Quota
+from server.tenancy.store import TenancyStore
 from tests.conftest import CACHED_MODEL, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -272,7 +272,7 @@ def test_request_timeout_header_and_grpc_deadline(tenancy):
 
 def _cli(stack, *args):
     env = dict(os.environ, **stack.env)
-    out = subprocess.run([sys.executable, "-m", "server.cli", *args], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "server.cli.main", *args], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -300,7 +300,7 @@ def test_ab_report_detects_a_planted_difference_and_not_an_a_a_test(traffic_stac
     assert not outcome.significant and outcome.ci_low < 0 < outcome.ci_high, outcome
 
     env = dict(os.environ, **traffic_stack.env)
-    cli = subprocess.run([sys.executable, "-m", "server.cli", "ab", "report", NAME, "--url", traffic_stack.grpc],
+    cli = subprocess.run([sys.executable, "-m", "server.cli.main", "ab", "report", NAME, "--url", traffic_stack.grpc],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert "experiment aa" in cli.stdout and "b vs a [outcome, two_proportion_z]" in cli.stdout and "not significant" in cli.stdout

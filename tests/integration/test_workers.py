@@ -16,9 +16,9 @@ import tritonclient.grpc as grpcclient
 from prometheus_client.mmap_dict import MmapedDict
 
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.quota_policy import Quota
-from server.supervisor import free_port
-from server.tenancy_store import TenancyStore
+from server.tenancy.quota_policy import Quota
+from server.runtime.supervisor import free_port
+from server.tenancy.store import TenancyStore
 from tests.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def _workers(stack) -> list[int]:
     pids = []
     for child in psutil.Process(stack.process.pid).children():
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "server.workers" in " ".join(child.cmdline()):
+            if child.status() != psutil.STATUS_ZOMBIE and "server.app" in " ".join(child.cmdline()):
                 pids.append(child.pid)
         except psutil.Error:  # exited between listing and reading: not a live worker
             continue

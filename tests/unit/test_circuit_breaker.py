@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.circuit_breaker import CLOSED, HALF_OPEN, OPEN, BreakerPolicy, BreakerSet, CircuitBreaker
+from server.dataplane.circuit_breaker import CLOSED, HALF_OPEN, OPEN, BreakerPolicy, BreakerSet, CircuitBreaker
 from server.errors import BackendUnavailable, Cancelled, InvalidRequest
 
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batching.coalescer import Coalescer, CoalescePolicy, merge_key
+from batching.coalescer import Coalescer, CoalescePolicy
+from server.dataplane.batch_codec import CODEC, merge_key
 from server.protogen.inference import grpc_service_pb2 as pb
 
 FEATURES = 3
@@ -69,7 +70,7 @@ def _check(request: pb.ModelInferRequest, answer: bytes) -> None:
 def test_each_caller_gets_exactly_its_own_rows(sizes, gaps, inflight, max_batch, delay):
     async def scenario():
         model = EchoModel(delay)
-        coalescer = Coalescer(model)
+        coalescer = Coalescer(model, CODEC)
         policy = CoalescePolicy(window_s=0.001, max_inflight=inflight, max_batch=max_batch)
         requests = [_request(n, i, rid=f"r{i}") for i, n in enumerate(sizes)]
 
@@ -89,7 +90,7 @@ def test_each_caller_gets_exactly_its_own_rows(sizes, gaps, inflight, max_batch,
 
 async def test_concurrent_burst_is_merged_into_few_calls():
     model = EchoModel(delay=0.002)
-    coalescer = Coalescer(model)
+    coalescer = Coalescer(model, CODEC)
     policy = CoalescePolicy(window_s=0.001, max_inflight=1, max_batch=64)
     requests = [_request(1, i) for i in range(32)]
     answers = await asyncio.gather(*(coalescer.submit(r, r.SerializeToString(), policy) for r in requests))
@@ -101,7 +102,7 @@ async def test_concurrent_burst_is_merged_into_few_calls():
 
 async def test_a_lone_request_is_sent_at_once_and_untouched():
     model = EchoModel()
-    coalescer = Coalescer(model)
+    coalescer = Coalescer(model, CODEC)
     req = _request(2, 7)
     raw = req.SerializeToString()
     _check(req, await coalescer.submit(req, raw, CoalescePolicy(window_s=10.0)))
@@ -121,7 +122,7 @@ async def test_the_window_never_outlasts_the_deadline():
         await release.wait()
         return await EchoModel()(raw, timeout)
 
-    coalescer = Coalescer(blocked_send, sleep=recording_sleep)
+    coalescer = Coalescer(blocked_send, CODEC, sleep=recording_sleep)
     policy = CoalescePolicy(window_s=0.5, max_inflight=1)
     first, second = _request(1, 1), _request(1, 2)
     t1 = asyncio.create_task(coalescer.submit(first, first.SerializeToString(), policy, timeout=10))
@@ -139,7 +140,7 @@ async def test_a_failed_merged_call_fails_every_member_with_the_same_error():
 
     err = BackendUnavailable("triton went away")
     model = EchoModel(delay=0.001, fail=err)
-    coalescer = Coalescer(model)
+    coalescer = Coalescer(model, CODEC)
     policy = CoalescePolicy(window_s=0.001, max_inflight=1)
     requests = [_request(1, i) for i in range(6)]
     results = await asyncio.gather(
@@ -150,7 +151,7 @@ async def test_a_failed_merged_call_fails_every_member_with_the_same_error():
 
 async def test_a_cancelled_member_drops_out_and_the_rest_are_served():
     model = EchoModel(delay=0.003)
-    coalescer = Coalescer(model)
+    coalescer = Coalescer(model, CODEC)
     policy = CoalescePolicy(window_s=0.002, max_inflight=1)
     requests = [_request(1, i) for i in range(5)]
     tasks = [asyncio.create_task(coalescer.submit(r, r.SerializeToString(), policy)) for r in requests]

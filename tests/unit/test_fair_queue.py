@@ -5,8 +5,7 @@ import asyncio
 
 import pytest
 
-from batching.fair_queue import AdmissionPolicy, FairQueue
-from server.errors import DeadlineExceeded, Overloaded
+from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
 
 
 class Clock:
@@ -77,13 +76,13 @@ async def test_full_queue_refuses_with_a_drain_time_hint_and_pushes_out_the_heav
     order: list[str] = []
     a_tasks = await _enqueue(q, order, "A", 4)
     assert q.size == 4
-    with pytest.raises(Overloaded) as info:
+    with pytest.raises(QueueFull) as info:
         await q.acquire("A")
     assert info.value.retry_after_s == pytest.approx(0.04)
     # B holds less than its share: A's newest waiter is pushed out, B takes its place
     b_tasks = await _enqueue(q, order, "B", 1)
     assert q.size == 4 and q.pushed_out == 1
-    with pytest.raises(Overloaded, match="over its share"):
+    with pytest.raises(QueueFull, match="over its share"):
         await a_tasks[3]
     await _serve(q, order, 4)
     await asyncio.gather(*a_tasks[:3], *b_tasks)
@@ -96,7 +95,7 @@ async def test_a_deadline_that_cannot_be_met_is_shed_at_admission():
     order: list[str] = []
     tasks = await _enqueue(q, order, "A", 3)
     # 3 waiting + itself, 100 ms each: ~400 ms + 100 ms service; 250 ms left -> shed now
-    with pytest.raises(DeadlineExceeded, match="cannot answer within the deadline"):
+    with pytest.raises(DeadlineUnmeetable, match="cannot answer within the deadline"):
         await q.acquire("A", timeout=0.25)
     # another tenant with the same deadline jumps ahead under fair queuing: admitted to the queue
     b = asyncio.create_task(q.acquire("B", timeout=0.35))
@@ -109,7 +108,7 @@ async def test_a_deadline_that_cannot_be_met_is_shed_at_admission():
 async def test_a_deadline_passing_in_the_queue_leaves_the_queue():
     q = FairQueue("m", AdmissionPolicy(slots=1))
     q.try_acquire()
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(DeadlineUnmeetable):
         await q.acquire("A", timeout=0.02)
     assert q.size == 0
     q.release(None)

@@ -2,7 +2,7 @@ import gc
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from server import gc_pauses
+from server.runtime import gc_pauses
 
 
 def test_every_collection_is_observed_by_generation():

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from server.errors import BackendError, IdempotencyKeyReused
-from server.idempotency import MemoryIdempotency, RedisIdempotency, body_digest, scoped
+from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency, body_digest, scoped
 
 
 class Counter:

@@ -62,7 +62,7 @@ def test_from_model_dir_and_report(tmp_path):
 def test_budget_cli(tmp_path):
     from typer.testing import CliRunner
 
-    from server.llm_cli import app
+    from server.cli.llm import app
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
     result = CliRunner().invoke(app, ["budget", str(tmp_path), "--memory", "8GiB", "--json"])

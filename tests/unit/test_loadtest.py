@@ -493,7 +493,7 @@ def _two_input_metadata():
 def test_rest_binary_body_is_what_the_bridge_decodes():
     """The binary tensor extension framing round-trips through the server's own decoder to the
     same tensors as the gRPC pool (same seed), with binary outputs asked for."""
-    from server import rest_codec
+    from server.transports.rest import codec as rest_codec
 
     md = _two_input_metadata()
     grpc_pool = build_pool(md, batch=2, size=4, seed=3)
@@ -514,7 +514,7 @@ def test_rest_binary_body_is_what_the_bridge_decodes():
 
 
 def test_rest_json_body_is_what_the_bridge_decodes(tmp_path):
-    from server import rest_codec
+    from server.transports.rest import codec as rest_codec
 
     md = _metadata(shape=(-1, 4))
     features = np.random.default_rng(1).standard_normal((10, 4)).astype(np.float32)
@@ -651,7 +651,7 @@ def fake_http():
 
 
 def test_rest_driver_counts_http_errors_and_passes_headers(fake_http):
-    from server import rest_codec
+    from server.transports.rest import codec as rest_codec
 
     srv = fake_http(fail_every=4)
     target = f"http://127.0.0.1:{srv.port}"

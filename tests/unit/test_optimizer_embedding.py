@@ -12,7 +12,7 @@ import pytest
 
 from model_repository.layout import ADAPTERS_DIR
 from optimizer import embedding, synthetic
-from server.codecs import deserialize_bytes
+from server.dataplane.codecs import deserialize_bytes
 from server.protogen.inference import grpc_service_pb2 as pb
 
 

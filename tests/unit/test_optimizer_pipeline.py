@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from model_repository import demo
 from optimizer import runtime, synthetic
 from optimizer.pipeline import optimize
-from server.artifacts import ArtifactStore
+from server.control.artifacts import ArtifactStore
 from server.errors import InvalidRequest
-from server.registry import Registry
+from server.control.registry import Registry
 
 
 def _npz(**arrays) -> bytes:

@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from server.errors import BackendUnavailable, Overloaded
-from server.quota_policy import Quota, QuotaPolicy
+from server.tenancy.quota_policy import Quota, QuotaPolicy
 
 
 class Clock:
@@ -28,7 +28,7 @@ async def make_policy(request):
     def make(clock):
         if url is None:
             return QuotaPolicy(clock)
-        from server.redis_quotas import RedisQuotaPolicy
+        from server.tenancy.redis_quotas import RedisQuotaPolicy
 
         policy = RedisQuotaPolicy(url, prefix=f"test:{uuid.uuid4().hex}:", clock=clock)
         made.append(policy)
@@ -164,7 +164,7 @@ async def test_a_changed_quota_starts_fresh_and_keeps_counting_requests_in_fligh
 
 async def test_two_policies_on_one_store_share_the_buckets(redis_url):
     """Two frontend processes: each admits from the same buckets (the in-memory policy cannot)."""
-    from server.redis_quotas import RedisQuotaPolicy
+    from server.tenancy.redis_quotas import RedisQuotaPolicy
 
     clock = Clock()
     prefix = f"test:{uuid.uuid4().hex}:"
@@ -193,7 +193,7 @@ async def test_unlimited_costs_no_state_in_memory():
 
 
 async def _redis_policy(redis_url, **kwargs):
-    from server.redis_quotas import RedisQuotaPolicy
+    from server.tenancy.redis_quotas import RedisQuotaPolicy
 
     return RedisQuotaPolicy(redis_url, prefix=f"test:{uuid.uuid4().hex}:", **kwargs)
 
@@ -248,8 +248,8 @@ async def test_redis_uses_its_own_clock_when_none_is_injected(redis_url):
 
 
 async def test_redis_unreachable_refuses_admission_as_unavailable():
-    from server.redis_quotas import RedisQuotaPolicy
-    from server.supervisor import free_port
+    from server.tenancy.redis_quotas import RedisQuotaPolicy
+    from server.runtime.supervisor import free_port
 
     policy = RedisQuotaPolicy(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
     try:

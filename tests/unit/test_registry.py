@@ -17,11 +17,11 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from server.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
+from server.control.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
 from server.errors import Conflict, InvalidRequest, ModelNotFound, PermissionDenied
-from server.registry import Registry, parse_ref
-from server.safe_formats import UnsafeArtifact
-from server.signing import generate_keypair, sign_digest
+from server.control.registry import Registry, parse_ref
+from server.control.safe_formats import UnsafeArtifact
+from server.control.signing import generate_keypair, sign_digest
 
 POSTGRES_ENV = "INFERPLANE_TEST_POSTGRES_URL"
 SIGNATURE = {

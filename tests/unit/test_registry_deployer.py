@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from model_repository.config_writer import read_config
-from server.artifacts import ArtifactStore
-from server.deployer import Deployer, build_config, check_warmup, same_tensors, serving_from, warmup_request
+from server.control.artifacts import ArtifactStore
+from server.control.deployer import Deployer, build_config, check_warmup, same_tensors, serving_from, warmup_request
 from server.errors import Conflict, DeployFailed, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.registry import Registry
+from server.control.registry import Registry
 from tests.unit.test_registry import SIGNATURE, lightgbm
 
 

@@ -9,11 +9,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from server import migrations
-from server.artifacts import ArtifactStore
+from server.control.artifacts import ArtifactStore
 from server.db import make_engine
-from server.registry import Base, Registry
-from server.tenancy_store import Base as TenancyBase
-from server.traffic import metadata as traffic_metadata
+from server.control.registry import Base, Registry
+from server.tenancy.store import Base as TenancyBase
+from server.control.traffic import metadata as traffic_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
 
 V1_TABLES = {"models", "model_versions", "audit_log"}

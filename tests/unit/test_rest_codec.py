@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from server import rest_codec
-from server.codecs import serialize_bytes
+from server.transports.rest import codec as rest_codec
+from server.dataplane.codecs import serialize_bytes
 from server.errors import InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.signature import ModelSignature, TensorSpec
+from server.dataplane.signature import ModelSignature, TensorSpec
 
 
 def _sig(max_batch_size=8, **inputs) -> ModelSignature:
@@ -239,8 +239,8 @@ def test_model_config_keeps_int64_as_numbers():
 
 
 def test_openapi_document_describes_every_registered_route():
-    from server.endpoints import ROUTES, create_app, openapi_document
-    from server.metrics import Metrics
+    from server.transports.rest.endpoints import ROUTES, create_app, openapi_document
+    from server.dataplane.metrics import Metrics
 
     doc = openapi_document()
     app = create_app(None, Metrics(), max_body_bytes=1 << 20)

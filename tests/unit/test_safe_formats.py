@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
-from server import safe_formats as sf
+from server.control import safe_formats as sf
 from server.errors import InvalidRequest
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from server.generation import Chunk
-from server.openai_endpoints import _Pending
+from server.dataplane.generation import Chunk
+from server.transports.openai.endpoints import _Pending
 
 
 def test_a_full_buffer_merges_deltas_and_keeps_every_character():

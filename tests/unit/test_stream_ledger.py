@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from server import codecs
+from server.dataplane import codecs
 from server.errors import Overloaded
-from server.metering import Meter
+from server.tenancy.metering import Meter
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.quota_policy import Quota, QuotaPolicy
-from server.signature import ModelSignature, TensorSpec
-from server.stream_ledger import StreamLedger
-from server.tenancy import Tenant
+from server.tenancy.quota_policy import Quota, QuotaPolicy
+from server.dataplane.signature import ModelSignature, TensorSpec
+from server.dataplane.stream_ledger import StreamLedger
+from server.tenancy.identity import Tenant
 
 TABULAR = ModelSignature(
     "gbm", 8, {"features": TensorSpec("features", "FP32", (16,))}, {"prediction": TensorSpec("prediction", "FP32", (1,))}, frozenset({"1", "2"})

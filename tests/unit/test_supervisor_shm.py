@@ -2,7 +2,7 @@
 
 import os
 
-from server.supervisor import _is_dead, remove_shm_regions
+from server.runtime.supervisor import _is_dead, remove_shm_regions
 
 
 def test_removes_only_selected_owners(tmp_path):

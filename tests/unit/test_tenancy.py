@@ -5,9 +5,9 @@ import time
 import pytest
 
 from server.errors import Unauthenticated
-from server.quota_policy import Quota
-from server.tenancy import KeyEntry, KeyRing, Tenant, bearer_token, hash_key, key_id_of, new_key
-from server.tenancy_store import TenancyStore, UsageRecord
+from server.tenancy.quota_policy import Quota
+from server.tenancy.identity import KeyEntry, KeyRing, Tenant, bearer_token, hash_key, key_id_of, new_key
+from server.tenancy.store import TenancyStore, UsageRecord
 
 PEPPER = b"test-pepper"
 

@@ -5,9 +5,9 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from server.tenancy import KeyRing
-from server.tenancy_cli import mount
-from server.tenancy_store import TenancyStore, UsageRecord
+from server.tenancy.identity import KeyRing
+from server.cli.tenancy import mount
+from server.tenancy.store import TenancyStore, UsageRecord
 
 
 def _app():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from server.metering import Meter, cost_report, parse_since, usage_report
-from server.tenancy_store import TenancyStore
+from server.tenancy.metering import Meter, cost_report, parse_since, usage_report
+from server.tenancy.store import TenancyStore
 
 
 async def test_records_are_summed_and_flushed_in_one_batch(tmp_path):

@@ -12,10 +12,10 @@ from sqlalchemy import inspect, text
 
 from server import migrations
 from server.db import make_engine
-from server.quota_policy import Quota
-from server.tenancy import KeyRing
-from server.tenancy_store import Base as TenancyBase
-from server.tenancy_store import TenancyStore, UsageRecord
+from server.tenancy.quota_policy import Quota
+from server.tenancy.identity import KeyRing
+from server.tenancy.store import Base as TenancyBase
+from server.tenancy.store import TenancyStore, UsageRecord
 from tests.unit.test_registry import db_url  # noqa: F401 - a fixture
 
 PEPPER = b"migration-pepper"

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from server.admin_servicer import AdminService
-from server.artifacts import ArtifactStore
+from server.transports.grpc.admin import AdminService
+from server.control.artifacts import ArtifactStore
 from server.errors import Unauthenticated
 from server.protogen.inferplane.v1 import admin_pb2
 from server.protogen.inferplane.v1 import tenancy_pb2 as tpb
-from server.registry import Registry
-from server.tenancy import Gatekeeper, KeyRing, hash_key
-from server.tenancy_servicer import TenancyService
-from server.tenancy_store import TenancyStore, UsageRecord
+from server.control.registry import Registry
+from server.tenancy.identity import Gatekeeper, KeyRing, hash_key
+from server.transports.grpc.tenancy import TenancyService
+from server.tenancy.store import TenancyStore, UsageRecord
 
 PEPPER = b"servicer-pepper"
 

@@ -9,8 +9,8 @@ import pytest
 
 from server.errors import ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy import CallContext
-from server.traffic_policy import (
+from server.tenancy.identity import CallContext
+from server.dataplane.traffic_policy import (
     ADVANCE,
     FAIL,
     HOLD,
@@ -31,7 +31,7 @@ from server.traffic_policy import (
     sticky_arm,
     unit_hash,
 )
-from server.traffic_state import Router, Shadow, SlidingWindow, Split, header
+from server.dataplane.routing import Router, Shadow, SlidingWindow, Split, header
 
 KEYS = [f"user-{i}" for i in range(20_000)]
 
@@ -356,7 +356,7 @@ class _DataPlane:
 
 
 def _controller(tmp_path, clock, registry=None):
-    from server.traffic import TrafficController
+    from server.control.traffic import TrafficController
 
     dp = _DataPlane(clock)
     registry = registry or _Registry(f"sqlite:///{tmp_path}/t.db")
@@ -476,7 +476,7 @@ def test_controller_refuses_what_makes_no_sense(tmp_path):
 def test_cli_parsers():
     import typer
 
-    from server.traffic_cli import parse_arm, parse_duration, parse_ref
+    from server.cli.traffic import parse_arm, parse_duration, parse_ref
 
     assert [parse_duration(x) for x in ("60s", "60", "2m", "500ms", "1h")] == [60.0, 60.0, 120.0, 0.5, 3600.0]
     assert parse_ref("ranker:3") == ("ranker", 3) and parse_arm("treatment=2:25") == ("treatment", 2, 25.0)

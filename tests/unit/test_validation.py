@@ -4,12 +4,12 @@ tests/integration/test_spine.py)."""
 import numpy as np
 import pytest
 
-from server.codecs import bytes_element_count, serialize_bytes, to_numpy, from_numpy
+from server.dataplane.codecs import bytes_element_count, serialize_bytes, to_numpy, from_numpy
 from server.errors import InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2 as mc
-from server.signature import ModelSignature
-from server.validation import validate_infer_request
+from server.dataplane.signature import ModelSignature
+from server.dataplane.validation import validate_infer_request
 
 
 def _signature(max_batch=8):
@@ -109,7 +109,7 @@ def test_codec_round_trip():
 
 
 def test_pin_version_overrides_without_reserializing():
-    from server.dataplane import pin_version
+    from server.dataplane.dataplane import pin_version
 
     req = _request()
     req.model_version = "1"
@@ -120,7 +120,7 @@ def test_pin_version_overrides_without_reserializing():
 
 
 def test_signature_counts_instances_and_sizes_admission_by_them():
-    from server.dataplane import DataPlane
+    from server.dataplane.dataplane import DataPlane
 
     config = mc.ModelConfig(name="m", backend="python", max_batch_size=0)
     config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[-1])

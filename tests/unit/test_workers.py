@@ -5,7 +5,7 @@ import json
 from pydantic import SecretStr
 
 from server.settings import Settings
-from server.workers import settings_json, worker_settings
+from server.runtime.workers import settings_json, worker_settings
 
 
 def test_a_worker_gets_the_key_pepper_in_clear(tmp_path):

@@ -1,0 +1,374 @@
+"""CLI: ``models register|list|show|lineage|keygen|trust-key|require-signed|audit``, ``deploy``,
+``rollback``, ``endpoints list|show``.
+
+``models …`` work on the registry database directly (``--database-url`` / ``INFERPLANE_DATABASE_URL``,
+``--artifact-store`` / ``INFERPLANE_ARTIFACT_STORE``); ``deploy``, ``rollback`` and ``endpoints``
+talk to the running frontend's admin gRPC (``--url``, default 127.0.0.1:8001), which owns traffic.
+Heavy imports happen inside the commands, so ``inferplane --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+models_app = typer.Typer(help="The model registry: register, list, show, lineage, signing keys.", no_args_is_help=True)
+endpoints_app = typer.Typer(help="Deployed endpoints (via the running frontend's admin API).", no_args_is_help=True)
+
+DEFAULT_URL = "127.0.0.1:8001"
+_DB = typer.Option(None, "--database-url", help="Registry database URL [env INFERPLANE_DATABASE_URL; default sqlite:///var/inferplane.db].")
+_STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default var/artifacts].")
+_URL = typer.Option(DEFAULT_URL, "--url", help="The frontend's gRPC address (admin API).")
+_ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
+
+
+def mount(app: typer.Typer) -> None:
+    app.add_typer(models_app, name="models")
+    app.add_typer(endpoints_app, name="endpoints")
+    app.command("deploy")(deploy)
+    app.command("rollback")(rollback)
+
+
+def actor_name(actor: Optional[str]) -> str:
+    if actor:
+        return actor
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in this environment
+        return "unknown"
+
+
+def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
+    from server.control.artifacts import ArtifactStore
+    from server.control.registry import Registry
+
+    url = database_url or os.environ.get("INFERPLANE_DATABASE_URL", "sqlite:///var/inferplane.db")
+    store = artifact_store or os.environ.get("INFERPLANE_ARTIFACT_STORE", "var/artifacts")
+    return Registry(url, ArtifactStore(store))
+
+
+def fail(err) -> None:
+    typer.secho(f"error: {getattr(err, 'reason', type(err).__name__)}: {getattr(err, 'message', str(err))}", err=True, fg="red")
+    raise typer.Exit(1)
+
+
+def key_values(items: Optional[list[str]], what: str) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{what} must be KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _version_dict(r) -> dict:
+    return {
+        "ref": r.ref, "sha256": r.sha256, "format": r.format, "framework": r.framework, "size_bytes": r.size_bytes,
+        "signature": r.signature, "metrics": r.metrics, "hardware": r.hardware, "tags": r.tags,
+        "training_run": r.training_run, "dataset_version": r.dataset_version, "experiment": r.experiment,
+        "parent": r.parent, "owner_team": r.owner_team, "created_at": r.created_at.isoformat(), "created_by": r.created_by,
+        "validation_set": bool(r.validation_sha256), "companions": sorted(r.companions), "signing_key_id": r.signing_key_id,
+    }  # fmt: skip
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+@models_app.command("register")
+def register(
+    name: str = typer.Argument(..., help="Model name (the endpoint name when deployed)."),
+    artifact: Optional[Path] = typer.Argument(None, help="The artifact file (ONNX, XGBoost JSON/UBJ, LightGBM text, safetensors, TensorRT plan)."),
+    from_model_dir: Optional[Path] = typer.Option(None, help="A model directory written by `inferplane demo build` (inferplane.json + validation.npz)."),
+    format: Optional[str] = typer.Option(None, help="Expected format (default: detected from the bytes)."),
+    signature: Optional[Path] = typer.Option(None, help='JSON file: {"inputs": [{"name","datatype","dims","range"?}], "outputs": [...]}.'),
+    validation: Optional[Path] = typer.Option(None, help=".npz validation set (inputs by name or 'features'; expected outputs by name or 'expected')."),
+    companion: Optional[list[str]] = typer.Option(None, help="Companion file of a safetensors model (config.json, tokenizer.json); repeatable."),
+    metric: Optional[list[str]] = typer.Option(None, help="Offline metric KEY=VALUE; repeatable."),
+    tag: Optional[list[str]] = typer.Option(None, help="Tag KEY=VALUE; repeatable."),
+    hardware: Optional[list[str]] = typer.Option(None, help="Hardware need KEY=VALUE (gpu=1, memory_mb=512); repeatable."),
+    training_run: str = typer.Option("", help="Training run id."),
+    dataset_version: str = typer.Option("", help="Dataset version."),
+    experiment: str = typer.Option("", help="Experiment name."),
+    parent: Optional[str] = typer.Option(None, help="Parent version: NAME:VERSION or VERSION of this model."),
+    owner_team: str = typer.Option("", help="Owning team."),
+    description: str = typer.Option("", help="Description (set when the model is first registered)."),
+    sign_key: Optional[Path] = typer.Option(None, help="Ed25519 private key (PEM) to sign the artifact digest with."),
+    database_url: Optional[str] = _DB,
+    artifact_store: Optional[str] = _STORE,
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Register an artifact as the next version of NAME (identical bytes: the existing version)."""
+    from server.errors import InferplaneError
+
+    declared, training, extra_metrics = None, {}, {}
+    if from_model_dir is not None:
+        meta = json.loads((from_model_dir / "inferplane.json").read_text())
+        artifact = artifact or from_model_dir / meta["artifact"]
+        declared = meta["signature"]
+        if "max_batch_size" in meta:
+            declared = {**declared, "max_batch_size": meta["max_batch_size"]}
+        validation = validation or (from_model_dir / meta["validation"] if meta.get("validation") else None)
+        training = meta.get("training", {})
+    if artifact is None:
+        raise typer.BadParameter("give ARTIFACT or --from-model-dir")
+    if signature is not None:
+        try:
+            declared = json.loads(signature.read_text())
+        except ValueError as err:
+            raise typer.BadParameter(f"--signature {signature} is not JSON: {err}") from None
+    if declared is None:
+        raise typer.BadParameter("a signature is required: --signature FILE (or --from-model-dir)")
+    data = artifact.read_bytes()
+    hw: dict = {}
+    for key, value in key_values(hardware, "--hardware").items():
+        hw[key] = int(value) if value.isdigit() else value
+    tags = {**{k: str(v) for k, v in training.items() if isinstance(v, (str, int, float))}, **key_values(tag, "--tag")}
+    metrics = {**extra_metrics, **{k: float(v) for k, v in key_values(metric, "--metric").items()}}
+    companions = {Path(c).name: Path(c).read_bytes() for c in companion or []}
+    registry = None
+    try:
+        registry = open_registry(database_url, artifact_store)
+        artifact_signature = None
+        if sign_key is not None:
+            from server.control.artifacts import sha256_bytes
+            from server.control.signing import sign_digest
+
+            artifact_signature = sign_digest(sign_key.read_bytes(), sha256_bytes(data))
+        record, created = registry.register(
+            name, data, signature=declared, filename=artifact.name, format=format,
+            validation=validation.read_bytes() if validation else None, companions=companions, metrics=metrics,
+            hardware=hw, tags=tags, training_run=training_run, dataset_version=dataset_version, experiment=experiment,
+            parent=parent, owner_team=owner_team, description=description, artifact_signature=artifact_signature,
+            actor=actor_name(actor),
+        )  # fmt: skip
+    except InferplaneError as err:
+        fail(err)
+    finally:
+        if registry is not None:
+            registry.close()
+    verb = "registered" if created else "already registered as"
+    typer.echo(f"{verb} {record.ref} sha256:{record.sha256} ({record.format}, {record.size_bytes} bytes)")
+
+
+@models_app.command("list")
+def list_models(database_url: Optional[str] = _DB, artifact_store: Optional[str] = _STORE) -> None:
+    """Every registered model with its latest version."""
+    registry = open_registry(database_url, artifact_store)
+    try:
+        for m in registry.list_models():
+            typer.echo(f"{m.name}\tlatest={m.latest_version}\tversions={m.version_count}\tteam={m.owner_team or '-'}")
+    finally:
+        registry.close()
+
+
+@models_app.command("show")
+def show(
+    ref: str = typer.Argument(..., help="NAME (every version) or NAME:VERSION."),
+    database_url: Optional[str] = _DB,
+    artifact_store: Optional[str] = _STORE,
+) -> None:
+    """A model's versions, or one version, as JSON."""
+    from server.errors import InferplaneError
+    from server.control.registry import parse_ref
+
+    registry = open_registry(database_url, artifact_store)
+    try:
+        name, version = parse_ref(ref)
+        records = [registry.get(name, version)] if version else registry.list_versions(name)
+    except InferplaneError as err:
+        fail(err)
+    finally:
+        registry.close()
+    typer.echo(json.dumps([_version_dict(r) for r in records], indent=2))
+
+
+@models_app.command("lineage")
+def lineage(
+    ref: str = typer.Argument(..., help="NAME (latest) or NAME:VERSION."),
+    database_url: Optional[str] = _DB,
+    artifact_store: Optional[str] = _STORE,
+) -> None:
+    """The version and its ancestors: parent version, training run, dataset, experiment."""
+    from server.errors import InferplaneError
+    from server.control.registry import parse_ref
+
+    registry = open_registry(database_url, artifact_store)
+    try:
+        chain = registry.lineage(*parse_ref(ref))
+    except InferplaneError as err:
+        fail(err)
+    finally:
+        registry.close()
+    for depth, r in enumerate(chain):
+        arrow = "  " * depth + ("└─ " if depth else "")
+        typer.echo(
+            f"{arrow}{r.ref}  sha256:{r.sha256[:12]}  run={r.training_run or '-'}  dataset={r.dataset_version or '-'}  "
+            f"experiment={r.experiment or '-'}"
+        )
+
+
+@models_app.command("keygen")
+def keygen(out: Path = typer.Argument(..., help="Writes OUT.key (private, mode 600) and OUT.pub.")) -> None:
+    """A new Ed25519 signing key pair."""
+    from server.control.signing import generate_keypair, key_id
+
+    private, public = generate_keypair()
+    key_path, pub_path = out.with_suffix(".key"), out.with_suffix(".pub")
+    key_path.write_bytes(private)
+    key_path.chmod(0o600)
+    pub_path.write_bytes(public)
+    typer.echo(f"wrote {key_path} and {pub_path} (key id {key_id(public)})")
+
+
+@models_app.command("trust-key")
+def trust_key(
+    team: str = typer.Argument(...),
+    public_key: Path = typer.Argument(..., help="Ed25519 public key (PEM)."),
+    database_url: Optional[str] = _DB,
+    artifact_store: Optional[str] = _STORE,
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Trust a public key for TEAM's artifact signatures."""
+    registry = open_registry(database_url, artifact_store)
+    try:
+        typer.echo(f"team {team} trusts key {registry.trust_key(team, public_key.read_text(), actor_name(actor))}")
+    finally:
+        registry.close()
+
+
+@models_app.command("require-signed")
+def require_signed(
+    team: str = typer.Argument(...),
+    off: bool = typer.Option(False, "--off", help="Turn the requirement off."),
+    database_url: Optional[str] = _DB,
+    artifact_store: Optional[str] = _STORE,
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Require (or stop requiring) TEAM's versions to be signed by a trusted key."""
+    registry = open_registry(database_url, artifact_store)
+    try:
+        registry.set_require_signed(team, not off, actor_name(actor))
+    finally:
+        registry.close()
+    typer.echo(f"team {team}: require_signed={'off' if off else 'on'}")
+
+
+@models_app.command("audit")
+def audit(
+    target: Optional[str] = typer.Argument(None, help="Only records whose target starts with this (a model name)."),
+    limit: int = typer.Option(50),
+    database_url: Optional[str] = _DB,
+    artifact_store: Optional[str] = _STORE,
+) -> None:
+    """The control plane's audit records, newest first."""
+    registry = open_registry(database_url, artifact_store)
+    try:
+        for e in registry.audit_log(limit, target):
+            typer.echo(f"{e.at.isoformat()}\t{e.actor}\t{e.action}\t{e.target}\t{e.outcome}\t{e.detail}")
+    finally:
+        registry.close()
+
+
+# ---- deploy / rollback / endpoints (admin gRPC) -----------------------------------------------
+
+
+def _admin(url: str, actor: Optional[str]):
+    import grpc
+
+    from server.protogen.inferplane.v1 import admin_pb2_grpc
+
+    channel = grpc.insecure_channel(url)
+    return channel, admin_pb2_grpc.AdminStub(channel), (("x-inferplane-actor", actor_name(actor)),)
+
+
+def _call(method, request, metadata, timeout: float):
+    import grpc
+
+    try:
+        return method(request, metadata=metadata, timeout=timeout)
+    except grpc.RpcError as err:
+        typer.secho(f"error: {err.code().name}: {err.details()}", err=True, fg="red")
+        raise typer.Exit(1) from None
+
+
+def _print_result(r, verb: str) -> None:
+    prev = f" (was {r.previous})" if r.previous else ""
+    typer.echo(
+        f"{verb} {r.endpoint}:{r.version}{prev}: switch {r.switch_ms:.2f} ms, total {r.total_ms:.0f} ms, "
+        f"loaded versions {list(r.loaded_versions)}{'' if r.reloaded else ', no reload'} — {r.message}"
+    )
+
+
+def deploy(
+    ref: str = typer.Argument(..., help="NAME:VERSION (or NAME for the latest version)."),
+    instances: Optional[int] = typer.Option(None, help="Triton model instances."),
+    max_batch: Optional[int] = typer.Option(None, help="Max batch size (0: no batching)."),
+    queue_delay_us: Optional[int] = typer.Option(None, help="Dynamic batcher max queue delay (µs)."),
+    cache: Optional[bool] = typer.Option(None, "--cache/--no-cache", help="Triton response cache."),
+    url: str = _URL,
+    timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Load a registered version, warm it up, then switch the endpoint's traffic to it."""
+    from server.protogen.inferplane.v1 import admin_pb2
+
+    serving = admin_pb2.ServingOptions(instances=instances or 0)
+    if max_batch is not None:
+        serving.max_batch, serving.has_max_batch = max_batch, True
+    if queue_delay_us is not None:
+        serving.queue_delay_us, serving.has_queue_delay_us = queue_delay_us, True
+    if cache is not None:
+        serving.cache, serving.has_cache = cache, True
+    channel, stub, metadata = _admin(url, actor)
+    with channel:
+        response = _call(stub.Deploy, admin_pb2.DeployRequest(ref=ref, serving=serving), metadata, timeout)
+    _print_result(response.result, "deployed")
+
+
+def rollback(
+    name: str = typer.Argument(..., help="Endpoint (model) name."),
+    url: str = _URL,
+    timeout: float = typer.Option(300.0),
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Traffic back to the previous version (instant while it is still loaded)."""
+    from server.protogen.inferplane.v1 import admin_pb2
+
+    channel, stub, metadata = _admin(url, actor)
+    with channel:
+        response = _call(stub.Rollback, admin_pb2.RollbackRequest(name=name), metadata, timeout)
+    _print_result(response.result, "rolled back to")
+
+
+@endpoints_app.command("list")
+def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
+    """Every deployed endpoint: live, previous and loaded versions."""
+    from server.protogen.inferplane.v1 import admin_pb2
+
+    channel, stub, metadata = _admin(url, actor)
+    with channel:
+        response = _call(stub.ListEndpoints, admin_pb2.ListEndpointsRequest(), metadata, 30)
+    for e in response.endpoints:
+        typer.echo(
+            f"{e.name}\tlive={e.live or '-'}\tprevious={e.previous or '-'}\trouted={e.routed or '-'}\t"
+            f"loaded={list(e.loaded_versions)}\tserving={e.serving_json}"
+        )
+
+
+@endpoints_app.command("show")
+def endpoints_show(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
+    """One endpoint with its deployment history, as JSON."""
+    from google.protobuf.json_format import MessageToDict
+
+    from server.protogen.inferplane.v1 import admin_pb2
+
+    channel, stub, metadata = _admin(url, actor)
+    with channel:
+        response = _call(stub.GetEndpoint, admin_pb2.GetEndpointRequest(name=name), metadata, 30)
+    typer.echo(json.dumps(MessageToDict(response.endpoint, preserving_proto_field_name=True), indent=2))

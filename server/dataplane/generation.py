@@ -1,0 +1,293 @@
+"""LLM generation and embeddings over Triton: what the OpenAI REST handlers and the gRPC
+``Generate`` servicer both call. Knows nothing of aiohttp or the caller-facing gRPC.
+
+Generation is one ``ModelStreamInfer`` call per request to a decoupled LLM model
+(``model_repository/adapters/llm_engine.py``): BYTES inputs ``messages`` | ``text_input`` and
+``parameters`` (JSON), streamed BYTES outputs ``text_output`` and ``info`` (JSON). Leaving the
+iterator early (the caller went away, a deadline, an exception) cancels the Triton stream,
+which the engine sees at its next decode step.
+
+Errors follow the two-phase rule: ``generate`` raises a domain error; a transport that has not
+sent anything yet turns it into a status, one that has streamed sends it inside the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from server.dataplane import codecs
+from server.dataplane.dataplane import DataPlane, UNKNOWN_MODEL_LABEL
+from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.dataplane.signature import ModelSignature, is_llm
+from server.tenancy.identity import CallContext
+from server.dataplane.triton_client import translate
+
+EMBEDDING_INPUT = "text"
+EMBEDDING_OUTPUT = "embedding"
+TOKENS_OUTPUT = "tokens"
+# the engine adapter prefixes caller mistakes with this (Triton's stream error carries no code)
+_INVALID_PREFIX = "invalid request: "
+
+
+@dataclass
+class GenerateParams:
+    """One generation request, transport-neutral (the engine's ``parameters`` JSON)."""
+
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    deadline_ms: float | None = None
+
+    def engine_parameters(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        for key in ("max_tokens", "temperature", "top_p", "seed", "deadline_ms"):
+            value = getattr(self, key)
+            if value is not None:
+                doc[key] = value
+        if self.stop:
+            doc["stop"] = list(self.stop)
+        if self.ignore_eos:
+            doc["ignore_eos"] = True
+        return doc
+
+
+@dataclass
+class Chunk:
+    """New text from one engine response; ``finish_reason`` is set on the last one only."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    step: int = 0
+
+
+def is_embedding(signature: ModelSignature) -> bool:
+    return EMBEDDING_INPUT in signature.inputs and EMBEDDING_OUTPUT in signature.outputs
+
+
+def _bytes_input(request: pb.ModelInferRequest, name: str, value: str) -> None:
+    request.inputs.add(name=name, datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(codecs.serialize_bytes([value.encode("utf-8")]))
+
+
+async def _stream_outputs(call, request: pb.ModelInferRequest) -> AsyncIterator[dict]:
+    """Send one request on a ModelStreamInfer call; yield each response's outputs (an in-stream
+    error raises)."""
+    await call.write(request.SerializeToString())
+    await call.done_writing()
+    async for raw in call:
+        response = pb.ModelStreamInferResponse.FromString(raw)
+        if response.error_message:
+            raise _engine_error(response.error_message)
+        yield _outputs(response.infer_response)
+
+
+def _outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
+    out = {}
+    for i, tensor in enumerate(response.outputs):
+        if i < len(response.raw_output_contents):
+            out[tensor.name] = codecs.to_numpy(response.raw_output_contents[i], tensor.datatype, list(tensor.shape))
+    return out
+
+
+def _tokens(outputs: dict[str, np.ndarray]) -> int:
+    """The input tokens an embedding answer covered (its ``tokens`` output; 0 without one)."""
+    return int(outputs[TOKENS_OUTPUT].sum()) if TOKENS_OUTPUT in outputs else 0
+
+
+def _input_tokens(raw: bytes) -> int:
+    """:func:`_tokens` of a serialized answer: what the data plane meters and charges."""
+    return _tokens(_outputs(pb.ModelInferResponse.FromString(raw)))
+
+
+def _engine_error(message: str) -> InferplaneError:
+    text = message.split("] ", 1)[-1] if message.startswith("[") else message
+    if _INVALID_PREFIX in text:
+        return InvalidRequest(text.split(_INVALID_PREFIX, 1)[1])
+    return BackendError(f"generation failed: {text}")
+
+
+class LLMService:
+    def __init__(self, dataplane: DataPlane):
+        self.dp = dataplane
+
+    # ---- model lookups ------------------------------------------------------------------
+
+    def llm(self, name: str, ctx: CallContext | None = None) -> ModelSignature:
+        signature = self.dp.resolve_for(ctx, name)
+        if not is_llm(signature):
+            raise InvalidRequest(f"model '{name}' is not a text-generation model")
+        return signature
+
+    def embedding_model(self, name: str, ctx: CallContext | None = None) -> ModelSignature:
+        signature = self.dp.resolve_for(ctx, name)
+        if not is_embedding(signature):
+            raise InvalidRequest(f"model '{name}' is not an embedding model")
+        return signature
+
+    def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str]]:
+        """(name, kind) for each served LLM or embedding model the caller may see."""
+        out = []
+        for name in self.dp.visible(ctx, sorted(self.dp.models)):
+            signature = self.dp.models[name]
+            if is_llm(signature):
+                out.append((name, "llm"))
+            elif is_embedding(signature):
+                out.append((name, "embedding"))
+        return out
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(
+        self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
+    ) -> AsyncIterator[Chunk]:
+        """Stream the engine's chunks; the last has ``finish_reason``. Raises domain errors.
+
+        The request is admitted against the tenant's and tenant x model quotas before any work
+        (``Overloaded`` when over). However it ends — answered, failed, the caller gone, the
+        deadline passed — the prompt + completion tokens the engine last reported are charged to
+        the token quota, and a generation sent to the engine is metered (those tokens and the
+        engine's wall time): a caller that leaves mid-stream still pays for what was generated.
+        """
+        label, code = UNKNOWN_MODEL_LABEL, "OK"
+        ctx = ctx if ctx is not None else CallContext()
+        call = ticket = None
+        prompt_tokens = completion_tokens = 0
+        sent_at = ended_at = 0.0
+        if timeout is None:
+            timeout = ctx.timeout
+        try:
+            signature = self.llm(model, ctx)
+            label = model
+            tenant = ctx.principal.tenant
+            ticket = await self.dp.admit(tenant, model)
+            if (params.messages is None) == (params.prompt is None):
+                raise InvalidRequest("send exactly one of messages and prompt")
+            if timeout is not None and params.deadline_ms is None:
+                params.deadline_ms = max(1.0, timeout * 1000.0)
+            request = pb.ModelInferRequest(model_name=model, id=uuid.uuid4().hex)
+            if params.messages is not None:
+                _bytes_input(request, "messages", json.dumps(params.messages))
+            else:
+                _bytes_input(request, "text_input", params.prompt)
+            _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
+            # a little slack past the engine's own deadline, so the engine reports it
+            call = self.dp.triton.stream_raw(timeout=None if timeout is None else timeout + 5.0)
+            sent_at = time.perf_counter()
+            async for outputs in _stream_outputs(call, request):
+                if "info" not in outputs:
+                    continue  # an empty final flag
+                text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
+                info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
+                prompt_tokens = int(info.get("prompt_tokens", prompt_tokens))
+                completion_tokens = int(info.get("completion_tokens", completion_tokens))
+                reason = info.get("finish_reason")
+                if reason is not None:
+                    ended_at = time.perf_counter()
+                if reason == "deadline":
+                    raise DeadlineExceeded(f"the request's deadline passed after {completion_tokens} tokens")
+                if reason == "cancelled":
+                    raise Cancelled("the generation was cancelled")
+                if reason == "error":
+                    raise _engine_error(info.get("error", "engine error"))
+                yield Chunk(text, reason, prompt_tokens, completion_tokens, info.get("cached_tokens", 0), info.get("step", 0))
+                if reason is not None:
+                    return
+            raise BackendError("the model ended the stream without a final response")
+        except InferplaneError as err:
+            code = err.reason
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except GeneratorExit:
+            code = "CANCELLED"
+            raise
+        except grpc.aio.AioRpcError as err:
+            mapped = translate(err)
+            code = mapped.reason
+            raise mapped from None
+        except Exception as err:
+            code = "INTERNAL"
+            raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
+        finally:
+            if call is not None:
+                call.cancel()
+            ctx.tokens = prompt_tokens + completion_tokens
+            if ticket is not None:
+                await self.dp.quotas.release(ticket, ctx.tokens)
+            if call is not None and self.dp.meter is not None:
+                compute_us = int(((ended_at or time.perf_counter()) - sent_at) * 1e6)
+                self.dp.meter.record(
+                    tenant.name, tenant.team, model, signature.latest_version,
+                    input_tokens=prompt_tokens, output_tokens=completion_tokens, compute_us=compute_us,
+                )  # fmt: skip
+            self.dp.metrics.count(label, "", code)
+
+    async def complete(
+        self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
+    ) -> Chunk:
+        """The whole answer: joined text, the final chunk's reason and counts."""
+        parts, last = [], None
+        async for chunk in self.generate(model, params, timeout, ctx):
+            parts.append(chunk.text)
+            last = chunk
+        assert last is not None
+        last.text = "".join(parts)
+        return last
+
+    async def engine_stats(self, model: str, ctx: CallContext | None = None) -> dict[str, Any]:
+        """The engine's counters (steps, queue, prefix-cache hits, recent sequences)."""
+        self.llm(model, ctx)
+        request = pb.ModelInferRequest(model_name=model, id="stats")
+        _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
+        call = self.dp.triton.stream_raw(timeout=10.0)
+        try:
+            async for outputs in _stream_outputs(call, request):
+                if "info" in outputs:
+                    return json.loads(bytes(outputs["info"].reshape(-1)[0]))
+        finally:
+            call.cancel()
+        raise BackendError("no stats from the engine")
+
+    # ---- embeddings ---------------------------------------------------------------------
+
+    async def embed(
+        self, model: str, texts: list[str], timeout: float | None = None, ctx: CallContext | None = None
+    ) -> tuple[np.ndarray, int]:
+        """L2-normalized embeddings ``[n, dim]`` FP32 and the number of tokens they covered."""
+        signature = self.embedding_model(model, ctx)
+        if not texts:
+            raise InvalidRequest("input must not be empty")
+        limit = signature.max_batch_size or 1
+        vectors, tokens = [], 0
+        for start in range(0, len(texts), limit):
+            batch = texts[start : start + limit]
+            request = pb.ModelInferRequest(model_name=model)
+            request.inputs.add(name=EMBEDDING_INPUT, datatype="BYTES", shape=[len(batch), 1])
+            request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
+            raw = await self.dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)
+            outputs = _outputs(pb.ModelInferResponse.FromString(raw))
+            if EMBEDDING_OUTPUT not in outputs:
+                raise BackendError(f"model '{model}' returned no '{EMBEDDING_OUTPUT}' output")
+            vectors.append(outputs[EMBEDDING_OUTPUT].reshape(len(batch), -1))
+            tokens += _tokens(outputs)
+        return np.concatenate(vectors, axis=0), tokens
+

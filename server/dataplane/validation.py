@@ -1,0 +1,154 @@
+"""Check an inference request against the model's declared signature, before any Triton call.
+
+Only the header is inspected: names, datatypes, shapes and byte lengths. Tensor contents are
+never decoded (BYTES tensors are walked for their length prefixes, nothing more). Every problem
+found is reported, each naming the tensor, the field, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+
+from server.dataplane.codecs import CONTENTS_FIELD, bytes_element_count
+from server.errors import InvalidRequest, Violation
+from server.dataplane.signature import ModelSignature, TensorSpec
+
+_MAX_LISTED = 3
+
+
+def validate_infer_request(request, signature: ModelSignature) -> None:
+    """Raise InvalidRequest (with one Violation per problem) unless the request fits the signature."""
+    violations: list[Violation] = []
+    raw = request.raw_input_contents
+    use_raw = len(raw) > 0
+    if use_raw and len(raw) != len(request.inputs):
+        violations.append(
+            Violation(
+                "raw_input_contents",
+                f"expected {len(request.inputs)} entries, one per input, got {len(raw)}",
+            )
+        )
+        _raise(signature, violations)
+    seen: set[str] = set()
+    batch: int | None = None
+    for index, tensor in enumerate(request.inputs):
+        spec = signature.inputs.get(tensor.name)
+        if spec is None:
+            violations.append(
+                Violation(
+                    f"inputs[{index}].name",
+                    f"unknown input '{tensor.name}': model '{signature.name}' takes {sorted(signature.inputs)}",
+                )
+            )
+            continue
+        if tensor.name in seen:
+            violations.append(Violation(f"inputs[{index}].name", f"input '{tensor.name}' given twice"))
+            continue
+        seen.add(tensor.name)
+        before = len(violations)
+        batch = _check_header(tensor, spec, signature, batch, violations)
+        if len(violations) == before:
+            _check_payload(index, tensor, spec, raw[index] if use_raw else None, violations)
+    for name in sorted(signature.required - seen):
+        spec = signature.inputs[name]
+        violations.append(
+            Violation(
+                f"input '{name}'",
+                f"required input missing: expected {spec.datatype} {signature.expected_shape(spec)}",
+            )
+        )
+    for index, output in enumerate(request.outputs):
+        if output.name not in signature.outputs:
+            violations.append(
+                Violation(
+                    f"outputs[{index}].name",
+                    f"unknown output '{output.name}': model '{signature.name}' gives {sorted(signature.outputs)}",
+                )
+            )
+    if violations:
+        _raise(signature, violations)
+
+
+def _check_header(tensor, spec: TensorSpec, signature: ModelSignature, batch, violations) -> int | None:
+    where = f"input '{spec.name}'"
+    if tensor.datatype != spec.datatype:
+        violations.append(
+            Violation(f"{where} datatype", f"expected {spec.datatype}, got {tensor.datatype or '(empty)'}")
+        )
+        return batch
+    shape = list(tensor.shape)
+    expected = signature.expected_shape(spec)
+    if len(shape) != len(expected):
+        violations.append(
+            Violation(f"{where} shape", f"expected rank {len(expected)} {expected}, got rank {len(shape)} {shape}")
+        )
+        return batch
+    if signature.max_batch_size > 0:
+        size = shape[0]
+        if not 1 <= size <= signature.max_batch_size:
+            violations.append(
+                Violation(
+                    f"{where} shape[0]",
+                    f"batch size must be 1..{signature.max_batch_size} (max_batch_size), got {size}",
+                )
+            )
+        elif batch is not None and size != batch:
+            violations.append(
+                Violation(f"{where} shape[0]", f"batch size {size} differs from the other inputs' {batch}")
+            )
+        else:
+            batch = size
+    offset = 1 if signature.max_batch_size > 0 else 0
+    for axis, (got, want) in enumerate(zip(shape[offset:], spec.dims), start=offset):
+        if got < 0 or (want != -1 and got != want):
+            violations.append(
+                Violation(f"{where} shape[{axis}]", f"expected {want if want != -1 else '>= 0'}, got {got} (shape {shape}, expected {expected})")
+            )
+    return batch
+
+
+def _check_payload(index: int, tensor, spec: TensorSpec, raw: bytes | None, violations) -> None:
+    count = math.prod(tensor.shape)
+    where = f"input '{spec.name}'"
+    if raw is not None:
+        if spec.datatype == "BYTES":
+            try:
+                got = bytes_element_count(raw)
+            except InvalidRequest as err:
+                violations.append(Violation(f"raw_input_contents[{index}] ({where})", err.message))
+                return
+            if got != count:
+                violations.append(
+                    Violation(
+                        f"raw_input_contents[{index}] ({where})",
+                        f"expected {count} BYTES elements for shape {list(tensor.shape)}, got {got}",
+                    )
+                )
+            return
+        expected = count * spec.element_size
+        if len(raw) != expected:
+            violations.append(
+                Violation(
+                    f"raw_input_contents[{index}] ({where})",
+                    f"expected {expected} bytes ({count} x {spec.datatype} for shape {list(tensor.shape)}), got {len(raw)}",
+                )
+            )
+        return
+    field = CONTENTS_FIELD.get(spec.datatype)
+    if field is None:
+        violations.append(Violation(f"{where} contents", f"{spec.datatype} must be sent in raw_input_contents"))
+        return
+    got = len(getattr(tensor.contents, field))
+    if got != count:
+        violations.append(
+            Violation(
+                f"{where} contents.{field}",
+                f"expected {count} elements for shape {list(tensor.shape)}, got {got}",
+            )
+        )
+
+
+def _raise(signature: ModelSignature, violations: list[Violation]) -> None:
+    listed = "; ".join(f"{v.field}: {v.description}" for v in violations[:_MAX_LISTED])
+    more = f" (+{len(violations) - _MAX_LISTED} more)" if len(violations) > _MAX_LISTED else ""
+    raise InvalidRequest(f"model '{signature.name}': {listed}{more}", violations)

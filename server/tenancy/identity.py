@@ -1,0 +1,252 @@
+"""Identity: API keys -> tenant and team, per-model grants, and the per-call context.
+
+Keys look like ``ipk_<key id>_<secret>``: the id (8 hex characters) names the key in listings,
+logs and revocations; the secret (32 random bytes) is shown once, at creation. Only
+HMAC-SHA256(pepper, key) is stored — keys carry 256 bits of entropy, so a fast keyed hash is the
+right tool (a slow KDF buys nothing and would sit on the hot path). The pepper comes from the
+settings (``INFERPLANE_KEY_PEPPER``), never from the database the hashes live in.
+
+The hot path never touches the database: :class:`KeyRing` holds every live key's hash ->
+:class:`Principal` in memory and is swapped whole on refresh (``server.tenancy.store`` reads it
+off the event loop). Authenticating is one HMAC and one dict lookup.
+
+Authorization hides: a model a tenant was not granted is reported exactly like a model that does
+not exist (``DataPlane`` raises the same ``ModelNotFound`` for both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from server.errors import InvalidRequest, ModelNotFound, PermissionDenied, Unauthenticated, Violation
+from server.tenancy.quota_policy import Quota
+
+KEY_PREFIX = "ipk_"
+ALL_MODELS = "*"
+ANONYMOUS = "anonymous"
+# weighted fair queuing: a tenant's share of a saturated model is proportional to its plan's weight
+PLAN_WEIGHTS: dict[str, float] = {"free": 1.0, "standard": 2.0, "premium": 4.0, "enterprise": 8.0}
+DEFAULT_PLAN = "standard"
+
+
+class KeyNotFound(ModelNotFound):
+    """No such API key, or none that is still active (NOT_FOUND on both transports)."""
+
+
+# ---- keys ---------------------------------------------------------------------------------
+
+
+def new_key() -> tuple[str, str]:
+    """A fresh ``(key_id, key)``; the key is shown to its owner once and never stored."""
+    key_id = secrets.token_hex(4)
+    return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+
+
+def key_id_of(key: str) -> str | None:
+    """The id part of a well-formed key (for log lines: never log the key itself)."""
+    if not key.startswith(KEY_PREFIX):
+        return None
+    rest = key[len(KEY_PREFIX) :]
+    key_id, sep, secret = rest.partition("_")
+    return key_id if sep and len(key_id) == 8 and secret else None
+
+
+def hash_key(key: str, pepper: bytes) -> str:
+    return hmac.new(pepper, key.encode(), hashlib.sha256).hexdigest()
+
+
+def bearer_token(authorization: str | None, api_key: str | None) -> str | None:
+    """The key from ``authorization: Bearer <key>`` or ``x-api-key: <key>``."""
+    if authorization:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    if api_key:
+        return api_key.strip() or None
+    return None
+
+
+# ---- who is calling -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    team: str = ""
+    plan: str = DEFAULT_PLAN
+    models: frozenset[str] = frozenset({ALL_MODELS})  # granted model names, or "*"
+    quota: Quota = Quota()
+    model_quotas: Mapping[str, Quota] = field(default_factory=dict)  # per granted model
+    admin: bool = False  # may call the Tenancy API and the mutating Admin RPCs (load, unload, register, deploy, rollback)
+
+    @property
+    def weight(self) -> float:
+        return PLAN_WEIGHTS.get(self.plan, 1.0)
+
+    def may_use(self, model: str) -> bool:
+        return ALL_MODELS in self.models or model in self.models
+
+    def model_quota(self, model: str) -> Quota | None:
+        return self.model_quotas.get(model)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller: which key, which tenant."""
+
+    key_id: str
+    tenant: Tenant
+
+    @property
+    def name(self) -> str:
+        return self.tenant.name
+
+
+def anonymous(quota: Quota = Quota()) -> Principal:
+    """Who calls when authentication is off: one tenant that sees every model."""
+    return Principal("", Tenant(ANONYMOUS, team=ANONYMOUS, quota=quota))
+
+
+@dataclass
+class CallContext:
+    """What a transport learned about one call, handed to ``DataPlane``.
+
+    ``timeout`` is the caller's remaining deadline in seconds (gRPC deadline, ``x-request-timeout``).
+    ``principal`` is filled in by the data plane once the key is checked.
+    """
+
+    api_key: str | None = None
+    idempotency_key: str | None = None
+    timeout: float | None = None
+    principal: Principal | None = None
+    tokens: int = 0  # tokens the call used (LLM prompt + completion, embedding input): charged to the token quota
+    # traffic (server.dataplane.routing): the call's headers / gRPC metadata, read only when a split
+    # needs a caller key; the data plane fills in the version and arm that answered
+    headers: object = None
+    version: str = ""
+    arm: str = ""
+
+    @classmethod
+    def from_headers(cls, headers) -> "CallContext":
+        """From HTTP headers: ``Authorization: Bearer`` / ``x-api-key``, ``Idempotency-Key`` and
+        ``x-request-timeout`` (seconds)."""
+        timeout = headers.get("x-request-timeout")
+        if timeout is not None:
+            try:
+                timeout = float(timeout)
+                if not timeout > 0:
+                    raise ValueError
+            except ValueError:
+                raise InvalidRequest(
+                    f"x-request-timeout: expected seconds > 0, got {timeout!r:.40}",
+                    [Violation("x-request-timeout", f"expected seconds > 0, got {timeout!r:.40}")],
+                ) from None
+        key = bearer_token(headers.get("Authorization"), headers.get("x-api-key"))
+        return cls(key, headers.get("Idempotency-Key"), timeout, headers=headers)
+
+
+# ---- the in-memory key index ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One live key as the store hands it over (hash, never the key)."""
+
+    key_id: str
+    key_hash: str
+    tenant: str
+    expires_at: float | None = None  # unix seconds; a rotated key's grace period
+
+
+class KeyRing:
+    """Every live key's hash -> Principal, swapped whole by :meth:`load`."""
+
+    def __init__(self, pepper: bytes, clock: Callable[[], float] = time.time):
+        self._pepper = pepper
+        self._clock = clock
+        self._by_hash: dict[str, tuple[Principal, float | None]] = {}
+        self.tenants: dict[str, Tenant] = {}
+        self.loaded_at = 0.0
+
+    def load(self, tenants: Iterable[Tenant], keys: Iterable[KeyEntry]) -> None:
+        by_name = {t.name: t for t in tenants}
+        index: dict[str, tuple[Principal, float | None]] = {}
+        for k in keys:
+            tenant = by_name.get(k.tenant)
+            if tenant is not None:
+                index[k.key_hash] = (Principal(k.key_id, tenant), k.expires_at)
+        self._by_hash, self.tenants = index, by_name
+        self.loaded_at = self._clock()
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def authenticate(self, key: str | None) -> Principal:
+        if not key:
+            raise Unauthenticated("missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'")
+        found = self._by_hash.get(hash_key(key, self._pepper))
+        if found is None:
+            raise Unauthenticated("invalid API key")
+        principal, expires_at = found
+        if expires_at is not None and self._clock() >= expires_at:
+            raise Unauthenticated("API key expired")
+        return principal
+
+
+class Gatekeeper:
+    """Authentication for the data plane: a :class:`KeyRing` when auth is on, one open tenant when off.
+
+    ``default_quota`` applies to tenants that have no quota of their own (and to the anonymous
+    tenant when auth is off).
+    """
+
+    def __init__(self, keyring: KeyRing | None = None, default_quota: Quota = Quota()):
+        self.keyring = keyring
+        self.default_quota = default_quota
+        self._anonymous = anonymous(default_quota)
+
+    @property
+    def enabled(self) -> bool:
+        return self.keyring is not None
+
+    def authenticate(self, ctx: CallContext | None) -> Principal:
+        if self.keyring is None:
+            principal = self._anonymous
+        else:
+            principal = self.keyring.authenticate(ctx.api_key if ctx is not None else None)
+        if ctx is not None:
+            ctx.principal = principal
+        return principal
+
+    def is_admin(self, principal: Principal) -> bool:
+        """Admin tenants manage keys, tenants and deployments; with auth off the open tenant may."""
+        return self.keyring is None or principal.tenant.admin
+
+    def require_admin(self, ctx: CallContext | None, what: str) -> Principal:
+        """The caller, who must be an admin tenant (UNAUTHENTICATED without a valid key)."""
+        principal = self.authenticate(ctx)
+        if not self.is_admin(principal):
+            raise PermissionDenied(f"{what} needs an admin key (tenant '{principal.name}' is not an admin)")
+        return principal
+
+    def quota(self, tenant: Tenant) -> Quota:
+        return self.default_quota if tenant.quota.unlimited else tenant.quota
+
+    async def refresh_forever(self, load: Callable[[], tuple[list[Tenant], list[KeyEntry]]], every_s: float) -> None:
+        """Reload the key ring from the store every ``every_s`` (off the event loop)."""
+        import asyncio
+        import logging
+
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                tenants, keys = await asyncio.to_thread(load)
+            except Exception as err:  # the database is away: keep serving the keys we have
+                logging.getLogger(__name__).warning("refreshing API keys failed: %s", err)
+                continue
+            self.keyring.load(tenants, keys)

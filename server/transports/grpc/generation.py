@@ -1,0 +1,75 @@
+"""``inferplane.v1.Generation/Generate``: server-streaming generation, a thin adapter over ``LLMService``.
+
+Two-phase errors: before the first response the call ends with the error table's status; after
+it the failure is the last message's ``error`` field. The call's deadline becomes the engine's
+deadline; a cancelled call closes the generator, which cancels the Triton stream, and the engine
+drops the sequence at its next decode step.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from server.errors import InferplaneError, InvalidRequest
+from server.dataplane.generation import Chunk, GenerateParams, LLMService
+from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
+from server.transports.grpc.inference import abort, call_context
+
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def _params(request: generate_pb2.GenerateRequest) -> GenerateParams:
+    if bool(request.messages) == bool(request.prompt):
+        raise InvalidRequest("send exactly one of messages and prompt")
+    params = GenerateParams(
+        max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=request.top_p if request.HasField("top_p") else None,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=list(request.stop),
+        ignore_eos=request.ignore_eos,
+    )
+    if request.messages:
+        params.messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    else:
+        params.prompt = request.prompt
+    return params
+
+
+def _response(chunk: Chunk) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(text=chunk.text)
+    if chunk.finish_reason is not None:
+        response.finish_reason = chunk.finish_reason
+        response.usage.prompt_tokens = chunk.prompt_tokens
+        response.usage.completion_tokens = chunk.completion_tokens
+        response.usage.total_tokens = chunk.prompt_tokens + chunk.completion_tokens
+        response.usage.cached_tokens = chunk.cached_tokens
+    return response
+
+
+class GenerationService(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, service: LLMService):
+        self.llm = service
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802 - the RPC's name
+        started = False
+        stream = None
+        try:
+            ctx = call_context(context)
+            stream = self.llm.generate(request.model, _params(request), ctx=ctx)
+            async for chunk in stream:
+                started = True
+                yield _response(chunk)
+        except InferplaneError as err:
+            if not started:
+                await abort(context, err)
+            yield generate_pb2.GenerateResponse(error=generate_pb2.StreamError(code=err.reason, message=err.message))
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+
+def add_to_server(service: LLMService, server: grpc.aio.Server) -> str:
+    """Register the servicer; returns the service's full name (for reflection and health)."""
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(service), server)
+    return SERVICE
