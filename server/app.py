@@ -16,24 +16,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from server.transports.grpc.admin import AdminService
-from server.runtime import gc_pauses
+from server.dataplane.builder import build_dataplane
 from server.dataplane.dataplane import DataPlane
-from server.transports.grpc.generation import add_to_server as add_generation
-from server.dataplane.generation import LLMService
 from server.dataplane.metrics import Metrics
+from server.dataplane.triton_client import TritonClient
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
-from server.transports.grpc.inference import SERVICE, InferenceService
-from server.settings import Settings
+from server.runtime import gc_pauses
 from server.runtime.supervisor import TritonSupervisor
+from server.settings import Settings
+from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
+from server.transports.grpc.admin import AdminService
+from server.transports.grpc.context import DomainErrorInterceptor
+from server.transports.grpc.generation import add_to_server as add_generation
+from server.transports.grpc.inference import SERVICE, InferenceService
 from server.transports.grpc.tenancy import TenancyService
 from server.transports.grpc.tenancy import add_to_server as add_tenancy
 from server.transports.grpc.traffic import TrafficService
 from server.transports.grpc.traffic import add_to_server as add_traffic
-from server.dataplane.triton_client import TritonClient
 
 log = logging.getLogger("inferplane")
+
+
+class StartupError(RuntimeError):
+    """The platform cannot start as configured; the message says why in one line."""
 
 
 class Frontend:
@@ -41,10 +47,10 @@ class Frontend:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.metrics = Metrics()
+        self.metrics = Metrics(multiprocess=settings.metrics_dir is not None)
         gc_pauses.watch(self.metrics.gc_pause)
         self.supervisor: TritonSupervisor | None = None
-        self.triton: TritonClient | None = None
+        self.tenancy: Tenancy | None = None
         self.dataplane: DataPlane | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -57,11 +63,15 @@ class Frontend:
         self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
-        self.tenancy_store = None  # server.tenancy.store.TenancyStore, with --auth on (the Tenancy API)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
         s = self.settings
+        if s.triton_url is None and not s.model_repository.is_dir():
+            raise StartupError(
+                f"model repository {s.model_repository} is not a directory: build the demo models with "
+                f"`inferplane demo build --out {s.model_repository}`, or create an empty folder to deploy your own"
+            )
         if s.triton_url:
             target = s.triton_url
         else:
@@ -75,11 +85,12 @@ class Frontend:
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
-        self.triton = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
-        self.triton.connect()
-        self.dataplane = DataPlane(self.triton, self.metrics)
-        if s.workers == 1:  # the processes that serve: tenancy, quotas, admission, metering
-            await self._setup_tenancy(target)
+        backend = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
+        backend.connect()
+        # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
+        self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
+        self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
+        self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter)
         await self._load_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
@@ -110,41 +121,6 @@ class Frontend:
             gc_pauses.settle()
         await self._set_serving(True)
 
-    async def _setup_tenancy(self, target: str) -> None:
-        from batching.fair_queue import AdmissionPolicy
-        from server.dataplane.circuit_breaker import BreakerPolicy, CircuitBreaker
-        from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
-        from server.tenancy.quota_policy import Quota, QuotaPolicy
-        from server.tenancy.identity import Gatekeeper, KeyRing
-
-        s, dp = self.settings, self.dataplane
-        default = Quota(s.quota_rps, s.quota_rpm, s.quota_tpm, s.quota_concurrency)
-        if s.auth:
-            from server.tenancy.metering import Meter
-            from server.tenancy.store import TenancyStore
-
-            store = self.tenancy_store = await asyncio.to_thread(TenancyStore, s.tenancy_database_url)
-            ring = KeyRing(s.key_pepper.get_secret_value().encode())
-            ring.load(*await asyncio.to_thread(store.snapshot))
-            log.info("auth on: %d API keys of %d tenants", len(ring), len(ring.tenants))
-            dp.gate = Gatekeeper(ring, default)
-            self._tasks.append(asyncio.create_task(dp.gate.refresh_forever(store.snapshot, s.auth_refresh_s), name="key-refresh"))
-            dp.meter = Meter(store.write_usage, s.usage_flush_s)
-            dp.meter.start()
-        else:
-            log.warning("auth off: every caller is the open tenant and sees every model (development mode)")
-            dp.gate = Gatekeeper(None, default)
-        dp.idempotency = RedisIdempotency(s.redis_url, s.idempotency_ttl_s) if s.redis_url else MemoryIdempotency(s.idempotency_ttl_s)
-        if s.redis_url:  # one set of buckets for every frontend process
-            from server.tenancy.redis_quotas import RedisQuotaPolicy
-
-            dp.quotas = RedisQuotaPolicy(s.redis_url)
-        else:
-            dp.quotas = QuotaPolicy()
-        dp.breaker = CircuitBreaker(target, BreakerPolicy(s.breaker_failures, s.breaker_open_s))
-        dp.admission_policy = AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue)
-        dp.admission_slots = s.admission_slots
-
     async def _start_workers(self, target: str) -> None:
         from server.runtime.workers import WorkerPool, worker_settings
 
@@ -155,13 +131,12 @@ class Frontend:
 
     async def _load_models(self) -> None:
         names = self.settings.models
-        index = await self.triton.repository_index()
+        index = await self.dataplane.repository_index()
         if names == ["*"]:
             names = sorted({m.name for m in index if not self.settings.worker or m.state == "READY"})
         for name in names:
             if self.settings.worker:  # the parent loaded it; a worker only reads its signature
-                self.dataplane.loaded.add(name)
-                await self.dataplane.refresh(name)
+                await self.dataplane.adopt(name)
             else:
                 await self.dataplane.load_model(name)
                 log.info("model %s ready", name)
@@ -169,6 +144,7 @@ class Frontend:
     async def _start_grpc(self) -> None:
         s = self.settings
         server = grpc.aio.server(
+            interceptors=(DomainErrorInterceptor(),),
             options=[
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
@@ -177,8 +153,8 @@ class Frontend:
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
-        tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy_store, s.key_pepper.get_secret_value().encode(), self.registry), server)
-        generation_name = add_generation(LLMService(self.dataplane), server)
+        tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
+        generation_name = add_generation(self.dataplane.llm, server)
         traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
@@ -245,7 +221,10 @@ class Frontend:
     def ready_line(self) -> str:
         s = self.settings
         triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
-        return f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} http={s.host}:{self.http_port} triton={triton} workers={s.workers}"
+        return (
+            f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
+            f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={_redact(s.database_url)}"
+        )
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -266,14 +245,7 @@ class Frontend:
         for runner in self._runners:
             await runner.cleanup()
         if self.dataplane is not None:
-            if self.dataplane.meter is not None:
-                await self.dataplane.meter.stop()  # the last usage records
-            for shared in (self.dataplane.idempotency, self.dataplane.quotas):  # Redis connections
-                close = getattr(shared, "close", None)
-                if close is not None:
-                    await close()
-        if self.triton is not None:
-            await self.triton.close()
+            await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
         if self.supervisor is not None:
             await self.supervisor.stop()
         self._stopped.set()
@@ -322,13 +294,19 @@ def run(settings: Settings) -> None:
         uvloop.run(serve(settings))
 
 
+def _redact(url: str) -> str:
+    """A database URL without its password (the ready line is logged)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy reads: show its scheme only
+        return url.split(":", 1)[0] + ":…"
+
+
 def _worker_main() -> None:
     """A worker process of ``serve --workers N`` (``python -m server.app``): its settings come from the parent."""
-    import json
-
-    from server.runtime.workers import WORKER_SETTINGS_ENV
-
-    run(Settings(**json.loads(os.environ.pop(WORKER_SETTINGS_ENV))))
+    run(Settings.for_worker())
 
 
 if __name__ == "__main__":

@@ -1,11 +1,26 @@
-"""Settings, read once in ``main()`` (flags override ``INFERPLANE_*`` environment variables)."""
+"""Settings, read once in ``main()``: flags > ``INFERPLANE_*`` environment variables > defaults.
+
+The only module that reads the environment. The CLI passes only the flags a user gave
+(``Settings(**given)``), so an environment variable is never shadowed by a flag's default.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+WORKER_SETTINGS_ENV = "INFERPLANE_WORKER_SETTINGS"  # a worker process's settings, from its parent
+
+
+def default_data_dir() -> Path:
+    """Where the registry database and artifacts live unless told: one place per user, whatever
+    the working directory (``$XDG_DATA_HOME/inferplane``, else ``~/.local/share/inferplane``)."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "inferplane"
 
 
 class Settings(BaseSettings):
@@ -26,10 +41,12 @@ class Settings(BaseSettings):
     triton_startup_timeout_s: float = Field(120.0, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
     log_level: str = "INFO"
-    # the registry: SQLite file (relative to the working directory) or a PostgreSQL URL
-    database_url: str = "sqlite:///var/inferplane.db"
-    # content-addressed artifact store: a local folder or any fsspec URL (s3://bucket/prefix, ...)
-    artifact_store: str = "var/artifacts"
+    # the registry's and tenancy's data: a SQLite file and the artifact folder under data_dir unless given
+    data_dir: Path = Field(default_factory=default_data_dir)
+    # the registry: SQLAlchemy URL (unset: sqlite:///DATA_DIR/inferplane.db), e.g. postgresql+psycopg://...
+    database_url: str = ""
+    # content-addressed artifact store: a local folder or any fsspec URL (unset: DATA_DIR/artifacts)
+    artifact_store: str = ""
     # how long a replaced version stays loaded after a deploy/rollback, so rollback needs no reload
     rollback_grace_s: float = Field(300.0, ge=0)
     # load + readiness + warm-up budget of one deploy
@@ -39,14 +56,14 @@ class Settings(BaseSettings):
     # how often Triton's per-model statistics (cache hits, queue time) are read into /metrics
     stats_poll_s: float = Field(5.0, gt=0)
     # frontend processes sharing the ports (SO_REUSEPORT); the parent keeps Triton and /metrics
-    workers: int = Field(1, ge=1, le=64)
+    workers: int = Field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2), ge=1, le=64)
     worker: bool = False  # set on the worker processes themselves
     # ---- tenancy and overload (issue 7) ----
     # API keys required on the data plane; `--auth off` is the development mode (one open tenant)
     auth: bool = True
     key_pepper: SecretStr = SecretStr("")  # HMAC key for API-key hashes; the CLI needs the same one
     auth_refresh_s: float = Field(5.0, gt=0)  # how soon key changes (revocations) take effect
-    tenancy_database_url: str | None = None  # unset: INFERPLANE_DATABASE_URL, else sqlite:///var/inferplane.db
+    tenancy_database_url: str = ""  # unset: the registry's database_url
     # idempotency keys and quota buckets shared by every frontend process (server.tenancy.redis_quotas); unset: per process
     redis_url: str | None = None
     idempotency_ttl_s: float = Field(24 * 3600.0, gt=0)
@@ -65,13 +82,36 @@ class Settings(BaseSettings):
     # freeze what start-up left alive so garbage collections stay short (server.runtime.gc_pauses)
     gc_freeze: bool = True
 
+    # an API key the CLIs send to a running frontend (deploy, rollback, traffic, keys over gRPC)
+    api_key: SecretStr = SecretStr("")
+    # where the CLIs find the running frontend's gRPC port
+    url: str = "127.0.0.1:8001"
+
+    @property
+    def metrics_dir(self) -> Path | None:
+        """With several frontend processes, each writes its metrics here and the parent sums them
+        (prometheus-client's multiprocess mode, which needs the folder in its environment variable
+        before it is imported: ``inferplane serve`` sets it)."""
+        return self.workdir.resolve() / "metrics" if self.workers > 1 or self.worker else None
+
+    @property
+    def tenancy_url(self) -> str:
+        return self.tenancy_database_url or self.database_url
+
+    @classmethod
+    def for_worker(cls) -> "Settings":
+        """A worker process's settings, handed over by its parent (``server.runtime.workers``)."""
+        return cls(**json.loads(os.environ.pop(WORKER_SETTINGS_ENV)))
+
     @model_validator(mode="after")
     def _check(self) -> "Settings":
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'inferplane.db'}"
+        if not self.artifact_store:
+            self.artifact_store = str(self.data_dir / "artifacts")
         ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError("grpc, http and metrics ports must differ")
         if self.workers > 1 and 0 in (self.grpc_port, self.http_port):
             raise ValueError("with several workers, give fixed --grpc-port and --http-port (they share them)")
-        if self.triton_url is None and not self.model_repository.is_dir():
-            raise ValueError(f"model repository {self.model_repository} is not a directory (run `inferplane demo build`)")
         return self

@@ -38,51 +38,56 @@ _mount_plugins()
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Address the frontend listens on."),
-    grpc_port: int = typer.Option(8001, help="gRPC port (OIP v2 + admin); 0 picks a free one."),
-    http_port: int = typer.Option(8000, help="REST bridge port; 0 picks a free one."),
-    metrics_port: int = typer.Option(8002, help="Prometheus /metrics port; 0 picks a free one."),
-    model_repository: Path = typer.Option(Path("var/model_repository"), help="Triton model repository."),
+    host: Optional[str] = typer.Option(None, help="Address the frontend listens on [default: 127.0.0.1]."),
+    grpc_port: Optional[int] = typer.Option(None, help="gRPC port (OIP v2 + admin); 0 picks a free one [default: 8001]."),
+    http_port: Optional[int] = typer.Option(None, help="REST bridge port; 0 picks a free one [default: 8000]."),
+    metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics port; 0 picks a free one [default: 8002]."),
+    model_repository: Optional[Path] = typer.Option(None, help="Triton model repository [default: var/model_repository]."),
     triton_url: Optional[str] = typer.Option(None, help="HOST:PORT of an external Triton (gRPC); none is started."),
-    workdir: Path = typer.Option(Path("var/run"), help="Where the embedded Triton keeps its backends and log."),
-    model: Optional[list[str]] = typer.Option(None, "--model", help="Load only these models (default: all)."),
-    workers: Optional[int] = typer.Option(
-        None, help="Frontend processes sharing the ports (default: half the cores, at least 1)."
+    workdir: Optional[Path] = typer.Option(None, help="Where the embedded Triton keeps its backends and log [default: var/run]."),
+    database_url: Optional[str] = typer.Option(
+        None, help="Registry and tenancy database (SQLAlchemy URL) [default: sqlite:///DATA_DIR/inferplane.db]."
     ),
-    auth: Optional[str] = typer.Option(
-        None, help="on: API keys required (the default); off: development mode, one open tenant, no keys."
-    ),
-    log_level: str = typer.Option("INFO"),
+    data_dir: Optional[Path] = typer.Option(None, help="Registry database and artifacts [default: ~/.local/share/inferplane]."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="Load only these models [default: all]."),
+    workers: Optional[int] = typer.Option(None, help="Frontend processes sharing the ports [default: half the cores, at least 1]."),
+    auth: Optional[str] = typer.Option(None, help="on: API keys required (the default); off: development mode, one open tenant, no keys."),
+    log_level: Optional[str] = typer.Option(None, help="[default: INFO]"),
 ) -> None:
-    """Start the frontend and, unless --triton-url is given, an embedded Triton."""
+    """Start the frontend and, unless --triton-url is given, an embedded Triton.
+
+    Every flag overrides its INFERPLANE_* environment variable (e.g. INFERPLANE_GRPC_PORT), which
+    overrides the default."""
     import os
     import shutil
 
-    workers = workers or max(1, (os.cpu_count() or 2) // 2)
-    if workers > 1:
-        # before prometheus_client is imported: every process writes its metrics here
-        metrics_dir = workdir.resolve() / "metrics"
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        metrics_dir.mkdir(parents=True)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    from pydantic import ValidationError
 
-    from server.app import run
     from server.settings import Settings
 
-    settings = Settings(
-        host=host,
-        grpc_port=grpc_port,
-        http_port=http_port,
-        metrics_port=metrics_port,
-        model_repository=model_repository,
-        triton_url=triton_url,
-        workdir=workdir,
-        models=model or ["*"],
-        workers=workers,
-        log_level=log_level,
-        **({} if auth is None else {"auth": _on_off(auth, "--auth")}),
-    )
-    run(settings)
+    given = {
+        "host": host, "grpc_port": grpc_port, "http_port": http_port, "metrics_port": metrics_port,
+        "model_repository": model_repository, "triton_url": triton_url, "workdir": workdir,
+        "database_url": database_url, "data_dir": data_dir, "models": model or None, "workers": workers,
+        "log_level": log_level, "auth": None if auth is None else _on_off(auth, "--auth"),
+    }  # fmt: skip
+    try:
+        settings = Settings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as err:
+        raise typer.BadParameter("; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in err.errors())) from None
+    if settings.metrics_dir is not None:
+        # before prometheus_client is imported: every process writes its metrics here
+        shutil.rmtree(settings.metrics_dir, ignore_errors=True)
+        settings.metrics_dir.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(settings.metrics_dir)
+
+    from server.app import StartupError, run
+
+    try:
+        run(settings)
+    except StartupError as err:
+        typer.secho(f"error: {err}", err=True, fg="red")
+        raise typer.Exit(2) from None
 
 
 def _on_off(value: str, flag: str) -> bool:

@@ -227,8 +227,8 @@ class Deployer:
                 continue
             loaded = self._config_versions(ep.name)
             self._st(ep.name).loaded = set(loaded)
-            if ep.name in self.dp.models and str(ep.live) in self.dp.models[ep.name].versions:
-                self.dp.routes[ep.name] = str(ep.live)
+            if str(ep.live) in self.dp.ready_versions(ep.name):
+                self.dp.set_live(ep.name, str(ep.live))
                 if set(loaded) != {ep.live}:
                     self._schedule_expiry(ep.name)
             else:
@@ -273,7 +273,7 @@ class Deployer:
         except ModelNotFound:
             current = None
         live = current.live if current else None
-        if live is not None and self.dp.routes.get(name) != str(live):
+        if live is not None and self.dp.live_version(name) != str(live):
             live = None  # recorded but not serving here (e.g. it failed to load at start)
         serving = serving_from(options, current.serving if current else None)
         st = self._st(name)
@@ -293,7 +293,7 @@ class Deployer:
         unchanged = on_disk.is_file() and to_text(read_config(on_disk)) == to_text(
             build_config(name, record.signature, serving, sorted(st.loaded))
         )
-        ready = name in self.dp.models and str(record.version) in self.dp.models[name].versions
+        ready = str(record.version) in self.dp.ready_versions(name)
         reloaded = False
         if not (record.version in st.loaded and ready and unchanged):
             await self._load(name, record, config, versions)
@@ -301,7 +301,7 @@ class Deployer:
         await self._warm(name, record)
         ready_at = self.clock()
         await asyncio.to_thread(self.registry.record_deployment, name, name, record.version, serving_dict(serving), actor)
-        self.dp.routes[name] = str(record.version)  # the switch: one assignment on the event loop
+        self.dp.set_live(name, str(record.version))  # the switch: one assignment on the event loop
         switch_ms = (self.clock() - ready_at) * 1000.0
         self._schedule_expiry(name)
         return DeployResult(
@@ -333,7 +333,7 @@ class Deployer:
             await self._restore(name, old_config, version_dir if fresh_dir else None, timed_out=isinstance(err, asyncio.TimeoutError))
             await self._resync(name)
             raise DeployFailed(f"loading {record.ref} failed: {why}; {self._serving_note(name)}") from None
-        if str(record.version) not in self.dp.models[name].versions:
+        if str(record.version) not in self.dp.ready_versions(name):
             await self._restore(name, old_config, version_dir if fresh_dir else None, timed_out=False)
             await self._resync(name)
             raise DeployFailed(f"{record.ref} loaded but is not ready; {self._serving_note(name)}")
@@ -342,16 +342,16 @@ class Deployer:
     async def _resync(self, name: str) -> None:
         """After a failed load: read which versions Triton still has ready (what a rollback may use)."""
         st = self._st(name)
-        if name not in self.dp.loaded:
+        if not self.dp.is_loaded(name):
             st.loaded = set()
             return
         with contextlib.suppress(InferplaneError):
             await self.dp.refresh(name)
-        ready = self.dp.models[name].versions if name in self.dp.models else frozenset()
+        ready = self.dp.ready_versions(name)
         st.loaded = {v for v in st.loaded if str(v) in ready}
 
     def _serving_note(self, name: str) -> str:
-        live = self.dp.routes.get(name)
+        live = self.dp.live_version(name)
         return f"{name}:{live} keeps serving" if live else f"nothing was serving '{name}' before"
 
     async def _restore(self, name: str, old_config: bytes | None, new_dir: Path | None, timed_out: bool) -> None:
@@ -359,9 +359,7 @@ class Deployer:
         if old_config is None:
             # the model never served: drop its directory so a restart does not try to load it
             await asyncio.to_thread(shutil.rmtree, model_dir, True)
-            self.dp.loaded.discard(name)
-            with contextlib.suppress(InferplaneError):
-                await self.dp.triton.unload_model(name)
+            await self.dp.unload_model(name, missing_ok=True)
             return
         _write_atomic(model_dir / CONFIG_FILE, old_config)
         if new_dir is not None:
@@ -402,11 +400,11 @@ class Deployer:
             data = await asyncio.to_thread(self.registry.store.get, record.validation_sha256)
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
-        max_batch = self.dp.models[name].max_batch_size
+        max_batch = self.dp.signature(name).max_batch_size
         rows = min(WARMUP_ROWS, max_batch) if max_batch > 0 else 1
         request = warmup_request(name, record.version, record.signature, arrays, rows)
         try:
-            raw = await self.dp.triton.infer_raw(request.SerializeToString(), timeout=self.load_timeout_s)
+            raw = await self.dp.backend_infer(request.SerializeToString(), timeout=self.load_timeout_s)
         except InferplaneError as err:
             await self._unload_version(name, record.version)
             raise DeployFailed(f"warm-up request to {record.ref} failed: {err.message}; {self._serving_note(name)}") from None
@@ -418,7 +416,7 @@ class Deployer:
     async def _unload_version(self, name: str, version: int) -> None:
         """Drop a version that loaded but must not serve (failed warm-up)."""
         st = self._st(name)
-        live = self.dp.routes.get(name)
+        live = self.dp.live_version(name)
         if live is None:
             await self._restore(name, None, None, timed_out=False)
             st.loaded = set()
@@ -452,10 +450,10 @@ class Deployer:
             raise Conflict(f"endpoint '{name}' has no previous version to roll back to")
         target = ep.previous
         st = self._st(name)
-        if name in self.dp.loaded:
+        if self.dp.is_loaded(name):
             with contextlib.suppress(InferplaneError):
                 await self.dp.refresh(name)  # Triton's word on what is ready, not our memory (~ms)
-        ready = name in self.dp.models and str(target) in self.dp.models[name].versions and target in st.loaded
+        ready = str(target) in self.dp.ready_versions(name) and target in st.loaded
         reloaded = False
         if not ready:  # the grace period is over: load it again (not instant)
             record = await asyncio.to_thread(self.registry.get, name, target)
@@ -464,7 +462,7 @@ class Deployer:
             await self._warm(name, record)
             reloaded = True
         await asyncio.to_thread(self.registry.record_rollback, name)
-        self.dp.routes[name] = str(target)  # the switch
+        self.dp.set_live(name, str(target))  # the switch
         switch_ms = (self.clock() - started) * 1000.0
         self._schedule_expiry(name)
         return DeployResult(
@@ -489,7 +487,7 @@ class Deployer:
     async def expire(self, name: str) -> None:
         """Unload every version of the endpoint but the live one (the grace period ended)."""
         st = self._st(name)
-        live = self.dp.routes.get(name)
+        live = self.dp.live_version(name)
         if live is None or st.loaded == {int(live)}:
             return
         try:
@@ -511,10 +509,10 @@ class Deployer:
 
     async def endpoint_status(self, name: str) -> dict[str, Any]:
         ep = await asyncio.to_thread(self.registry.endpoint, name, 20)
-        signature = self.dp.models.get(name)
+        signature = self.dp.signature(name)
         return {
             "endpoint": ep,
-            "routed": self.dp.routes.get(name, ""),
+            "routed": self.dp.live_version(name) or "",
             "ready_versions": sorted(int(v) for v in signature.versions) if signature else [],
             "loaded_versions": sorted(self._st(name).loaded),
         }

@@ -139,7 +139,7 @@ def _invalid(fn, *args, **kwargs):
 class TrafficController:
     def __init__(self, dataplane, registry, deployer, *, tick_s: float = 0.5, shadow_workers: int = 2, clock=time.monotonic):
         self.dp = dataplane
-        self.router = dataplane.traffic
+        self.router = dataplane.router
         self.registry = registry
         self.deployer = deployer
         self.store = TrafficStore(registry.engine)
@@ -180,12 +180,12 @@ class TrafficController:
 
     def _install(self, policy: Policy) -> None:
         name, spec = policy.endpoint, policy.spec
-        ready = self.dp.models[name].versions if name in self.dp.models else frozenset()
+        ready = self.dp.ready_versions(name)
         needed = [v for v in _versions_of(policy) if v not in ready]
         if needed:
             raise Conflict(f"versions {needed} of '{name}' are not loaded")
         if policy.kind == "canary":
-            if self.dp.routes.get(name) != spec["stable"]:
+            if self.dp.live_version(name) != spec["stable"]:
                 raise Conflict(f"'{name}' no longer routes to the canary's stable version {spec['stable']}")
             plan = CanaryPlan(tuple(spec["steps"]), spec["interval_s"])
             step = int(policy.state.get("step", 0))
@@ -199,7 +199,7 @@ class TrafficController:
             self.router.splits[name] = Split("ab", arms, spec.get("key_header", ""), spec.get("experiment") or name, 60.0, self.router.clock)
         elif policy.kind == SHADOW:
             shadow = Shadow(spec["version"], spec["percent"])
-            shadow.start(self.dp.triton.infer_raw, self.shadow_workers)
+            shadow.start(self.dp.backend_infer, self.shadow_workers)
             self.router.shadows[name] = shadow
         self.policies[(name, policy.slot)] = policy
         self._hold_versions(name)
@@ -215,7 +215,7 @@ class TrafficController:
                 raise Conflict(f"{record.ref} is {record.format}; this Triton runs {', '.join(sorted(ADAPTERS))}")
             await asyncio.to_thread(self.registry.verify_signed, name, record.version)
             ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
-            live = self.dp.routes.get(name)
+            live = self.dp.live_version(name)
             if ep.live is None or live != str(ep.live):
                 raise Conflict(f"endpoint '{name}' has no live version on this frontend; deploy one first")
             live_record = await asyncio.to_thread(self.registry.get, name, ep.live)
@@ -225,7 +225,7 @@ class TrafficController:
             if st.expiry is not None:  # the versions a policy needs stay loaded while it runs
                 st.expiry.cancel()
                 st.expiry = None
-            ready = name in self.dp.models and str(record.version) in self.dp.models[name].versions and record.version in st.loaded
+            ready = str(record.version) in self.dp.ready_versions(name) and record.version in st.loaded
             if not ready:
                 versions = sorted(st.loaded | {ep.live, record.version})
                 config = build_config(name, live_record.signature, serving_from(None, ep.serving), versions)
@@ -243,7 +243,7 @@ class TrafficController:
         """No policy of ``name`` needs extra versions any more: the deployer's grace period unloads them."""
         if any(ep == name for ep, _ in self.policies):
             self._hold_versions(name)
-        elif self.dp.routes.get(name):
+        elif self.dp.live_version(name):
             self.deployer._schedule_expiry(name)
 
     # ---- bookkeeping --------------------------------------------------------------------
@@ -278,7 +278,7 @@ class TrafficController:
             raise Conflict(f"endpoint '{name}' already has a {policy.kind} running; promote or roll it back first")
 
     def _live(self, name: str) -> str:
-        live = self.dp.routes.get(name)
+        live = self.dp.live_version(name)
         if not live:
             raise Conflict(f"endpoint '{name}' has no live version on this frontend; deploy one first")
         return live
@@ -343,10 +343,10 @@ class TrafficController:
         if split is None or split.kind != "canary":
             await self._finish(policy, "ended")
             return
-        if self.dp.routes.get(name) != spec["stable"]:  # someone deployed or rolled back meanwhile
+        if self.dp.live_version(name) != spec["stable"]:  # someone deployed or rolled back meanwhile
             self.router.splits.pop(name, None)
             await self._finish(policy, "ended")
-            await self._audit(CONTROLLER, "canary.end", f"{name}:{spec['canary']}", "superseded", f"the endpoint now routes to {self.dp.routes.get(name)}")
+            await self._audit(CONTROLLER, "canary.end", f"{name}:{spec['canary']}", "superseded", f"the endpoint now routes to {self.dp.live_version(name)}")
             self._settle(name)
             return
         limits = CanaryThresholds(**spec["thresholds"])
@@ -435,7 +435,7 @@ class TrafficController:
             green = policy.spec["green"]
             with contextlib.suppress(InferplaneError):
                 await self.dp.refresh(name)  # Triton's word on readiness
-            if name not in self.dp.models or green not in self.dp.models[name].versions:
+            if green not in self.dp.ready_versions(name):
                 raise Conflict(f"green {name}:{green} is not ready; blue keeps serving")
             # Deployer.deploy checks it once more (warm-up rows against the validation set), then switches
             await self._promote(policy, actor, None)
@@ -550,7 +550,7 @@ class TrafficController:
         policy = self.policies.get((name, SPLIT))
         split = self.router.splits.get(name)
         shadow = self.router.shadows.get(name)
-        out: dict[str, Any] = {"name": name, "live": self.dp.routes.get(name, ""), "kind": "none", "status": "", "arms": []}
+        out: dict[str, Any] = {"name": name, "live": self.dp.live_version(name) or "", "kind": "none", "status": "", "arms": []}
         if policy is None:
             policy = self.last.get(name)
         if policy is not None:

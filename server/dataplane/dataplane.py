@@ -1,47 +1,37 @@
-"""The one data plane: what every transport (gRPC servicer, REST bridge) calls.
+"""The one data plane: what every transport (gRPC, REST, OpenAI, typed) calls.
 
-It knows the models Triton serves (their signatures and ready versions), validates each request
-against its model's signature, forwards it to Triton as the caller's bytes, and records metrics.
-It knows nothing of the caller-facing transports.
+It keeps the model table in step with Triton, sends every request through the one admission
+pipeline (``server.dataplane.pipeline``), forwards it to Triton as the caller's bytes (through the
+coalescer where requests can merge) and knows nothing of the caller-facing transports. The Triton
+backend is private to it: transports and the control plane call the methods below, never Triton.
+It is built once from the settings (``server.dataplane.builder.build_dataplane``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 
 from google.protobuf.message import DecodeError
 
 from batching.coalescer import Coalescer
-from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
-from server.dataplane.batch_codec import CODEC
-from server.dataplane.circuit_breaker import CircuitBreaker
-from server.errors import (
-    BackendError,
-    BackendUnavailable,
-    DeadlineExceeded,
-    InferplaneError,
-    InvalidRequest,
-    ModelNotFound,
-    ModelNotReady,
-    Overloaded,
-)
-from server.dataplane.idempotency import MemoryIdempotency, body_digest, scoped
+from server.dataplane.generation import LLMService
+from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.metrics import Metrics
-from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.quota_policy import QuotaPolicy
-from server.dataplane.signature import ModelSignature, version_key
-from server.dataplane.stream_ledger import StreamLedger
-from server.tenancy.identity import CallContext, Gatekeeper, Principal, Tenant
+from server.dataplane.models import ModelTable
+from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline
 from server.dataplane.routing import Router
-from server.dataplane.triton_client import TritonClient
+from server.dataplane.signature import ModelSignature
+from server.dataplane.stream_ledger import StreamLedger
 from server.dataplane.validation import validate_infer_request
+from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.tenancy.identity import CallContext, Gatekeeper, Principal
 
 log = logging.getLogger(__name__)
 
-UNKNOWN_MODEL_LABEL = "_unknown"
+__all__ = ["DataPlane", "UNKNOWN_MODEL_LABEL", "parse_infer_request", "parse_message", "pin_version"]
 
 
 def parse_message(message_type, raw: bytes):
@@ -57,59 +47,135 @@ def parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
 
 
 class DataPlane:
-    def __init__(self, triton: TritonClient, metrics: Metrics | None = None):
-        self.triton = triton
-        self.metrics = metrics or Metrics()
-        self.models: dict[str, ModelSignature] = {}
-        self.loaded: set[str] = set()  # what the operator asked for; reloaded after a Triton restart
-        # endpoint -> the version that answers requests naming no version (unset: Triton's latest)
-        self.routes: dict[str, str] = {}
-        # canary / blue-green / A/B splits and shadow copies over the routes (server.control.traffic)
-        self.traffic = Router(self.routes)
-        self.backend_up = True
-        self._reloading: asyncio.Lock = asyncio.Lock()
-        self.coalescer = Coalescer(self.triton.infer_raw, CODEC)
-        # tenancy and overload (server.app replaces these with the configured ones)
-        self.gate = Gatekeeper()
-        self.quotas = QuotaPolicy()
-        self.idempotency = MemoryIdempotency()
-        self.breaker = CircuitBreaker(triton.target)
-        self.meter = None  # server.tenancy.metering.Meter
-        self.admission_policy = AdmissionPolicy()
-        self.admission_slots: int | None = None  # None: from each model's coalescing policy
-        self.admission: dict[str, FairQueue] = {}
+    def __init__(
+        self,
+        backend,  # server.dataplane.triton_client.TritonClient (or another object with its surface)
+        *,
+        metrics: Metrics,
+        pipeline: Pipeline,
+        table: ModelTable,
+        router: Router,
+        coalescer: Coalescer,
+        idempotency,  # MemoryIdempotency or RedisIdempotency
+    ):
+        self._backend = backend
+        self.metrics = metrics
+        self._pipeline = pipeline
+        self._table = table
+        self._router = router
+        self._coalescer = coalescer
+        self._idempotency = idempotency
+        self._reloading = asyncio.Lock()
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
+        self.llm = LLMService(self, pipeline, backend)
 
-    # ---- control ------------------------------------------------------------------------
+    # ---- collaborators others may read ----------------------------------------------------
+
+    @property
+    def gate(self) -> Gatekeeper:
+        return self._pipeline.gate
+
+    @property
+    def router(self) -> Router:
+        return self._router
+
+    @property
+    def backend_target(self) -> str:
+        return self._backend.target
+
+    async def close(self) -> None:
+        """Flush the last usage records and close shared connections (Redis, Triton channels)."""
+        if self._pipeline.meter is not None:
+            await self._pipeline.meter.stop()
+        for shared in (self._idempotency, self._pipeline.quotas):
+            close = getattr(shared, "close", None)
+            if close is not None:
+                await close()
+        await self._backend.close()
+
+    # ---- the model table ------------------------------------------------------------------
+
+    def signature(self, name: str) -> ModelSignature | None:
+        return self._table.signatures.get(name)
+
+    def ready_versions(self, name: str) -> frozenset[str]:
+        signature = self._table.signatures.get(name)
+        return signature.versions if signature is not None else frozenset()
+
+    def is_loaded(self, name: str) -> bool:
+        """Asked to be loaded (ready or not)."""
+        return name in self._table.loaded
+
+    def names(self) -> list[str]:
+        return self._table.names()
+
+    @property
+    def backend_up(self) -> bool:
+        return self._table.backend_up
+
+    def is_ready(self) -> bool:
+        t = self._table
+        return t.backend_up and all(name in t.signatures for name in t.loaded)
+
+    def resolve(self, name: str, version: str = "") -> ModelSignature:
+        return self._table.resolve(name, version)
+
+    # ---- routes (the deployer's switch) ---------------------------------------------------
+
+    def live_version(self, name: str) -> str | None:
+        """The version answering requests that name none (None: Triton's latest)."""
+        return self._router.routes.get(name)
+
+    def set_live(self, name: str, version: str) -> None:
+        """The deploy / rollback switch: one assignment on the event loop."""
+        self._router.routes[name] = version
+
+    # ---- control --------------------------------------------------------------------------
 
     async def load_model(self, name: str) -> ModelSignature:
-        await self.triton.load_model(name)
-        self.loaded.add(name)
+        await self._backend.load_model(name)
+        self._table.loaded.add(name)
         return await self.refresh(name)
 
-    async def unload_model(self, name: str) -> None:
-        if name not in self.models and name not in self.loaded:
+    async def unload_model(self, name: str, *, missing_ok: bool = False) -> None:
+        t = self._table
+        if name not in t.signatures and name not in t.loaded and not missing_ok:
             raise ModelNotFound(f"model '{name}' is not loaded")
-        self.loaded.discard(name)
-        self.models.pop(name, None)
-        await self.triton.unload_model(name)
+        t.loaded.discard(name)
+        t.signatures.pop(name, None)
+        self._pipeline.forget(name)
+        try:
+            await self._backend.unload_model(name)
+        except InferplaneError:
+            if not missing_ok:
+                raise
+
+    async def adopt(self, name: str) -> ModelSignature:
+        """A model another process loaded into the same Triton (a worker of ``--workers N``)."""
+        self._table.loaded.add(name)
+        return await self.refresh(name)
 
     async def refresh(self, name: str) -> ModelSignature:
         """Read the model's config and ready versions from Triton into the model table."""
-        config = await self.triton.model_config(name)
-        index = await self.triton.repository_index()
+        config = await self._backend.model_config(name)
+        index = await self._backend.repository_index()
         versions = [m.version for m in index if m.name == name and m.state == "READY"]
         signature = ModelSignature.from_config(config, versions)
-        self.models[name] = signature
+        self._table.signatures[name] = signature
+        self._pipeline.forget(name)
         return signature
+
+    async def repository_index(self) -> list:
+        """Triton's repository index (every model in the repository, loaded or not)."""
+        return await self._backend.repository_index()
 
     async def read_statistics(self) -> None:
         """Triton's per-model statistics into metrics: response-cache hits and queue time."""
-        raw = await self.triton.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
+        raw = await self._backend.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
         previous = self._queue_readings
         self._queue_readings = {}
         for stats in pb.ModelStatisticsResponse.FromString(raw).model_stats:
-            if stats.name not in self.models:
+            if stats.name not in self._table.signatures:
                 continue
             inference = stats.inference_stats
             hits, misses = inference.cache_hit.count, inference.cache_miss.count
@@ -125,41 +191,31 @@ class DataPlane:
                 self.metrics.triton_queue_seconds.labels(stats.name).set(mean)
 
     def mark_backend_down(self) -> None:
-        self.backend_up = False
+        self._table.backend_up = False
         self.metrics.triton_up.set(0)
         self.metrics.triton_restarts.inc()
 
     async def reload_all(self) -> None:
         """After Triton restarted: load again every model that was loaded, then serve."""
         async with self._reloading:
-            for name in sorted(self.loaded):
+            for name in sorted(self._table.loaded):
                 try:
                     await self.load_model(name)
                 except InferplaneError as err:
                     log.error("reloading model %s failed: %s", name, err.message)
-                    self.models.pop(name, None)
-            self.backend_up = True
+                    self._table.signatures.pop(name, None)
+            self._table.backend_up = True
             self.metrics.triton_up.set(1)
 
-    def is_ready(self) -> bool:
-        return self.backend_up and all(name in self.models for name in self.loaded)
+    async def backend_infer(self, raw: bytes, timeout: float | None = None) -> bytes:
+        """A call to Triton that is nobody's request — a deploy's warm-up, a shadow copy: outside the
+        pipeline, so it is neither charged, metered, counted nor queued."""
+        return await self._backend.infer_raw(raw, timeout)
 
-    # ---- lookups ------------------------------------------------------------------------
+    # ---- who may see what -----------------------------------------------------------------
 
-    def resolve(self, name: str, version: str = "") -> ModelSignature:
-        """The signature serving (name, version); NOT_FOUND / UNAVAILABLE otherwise."""
-        if not self.backend_up:
-            raise BackendUnavailable("Triton is restarting; retry shortly", retry_after_s=1.0)
-        signature = self.models.get(name)
-        if signature is None:
-            if name in self.loaded:
-                raise ModelNotReady(f"model '{name}' is loading or failed to load")
-            raise ModelNotFound(f"unknown model '{name}'")
-        if version and version not in signature.versions:
-            raise ModelNotFound(
-                f"unknown version '{version}' of model '{name}' (ready versions: {sorted(signature.versions, key=version_key)})"
-            )
-        return signature
+    def authenticate(self, ctx: CallContext | None) -> Principal:
+        return self.gate.authenticate(ctx)
 
     def authorize(self, ctx: CallContext | None, name: str) -> Principal:
         """Who is calling, and may they see ``name``? An ungranted model is an unknown one."""
@@ -171,40 +227,30 @@ class DataPlane:
     def resolve_for(self, ctx: CallContext | None, name: str, version: str = "") -> ModelSignature:
         """:meth:`resolve` as the caller sees it: authenticated, and only models granted to them."""
         self.authorize(ctx, name)
-        return self.resolve(name, version)
+        return self._table.resolve(name, version)
 
     def visible(self, ctx: CallContext | None, names):
         """The names among ``names`` the caller may see."""
         tenant = self.gate.authenticate(ctx).tenant
         return [n for n in names if tenant.may_use(n)]
 
-    async def admit(self, tenant: Tenant, name: str):
-        """Charge one request to the tenant's and the tenant x model quotas before any work
-        (``Overloaded`` with a retry hint when over); hand the ticket to ``quotas.release``.
-        The in-process policy answers without suspending; the Redis one in one round trip."""
-        return await self.quotas.admit(tenant.name, name, self.gate.quota(tenant), tenant.model_quota(name))
+    # ---- metadata ---------------------------------------------------------------------------
 
-    def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
-        queue = self.admission.get(name)
-        if queue is None:
-            slots = self.admission_slots
-            if slots is None:  # what the model runs at once; the rest waits here, where a caller can leave
-                c = signature.coalesce
-                slots = c.max_inflight * c.max_batch if c.enabled else signature.instances * max(1, signature.max_batch_size)
-            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": max(1, slots)})
-            queue = self.admission[name] = FairQueue(name, policy)
-        return queue
+    async def describe(self, ctx: CallContext | None, method: str, raw: bytes, timeout: float | None = 30.0) -> bytes:
+        """ModelMetadata / ModelConfig / ModelStatistics for the caller: Triton's answer for a model
+        they may see; statistics of every model filtered to those they may see."""
+        request = parse_message(_DESCRIBE[method], raw)
+        if request.name or method != "ModelStatistics":
+            self.resolve_for(ctx, request.name, request.version)
+            return await self._backend.unary_raw(method, raw, timeout=timeout)
+        answer = pb.ModelStatisticsResponse.FromString(await self._backend.unary_raw(method, raw, timeout=timeout))
+        visible = set(self.visible(ctx, [m.name for m in answer.model_stats]))
+        kept = [m for m in answer.model_stats if m.name in visible]
+        del answer.model_stats[:]
+        answer.model_stats.extend(kept)
+        return answer.SerializeToString()
 
-    # ---- inference ----------------------------------------------------------------------
-
-    def _route(self, request: pb.ModelInferRequest, raw: bytes | None, ctx: CallContext | None) -> tuple[bytes | None, str]:
-        """A request naming no version: pin the live version or a traffic split's arm into it (and
-        into its bytes). Returns (bytes to forward, the arm or "")."""
-        version, arm = self.traffic.choose(request.model_name, ctx)
-        if version:
-            request.model_version = version
-            raw = pin_version(raw if raw is not None else request.SerializeToString(), version)
-        return raw, arm
+    # ---- inference --------------------------------------------------------------------------
 
     async def infer(
         self,
@@ -214,158 +260,61 @@ class DataPlane:
         ctx: CallContext | None = None,
         count_tokens: Callable[[bytes], int] | None = None,
     ) -> bytes:
-        """Authorize, admit, validate and forward one request; returns Triton's ModelInferResponse bytes.
+        """One request through the pipeline to Triton; returns Triton's ModelInferResponse bytes.
 
         ``raw`` is the request exactly as the caller sent it; when given it travels to Triton
-        untouched (no re-serialization). ``timeout`` is the caller's remaining deadline (or
-        ``ctx.timeout``); it becomes Triton's. ``ctx`` carries the caller's key and idempotency key.
-        ``count_tokens`` reads from Triton's answer how many input tokens it covered (embedding
-        models report them): they are metered and charged to the tenant's token quota, which only
-        the answer can tell.
-        Order: key -> grant -> model -> quota -> validation -> idempotency -> admission queue -> Triton.
+        untouched (no re-serialization; a routed version is appended as a field). ``timeout`` is
+        the caller's remaining deadline (or ``ctx.timeout``). ``ctx`` carries the caller's key and
+        idempotency key. ``count_tokens`` reads from Triton's answer how many input tokens it
+        covered (embedding models report them): metered and charged to the token quota.
         """
-        started = time.perf_counter()
-        name = request.model_name
-        label = UNKNOWN_MODEL_LABEL
-        version = request.model_version
-        code = "OK"
-        arm = ""
-        data = answer = None
-        if ctx is not None:
-            ctx.tokens = 0  # this call's, set from its answer (a context may serve several calls)
-            if timeout is None:
-                timeout = ctx.timeout
-        try:
-            tenant = self.authorize(ctx, name).tenant
-            if not version:
-                raw, arm = self._route(request, raw, ctx)
-                version = request.model_version
-            signature = self.resolve(name, version)
-            label = name
-            if not version:
-                version = signature.latest_version
-            ticket = await self.admit(tenant, name)
+        validate = lambda signature: validate_infer_request(request, signature)  # noqa: E731
+        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate) as call:
             try:
-                validate_infer_request(request, signature)
-                latency, inflight = self.metrics.model(name)
-                inflight.inc()
-                try:
-                    data = raw if raw is not None else request.SerializeToString()
+                caller_bytes = raw if raw is not None else request.SerializeToString()
+                data = caller_bytes
+                if call.routed:
+                    request.model_version = call.version
+                    data = pin_version(caller_bytes, call.version)
+                signature = call.signature
+                call.request = request
 
-                    def forward():
-                        return self._forward(request, data, signature, tenant, version, timeout, ctx, count_tokens)
-
-                    if ctx is not None and ctx.idempotency_key:
-                        key = scoped(tenant.name, ctx.idempotency_key)
-                        answer = await self.idempotency.run(key, body_digest(data), forward, timeout)
-                        return answer
-                    answer = await forward()
+                async def forward() -> bytes:
+                    call.computed = True
+                    answer = await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+                    if count_tokens is not None:
+                        call.tokens_in = count_tokens(answer)
                     return answer
-                except InferplaneError:
-                    raise
-                except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
-                    log.exception("inference on %s failed", name)
-                    raise BackendError(f"inference failed: {err}") from None
-                finally:
-                    inflight.dec()
-                    latency.observe(time.perf_counter() - started)
-            finally:
-                await self.quotas.release(ticket, ctx.tokens if ctx is not None else 0)
-        except InferplaneError as err:
-            code = err.reason
-            raise
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        finally:
-            self.metrics.count(label, version if label != UNKNOWN_MODEL_LABEL else "", code)
-            if ctx is not None:
-                ctx.version, ctx.arm = version, arm
-            if arm or self.traffic.shadows:
-                try:
-                    self.traffic.observe(name, arm, code, time.perf_counter() - started, request, data, answer, ctx)
-                except Exception:  # traffic bookkeeping must never change an answer
-                    log.exception("traffic bookkeeping for %s failed", name)
 
-    async def _forward(
-        self,
-        request: pb.ModelInferRequest,
-        data: bytes,
-        signature: ModelSignature,
-        tenant: Tenant,
-        version: str,
-        timeout: float | None,
-        ctx: CallContext | None,
-        count_tokens: Callable[[bytes], int] | None,
-    ) -> bytes:
-        """Through the model's admission queue and the replica's circuit breaker to Triton.
-
-        Only an answer Triton computed is metered (an idempotent replay never comes here)."""
-        queue = self._queue(request.model_name, signature)
-        if timeout is not None and timeout <= (queue.service_s or 0.0):
-            raise DeadlineExceeded(
-                f"model '{request.model_name}' cannot answer within the deadline ({timeout * 1000:.3f} ms left, "
-                f"~{(queue.service_s or 0.0) * 1000:.3f} ms needed)"
-            )
-        self.breaker.before()  # an open circuit refuses before the request waits anywhere
-        admitted = False
-        err: BaseException | None = None
-        try:
-            if not queue.try_acquire():
-                waited = time.perf_counter()
-                try:
-                    await queue.acquire(tenant.name, tenant.weight, timeout)
-                except QueueFull as refused:
-                    raise Overloaded(refused.message, retry_after_s=refused.retry_after_s) from None
-                except DeadlineUnmeetable as refused:
-                    raise DeadlineExceeded(refused.message) from None
-                if timeout is not None:
-                    timeout = max(0.0, timeout - (time.perf_counter() - waited))
-            admitted = True
-            t0 = time.perf_counter()
-            try:
-                answer = await self.coalescer.submit(request, data, signature.coalesce, timeout)
-            finally:
-                service_s = time.perf_counter() - t0
-                queue.release(service_s)
-            tokens = 0
-            if count_tokens is not None:
-                tokens = count_tokens(answer)
-                if ctx is not None:
-                    ctx.tokens = tokens  # charged to the token quota when the ticket is released
-            if self.meter is not None:
-                self.meter.record(tenant.name, tenant.team, request.model_name, version, input_tokens=tokens, compute_us=int(service_s * 1e6))
-            return answer
-        except BaseException as e:
-            err = e
-            raise
-        finally:
-            if admitted:
-                self.breaker.record(err)
-            else:
-                self.breaker.neutral()
+                if ctx is not None and ctx.idempotency_key:
+                    key = scoped(call.tenant.name, ctx.idempotency_key)  # the caller's bytes: a retry across a deploy matches
+                    answer = await self._idempotency.run(key, body_digest(caller_bytes), forward, call.timeout)
+                else:
+                    answer = await forward()
+                if self._router.shadows:
+                    call.shadow = (data, answer)
+                return answer
+            except InferplaneError:
+                raise
+            except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
+                log.exception("inference on %s failed", request.model_name)
+                raise BackendError(f"inference failed: {err}") from None
 
     async def stream_infer(
         self, raw_requests: AsyncIterator[bytes], timeout: float | None = None, ctx: CallContext | None = None
     ) -> AsyncIterator[bytes]:
-        """ModelStreamInfer: each request is admitted and validated; refused ones get an in-stream error.
+        """ModelStreamInfer: each message enters the pipeline; refused ones get an in-stream error.
 
-        Yields serialized ModelStreamInferResponse messages, Triton's and the frontend's own,
-        until the caller has finished writing and Triton has sent its last response. Each
-        request written to Triton holds its quota ticket until its final response (or the end of
-        the stream) and is metered then, with the LLM's tokens (server.dataplane.stream_ledger).
+        Yields serialized ModelStreamInferResponse messages, Triton's and the frontend's own, until
+        the caller has finished writing and Triton has sent its last response. Each message written
+        to Triton holds its pipeline call (quota ticket, queue slot) open until its final response
+        (or the end of the stream) and is metered then, with an LLM's tokens (``StreamLedger``).
         """
-        tenant = self.gate.authenticate(ctx).tenant  # before the first message: the call is refused
+        self.gate.authenticate(ctx)  # before the first message: the call is refused
         out: asyncio.Queue = asyncio.Queue()
-        call = self.triton.stream_raw(timeout=timeout)
+        stream = self._backend.stream_raw(timeout=timeout)
+        ledger = StreamLedger(self._pipeline)
         done = object()
-
-        def on_end(model: str, version: str, code: str, seconds: float, request_id: str, arm: str) -> None:
-            self.metrics.count(model, version, code)
-            if arm:  # the split's windows (canary analysis, A/B); streams make no shadow copies
-                self.traffic.observe(model, arm, code, seconds, pb.ModelInferRequest(id=request_id), None, None, ctx)
-
-        ledger = StreamLedger(tenant, self.quotas, self.meter, on_end)
 
         async def pump() -> None:
             try:
@@ -373,32 +322,24 @@ class DataPlane:
                     request = None
                     try:
                         request = parse_infer_request(raw)
-                        if not tenant.may_use(request.model_name):
-                            raise ModelNotFound(f"unknown model '{request.model_name}'")
-                        arm = ""
-                        if not request.model_version:
-                            raw, arm = self._route(request, raw, ctx)
-                        signature = self.resolve(request.model_name, request.model_version)
-                        ticket = await self.admit(tenant, request.model_name)
-                        try:
-                            validate_infer_request(request, signature)
-                        except InferplaneError:
-                            await self.quotas.release(ticket)
-                            raise
+                        validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
+                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate)
                     except InferplaneError as err:
-                        self.metrics.count(UNKNOWN_MODEL_LABEL if request is None else request.model_name, "", err.reason)
                         await out.put(_stream_error(err, request))
                         continue
-                    ledger.sent(request, signature, ticket, arm)
-                    await call.write(raw)
+                    if call.routed:
+                        request.model_version = call.version
+                        raw = pin_version(raw, call.version)
+                    ledger.sent(request, call)
+                    await stream.write(raw)
             finally:
-                await call.done_writing()
+                await stream.done_writing()
 
         async def relay() -> None:
             try:
-                async for response in call:
+                async for response in stream:
                     try:
-                        await ledger.answered(response)  # before the caller sees it: its tokens are charged
+                        response = await ledger.answered(response)  # before the caller sees it: its tokens are charged
                     except Exception:  # bookkeeping must never change or stop an answer
                         log.exception("stream bookkeeping failed")
                     await out.put(response)
@@ -415,8 +356,15 @@ class DataPlane:
         finally:
             for task in tasks:
                 task.cancel()
-            call.cancel()
+            stream.cancel()
             await ledger.close()
+
+
+_DESCRIBE = {
+    "ModelMetadata": pb.ModelMetadataRequest,
+    "ModelConfig": pb.ModelConfigRequest,
+    "ModelStatistics": pb.ModelStatisticsRequest,
+}
 
 
 def pin_version(raw: bytes, version: str) -> bytes:

@@ -7,8 +7,11 @@ Generation is one ``ModelStreamInfer`` call per request to a decoupled LLM model
 iterator early (the caller went away, a deadline, an exception) cancels the Triton stream,
 which the engine sees at its next decode step.
 
-Errors follow the two-phase rule: ``generate`` raises a domain error; a transport that has not
-sent anything yet turns it into a status, one that has streamed sends it inside the stream.
+Every generation and embedding request goes through the one admission pipeline
+(``server.dataplane.pipeline``): authentication, grants, traffic splits, quotas, the fair queue and
+the circuit breaker apply as they do to ModelInfer. Errors follow the two-phase rule: ``generate``
+raises a domain error; a transport that has not sent anything yet turns it into a status, one
+that has streamed sends it inside the stream.
 """
 
 from __future__ import annotations
@@ -19,24 +22,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 
 from server.dataplane import codecs
-from server.dataplane.dataplane import DataPlane, UNKNOWN_MODEL_LABEL
+from server.dataplane.pipeline import GENERATE, Pipeline
+from server.dataplane.routing import REQUEST_ID_HEADER, header
+from server.dataplane.signature import ModelSignature, is_llm
+from server.dataplane.stream_ledger import engine_error
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.dataplane.signature import ModelSignature, is_llm
 from server.tenancy.identity import CallContext
-from server.dataplane.triton_client import translate
+
+if TYPE_CHECKING:
+    from server.dataplane.dataplane import DataPlane
 
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "tokens"
-# the engine adapter prefixes caller mistakes with this (Triton's stream error carries no code)
-_INVALID_PREFIX = "invalid request: "
 
 
 @dataclass
@@ -95,7 +99,7 @@ async def _stream_outputs(call, request: pb.ModelInferRequest) -> AsyncIterator[
     async for raw in call:
         response = pb.ModelStreamInferResponse.FromString(raw)
         if response.error_message:
-            raise _engine_error(response.error_message)
+            raise engine_error(response.error_message)
         yield _outputs(response.infer_response)
 
 
@@ -117,36 +121,28 @@ def _input_tokens(raw: bytes) -> int:
     return _tokens(_outputs(pb.ModelInferResponse.FromString(raw)))
 
 
-def _engine_error(message: str) -> InferplaneError:
-    text = message.split("] ", 1)[-1] if message.startswith("[") else message
-    if _INVALID_PREFIX in text:
-        return InvalidRequest(text.split(_INVALID_PREFIX, 1)[1])
-    return BackendError(f"generation failed: {text}")
-
-
 class LLMService:
-    def __init__(self, dataplane: DataPlane):
-        self.dp = dataplane
+    """Generation and embeddings for the transports; built by the data plane it belongs to."""
+
+    def __init__(self, dataplane: "DataPlane", pipeline: Pipeline, backend):
+        self._dp = dataplane
+        self._pipeline = pipeline
+        self._backend = backend
 
     # ---- model lookups ------------------------------------------------------------------
 
     def llm(self, name: str, ctx: CallContext | None = None) -> ModelSignature:
-        signature = self.dp.resolve_for(ctx, name)
-        if not is_llm(signature):
-            raise InvalidRequest(f"model '{name}' is not a text-generation model")
-        return signature
-
-    def embedding_model(self, name: str, ctx: CallContext | None = None) -> ModelSignature:
-        signature = self.dp.resolve_for(ctx, name)
-        if not is_embedding(signature):
-            raise InvalidRequest(f"model '{name}' is not an embedding model")
+        signature = self._dp.resolve_for(ctx, name)
+        _require_llm(name, signature)
         return signature
 
     def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str]]:
         """(name, kind) for each served LLM or embedding model the caller may see."""
         out = []
-        for name in self.dp.visible(ctx, sorted(self.dp.models)):
-            signature = self.dp.models[name]
+        for name in self._dp.visible(ctx, self._dp.names()):
+            signature = self._dp.signature(name)
+            if signature is None:
+                continue
             if is_llm(signature):
                 out.append((name, "llm"))
             elif is_embedding(signature):
@@ -160,86 +156,63 @@ class LLMService:
     ) -> AsyncIterator[Chunk]:
         """Stream the engine's chunks; the last has ``finish_reason``. Raises domain errors.
 
-        The request is admitted against the tenant's and tenant x model quotas before any work
-        (``Overloaded`` when over). However it ends — answered, failed, the caller gone, the
-        deadline passed — the prompt + completion tokens the engine last reported are charged to
-        the token quota, and a generation sent to the engine is metered (those tokens and the
-        engine's wall time): a caller that leaves mid-stream still pays for what was generated.
+        However it ends — answered, failed, the caller gone, the deadline passed — the prompt +
+        completion tokens the engine last reported are charged to the token quota, and a generation
+        sent to the engine is metered (those tokens and the engine's wall time): a caller that
+        leaves mid-stream still pays for what was generated.
         """
-        label, code = UNKNOWN_MODEL_LABEL, "OK"
         ctx = ctx if ctx is not None else CallContext()
-        call = ticket = None
-        prompt_tokens = completion_tokens = 0
-        sent_at = ended_at = 0.0
-        if timeout is None:
-            timeout = ctx.timeout
-        try:
-            signature = self.llm(model, ctx)
-            label = model
-            tenant = ctx.principal.tenant
-            ticket = await self.dp.admit(tenant, model)
+
+        def validate(signature: ModelSignature) -> None:
+            _require_llm(model, signature)
             if (params.messages is None) == (params.prompt is None):
                 raise InvalidRequest("send exactly one of messages and prompt")
-            if timeout is not None and params.deadline_ms is None:
-                params.deadline_ms = max(1.0, timeout * 1000.0)
-            request = pb.ModelInferRequest(model_name=model, id=uuid.uuid4().hex)
-            if params.messages is not None:
-                _bytes_input(request, "messages", json.dumps(params.messages))
-            else:
-                _bytes_input(request, "text_input", params.prompt)
-            _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
-            # a little slack past the engine's own deadline, so the engine reports it
-            call = self.dp.triton.stream_raw(timeout=None if timeout is None else timeout + 5.0)
-            sent_at = time.perf_counter()
-            async for outputs in _stream_outputs(call, request):
-                if "info" not in outputs:
-                    continue  # an empty final flag
-                text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
-                info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
-                prompt_tokens = int(info.get("prompt_tokens", prompt_tokens))
-                completion_tokens = int(info.get("completion_tokens", completion_tokens))
-                reason = info.get("finish_reason")
-                if reason is not None:
-                    ended_at = time.perf_counter()
-                if reason == "deadline":
-                    raise DeadlineExceeded(f"the request's deadline passed after {completion_tokens} tokens")
-                if reason == "cancelled":
-                    raise Cancelled("the generation was cancelled")
-                if reason == "error":
-                    raise _engine_error(info.get("error", "engine error"))
-                yield Chunk(text, reason, prompt_tokens, completion_tokens, info.get("cached_tokens", 0), info.get("step", 0))
-                if reason is not None:
-                    return
-            raise BackendError("the model ended the stream without a final response")
-        except InferplaneError as err:
-            code = err.reason
-            raise
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except GeneratorExit:
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AioRpcError as err:
-            mapped = translate(err)
-            code = mapped.reason
-            raise mapped from None
-        except Exception as err:
-            code = "INTERNAL"
-            raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
-        finally:
-            if call is not None:
-                call.cancel()
-            ctx.tokens = prompt_tokens + completion_tokens
-            if ticket is not None:
-                await self.dp.quotas.release(ticket, ctx.tokens)
-            if call is not None and self.dp.meter is not None:
-                compute_us = int(((ended_at or time.perf_counter()) - sent_at) * 1e6)
-                self.dp.meter.record(
-                    tenant.name, tenant.team, model, signature.latest_version,
-                    input_tokens=prompt_tokens, output_tokens=completion_tokens, compute_us=compute_us,
-                )  # fmt: skip
-            self.dp.metrics.count(label, "", code)
+
+        async with self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate) as call:
+            stream = None
+            try:
+                timeout = call.timeout
+                if timeout is not None and params.deadline_ms is None:
+                    params.deadline_ms = max(1.0, timeout * 1000.0)
+                request_id = header(ctx, REQUEST_ID_HEADER) or uuid.uuid4().hex  # the caller's id names it in A/B feedback
+                request = pb.ModelInferRequest(model_name=model, model_version=call.version if call.routed else "", id=request_id)
+                if params.messages is not None:
+                    _bytes_input(request, "messages", json.dumps(params.messages))
+                else:
+                    _bytes_input(request, "text_input", params.prompt)
+                _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
+                call.request = request
+                # a little slack past the engine's own deadline, so the engine reports it
+                stream = self._backend.stream_raw(timeout=None if timeout is None else timeout + 5.0)
+                call.computed = True
+                call.dispatched_at = time.perf_counter()
+                async for outputs in _stream_outputs(stream, request):
+                    if "info" not in outputs:
+                        continue  # an empty final flag
+                    text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
+                    info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
+                    call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
+                    call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
+                    reason = info.get("finish_reason")
+                    if reason is not None:
+                        call.compute_s = time.perf_counter() - call.dispatched_at
+                    if reason == "deadline":
+                        raise DeadlineExceeded(f"the request's deadline passed after {call.tokens_out} tokens")
+                    if reason == "cancelled":
+                        raise Cancelled("the generation was cancelled")
+                    if reason == "error":
+                        raise engine_error(info.get("error", "engine error"))
+                    yield Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
+                    if reason is not None:
+                        return
+                raise BackendError("the model ended the stream without a final response")
+            except (InferplaneError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as err:
+                raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
+            finally:
+                if stream is not None:
+                    stream.cancel()
 
     async def complete(
         self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
@@ -254,17 +227,18 @@ class LLMService:
         return last
 
     async def engine_stats(self, model: str, ctx: CallContext | None = None) -> dict[str, Any]:
-        """The engine's counters (steps, queue, prefix-cache hits, recent sequences)."""
+        """The engine's counters (steps, queue, prefix-cache hits, recent sequences): an operator's
+        read, not a request (outside the pipeline: no quota, no queue)."""
         self.llm(model, ctx)
         request = pb.ModelInferRequest(model_name=model, id="stats")
         _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
-        call = self.dp.triton.stream_raw(timeout=10.0)
+        stream = self._backend.stream_raw(timeout=10.0)
         try:
-            async for outputs in _stream_outputs(call, request):
+            async for outputs in _stream_outputs(stream, request):
                 if "info" in outputs:
                     return json.loads(bytes(outputs["info"].reshape(-1)[0]))
         finally:
-            call.cancel()
+            stream.cancel()
         raise BackendError("no stats from the engine")
 
     # ---- embeddings ---------------------------------------------------------------------
@@ -272,8 +246,11 @@ class LLMService:
     async def embed(
         self, model: str, texts: list[str], timeout: float | None = None, ctx: CallContext | None = None
     ) -> tuple[np.ndarray, int]:
-        """L2-normalized embeddings ``[n, dim]`` FP32 and the number of tokens they covered."""
-        signature = self.embedding_model(model, ctx)
+        """L2-normalized embeddings ``[n, dim]`` FP32 and the number of tokens they covered; each
+        batch of up to the model's max batch size is one ModelInfer through the pipeline."""
+        signature = self._dp.resolve_for(ctx, model)
+        if not is_embedding(signature):
+            raise InvalidRequest(f"model '{model}' is not an embedding model")
         if not texts:
             raise InvalidRequest("input must not be empty")
         limit = signature.max_batch_size or 1
@@ -283,7 +260,7 @@ class LLMService:
             request = pb.ModelInferRequest(model_name=model)
             request.inputs.add(name=EMBEDDING_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            raw = await self.dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)
+            raw = await self._dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)
             outputs = _outputs(pb.ModelInferResponse.FromString(raw))
             if EMBEDDING_OUTPUT not in outputs:
                 raise BackendError(f"model '{model}' returned no '{EMBEDDING_OUTPUT}' output")
@@ -291,3 +268,7 @@ class LLMService:
             tokens += _tokens(outputs)
         return np.concatenate(vectors, axis=0), tokens
 
+
+def _require_llm(name: str, signature: ModelSignature) -> None:
+    if not is_llm(signature):
+        raise InvalidRequest(f"model '{name}' is not a text-generation model")

@@ -6,13 +6,12 @@ one increment, not a label resolution.
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 # Set (by `serve --workers N`, before prometheus_client is imported) when several processes
 # write metrics to files in this folder; the parent's /metrics sums them.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+UNKNOWN_MODEL_LABEL = "_unknown"  # every model name a caller sends that is not served here
 
 LATENCY_BUCKETS = (
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -20,8 +19,9 @@ LATENCY_BUCKETS = (
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, *, multiprocess: bool = False):
         self.registry = registry or CollectorRegistry()
+        self.multiprocess = multiprocess
         self.requests = Counter(
             "inferplane_requests",
             "Inference requests answered, by model, version and status code.",
@@ -86,7 +86,22 @@ class Metrics:
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
             registry=self.registry,
         )
+        self.admissions = Counter(
+            "inferplane_admissions",
+            "Requests past the quota, by model and how the model's fair queue took them: direct (a free "
+            "slot), queued (waited for one), refused (queue full), shed (deadline could not be met).",
+            ("model", "path"),
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "inferplane_queue_depth",
+            "Requests waiting in the frontend's fair queue for a model's slot, by model.",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self._counted: dict[tuple[str, str, str], object] = {}
+        self._admitted: dict[tuple[str, str], object] = {}
         self._per_model: dict[str, tuple[object, object]] = {}
 
     def model(self, model: str):
@@ -103,9 +118,16 @@ class Metrics:
             child = self._counted[key] = self.requests.labels(model, version, code)
         child.inc()
 
+    def admitted(self, model: str, path: str) -> None:
+        key = (model, path)
+        child = self._admitted.get(key)
+        if child is None:
+            child = self._admitted[key] = self.admissions.labels(model, path)
+        child.inc()
+
     def render(self) -> bytes:
         """This process's metrics, or all processes' summed when running multiprocess."""
-        if os.environ.get(MULTIPROC_ENV):
+        if self.multiprocess:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)

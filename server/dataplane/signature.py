@@ -33,6 +33,7 @@ class ModelSignature:
     required: frozenset[str] = field(default=frozenset())
     coalesce: CoalescePolicy = CoalescePolicy(enabled=False)
     instances: int = 1  # Triton instances serving it (all instance groups)
+    max_running: int = 16  # an LLM engine's concurrent sequences (its ``max_running`` parameter)
 
     @classmethod
     def from_config(cls, config: model_config_pb2.ModelConfig, versions=()) -> "ModelSignature":
@@ -53,6 +54,7 @@ class ModelSignature:
             required=frozenset(name for name, s in inputs.items() if not s.optional),
             coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size)),
             instances=max(1, sum(max(1, g.count) for g in config.instance_group)),
+            max_running=_int(params.get("max_running"), 16),
         )
 
     @property
@@ -73,6 +75,13 @@ LLM_OUTPUTS = frozenset({"text_output", "info"})
 def is_llm(signature: ModelSignature) -> bool:
     """A decoupled text-generation model speaking the LLM engine's inputs and outputs."""
     return signature.decoupled and LLM_OUTPUTS <= set(signature.outputs) and set(signature.inputs) <= LLM_INPUTS
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text else default
+    except ValueError:
+        return default
 
 
 def version_key(version: str):

@@ -16,82 +16,90 @@ Requests alike in both (a caller that sends no ids) are interchangeable here —
 quota scopes — and are matched oldest first; the metered compute time sums the same whichever
 one a response is matched to.
 
-When a request ends, its ticket is released with the tokens the LLM engine last reported
-(``prompt_tokens + completion_tokens`` from ``info``; 0 for other models) — so concurrency caps
-count streamed requests in flight and token quotas are charged, possibly into debt, before the
-caller sees the final response — and one usage row is recorded: the model, the version that
-answered, those tokens, and the time from the write to Triton to the end. Like ``generate``,
-every request Triton worked on is metered however it ended (answer, error, the caller gone).
+Each request is one call of the admission pipeline (``server.dataplane.pipeline``), entered
+before the write and exited here when the request ends: its queue slot and quota ticket are
+released with the tokens the LLM engine last reported (``prompt_tokens + completion_tokens`` from
+``info``; 0 for other models) — so concurrency caps count streamed requests in flight and token
+quotas are charged, possibly into debt, before the caller sees the final response — and one
+usage row is recorded: the model, the version that answered, those tokens, and the time from the
+write to Triton to the end. Like ``generate``, every request Triton worked on is metered however
+it ended (answer, error, the caller gone).
+
+Triton's own in-stream errors carry no status; the ledger prefixes them with the code they mean
+(``INVALID_ARGUMENT: …`` for the LLM engine's caller mistakes, ``INTERNAL: …`` otherwise), the
+way the frontend's own in-stream errors read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.dataplane import codecs
-from server.errors import BackendError, Cancelled
+from server.dataplane.pipeline import AdmittedCall, Pipeline
+from server.dataplane.signature import is_llm
+from server.errors import BackendError, Cancelled, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.quota_policy import QuotaPolicy
-from server.dataplane.signature import ModelSignature, is_llm
-from server.tenancy.identity import Tenant
 
 log = logging.getLogger(__name__)
-FAILED = BackendError("").reason  # the metrics code of a request Triton answered with an error
-GONE = Cancelled("").reason  # ... of one still open when the stream ended
 
 FINAL_PARAMETER = "triton_final_response"
+# the engine adapter prefixes caller mistakes with this (Triton's stream error carries no code)
+INVALID_PREFIX = "invalid request: "
+_CODED = re.compile(r"^[A-Z][A-Z_]+: ")
+
+
+def engine_error(message: str) -> InferplaneError:
+    """The domain error an in-stream error message from Triton or the LLM engine means."""
+    text = message.split("] ", 1)[-1] if message.startswith("[") else message
+    if INVALID_PREFIX in text:
+        return InvalidRequest(text.split(INVALID_PREFIX, 1)[1])
+    return BackendError(f"generation failed: {text}")
 
 
 @dataclass(slots=True, eq=False)  # identity: two alike requests are still two
 class _Pending:
     model: str
-    version: str  # what the request asked for, or the model's latest
-    ticket: tuple
+    call: AdmittedCall
     decoupled: bool
     llm: bool
-    sent: float  # perf_counter at the write to Triton
     request_id: str = ""
-    arm: str = ""  # the traffic split's arm that chose the version ("" without a split)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-# on_end(model, version, code, seconds, request_id, arm): the request metrics and the traffic split's
-# windows (server.dataplane.dataplane passes one)
-EndHook = Callable[[str, str, str, float, str, str], None]
 
 
 class StreamLedger:
-    def __init__(self, tenant: Tenant, quotas: QuotaPolicy, meter=None, on_end: EndHook | None = None):  # or a RedisQuotaPolicy
-        self.tenant = tenant
-        self.quotas = quotas
-        self.meter = meter  # server.tenancy.metering.Meter, or None
-        self.on_end = on_end
+    def __init__(self, pipeline: Pipeline):
+        self.pipeline = pipeline
         self._pending: dict[str, list[_Pending]] = {}
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._pending.values())
 
-    def sent(self, request: pb.ModelInferRequest, signature: ModelSignature, ticket: tuple, arm: str = "") -> None:
-        """``request`` is about to be written to Triton, holding ``ticket`` (call before the
+    def sent(self, request: pb.ModelInferRequest, call: AdmittedCall) -> None:
+        """``request`` (admitted as ``call``) is about to be written to Triton (call before the
         write: its first response may arrive before the write returns)."""
-        entry = _Pending(
-            request.model_name, request.model_version or signature.latest_version, ticket,
-            signature.decoupled, is_llm(signature), time.perf_counter(), request.id, arm,
-        )  # fmt: skip
+        signature = call.signature
+        call.computed = True
+        call.request = request
+        call.dispatched_at = time.perf_counter()
+        entry = _Pending(request.model_name, call, signature.decoupled, is_llm(signature), request.id)
         self._pending.setdefault(request.id, []).append(entry)
 
-    async def answered(self, raw: bytes) -> None:
-        """One response Triton streamed back: close its request's books if it is the last."""
+    async def answered(self, raw: bytes) -> bytes:
+        """One response Triton streamed back: close its request's books if it is the last.
+        Returns the response to relay (Triton's own errors get their code prefixed)."""
         response = pb.ModelStreamInferResponse.FromString(raw)
+        error = None
+        if response.error_message and not _CODED.match(response.error_message):
+            error = engine_error(response.error_message)
+            response.error_message = f"{error.reason}: {response.error_message}"
+            raw = response.SerializeToString()
         answer = response.infer_response
         entries = self._pending.get(answer.id)
         if not entries:
-            return  # not a request this ledger wrote
+            return raw  # not a request this ledger wrote
         entry = next((e for e in entries if e.model == answer.model_name), entries[0]) if answer.model_name else entries[0]
         finish = None
         if entry.llm and answer.outputs:
@@ -101,43 +109,36 @@ class StreamLedger:
         else:
             final = bool(response.error_message) or not entry.decoupled or finish is not None
         if not final:
-            return
+            return raw
         entries.remove(entry)
         if not entries:
             del self._pending[answer.id]
-        code = FAILED if response.error_message else "OK"
-        await self._close(entry, answer.model_version or entry.version, code)
+        if answer.model_version:
+            entry.call.version = answer.model_version
+        if response.error_message and error is None:
+            error = BackendError(response.error_message)
+        await self.pipeline.exit(entry.call, error)
+        return raw
 
     async def close(self) -> None:
         """The stream ended: every request still open ends here, with what it reported so far."""
         pending, self._pending = self._pending, {}
         for entries in pending.values():
             for entry in entries:
-                await self._close(entry, entry.version, GONE)
-
-    async def _close(self, entry: _Pending, version: str, code: str) -> None:
-        seconds = time.perf_counter() - entry.sent
-        if self.on_end is not None:
-            self.on_end(entry.model, version, code, seconds, entry.request_id, entry.arm)
-        compute_us = int(seconds * 1e6)
-        await self.quotas.release(entry.ticket, entry.prompt_tokens + entry.completion_tokens)
-        if self.meter is not None:
-            self.meter.record(
-                self.tenant.name, self.tenant.team, entry.model, version,
-                input_tokens=entry.prompt_tokens, output_tokens=entry.completion_tokens, compute_us=compute_us,
-            )  # fmt: skip
+                await self.pipeline.exit(entry.call, Cancelled("the stream ended before the request finished"))
 
     @staticmethod
     def _read_info(entry: _Pending, answer: pb.ModelInferResponse) -> str | None:
-        """The engine's token counts from an LLM response's ``info`` into ``entry``; returns its
+        """The engine's token counts from an LLM response's ``info`` into the call; returns its
         finish_reason. A malformed ``info`` counts nothing and never breaks the stream."""
+        call = entry.call
         for i, tensor in enumerate(answer.outputs):
             if tensor.name != "info" or i >= len(answer.raw_output_contents):
                 continue
             try:
                 info = json.loads(codecs.deserialize_bytes(answer.raw_output_contents[i])[0])
-                entry.prompt_tokens = int(info.get("prompt_tokens", entry.prompt_tokens))
-                entry.completion_tokens = int(info.get("completion_tokens", entry.completion_tokens))
+                call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
+                call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
                 return info.get("finish_reason")
             except (ValueError, IndexError, AttributeError, TypeError):
                 log.warning("unreadable info from model %s; its tokens are not counted", entry.model)

@@ -16,6 +16,7 @@ from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
 
 _SERVICE = "/inference.GRPCInferenceService/"
+_STUB_DOWN = "Stub process"  # Triton's python backend: "Stub process '…' is not healthy." and alike
 
 
 class TritonClient:
@@ -60,11 +61,12 @@ class TritonClient:
         except grpc.aio.AioRpcError as err:
             raise translate(err) from None
 
-    def stream_raw(self, timeout: float | None = None):
-        """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads)."""
+    def stream_raw(self, timeout: float | None = None) -> "RawStream":
+        """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads); its failures
+        are domain errors like every other call's."""
         channel = self._channels[next(self._rr)]
         method = channel.stream_stream(_SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None)
-        return method(timeout=timeout)
+        return RawStream(method(timeout=timeout))
 
     async def unary_raw(self, method: str, request: bytes, timeout: float | None = 30.0) -> bytes:
         call = self._channels[0].unary_unary(_SERVICE + method, request_serializer=None, response_deserializer=None)
@@ -106,9 +108,43 @@ class TritonClient:
         await self._typed("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name=name), pb.RepositoryModelUnloadResponse, timeout)
 
 
+class RawStream:
+    """A ModelStreamInfer call whose errors arrive as domain errors (``translate``)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call):
+        self._call = call
+
+    async def write(self, raw: bytes) -> None:
+        try:
+            await self._call.write(raw)
+        except grpc.aio.AioRpcError as err:
+            raise translate(err) from None
+
+    async def done_writing(self) -> None:
+        try:
+            await self._call.done_writing()
+        except grpc.aio.AioRpcError as err:
+            raise translate(err) from None
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    async def __aiter__(self):
+        try:
+            async for raw in self._call:
+                yield raw
+        except grpc.aio.AioRpcError as err:
+            raise translate(err) from None
+
+
 def translate(err: grpc.aio.AioRpcError) -> InferplaneError:
     code = err.code()
     message = err.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
         return BackendUnavailable(f"Triton is unavailable: {message}", retry_after_s=1.0)
+    if code == grpc.StatusCode.INTERNAL and _STUB_DOWN in message:
+        # the model's Python process died (Triton restarts it): the backend is sick, not the request
+        return BackendUnavailable(f"model process unavailable: {message}", retry_after_s=1.0)
     return from_grpc_code(code, message)

@@ -16,12 +16,11 @@ import sys
 
 from pydantic import SecretStr
 
-from server.settings import Settings
+from server.settings import WORKER_SETTINGS_ENV, Settings
 from server.runtime.supervisor import _die_with_parent
 
 log = logging.getLogger(__name__)
 
-WORKER_SETTINGS_ENV = "INFERPLANE_WORKER_SETTINGS"
 READY_MARK = "inferplane worker ready"
 
 
@@ -121,7 +120,7 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 
 
 def _mark_dead(pid: int) -> None:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
+    """A worker's live gauges leave the parent's sums (the pool always runs multiprocess metrics)."""
+    from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid)
+    multiprocess.mark_process_dead(pid)

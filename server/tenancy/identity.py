@@ -228,8 +228,11 @@ class Gatekeeper:
         return self.keyring is None or principal.tenant.admin
 
     def require_admin(self, ctx: CallContext | None, what: str) -> Principal:
-        """The caller, who must be an admin tenant (UNAUTHENTICATED without a valid key)."""
-        principal = self.authenticate(ctx)
+        """The caller, who must be an admin tenant (UNAUTHENTICATED without a valid key). The one
+        admin check of every API (Admin, Traffic, Tenancy, OIP repository load/unload)."""
+        return self.check_admin(self.authenticate(ctx), what)
+
+    def check_admin(self, principal: Principal, what: str) -> Principal:
         if not self.is_admin(principal):
             raise PermissionDenied(f"{what} needs an admin key (tenant '{principal.name}' is not an admin)")
         return principal

@@ -327,6 +327,8 @@ def test_body_over_the_limit_really_sent(stack, chunked):
 class _StubDataPlane:
     """Resolves nothing, and its infer raises an unexpected (non-domain) exception."""
 
+    llm = None  # no generation here
+
     def is_ready(self) -> bool:
         return True
 

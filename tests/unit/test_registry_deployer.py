@@ -58,6 +58,30 @@ class FakeDataPlane:
     async def refresh(self, name):
         return self.models[name]
 
+    # the rest of DataPlane's surface the deployer uses
+    def ready_versions(self, name):
+        return self.models[name].versions if name in self.models else frozenset()
+
+    def signature(self, name):
+        return self.models.get(name)
+
+    def live_version(self, name):
+        return self.routes.get(name)
+
+    def set_live(self, name, version):
+        self.routes[name] = version
+
+    def is_loaded(self, name):
+        return name in self.loaded
+
+    async def unload_model(self, name, *, missing_ok=False):
+        self.loaded.discard(name)
+        self.models.pop(name, None)
+        await self.triton.unload_model(name)
+
+    async def backend_infer(self, raw, timeout=None):
+        return await self.triton.infer_raw(raw, timeout)
+
 
 @pytest.fixture
 def setup(tmp_path):

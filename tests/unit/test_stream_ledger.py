@@ -5,14 +5,19 @@ import json
 
 import pytest
 
+from dataclasses import replace
+
 from server.dataplane import codecs
-from server.errors import Overloaded
-from server.tenancy.metering import Meter
-from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.quota_policy import Quota, QuotaPolicy
+from server.dataplane.metrics import Metrics
+from server.dataplane.pipeline import STREAM, Pipeline
+from server.dataplane.routing import Router
 from server.dataplane.signature import ModelSignature, TensorSpec
 from server.dataplane.stream_ledger import StreamLedger
-from server.tenancy.identity import Tenant
+from server.errors import Overloaded
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.tenancy.identity import CallContext, Gatekeeper, KeyEntry, KeyRing, Tenant, hash_key
+from server.tenancy.metering import Meter
+from server.tenancy.quota_policy import Quota, QuotaPolicy
 
 TABULAR = ModelSignature(
     "gbm", 8, {"features": TensorSpec("features", "FP32", (16,))}, {"prediction": TensorSpec("prediction", "FP32", (1,))}, frozenset({"1", "2"})
@@ -52,14 +57,32 @@ def _response(model, id="", version="1", final=None, info=None, error=""):
     return response.SerializeToString()
 
 
+KEY = "ipk_00000000_secret"
+
+
+def _pipeline(policy, meter=None, metrics=None, quota=Quota()):
+    """The real admission pipeline over an in-memory key ring and model table (no Triton)."""
+    ring = KeyRing(b"pepper")
+    ring.load([replace(TENANT, quota=quota)], [KeyEntry("00000000", hash_key(KEY, b"pepper"), TENANT.name)])
+    table = {s.name: s for s in (TABULAR, LLM)}
+    return Pipeline(
+        gate=Gatekeeper(ring), quotas=policy, router=Router({}), metrics=metrics or Metrics(),
+        resolve=lambda name, version: table[name], replica="test", meter=meter,
+    )  # fmt: skip
+
+
+async def _open(pipeline, signature):
+    return await pipeline.open(CallContext(KEY), signature.name, kind=STREAM)
+
+
 def _setup(quota=Quota()):
     policy = QuotaPolicy(Clock())
     meter = Meter(None)
-    ledger = StreamLedger(TENANT, policy, meter)
+    pipeline = _pipeline(policy, meter, quota=quota)
+    ledger = StreamLedger(pipeline)
 
     async def send(signature, id=""):
-        ticket = await policy.admit(TENANT.name, signature.name, quota)
-        ledger.sent(_request(signature, id), signature, ticket)
+        ledger.sent(_request(signature, id), await _open(pipeline, signature))
 
     return policy, meter, ledger, send
 
@@ -176,12 +199,29 @@ async def test_an_unreadable_info_counts_nothing_and_keeps_the_request_open():
 
 
 async def test_every_ended_request_is_counted_in_the_request_metrics_with_its_outcome():
-    policy = QuotaPolicy(Clock())
-    counted: list[tuple[str, str, str]] = []
-    ledger = StreamLedger(TENANT, policy, None, lambda model, version, code, seconds, id, arm: counted.append((model, version, code)))
+    metrics = Metrics()
+    pipeline = _pipeline(QuotaPolicy(Clock()), metrics=metrics)
+    ledger = StreamLedger(pipeline)
     for id in ("ok", "bad", "open"):
-        ledger.sent(_request(TABULAR, id), TABULAR, await policy.admit(TENANT.name, TABULAR.name, Quota()))
+        ledger.sent(_request(TABULAR, id), await _open(pipeline, TABULAR))
     await ledger.answered(_response("gbm", "ok", version="2", final=True))
     await ledger.answered(_response("gbm", "bad", final=True, error="boom"))
     await ledger.close()  # "open" never got its answer: the caller left
-    assert counted == [("gbm", "2", "OK"), ("gbm", "1", "INTERNAL"), ("gbm", "2", "CANCELLED")]
+    counted = {
+        (s.labels["model"], s.labels["version"], s.labels["code"]): s.value
+        for s in metrics.requests.collect()[0].samples
+        if s.name == "inferplane_requests_total"
+    }
+    assert counted == {("gbm", "2", "OK"): 1, ("gbm", "1", "INTERNAL"): 1, ("gbm", "2", "CANCELLED"): 1}
+
+
+async def test_tritons_own_in_stream_errors_get_the_code_they_mean():
+    _, _, ledger, send = _setup()
+    await send(TABULAR, "x")
+    await send(LLM, "y")
+    relayed = await ledger.answered(_response("gbm", "x", final=True, error="[request id: x] unexpected shape"))
+    assert pb.ModelStreamInferResponse.FromString(relayed).error_message == "INTERNAL: [request id: x] unexpected shape"
+    relayed = await ledger.answered(_response("llm", "y", final=True, error="invalid request: max_tokens must be > 0"))
+    assert pb.ModelStreamInferResponse.FromString(relayed).error_message == "INVALID_ARGUMENT: invalid request: max_tokens must be > 0"
+    ours = pb.ModelStreamInferResponse(error_message="NOT_FOUND: unknown model 'z'").SerializeToString()
+    assert await ledger.answered(ours) == ours  # already coded: relayed untouched

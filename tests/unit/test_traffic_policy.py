@@ -350,9 +350,19 @@ class _DataPlane:
         from types import SimpleNamespace
 
         self.routes = {"m": "1"}
-        self.traffic = Router(self.routes, clock)
+        self.router = Router(self.routes, clock)
         self.models = {"m": SimpleNamespace(versions=frozenset({"1", "2"}))}
-        self.triton = SimpleNamespace(infer_raw=None)
+        self.backend_infer = None
+
+    # the DataPlane surface the controller uses
+    def ready_versions(self, name):
+        return self.models[name].versions if name in self.models else frozenset()
+
+    def live_version(self, name):
+        return self.routes.get(name)
+
+    async def refresh(self, name):
+        return self.models.get(name)
 
 
 def _controller(tmp_path, clock, registry=None):
@@ -371,9 +381,9 @@ def _controller(tmp_path, clock, registry=None):
 
 def _traffic(dp, clock, n, canary_error=False):
     for _ in range(n):
-        version, arm = dp.traffic.choose("m", None)
+        version, arm = dp.router.choose("m", None)
         code = "INTERNAL" if canary_error and arm == "canary" else "OK"
-        dp.traffic.observe("m", arm, code, 0.002, None, None, None, None)
+        dp.router.observe("m", arm, code, 0.002, None, None, None, None)
         clock.now += 0.001
 
 
@@ -390,14 +400,14 @@ def test_controller_walks_passing_steps_then_promotes(tmp_path):
         assert controller.policies[("m", "split")].state["step"] == 0  # passing, but the step is not over
         clock.now += 30
         await controller.analyze()
-        assert [a.weight for a in dp.traffic.splits["m"].arms] == [50, 50]
+        assert [a.weight for a in dp.router.splits["m"].arms] == [50, 50]
         _traffic(dp, clock, 100)
         clock.now += 30
         await controller.analyze()
         return controller, dp, registry
 
     controller, dp, registry = asyncio.run(run())
-    assert controller.deployer.deployed == ["m:2"] and dp.routes["m"] == "2" and "m" not in dp.traffic.splits
+    assert controller.deployer.deployed == ["m:2"] and dp.routes["m"] == "2" and "m" not in dp.router.splits
     assert [a[1] for a in registry.audits] == ["canary.start", "canary.step", "canary.promote"]
     assert registry.audits[-1][0] == "traffic-controller" and "pass" in registry.audits[-1][4]
     assert [r["status"] for r in controller.store.history("m")] == ["promoted"]
@@ -410,13 +420,13 @@ def test_controller_rolls_a_breaching_canary_back_at_once_and_audits_the_figures
         await controller.set_canary("m", 2, percent=10, interval_s=600, thresholds=LIMITS)
         _traffic(dp, clock, 60, canary_error=True)  # 6 canary samples: no verdict yet
         await controller.analyze()
-        assert "m" in dp.traffic.splits and controller.verdicts["m"].decision == "wait"
+        assert "m" in dp.router.splits and controller.verdicts["m"].decision == "wait"
         _traffic(dp, clock, 60, canary_error=True)
         await controller.analyze()
         return controller, dp, registry
 
     controller, dp, registry = asyncio.run(run())
-    assert "m" not in dp.traffic.splits and dp.routes["m"] == "1" and controller.deployer.deployed == []
+    assert "m" not in dp.router.splits and dp.routes["m"] == "1" and controller.deployer.deployed == []
     actor, action, target, outcome, detail = registry.audits[-1]
     assert (actor, action, target, outcome) == ("traffic-controller", "canary.rollback", "m:2", "rolled_back")
     assert "canary_requests=12 canary_errors=12" in detail and "stable_errors=0" in detail
@@ -441,7 +451,7 @@ def test_active_policies_are_installed_again_after_a_restart(tmp_path):
         controller, dp, _ = _controller(tmp_path, clock, registry)
         await controller.start()
         try:
-            return controller.get_policy("m"), dp.traffic.choose("m", _ctx(**{"x-user-id": "u1"}))
+            return controller.get_policy("m"), dp.router.choose("m", _ctx(**{"x-user-id": "u1"}))
         finally:
             await controller.stop()
 

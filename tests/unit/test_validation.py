@@ -120,7 +120,7 @@ def test_pin_version_overrides_without_reserializing():
 
 
 def test_signature_counts_instances_and_sizes_admission_by_them():
-    from server.dataplane.dataplane import DataPlane
+    from server.dataplane.pipeline import model_slots
 
     config = mc.ModelConfig(name="m", backend="python", max_batch_size=0)
     config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[-1])
@@ -131,13 +131,8 @@ def test_signature_counts_instances_and_sizes_admission_by_them():
     signature = ModelSignature.from_config(config)
     assert signature.instances == 5
 
-    class _Triton:  # DataPlane only reads .target/.infer_raw at construction
-        target = "unused"
-        infer_raw = None
-
-    dp = DataPlane(_Triton())
-    assert dp._queue("m", signature).policy.slots == 5  # noqa: SLF001 - the default the data plane derives
+    assert model_slots(signature) == 5  # the default the pipeline sizes a model's queue by
     config.max_batch_size = 4  # coalescing on by default: its in-flight batches x their size
-    assert dp._queue("n", ModelSignature.from_config(config)).policy.slots == 2 * 4  # noqa: SLF001
+    assert model_slots(ModelSignature.from_config(config)) == 2 * 4
     config.parameters["inferplane.coalesce"].string_value = "false"  # each instance batches up to 4
-    assert dp._queue("o", ModelSignature.from_config(config)).policy.slots == 5 * 4  # noqa: SLF001
+    assert model_slots(ModelSignature.from_config(config)) == 5 * 4

@@ -15,13 +15,13 @@ import json
 from server.dataplane.dataplane import DataPlane
 from server.errors import InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
-from server.transports.grpc.inference import abort, call_context
+from server.transports.grpc.context import call_context
 from server.tenancy.identity import Principal
 from server.dataplane.signature import ModelSignature, version_key
 
 
 def model_status(dp: DataPlane, name: str) -> admin_pb2.ModelStatus:
-    signature: ModelSignature | None = dp.models.get(name)
+    signature: ModelSignature | None = dp.signature(name)
     if signature is None:
         return admin_pb2.ModelStatus(name=name, state="UNAVAILABLE", reason="not loaded or failed to load")
     status = admin_pb2.ModelStatus(
@@ -76,28 +76,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     # ---- models Triton serves ---------------------------------------------------------------
 
     async def ListModels(self, request, context):
-        async def run():
-            tenant = self._caller(context).tenant
-            names = [n for n in sorted(set(self.dp.models) | self.dp.loaded) if tenant.may_use(n)]
-            return admin_pb2.ListModelsResponse(models=[model_status(self.dp, n) for n in names])
-
-        return await _guard(context, run)
+        tenant = self._caller(context).tenant
+        names = [n for n in self.dp.names() if tenant.may_use(n)]
+        return admin_pb2.ListModelsResponse(models=[model_status(self.dp, n) for n in names])
 
     async def LoadModel(self, request, context):
-        async def run():
-            self._admin(context, "LoadModel")
-            await self.dp.load_model(request.name)
-            return admin_pb2.LoadModelResponse(model=model_status(self.dp, request.name))
-
-        return await _guard(context, run)
+        self._admin(context, "LoadModel")
+        await self.dp.load_model(request.name)
+        return admin_pb2.LoadModelResponse(model=model_status(self.dp, request.name))
 
     async def UnloadModel(self, request, context):
-        async def run():
-            self._admin(context, "UnloadModel")
-            await self.dp.unload_model(request.name)
-            return admin_pb2.UnloadModelResponse()
-
-        return await _guard(context, run)
+        self._admin(context, "UnloadModel")
+        await self.dp.unload_model(request.name)
+        return admin_pb2.UnloadModelResponse()
 
     # ---- registry and deploy (issue 5) ------------------------------------------------------
 
@@ -107,141 +98,107 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return self.registry, self.deployer
 
     async def RegisterModel(self, request, context):
-        async def run():
-            principal = self._admin(context, "RegisterModel")
-            registry, _ = self._control()
-            try:
-                signature = json.loads(request.signature_json or "null")
-                hardware = json.loads(request.hardware_json or "{}")
-            except ValueError as err:
-                raise InvalidRequest(f"signature_json / hardware_json are not JSON: {err}") from None
-            record, created = await asyncio.to_thread(
-                registry.register,
-                request.name,
-                request.artifact,
-                signature=signature,
-                filename=request.filename,
-                format=request.format or None,
-                validation=request.validation_npz or None,
-                companions=dict(request.companions),
-                metrics=dict(request.metrics),
-                hardware=hardware,
-                tags=dict(request.tags),
-                training_run=request.training_run,
-                dataset_version=request.dataset_version,
-                experiment=request.experiment,
-                parent=request.parent or None,
-                owner_team=request.owner_team,
-                description=request.description,
-                artifact_signature=request.artifact_signature or None,
-                actor=self._actor(context, principal),
-            )
-            return admin_pb2.RegisterModelResponse(version=version_info(record), created=created)
-
-        return await _guard(context, run)
+        principal = self._admin(context, "RegisterModel")
+        registry, _ = self._control()
+        try:
+            signature = json.loads(request.signature_json or "null")
+            hardware = json.loads(request.hardware_json or "{}")
+        except ValueError as err:
+            raise InvalidRequest(f"signature_json / hardware_json are not JSON: {err}") from None
+        record, created = await asyncio.to_thread(
+            registry.register,
+            request.name,
+            request.artifact,
+            signature=signature,
+            filename=request.filename,
+            format=request.format or None,
+            validation=request.validation_npz or None,
+            companions=dict(request.companions),
+            metrics=dict(request.metrics),
+            hardware=hardware,
+            tags=dict(request.tags),
+            training_run=request.training_run,
+            dataset_version=request.dataset_version,
+            experiment=request.experiment,
+            parent=request.parent or None,
+            owner_team=request.owner_team,
+            description=request.description,
+            artifact_signature=request.artifact_signature or None,
+            actor=self._actor(context, principal),
+        )
+        return admin_pb2.RegisterModelResponse(version=version_info(record), created=created)
 
     async def ListRegisteredModels(self, request, context):
-        async def run():
-            tenant = self._caller(context).tenant
-            registry, _ = self._control()
-            models = [m for m in await asyncio.to_thread(registry.list_models) if tenant.may_use(m.name)]
-            return admin_pb2.ListRegisteredModelsResponse(
-                models=[
-                    admin_pb2.RegisteredModel(
-                        name=m.name, owner_team=m.owner_team, latest_version=m.latest_version,
-                        version_count=m.version_count, description=m.description,
-                    )
-                    for m in models
-                ]
-            )  # fmt: skip
-
-        return await _guard(context, run)
+        tenant = self._caller(context).tenant
+        registry, _ = self._control()
+        models = [m for m in await asyncio.to_thread(registry.list_models) if tenant.may_use(m.name)]
+        return admin_pb2.ListRegisteredModelsResponse(
+            models=[
+                admin_pb2.RegisteredModel(
+                    name=m.name, owner_team=m.owner_team, latest_version=m.latest_version,
+                    version_count=m.version_count, description=m.description,
+                )
+                for m in models
+            ]
+        )  # fmt: skip
 
     async def ShowModel(self, request, context):
-        async def run():
-            _, registry = self._registered(context, request)
-            if request.version:
-                records = [await asyncio.to_thread(registry.get, request.name, int(request.version))]
-            else:
-                records = await asyncio.to_thread(registry.list_versions, request.name)
-            return admin_pb2.ShowModelResponse(versions=[version_info(r) for r in records])
-
-        return await _guard(context, run)
+        _, registry = self._registered(context, request)
+        if request.version:
+            records = [await asyncio.to_thread(registry.get, request.name, int(request.version))]
+        else:
+            records = await asyncio.to_thread(registry.list_versions, request.name)
+        return admin_pb2.ShowModelResponse(versions=[version_info(r) for r in records])
 
     async def GetLineage(self, request, context):
-        async def run():
-            principal, registry = self._registered(context, request)
-            chain = await asyncio.to_thread(registry.lineage, request.name, int(request.version) or None)
-            chain = [r for r in chain if principal.tenant.may_use(r.name)]  # ancestors under ungranted names stay hidden
-            return admin_pb2.GetLineageResponse(chain=[version_info(r) for r in chain])
-
-        return await _guard(context, run)
+        principal, registry = self._registered(context, request)
+        chain = await asyncio.to_thread(registry.lineage, request.name, int(request.version) or None)
+        chain = [r for r in chain if principal.tenant.may_use(r.name)]  # ancestors under ungranted names stay hidden
+        return admin_pb2.GetLineageResponse(chain=[version_info(r) for r in chain])
 
     async def Deploy(self, request, context):
-        async def run():
-            principal = self._admin(context, "Deploy")
-            _, deployer = self._control()
-            o = request.serving
-            options = {
-                "instances": o.instances or None,
-                "max_batch": o.max_batch if o.has_max_batch else None,
-                "queue_delay_us": o.queue_delay_us if o.has_queue_delay_us else None,
-                "cache": o.cache if o.has_cache else None,
-            }
-            result = await deployer.deploy(request.ref, options, actor=self._actor(context, principal))
-            return admin_pb2.DeployResponse(result=deploy_result(result))
-
-        return await _guard(context, run)
+        principal = self._admin(context, "Deploy")
+        _, deployer = self._control()
+        o = request.serving
+        options = {
+            "instances": o.instances or None,
+            "max_batch": o.max_batch if o.has_max_batch else None,
+            "queue_delay_us": o.queue_delay_us if o.has_queue_delay_us else None,
+            "cache": o.cache if o.has_cache else None,
+        }
+        result = await deployer.deploy(request.ref, options, actor=self._actor(context, principal))
+        return admin_pb2.DeployResponse(result=deploy_result(result))
 
     async def Rollback(self, request, context):
-        async def run():
-            principal = self._admin(context, "Rollback")
-            _, deployer = self._control()
-            result = await deployer.rollback(request.name, actor=self._actor(context, principal))
-            return admin_pb2.RollbackResponse(result=deploy_result(result))
-
-        return await _guard(context, run)
+        principal = self._admin(context, "Rollback")
+        _, deployer = self._control()
+        result = await deployer.rollback(request.name, actor=self._actor(context, principal))
+        return admin_pb2.RollbackResponse(result=deploy_result(result))
 
     async def ListEndpoints(self, request, context):
-        async def run():
-            tenant = self._caller(context).tenant
-            registry, deployer = self._control()
-            names = [ep.name for ep in await asyncio.to_thread(registry.endpoints) if tenant.may_use(ep.name)]
-            return admin_pb2.ListEndpointsResponse(
-                endpoints=[endpoint_info(await deployer.endpoint_status(n), history=False) for n in names]
-            )
-
-        return await _guard(context, run)
+        tenant = self._caller(context).tenant
+        registry, deployer = self._control()
+        names = [ep.name for ep in await asyncio.to_thread(registry.endpoints) if tenant.may_use(ep.name)]
+        return admin_pb2.ListEndpointsResponse(
+            endpoints=[endpoint_info(await deployer.endpoint_status(n), history=False) for n in names]
+        )
 
     async def GetEndpoint(self, request, context):
-        async def run():
-            principal = self._caller(context)
-            _, deployer = self._control()
-            self._granted(principal, request.name, f"endpoint '{request.name}' has never been deployed")
-            return admin_pb2.GetEndpointResponse(endpoint=endpoint_info(await deployer.endpoint_status(request.name)))
-
-        return await _guard(context, run)
+        principal = self._caller(context)
+        _, deployer = self._control()
+        self._granted(principal, request.name, f"endpoint '{request.name}' has never been deployed")
+        return admin_pb2.GetEndpointResponse(endpoint=endpoint_info(await deployer.endpoint_status(request.name)))
 
     async def ListAudit(self, request, context):
-        async def run():
-            self._admin(context, "ListAudit")
-            registry, _ = self._control()
-            entries = await asyncio.to_thread(registry.audit_log, request.limit or 50, request.target or None)
-            return admin_pb2.ListAuditResponse(
-                entries=[
-                    admin_pb2.AuditEntry(at=_ts(e.at), actor=e.actor, action=e.action, target=e.target, outcome=e.outcome, detail=e.detail)
-                    for e in entries
-                ]
-            )
-
-        return await _guard(context, run)
-
-
-async def _guard(context, run):
-    try:
-        return await run()
-    except InferplaneError as err:
-        await abort(context, err)
+        self._admin(context, "ListAudit")
+        registry, _ = self._control()
+        entries = await asyncio.to_thread(registry.audit_log, request.limit or 50, request.target or None)
+        return admin_pb2.ListAuditResponse(
+            entries=[
+                admin_pb2.AuditEntry(at=_ts(e.at), actor=e.actor, action=e.action, target=e.target, outcome=e.outcome, detail=e.detail)
+                for e in entries
+            ]
+        )
 
 
 def actor(context) -> str:

@@ -13,7 +13,7 @@ import grpc
 from server.errors import InferplaneError, InvalidRequest
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
-from server.transports.grpc.inference import abort, call_context
+from server.transports.grpc.context import call_context
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -61,8 +61,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 started = True
                 yield _response(chunk)
         except InferplaneError as err:
-            if not started:
-                await abort(context, err)
+            if not started:  # phase one: the interceptor ends the call with the error's status
+                raise
             yield generate_pb2.GenerateResponse(error=generate_pb2.StreamError(code=err.reason, message=err.message))
         finally:
             if stream is not None:

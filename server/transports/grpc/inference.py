@@ -2,74 +2,28 @@
 
 ModelInfer and the metadata RPCs are registered as generic handlers on raw bytes, so a request
 is parsed once (for validation) and forwarded as the bytes that arrived; Triton's answer goes
-back to the caller the same way. Every domain error becomes a status through ``server.errors``.
+back to the caller the same way. Handlers raise domain errors; the server's
+``DomainErrorInterceptor`` turns them into statuses.
 """
 
 from __future__ import annotations
 
-import functools
-
 import grpc
 
 from server import __version__
-from server.dataplane.dataplane import DataPlane, parse_infer_request, parse_message
-from server.errors import InferplaneError, PermissionDenied, grpc_status
-from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.identity import CallContext, bearer_token
+from server.dataplane.dataplane import DataPlane, parse_infer_request
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
+from server.errors import InferplaneError
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.transports.grpc.context import call_context
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_repository", "statistics", "model_configuration", "binary_tensor_data")
 
 
-async def abort(context: grpc.aio.ServicerContext, err: InferplaneError):
-    status = grpc_status(err)
-    await context.abort(status.code, status.details, status.trailing_metadata)
-
-
-def _guarded(handler):
-    """Turn domain errors into statuses (phase one: before any response was sent)."""
-
-    @functools.wraps(handler)
-    async def wrapper(request, context):
-        try:
-            return await handler(request, context)
-        except InferplaneError as err:
-            await abort(context, err)
-
-    return wrapper
-
-
-def call_context(context: grpc.aio.ServicerContext) -> CallContext:
-    """The caller's key (``authorization: Bearer`` or ``x-api-key``), idempotency key and deadline."""
-    authorization = api_key = idempotency_key = None
-    metadata = context.invocation_metadata() or ()
-    for key, value in metadata:
-        if key == "authorization":
-            authorization = value
-        elif key == "x-api-key":
-            api_key = value
-        elif key == "idempotency-key":
-            idempotency_key = value
-    return CallContext(bearer_token(authorization, api_key), idempotency_key, context.time_remaining(), headers=metadata)
-
-
-def _passthrough(method: str, request_type):
-    """A raw-bytes RPC about one model: check the caller may see it and it is served here, forward to Triton."""
-
+def _describe(method: str):
     async def handler(self, raw: bytes, context):
-        request = parse_message(request_type, raw)
-        ctx = call_context(context)
-        if request.name or method != "ModelStatistics":
-            self.dp.resolve_for(ctx, request.name, request.version)
-            return await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining())
-        # statistics of every model: only those the caller may see
-        answer = pb.ModelStatisticsResponse.FromString(await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining()))
-        visible = set(self.dp.visible(ctx, [m.name for m in answer.model_stats]))
-        kept = [m for m in answer.model_stats if m.name in visible]
-        del answer.model_stats[:]
-        answer.model_stats.extend(kept)
-        return answer.SerializeToString()
+        return await self.dp.describe(call_context(context), method, raw, timeout=context.time_remaining())
 
     return handler
 
@@ -88,7 +42,7 @@ class InferenceService:
 
     async def model_ready(self, request, context):
         ctx = call_context(context)
-        self.dp.gate.authenticate(ctx)  # an unknown key is UNAUTHENTICATED, not "not ready"
+        self.dp.authenticate(ctx)  # an unknown key is UNAUTHENTICATED, not "not ready"
         try:
             self.dp.resolve_for(ctx, request.name, request.version)
             return pb.ModelReadyResponse(ready=True)
@@ -98,32 +52,26 @@ class InferenceService:
     async def server_metadata(self, request, context):
         return pb.ServerMetadataResponse(name="inferplane", version=__version__, extensions=EXTENSIONS)
 
-    model_metadata = _passthrough("ModelMetadata", pb.ModelMetadataRequest)
-    model_config = _passthrough("ModelConfig", pb.ModelConfigRequest)
-    model_statistics = _passthrough("ModelStatistics", pb.ModelStatisticsRequest)
+    model_metadata = _describe("ModelMetadata")
+    model_config = _describe("ModelConfig")
+    model_statistics = _describe("ModelStatistics")
 
     async def repository_index(self, request, context):
         response = pb.RepositoryIndexResponse()
-        for name in self.dp.visible(call_context(context), sorted(set(self.dp.models) | self.dp.loaded)):
-            signature = self.dp.models.get(name)
+        for name in self.dp.visible(call_context(context), self.dp.names()):
+            signature = self.dp.signature(name)
             versions = sorted(signature.versions) if signature else [""]
             for version in versions:
                 response.models.add(name=name, version=version, state="READY" if signature else "UNAVAILABLE")
         return response
 
-    def _operator(self, context) -> None:
-        """Loading and unloading models is for admin tenants when auth is on."""
-        principal = self.dp.gate.authenticate(call_context(context))
-        if self.dp.gate.enabled and not principal.tenant.admin:
-            raise PermissionDenied("loading and unloading models needs an admin key")
-
     async def repository_model_load(self, request, context):
-        self._operator(context)
+        self.dp.gate.require_admin(call_context(context), "loading a model")
         await self.dp.load_model(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(self, request, context):
-        self._operator(context)
+        self.dp.gate.require_admin(call_context(context), "unloading a model")
         await self.dp.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
@@ -136,17 +84,10 @@ class InferenceService:
         return answer
 
     async def model_stream_infer(self, request_iterator, context):
+        """Phase one (refused before any response, e.g. a bad key) raises: the interceptor's status.
+        After that every error travels in the stream as ``error_message``."""
         ctx = call_context(context)
-        try:
-            stream = self.dp.stream_infer(request_iterator, ctx.timeout, ctx)
-            first = await anext(stream, None)
-        except InferplaneError as err:  # phase one: refused before any response
-            await abort(context, err)
-            return
-        if first is None:
-            return
-        yield first
-        async for response in stream:
+        async for response in self.dp.stream_infer(request_iterator, ctx.timeout, ctx):
             yield response
 
     # ---- registration ---------------------------------------------------------------------
@@ -154,14 +95,10 @@ class InferenceService:
     def handler(self) -> grpc.GenericRpcHandler:
         def typed(fn, request_type):
             return grpc.unary_unary_rpc_method_handler(
-                _guarded(fn),
-                request_deserializer=request_type.FromString,
-                response_serializer=lambda m: m.SerializeToString(),
+                fn, request_deserializer=request_type.FromString, response_serializer=lambda m: m.SerializeToString()
             )
 
-        def raw(fn):
-            return grpc.unary_unary_rpc_method_handler(_guarded(fn))
-
+        raw = grpc.unary_unary_rpc_method_handler
         methods = {
             "ServerLive": typed(self.server_live, pb.ServerLiveRequest),
             "ServerReady": typed(self.server_ready, pb.ServerReadyRequest),

@@ -24,7 +24,7 @@ from server.errors import InferplaneError, InvalidRequest, PermissionDenied, Una
 from server.protogen.inferplane.v1 import tenancy_pb2 as tpb
 from server.protogen.inferplane.v1 import tenancy_pb2_grpc
 from server.tenancy.quota_policy import Quota
-from server.transports.grpc.inference import abort, call_context
+from server.transports.grpc.context import call_context
 from server.tenancy.identity import KeyNotFound, Principal, Tenant
 
 log = logging.getLogger(__name__)
@@ -52,17 +52,16 @@ class TenancyService(tenancy_pb2_grpc.TenancyServicer):
             gate = self.dp.gate
             principal: Principal = gate.authenticate(call_context(context))
             who = f"{principal.name}/{principal.key_id}" if gate.enabled else f"anonymous@{context.peer()}"
-            if not gate.is_admin(principal):
-                raise PermissionDenied(f"Tenancy.{action} needs an admin key (tenant '{principal.name}' is not an admin)")
+            gate.check_admin(principal, f"Tenancy.{action}")
             if self.store is None:
                 raise Unimplemented("the Tenancy API needs --auth on (with auth off no caller is authenticated)")
             response, detail = await run(principal)
         except (Unauthenticated, PermissionDenied) as err:
             await self._audit(who, action, target, "denied", f"{err.reason}: {err.message}")
-            await abort(context, err)
+            raise
         except InferplaneError as err:
             await self._audit(who, action, target, "refused", f"{err.reason}: {err.message}")
-            await abort(context, err)
+            raise
         else:
             await self._audit(who, action, target, "ok", detail)
             if changes_keys:

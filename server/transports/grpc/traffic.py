@@ -12,7 +12,7 @@ from server.transports.grpc.admin import actor as metadata_actor
 from server.errors import InferplaneError, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 from server.protogen.inferplane.v1 import traffic_pb2_grpc
-from server.transports.grpc.inference import abort, call_context
+from server.transports.grpc.context import call_context
 
 _THRESHOLDS = ("min_samples", "max_error_rate", "max_error_increase", "max_p99_ratio")
 
@@ -37,22 +37,19 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
     # ---- the one path every RPC takes -------------------------------------------------------
 
     async def _run(self, context, run, *, admin: str = "", model: str = ""):
-        try:
-            if self.controller is None:
-                raise Unimplemented("traffic management runs in the frontend process that owns the registry and deployer")
-            ctx = call_context(context)
-            gate = self.dp.gate
-            if admin:
-                principal = gate.require_admin(ctx, f"Traffic.{admin}")
-                who = f"{principal.name}/{principal.key_id}" if gate.enabled else metadata_actor(context)
-            else:
-                principal = gate.authenticate(ctx)
-                who = principal.name
-            if model and not principal.tenant.may_use(model):
-                raise ModelNotFound(f"unknown model '{model}'")
-            return await run(who)
-        except InferplaneError as err:
-            await abort(context, err)
+        if self.controller is None:
+            raise Unimplemented("traffic management runs in the frontend process that owns the registry and deployer")
+        ctx = call_context(context)
+        gate = self.dp.gate
+        if admin:
+            principal = gate.require_admin(ctx, f"Traffic.{admin}")
+            who = f"{principal.name}/{principal.key_id}" if gate.enabled else metadata_actor(context)
+        else:
+            principal = gate.authenticate(ctx)
+            who = principal.name
+        if model and not principal.tenant.may_use(model):
+            raise ModelNotFound(f"unknown model '{model}'")
+        return await run(who)
 
     def _policy(self, name: str, message: str = "") -> tpb.TrafficPolicyResponse:
         p = self.controller.get_policy(name)
@@ -79,14 +76,14 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
     async def Promote(self, request, context):
         async def run(who):
             await self.controller.promote(request.name, who)
-            return self._policy(request.name, f"{request.name}:{self.dp.routes.get(request.name, '')} is live")
+            return self._policy(request.name, f"{request.name}:{self.dp.live_version(request.name) or ''} is live")
 
         return await self._run(context, run, admin="Promote", model=request.name)
 
     async def Rollback(self, request, context):
         async def run(who):
             await self.controller.rollback(request.name, who)
-            return self._policy(request.name, f"every request of '{request.name}' goes to {self.dp.routes.get(request.name, '')}")
+            return self._policy(request.name, f"every request of '{request.name}' goes to {self.dp.live_version(request.name) or ''}")
 
         return await self._run(context, run, admin="Rollback", model=request.name)
 
@@ -102,7 +99,7 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
     async def Switch(self, request, context):
         async def run(who):
             await self.controller.switch(request.name, who)
-            return self._policy(request.name, f"{request.name}:{self.dp.routes.get(request.name, '')} is live")
+            return self._policy(request.name, f"{request.name}:{self.dp.live_version(request.name) or ''} is live")
 
         return await self._run(context, run, admin="Switch", model=request.name)
 

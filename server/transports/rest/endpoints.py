@@ -20,7 +20,6 @@ from server import __version__
 from server.transports.rest import codec as rest_codec
 from server.dataplane.dataplane import DataPlane
 from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, http_error
-from server.dataplane.generation import LLMService
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
@@ -116,19 +115,15 @@ async def model_ready(request: web.Request) -> web.Response:
 
 
 async def model_metadata(request: web.Request) -> web.Response:
-    dp = request.app[DATAPLANE]
     name, version = _model(request)
-    dp.resolve_for(_context(request), name, version)
-    raw = await dp.triton.unary_raw("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version).SerializeToString())
-    return _json(rest_codec.model_metadata_json(raw))
+    ask = pb.ModelMetadataRequest(name=name, version=version).SerializeToString()
+    return _json(rest_codec.model_metadata_json(await request.app[DATAPLANE].describe(_context(request), "ModelMetadata", ask)))
 
 
 async def model_config(request: web.Request) -> web.Response:
-    dp = request.app[DATAPLANE]
     name, version = _model(request)
-    dp.resolve_for(_context(request), name, version)
-    raw = await dp.triton.unary_raw("ModelConfig", pb.ModelConfigRequest(name=name, version=version).SerializeToString())
-    return _json(rest_codec.model_config_json(raw))
+    ask = pb.ModelConfigRequest(name=name, version=version).SerializeToString()
+    return _json(rest_codec.model_config_json(await request.app[DATAPLANE].describe(_context(request), "ModelConfig", ask)))
 
 
 # ---- inference ------------------------------------------------------------------------------
@@ -278,7 +273,8 @@ def create_app(dataplane: DataPlane, metrics: Metrics, *, max_body_bytes: int) -
     app[DATAPLANE] = dataplane
     app[METRICS] = metrics
     app[MAX_BODY] = max_body_bytes
-    app[LLM] = LLMService(dataplane)
+    if dataplane is not None:
+        app[LLM] = dataplane.llm
     app[OPENAPI] = rest_codec.dumps(openapi_document())
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler, name=route.operation_id)

@@ -1,0 +1,46 @@
+"""The data plane and its collaborators, built once from the settings and passed in (nothing is
+replaced after construction)."""
+
+from __future__ import annotations
+
+from batching.coalescer import Coalescer
+from batching.fair_queue import AdmissionPolicy
+from server.dataplane.batch_codec import CODEC
+from server.dataplane.circuit_breaker import BreakerPolicy
+from server.dataplane.dataplane import DataPlane
+from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
+from server.dataplane.metrics import Metrics
+from server.dataplane.models import ModelTable
+from server.dataplane.pipeline import Pipeline
+from server.dataplane.routing import Router
+from server.settings import Settings
+from server.tenancy.identity import Gatekeeper
+from server.tenancy.quota_policy import QuotaPolicy
+
+
+def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None) -> DataPlane:
+    """``backend``: the Triton this process talks to (``TritonClient``); ``gate`` and ``meter`` from
+    ``server.tenancy.builder``."""
+    s = settings
+    if s.redis_url:  # one set of buckets and keys for every frontend process
+        from server.tenancy.redis_quotas import RedisQuotaPolicy
+
+        quotas, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
+    else:
+        quotas, idempotency = QuotaPolicy(), MemoryIdempotency(s.idempotency_ttl_s)
+    table = ModelTable()
+    router = Router({})
+    pipeline = Pipeline(
+        gate=gate,
+        quotas=quotas,
+        router=router,
+        metrics=metrics,
+        resolve=table.resolve,
+        replica=backend.target,
+        breaker_policy=BreakerPolicy(s.breaker_failures, s.breaker_open_s),
+        admission_policy=AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue),
+        admission_slots=s.admission_slots,
+        meter=meter,
+    )
+    coalescer = Coalescer(backend.infer_raw, CODEC)
+    return DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)

@@ -1,0 +1,332 @@
+"""The one admission pipeline every request goes through, whatever its transport or kind.
+
+``async with pipeline.admitted(ctx, name, version, kind, validate=…) as call:`` runs, in this
+order and nowhere else:
+
+    authenticate -> grant -> route (traffic split or live version) -> resolve (the signature)
+    -> quota -> validate -> deadline check -> circuit breaker -> fair queue
+
+and on the way out, however the body ended (answer, error, cancellation, the caller gone):
+
+    release the queue slot -> breaker outcome -> quota release (with the call's tokens)
+    -> meter (only when the body computed something) -> metrics -> traffic observation
+
+The body gets an :class:`AdmittedCall`: the resolved signature, the version that answers (and the
+split's arm), the tenant, the deadline left after waiting, and fields it fills in for the exit —
+tokens in/out, whether Triton worked on it, a copy for a shadow version. ModelInfer, REST infer,
+embeddings, each ModelStreamInfer message, OpenAI chat/completions and gRPC Generate all enter
+here; a stream message holds its call open until its final response arrives (``enter`` and
+``exit`` are the two halves of the context manager, usable from different tasks).
+
+The metrics label of a request is its model's name only once the model resolved; anything a
+caller names that is not served folds into one ``_unknown`` label, so label sets stay bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
+from server.dataplane.circuit_breaker import BreakerSet, CircuitBreaker
+from server.dataplane.metrics import UNKNOWN_MODEL_LABEL, Metrics
+from server.dataplane.routing import Router
+from server.dataplane.signature import ModelSignature, is_llm
+from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, ModelNotFound, Overloaded
+from server.tenancy.identity import CallContext, Gatekeeper, Principal, Tenant
+
+log = logging.getLogger(__name__)
+
+# kinds of work (a label on nothing yet; they decide the metering and the queue's slot sizing)
+INFER, STREAM, GENERATE = "infer", "stream", "generate"
+CANCELLED = Cancelled("").reason
+
+
+class AdmittedCall:
+    """One request inside the pipeline (what the body of ``admitted`` sees and fills in)."""
+
+    __slots__ = (
+        "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
+        "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
+        "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
+    )  # fmt: skip
+
+    def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
+        self.ctx = ctx
+        self.name = name
+        self.version = version  # as asked; after routing and resolving: the version that answers
+        self.arm = ""
+        self.routed = False  # the pipeline chose the version (the request named none): the body pins it
+        self.kind = kind
+        self.signature: ModelSignature | None = None
+        self.principal: Principal | None = None
+        self.timeout = timeout  # seconds left; after the queue: what is left after waiting
+        self.started = time.perf_counter()
+        self.label = UNKNOWN_MODEL_LABEL
+        self.ticket = None
+        self.queue: FairQueue | None = None
+        self.breaker: CircuitBreaker | None = None
+        self.admitted = False  # holds a queue slot
+        self.waited_at = 0.0
+        self.dispatched_at = 0.0
+        self.dispatch_timeout: float | None = None
+        self.tokens_in = 0  # prompt / input tokens the answer covered: metered, charged to the token quota
+        self.tokens_out = 0  # generated tokens
+        self.computed = False  # Triton worked on it (a replayed idempotent answer did not): metered
+        self.compute_s: float | None = None  # how long Triton worked (default: from dispatch to exit)
+        self.request = None  # the ModelInferRequest sent (its id names it in A/B feedback)
+        self.shadow: tuple | None = None  # (bytes sent, answer) for a shadow copy
+        self.inflight = self.latency = None
+        self.code = "OK"
+        self.closed = False
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.principal.tenant
+
+
+class Pipeline:
+    """Built once from the settings' collaborators (``server.dataplane.builder``); never mutated after."""
+
+    def __init__(
+        self,
+        *,
+        gate: Gatekeeper,
+        quotas,  # QuotaPolicy or RedisQuotaPolicy
+        router: Router,
+        metrics: Metrics,
+        resolve: Callable[[str, str], ModelSignature],
+        replica: str,
+        breaker_policy=None,
+        admission_policy: AdmissionPolicy = AdmissionPolicy(),
+        admission_slots: int | None = None,
+        meter=None,  # server.tenancy.metering.Meter
+    ):
+        self.gate = gate
+        self.quotas = quotas
+        self.router = router
+        self.metrics = metrics
+        self.meter = meter
+        self._resolve = resolve
+        self.replica = replica
+        self.breakers = BreakerSet(breaker_policy) if breaker_policy is not None else BreakerSet()
+        self.admission_policy = admission_policy
+        self.admission_slots = admission_slots  # None: from each model's own capacity
+        self.queues: dict[str, FairQueue] = {}
+
+    # ---- the context manager ---------------------------------------------------------------
+
+    def admitted(
+        self,
+        ctx: CallContext | None,
+        name: str,
+        version: str = "",
+        kind: str = INFER,
+        *,
+        timeout: float | None = None,
+        validate: Callable[[ModelSignature], None] | None = None,
+    ) -> "_Admitted":
+        return _Admitted(self, AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate)
+
+    async def open(
+        self,
+        ctx: CallContext | None,
+        name: str,
+        version: str = "",
+        kind: str = INFER,
+        *,
+        timeout: float | None = None,
+        validate: Callable[[ModelSignature], None] | None = None,
+    ) -> AdmittedCall:
+        """:meth:`enter` a new call that another task will :meth:`exit` (a stream message)."""
+        return await self.enter(AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate)
+
+    async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None) -> AdmittedCall:
+        """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
+        try:
+            ctx = call.ctx
+            if ctx is not None:
+                ctx.tokens = 0  # this call's (a context may serve several calls)
+            call.principal = principal = self.gate.authenticate(ctx)
+            if not principal.tenant.may_use(call.name):
+                raise ModelNotFound(f"unknown model '{call.name}'")
+            if not call.version:
+                call.version, call.arm = self.router.choose(call.name, ctx)
+                call.routed = bool(call.version)
+            signature = call.signature = self._resolve(call.name, call.version)
+            call.label = call.name
+            if not call.version:
+                call.version = signature.latest_version
+            tenant = principal.tenant
+            call.ticket = await self.quotas.admit(tenant.name, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
+            if validate is not None:
+                validate(signature)
+            call.latency, call.inflight = self.metrics.model(call.name)
+            call.inflight.inc()
+            queue = call.queue = self._queue(call.name, signature)
+            timeout = call.timeout
+            if timeout is not None and timeout <= (queue.service_s or 0.0):
+                raise DeadlineExceeded(
+                    f"model '{call.name}' cannot answer within the deadline ({timeout * 1000:.3f} ms left, "
+                    f"~{(queue.service_s or 0.0) * 1000:.3f} ms needed)"
+                )
+            breaker = call.breaker = self.breakers[f"{self.replica}/{call.name}/{call.version}"]
+            breaker.before()  # an open circuit refuses before the request waits anywhere
+            try:
+                if queue.try_acquire():
+                    self.metrics.admitted(call.name, "direct")
+                else:
+                    await self._wait(call, queue, tenant, timeout)
+            except BaseException:
+                breaker.neutral()
+                call.breaker = None
+                raise
+            call.admitted = True
+            call.dispatched_at = time.perf_counter()
+            call.dispatch_timeout = call.timeout
+            return call
+        except BaseException as err:
+            await self.exit(call, err)
+            raise
+
+    async def exit(self, call: AdmittedCall, err: BaseException | None = None) -> None:
+        """Everything after the work; safe to call once per call (later calls do nothing)."""
+        if call.closed:
+            return
+        call.closed = True
+        if err is not None:
+            call.code = _code(err)
+        try:
+            now = time.perf_counter()
+            if call.admitted:
+                call.queue.release(now - call.dispatched_at)
+            if call.breaker is not None:
+                self._breaker_outcome(call, err)
+            if call.inflight is not None:
+                call.inflight.dec()
+                call.latency.observe(now - call.started)
+            if call.ticket is not None:
+                tokens = call.tokens_in + call.tokens_out
+                if call.ctx is not None:
+                    call.ctx.tokens = tokens
+                await self.quotas.release(call.ticket, tokens)
+            if call.computed and self.meter is not None:
+                compute_s = call.compute_s if call.compute_s is not None else now - call.dispatched_at
+                tenant = call.tenant
+                self.meter.record(
+                    tenant.name, tenant.team, call.name, call.version,
+                    input_tokens=call.tokens_in, output_tokens=call.tokens_out, compute_us=int(compute_s * 1e6),
+                )  # fmt: skip
+        finally:
+            resolved = call.label != UNKNOWN_MODEL_LABEL
+            self.metrics.count(call.label, call.version if resolved else "", call.code)
+            if call.ctx is not None:
+                call.ctx.version, call.ctx.arm = call.version, call.arm
+            if resolved and (call.arm or self.router.shadows):
+                try:
+                    sent, answer = call.shadow or (None, None)
+                    self.router.observe(call.name, call.arm, call.code, time.perf_counter() - call.started, call.request, sent, answer, call.ctx)
+                except Exception:  # traffic bookkeeping must never change an answer
+                    log.exception("traffic bookkeeping for %s failed", call.name)
+
+    # ---- pieces ----------------------------------------------------------------------------
+
+    async def _wait(self, call: AdmittedCall, queue: FairQueue, tenant: Tenant, timeout: float | None) -> None:
+        """The slow path: no free slot, wait in the model's queue in weighted fair order."""
+        depth = self.metrics.queue_depth.labels(call.name)
+        waited = time.perf_counter()
+        try:
+            depth.inc()
+            await queue.acquire(tenant.name, tenant.weight, timeout)
+        except QueueFull as refused:
+            self.metrics.admitted(call.name, "refused")
+            raise Overloaded(refused.message, retry_after_s=refused.retry_after_s) from None
+        except DeadlineUnmeetable as refused:
+            self.metrics.admitted(call.name, "shed")
+            raise DeadlineExceeded(refused.message) from None
+        finally:
+            depth.dec()
+        self.metrics.admitted(call.name, "queued")
+        if timeout is not None:
+            call.timeout = max(0.0, timeout - (time.perf_counter() - waited))
+
+    def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
+        queue = self.queues.get(name)
+        if queue is None:
+            slots = self.admission_slots or model_slots(signature)
+            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": max(1, slots)})
+            queue = self.queues[name] = FairQueue(name, policy)
+        return queue
+
+    def forget(self, name: str) -> None:
+        """The model left (unloaded or reloaded): its queue is sized again from its next signature."""
+        queue = self.queues.get(name)
+        if queue is not None and not queue.inflight and not queue.size:
+            del self.queues[name]
+
+    def _breaker_outcome(self, call: AdmittedCall, err: BaseException | None) -> None:
+        """Only what says the backend is sick counts: unreachable, crashed, or timing out on work it
+        had ample time for. A caller's bad input, a model's error on one input, a cancellation, a
+        short deadline — none of these count (a tenant cannot open the circuit for everyone)."""
+        breaker = call.breaker
+        if err is None:
+            if call.computed:
+                breaker.success()
+            else:
+                breaker.neutral()
+        elif isinstance(err, DeadlineExceeded):
+            given = call.dispatch_timeout
+            typical = call.queue.service_s or 0.0
+            if given is not None and given >= max(1.0, 10.0 * typical) and call.computed:
+                breaker.failure()
+            else:
+                breaker.neutral()
+        elif isinstance(err, InferplaneError) and err.reason == "UNAVAILABLE":
+            breaker.failure()
+        else:
+            breaker.neutral()
+
+
+class _Admitted:
+    """``async with`` over :meth:`Pipeline.enter` / :meth:`Pipeline.exit` (no generator frames)."""
+
+    __slots__ = ("pipeline", "call", "validate")
+
+    def __init__(self, pipeline: Pipeline, call: AdmittedCall, validate):
+        self.pipeline, self.call, self.validate = pipeline, call, validate
+
+    async def __aenter__(self) -> AdmittedCall:
+        return await self.pipeline.enter(self.call, self.validate)
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc is None and exc_type is not None:
+            exc = exc_type()
+        await self.pipeline.exit(self.call, exc)
+
+
+def model_slots(signature: ModelSignature) -> int:
+    """How many requests a model works on at once: the rest waits in the frontend's fair queue,
+    where a caller can leave. Coalesced: merged calls in flight x their rows; an LLM engine: its
+    concurrent sequences; otherwise Triton's instances x max batch size."""
+    c = signature.coalesce
+    if c.enabled:
+        return c.max_inflight * c.max_batch
+    if is_llm(signature):
+        return signature.instances * max(1, signature.max_running)
+    return signature.instances * max(1, signature.max_batch_size)
+
+
+def _timeout(ctx: CallContext | None, timeout: float | None) -> float | None:
+    if timeout is None and ctx is not None:
+        return ctx.timeout
+    return timeout
+
+
+def _code(err: BaseException) -> str:
+    if isinstance(err, InferplaneError):
+        return err.reason
+    if isinstance(err, (asyncio.CancelledError, GeneratorExit)):
+        return CANCELLED
+    return BackendError("").reason

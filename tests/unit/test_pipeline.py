@@ -1,0 +1,175 @@
+"""The admission pipeline's logic with a scripted Triton: generation follows traffic splits and the
+circuit breaker like ModelInfer; the breaker counts only backend failures, per model version; an
+LLM's queue is sized by its engine's concurrent sequences. (The real stack shows every transport
+through the pipeline: tests/integration/test_one_pipeline.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from batching.coalescer import CoalescePolicy
+from server.dataplane.builder import build_dataplane
+from server.dataplane.codecs import serialize_bytes
+from server.dataplane.generation import GenerateParams
+from server.dataplane.metrics import Metrics
+from server.dataplane.pipeline import model_slots
+from server.dataplane.routing import Split
+from server.dataplane.signature import ModelSignature, TensorSpec
+from server.dataplane.traffic_policy import Arm
+from server.errors import BackendUnavailable, InvalidRequest
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.settings import Settings
+from server.tenancy.identity import CallContext, Gatekeeper
+
+
+def _llm(name: str, versions=("1",), max_running: int = 16) -> ModelSignature:
+    return ModelSignature(
+        name, 0,
+        {n: TensorSpec(n, "BYTES", (1,), optional=True) for n in ("text_input", "messages", "parameters")},
+        {n: TensorSpec(n, "BYTES", (1,)) for n in ("text_output", "info")},
+        frozenset(versions), decoupled=True, max_running=max_running,
+    )  # fmt: skip
+
+
+def _answer(request: pb.ModelInferRequest, text: str, info: dict) -> bytes:
+    response = pb.ModelStreamInferResponse()
+    answer = response.infer_response
+    answer.model_name, answer.model_version, answer.id = request.model_name, request.model_version or "1", request.id
+    for name, value in (("text_output", text), ("info", json.dumps(info))):
+        answer.outputs.add(name=name, datatype="BYTES", shape=[1])
+        answer.raw_output_contents.append(serialize_bytes([value.encode()]))
+    return response.SerializeToString()
+
+
+class _Stream:
+    def __init__(self, backend):
+        self.backend = backend
+        self.request = None
+
+    async def write(self, raw):
+        self.request = pb.ModelInferRequest.FromString(raw)
+        self.backend.sent.append(self.request)
+
+    async def done_writing(self):
+        pass
+
+    def cancel(self):
+        return True
+
+    async def __aiter__(self):
+        if self.backend.failure is not None:
+            raise self.backend.failure
+        await self.backend.gate.wait()
+        yield _answer(self.request, "ok", {"prompt_tokens": 2, "completion_tokens": 1, "finish_reason": "stop"})
+
+
+class ScriptedTriton:
+    """Answers every generation with one chunk, or fails it with ``failure``; ``gate`` holds answers."""
+
+    target = "scripted:1"
+
+    def __init__(self):
+        self.sent: list[pb.ModelInferRequest] = []
+        self.failure: Exception | None = None
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    def stream_raw(self, timeout=None):
+        return _Stream(self)
+
+    async def infer_raw(self, raw, timeout=None):
+        raise AssertionError("not used")
+
+    async def close(self):
+        pass
+
+
+def _dataplane(*signatures: ModelSignature, **settings):
+    backend = ScriptedTriton()
+    dp = build_dataplane(Settings(breaker_failures=3, **settings), backend, metrics=Metrics(), gate=Gatekeeper(None))
+    for s in signatures:
+        dp._table.signatures[s.name] = s  # noqa: SLF001 - what refresh() fills in from Triton
+    return dp, backend
+
+
+async def _generate(dp, model="llm", ctx=None):
+    return await dp.llm.complete(model, GenerateParams(prompt="hi", max_tokens=1), ctx=ctx or CallContext())
+
+
+async def test_generation_follows_an_ab_split_and_names_the_arm_that_answered():
+    dp, backend = _dataplane(_llm("llm", ("1", "2")))
+    dp.router.splits["llm"] = Split("ab", [Arm("control", "1", 50), Arm("treatment", "2", 50)])
+    arms = []
+    for _ in range(4):
+        ctx = CallContext()
+        assert (await _generate(dp, ctx=ctx)).text == "ok"
+        arms.append((ctx.arm, ctx.version))
+    assert [r.model_version for r in backend.sent] == ["1", "2", "1", "2"]  # smooth weighted round robin
+    assert arms == [("control", "1"), ("treatment", "2")] * 2
+    assert dp.router.splits["llm"].totals["treatment"].requests == 2  # the arm's window saw them
+
+
+async def test_generation_without_a_split_goes_to_the_live_version():
+    dp, backend = _dataplane(_llm("llm", ("1", "2")))
+    dp.set_live("llm", "1")
+    await _generate(dp)
+    assert backend.sent[-1].model_version == "1"
+
+
+async def test_the_breaker_opens_for_a_failing_generation_backend_and_refuses_without_calling_it():
+    dp, backend = _dataplane(_llm("llm"))
+    backend.failure = BackendUnavailable("Triton is unavailable: connection refused", retry_after_s=1.0)
+    for _ in range(3):
+        with pytest.raises(BackendUnavailable, match="connection refused"):
+            await _generate(dp)
+    sent = len(backend.sent)
+    with pytest.raises(BackendUnavailable, match="circuit open") as info:
+        await _generate(dp)
+    assert info.value.retry_after_s > 0 and len(backend.sent) == sent  # refused before any work
+
+
+async def test_caller_and_model_errors_never_open_the_breaker():
+    dp, backend = _dataplane(_llm("llm"))
+    for _ in range(10):  # a tenant's bad requests, refused at validation
+        with pytest.raises(InvalidRequest):
+            await dp.llm.complete("llm", GenerateParams(prompt="x", messages=[{"role": "user", "content": "y"}]), ctx=CallContext())
+    backend.failure = InvalidRequest("max_tokens must be positive")  # the engine refuses the input
+    for _ in range(10):
+        with pytest.raises(InvalidRequest):
+            await _generate(dp)
+    backend.failure = None
+    assert (await _generate(dp)).text == "ok"
+
+
+async def test_the_breaker_is_per_model_version():
+    dp, backend = _dataplane(_llm("llm"), _llm("other"))
+    backend.failure = BackendUnavailable("down")
+    for _ in range(3):
+        with pytest.raises(BackendUnavailable):
+            await _generate(dp, "llm")
+    backend.failure = None
+    assert (await _generate(dp, "other")).text == "ok"  # another model's circuit is closed
+    with pytest.raises(BackendUnavailable, match="circuit open"):
+        await _generate(dp, "llm")
+
+
+async def test_generations_past_the_engines_slots_wait_in_the_fair_queue():
+    dp, backend = _dataplane(_llm("llm", max_running=2))
+    backend.gate.clear()
+    tasks = [asyncio.create_task(_generate(dp)) for _ in range(3)]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    queue = dp._pipeline.queues["llm"]  # noqa: SLF001
+    assert (queue.inflight, queue.size, len(backend.sent)) == (2, 1, 2)  # the third waits in the frontend
+    backend.gate.set()
+    assert [a.text for a in await asyncio.gather(*tasks)] == ["ok"] * 3
+    assert (queue.inflight, queue.size) == (0, 0)
+
+
+def test_an_llms_queue_is_sized_by_its_engines_concurrent_sequences():
+    assert model_slots(_llm("llm", max_running=7)) == 7
+    tabular = ModelSignature("t", 8, {}, {}, coalesce=CoalescePolicy(enabled=False), instances=2)
+    assert model_slots(tabular) == 16
