@@ -48,6 +48,8 @@ def sync(source: str, dest: Path, models: list[str] | None = None) -> dict:
     if models is None or models == ["*"]:
         wanted = available
     else:
+        for m in models:
+            _safe_relative(m)
         missing = [m for m in models if m not in available]
         if missing:
             raise SyncError(f"source {source} has no model {', '.join(missing)} (it has: {', '.join(available) or 'none'})")
