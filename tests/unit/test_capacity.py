@@ -185,3 +185,31 @@ def test_cli_errors_are_clear(cli, tmp_path):
     assert out.exit_code == 2 and "no measured profile for fraud_xgboost" in out.output
     out = cli("capacity", "--model", "fraud_xgboost", "--target-rps", "1200", "--profile", str(_profile_file(tmp_path, 1000.0)))
     assert out.exit_code == 0 and "replicas: ceil(1,200 / 600.0) = 2" in out.output
+
+
+def test_cli_cost_reads_metered_usage_from_a_real_database(cli, tmp_path):
+    import time
+
+    from server.tenancy.store import TenancyStore, UsageRecord
+
+    url = f"sqlite:///{tmp_path / 'tenancy.db'}"
+    store = TenancyStore(url)
+    now = time.time()
+    store.write_usage([
+        UsageRecord(now - 60, "acme", "risk", "fraud", "1", 1000, 0, 3_600 * 10**6),  # 1 h on cpu
+        UsageRecord(now - 60, "acme", "risk", "shadow_llm", "2", 10, 500, 7_200 * 10**6),  # 2 h on a100, interruptible
+        UsageRecord(now - 60, "globex", "search", "shadow_llm", "2", 10, 500, 3_600 * 10**6),  # 1 h on a100
+    ])  # fmt: skip
+    store.close()
+    config = tmp_path / "pricing.json"
+    config.write_text(json.dumps({"prices": {"cpu": 0.04, "a100": 3.67}, "hardware": {"shadow_llm": "a100"},
+                                  "spot_discount": {"a100": 0.6}, "interruptible": ["shadow_llm"]}))  # fmt: skip
+    out = cli("cost", "--since", "1h", "--config", str(config), "--database-url", url, "--json")
+    assert out.exit_code == 0, out.output
+    (plan,) = json.loads(out.output)
+    teams = {t["team"]: t["usd"] for t in plan["teams"]}
+    assert teams == {"risk": pytest.approx(0.04 + 2 * 3.67), "search": pytest.approx(3.67)}
+    endpoints = {e["model"]: e for e in plan["endpoints"]}
+    assert endpoints["shadow_llm"]["device_hours"] == pytest.approx(3.0)
+    assert plan["spot_savings_usd"] == pytest.approx(3 * 3.67 * 0.6)
+    assert cli("cost", "--since", "1h", "--config", str(ROOT / "deploy" / "pricing.json"), "--database-url", url).exit_code == 0
