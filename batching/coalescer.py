@@ -1,16 +1,25 @@
-"""Request coalescing: concurrent requests for one model version become one Triton request.
+"""Group commit for model calls: requests present at the same time become one Triton request.
 
-Requests that arrive while the model's in-flight slots are busy wait in a pending batch; the
-batch goes to Triton as ONE request (inputs concatenated along the batch dimension, raw bytes
-joined without decoding) when a slot frees, when it reaches the model's maximum batch, or when
-its oldest member has waited ``window_s`` — whichever comes first. A request that finds a free
-slot goes at once, untouched: a lone caller is never held. Triton's answer is split back into
-one response per caller. A failure of the merged call fails every member with the same error.
+Per lane (model, version and request shape), at most ``max_inflight`` merged calls are at Triton
+at once (by default one per Triton instance of the model). A request that finds a free slot goes
+at the end of the current event-loop tick together with whatever else arrived in that tick — a
+lone caller is never held. While every slot is busy, arrivals wait in the lane's pending batch;
+the moment a call returns, the pending batch (up to ``max_batch`` rows) goes as the next call.
+Merging therefore engages by itself under load, without a timer: the longer a call takes, the
+more requests ride the next one. ``window_s`` (default 0: off) additionally caps how long a
+pending request waits for a slot before it goes in a call of its own.
 
-Members are validated before they get here (an invalid request never joins a batch). The
-module is transport-free and format-free: requests are opaque to it; a ``BatchCodec`` (the data
-plane's protobuf one, ``server.dataplane.batch_codec``) says which requests may merge, how many
-rows each carries, and how to merge them and split the answer; ``send`` is an async callable.
+Inputs are concatenated along the batch dimension as raw bytes (never decoded) and Triton's
+answer is cut back into one response per caller by rows. When a merged call fails because the
+backend is away (unavailable, cancelled) every member gets that error; any other failure (a model
+error on one row, an answer that cannot be split) is retried member by member, so one bad member
+never poisons the others.
+
+Members are validated before they get here (an invalid request never joins a batch). The module
+is transport-free and format-free: requests are opaque to it; a ``BatchCodec`` (the data plane's
+protobuf one, ``server.dataplane.batch_codec``) says which requests may merge, how many rows each
+carries, and how to merge them and split the answer; ``send(raw, timeout, request)`` is an async
+callable (``request``: the call's first member, for routing).
 """
 
 from __future__ import annotations
@@ -18,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from collections import deque
 from dataclasses import dataclass, field
 
 from typing import Any, Protocol
 
-Send = Callable[[bytes, "float | None"], Awaitable[bytes]]
+Send = Callable[[bytes, "float | None", Any], Awaitable[bytes]]
 
 
 class BatchCodec(Protocol):
@@ -42,20 +52,28 @@ class BatchCodec(Protocol):
 @dataclass(frozen=True)
 class CoalescePolicy:
     enabled: bool = True
-    window_s: float = 0.0005  # the longest a request waits for company
-    max_inflight: int = 2  # merged calls to Triton at once per model version
+    window_s: float = 0.0  # > 0: the longest a pending request waits for a free slot (0: until one frees)
+    max_inflight: int = 1  # merged calls to Triton at once per lane
     max_batch: int = 64  # rows per merged call (the model's max_batch_size)
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str], max_batch_size: int) -> "CoalescePolicy":
-        """Read ``inferplane.coalesce*`` parameters of a model config (strings)."""
+    def from_parameters(cls, params: dict[str, str], max_batch_size: int, instances: int = 1) -> "CoalescePolicy":
+        """Read ``inferplane.coalesce*`` parameters of a model config (strings); in-flight calls
+        default to the model's Triton instances (each works on one merged call)."""
         enabled = params.get("inferplane.coalesce", "true").lower() not in ("false", "0", "off", "no")
         return cls(
             enabled=enabled and max_batch_size > 0,
-            window_s=float(params.get("inferplane.coalesce_window_us", "500")) / 1e6,
-            max_inflight=max(1, int(params.get("inferplane.coalesce_max_inflight", "2"))),
-            max_batch=max(1, int(params.get("inferplane.coalesce_max_batch", str(max(max_batch_size, 1))))),
+            window_s=_number(params, "inferplane.coalesce_window_us", 0.0) / 1e6,
+            max_inflight=max(1, int(_number(params, "inferplane.coalesce_max_inflight", max(1, instances)))),
+            max_batch=max(1, int(_number(params, "inferplane.coalesce_max_batch", max(max_batch_size, 1)))),
         )
+
+
+def _number(params: dict[str, str], key: str, default: float) -> float:
+    try:
+        return float(params[key]) if params.get(key) else float(default)
+    except ValueError:
+        return float(default)
 
 
 @dataclass
@@ -72,7 +90,7 @@ class _Lane:
     """Pending members and in-flight count of one (model, version, request shape) key."""
 
     inflight: int = 0
-    pending: list[_Member] = field(default_factory=list)
+    pending: deque = field(default_factory=deque)  # _Member, oldest first
     rows: int = 0
     timer: asyncio.Task | None = None
     tick_scheduled: bool = False
@@ -92,64 +110,65 @@ class Coalescer:
         self._clock = clock
         self._sleep = sleep
         self._lanes: dict[tuple, _Lane] = {}
+        self.calls = 0  # calls sent (merged or alone)
         self.merged_calls = 0
         self.merged_rows = 0
+        self.retried_alone = 0  # members re-sent one by one after a merged call failed
 
-    async def submit(
-        self, request: Any, raw: bytes, policy: CoalescePolicy, timeout: float | None = None
-    ) -> bytes:
-        """Serve one validated request; returns its own serialized ModelInferResponse."""
+    async def submit(self, request: Any, raw: bytes, policy: CoalescePolicy, timeout: float | None = None) -> bytes:
+        """Serve one validated request; returns its own serialized answer."""
         key = self._codec.key(request) if policy.enabled else None
         if key is None:
-            return await self._send(raw, timeout)
+            self.calls += 1
+            return await self._send(raw, timeout, request)
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
         rows = self._codec.rows(request)
-        if lane.rows + rows > policy.max_batch and lane.pending:
-            self._flush(key, lane, policy)
-        now = self._clock()
-        member = _Member(request, raw, rows, asyncio.get_running_loop().create_future(), None if timeout is None else now + timeout)
+        member = _Member(request, raw, rows, asyncio.get_running_loop().create_future(), None if timeout is None else self._clock() + timeout)
         lane.pending.append(member)
         lane.rows += rows
-        if lane.rows >= policy.max_batch:
-            self._flush(key, lane, policy)
-        elif lane.inflight < policy.max_inflight:
-            # a free slot: go at the end of this loop tick, with whoever else arrived in it
-            if not lane.tick_scheduled:
+        if lane.inflight < policy.max_inflight:
+            if lane.rows >= policy.max_batch:
+                self._flush(key, lane, policy)
+            elif not lane.tick_scheduled:
+                # a free slot: go at the end of this loop tick, with whoever else arrives in it
                 lane.tick_scheduled = True
                 asyncio.get_running_loop().call_soon(self._tick, key, lane, policy)
-        elif lane.timer is None:
+        elif policy.window_s > 0 and lane.timer is None:
             hold = policy.window_s if timeout is None else max(0.0, min(policy.window_s, timeout * 0.1))
-            if hold == 0.0:
-                self._flush(key, lane, policy)
-            else:
-                lane.timer = asyncio.create_task(self._expire(key, lane, policy, hold))
+            lane.timer = asyncio.create_task(self._expire(key, lane, policy, hold))
         return await member.future
 
     def _tick(self, key, lane: _Lane, policy: CoalescePolicy) -> None:
         lane.tick_scheduled = False
-        if lane.pending and lane.inflight < policy.max_inflight:
+        while lane.pending and lane.inflight < policy.max_inflight:
             self._flush(key, lane, policy)
 
     def _on_slot_free(self, key, lane: _Lane, policy: CoalescePolicy) -> None:
-        if lane.pending:
+        while lane.pending and lane.inflight < policy.max_inflight:
             self._flush(key, lane, policy)
-        elif lane.inflight == 0 and lane.timer is None and not lane.tick_scheduled:
+        if not lane.pending and lane.inflight == 0 and lane.timer is None and not lane.tick_scheduled:
             self._lanes.pop(key, None)
 
     async def _expire(self, key, lane: _Lane, policy: CoalescePolicy, hold: float) -> None:
         await self._sleep(hold)
         lane.timer = None
-        if lane.pending:
+        if lane.pending:  # waited long enough for a slot: go now, over the in-flight limit
             self._flush(key, lane, policy)
 
     def _flush(self, key, lane: _Lane, policy: CoalescePolicy) -> None:
-        members, lane.pending, lane.rows = lane.pending, [], 0
+        """Send the oldest pending members, up to ``max_batch`` rows (at least one member), as one call."""
         if lane.timer is not None:
             lane.timer.cancel()
             lane.timer = None
-        members = [m for m in members if not m.future.done()]  # cancelled callers drop out
+        members, rows = [], 0
+        while lane.pending and (not members or rows + lane.pending[0].rows <= policy.max_batch):
+            m = lane.pending.popleft()
+            lane.rows -= m.rows
+            if not m.future.done():  # cancelled callers drop out
+                members.append(m)
+                rows += m.rows
         if not members:
             return
         lane.inflight += 1
@@ -157,16 +176,7 @@ class Coalescer:
 
     async def _run(self, key, lane: _Lane, policy: CoalescePolicy, members: list[_Member]) -> None:
         try:
-            if len(members) == 1:
-                m = members[0]
-                results = [await self._send(m.raw, _remaining(m.deadline, self._clock()))]
-            else:
-                requests = [m.request for m in members]
-                timeout = _latest(members, self._clock())
-                answer = await self._send(self._codec.merge(requests), timeout)
-                results = self._codec.split(answer, requests, [m.rows for m in members])
-                self.merged_calls += 1
-                self.merged_rows += sum(m.rows for m in members)
+            results = await self._call(members)
         except asyncio.CancelledError:
             for m in members:
                 m.future.cancel()
@@ -177,11 +187,43 @@ class Coalescer:
                     m.future.set_exception(err)
         else:
             for m, result in zip(members, results):
-                if not m.future.done():
+                if m.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    m.future.set_exception(result)
+                else:
                     m.future.set_result(result)
         finally:
             lane.inflight -= 1
             self._on_slot_free(key, lane, policy)
+
+    async def _call(self, members: list[_Member]) -> list:
+        now = self._clock()
+        self.calls += 1
+        if len(members) == 1:
+            m = members[0]
+            return [await self._send(m.raw, _remaining(m.deadline, now), m.request)]
+        requests = [m.request for m in members]
+        try:
+            answer = await self._send(self._codec.merge(requests), _latest(members, now), requests[0])
+            results = self._codec.split(answer, requests, [m.rows for m in members])
+        except Exception as err:
+            if _backend_away(err):
+                raise
+            # a model error on some row, or an answer that does not split: each member on its own
+            self.retried_alone += len(members)
+            return await asyncio.gather(
+                *(self._send(m.raw, _remaining(m.deadline, self._clock()), m.request) for m in members), return_exceptions=True
+            )
+        self.merged_calls += 1
+        self.merged_rows += sum(m.rows for m in members)
+        return results
+
+
+def _backend_away(err: Exception) -> bool:
+    """Errors that say nothing about any member: every member shares them (no retry one by one)."""
+    reason = getattr(err, "reason", "")
+    return reason in ("UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "MODEL_NOT_READY")
 
 
 def _remaining(deadline: float | None, now: float) -> float | None:

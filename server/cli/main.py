@@ -14,9 +14,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import llm, registry, tenancy, traffic
+    from server.cli import llm, plan, registry, tenancy, traffic
 
-    for module in (tenancy, registry, traffic, llm):
+    for module in (tenancy, registry, traffic, llm, plan):
         module.mount(app)
 
 

@@ -42,5 +42,5 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         admission_slots=s.admission_slots,
         meter=meter,
     )
-    coalescer = Coalescer(backend.infer_raw, CODEC)
+    coalescer = Coalescer(lambda raw, timeout, request: backend.infer_raw(raw, timeout), CODEC)
     return DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)

@@ -43,6 +43,7 @@ class ModelSignature:
 
         inputs = {t.name: spec(t, t.optional) for t in config.input}
         params = {k: v.string_value for k, v in config.parameters.items()}
+        instances = max(1, sum(max(1, g.count) for g in config.instance_group))
         return cls(
             name=config.name,
             max_batch_size=int(config.max_batch_size),
@@ -52,8 +53,8 @@ class ModelSignature:
             backend=config.backend or config.platform,
             decoupled=config.model_transaction_policy.decoupled,
             required=frozenset(name for name, s in inputs.items() if not s.optional),
-            coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size)),
-            instances=max(1, sum(max(1, g.count) for g in config.instance_group)),
+            coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size), instances),
+            instances=instances,
             max_running=_int(params.get("max_running"), 16),
         )
 

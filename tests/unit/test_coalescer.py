@@ -34,7 +34,7 @@ class EchoModel:
         self.calls: list[int] = []
         self.raw_seen: list[bytes] = []
 
-    async def __call__(self, raw: bytes, timeout):
+    async def __call__(self, raw: bytes, timeout, request=None):
         self.raw_seen.append(raw)
         req = pb.ModelInferRequest.FromString(raw)
         rows = int(req.inputs[0].shape[0])
@@ -43,6 +43,10 @@ class EchoModel:
         if self.fail:
             raise self.fail
         x = np.frombuffer(req.raw_input_contents[0], np.float32).reshape(rows, FEATURES)
+        if (x < 0).any():  # a row this model cannot take: the whole call fails, as Triton's would
+            from server.errors import BackendError
+
+            raise BackendError("model failed on a negative feature")
         resp = pb.ModelInferResponse(model_name=req.model_name, model_version=req.model_version, id=req.id)
         resp.outputs.add(name="y", datatype="FP32", shape=[rows, FEATURES])
         resp.raw_output_contents.append((2 * x).tobytes())
@@ -118,7 +122,7 @@ async def test_the_window_never_outlasts_the_deadline():
 
     release = asyncio.Event()
 
-    async def blocked_send(raw, timeout):
+    async def blocked_send(raw, timeout, request=None):
         await release.wait()
         return await EchoModel()(raw, timeout)
 
@@ -176,3 +180,50 @@ def test_requests_that_cannot_merge():
     assert CoalescePolicy.from_parameters({}, 0).enabled is False
     policy = CoalescePolicy.from_parameters({"inferplane.coalesce_window_us": "250"}, 32)
     assert policy.enabled and policy.window_s == pytest.approx(0.00025) and policy.max_batch == 32
+
+
+async def test_group_commit_merges_arrivals_while_a_call_is_in_flight_without_a_timer():
+    model = EchoModel(delay=0.005)
+    coalescer = Coalescer(model, CODEC)
+    policy = CoalescePolicy(max_inflight=1, max_batch=64)  # window 0: no timer at all
+    first = _request(1, 0)
+    lone = asyncio.create_task(coalescer.submit(first, first.SerializeToString(), policy))
+    await asyncio.sleep(0.001)  # the first is at the model now
+    later = [_request(1, i) for i in range(1, 11)]
+    answers = await asyncio.gather(lone, *(coalescer.submit(r, r.SerializeToString(), policy) for r in later))
+    for req, answer in zip([first, *later], answers):
+        _check(req, answer)
+    assert model.calls == [1, 10]  # the lone one went at once, the ten that waited rode one call
+
+
+async def test_pending_rows_beyond_max_batch_go_in_several_calls():
+    model = EchoModel(delay=0.002)
+    coalescer = Coalescer(model, CODEC)
+    policy = CoalescePolicy(max_inflight=1, max_batch=8)
+    requests = [_request(3, i) for i in range(7)]
+    answers = await asyncio.gather(*(coalescer.submit(r, r.SerializeToString(), policy) for r in requests))
+    for req, answer in zip(requests, answers):
+        _check(req, answer)
+    assert max(model.calls) <= 8 and sum(model.calls) == 21
+
+
+async def test_a_failing_member_never_poisons_the_others():
+    model = EchoModel(delay=0.002)
+    coalescer = Coalescer(model, CODEC)
+    policy = CoalescePolicy(max_inflight=1, max_batch=64)
+    requests = [_request(2, i) for i in range(6)]
+    bad = requests[3]
+    bad.raw_input_contents[0] = (-np.ones((2, FEATURES), np.float32)).tobytes()
+    results = await asyncio.gather(*(coalescer.submit(r, r.SerializeToString(), policy) for r in requests), return_exceptions=True)
+    from server.errors import BackendError
+
+    assert isinstance(results[3], BackendError)
+    for i in (0, 1, 2, 4, 5):
+        _check(requests[i], results[i])
+    assert coalescer.retried_alone >= 2  # the merged call failed, its members went one by one
+
+
+def test_in_flight_calls_default_to_the_models_instances():
+    assert CoalescePolicy.from_parameters({}, 64, instances=3).max_inflight == 3
+    assert CoalescePolicy.from_parameters({"inferplane.coalesce_max_inflight": "2"}, 64, instances=3).max_inflight == 2
+    assert CoalescePolicy.from_parameters({}, 64).window_s == 0.0

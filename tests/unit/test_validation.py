@@ -132,7 +132,10 @@ def test_signature_counts_instances_and_sizes_admission_by_them():
     assert signature.instances == 5
 
     assert model_slots(signature) == 5  # the default the pipeline sizes a model's queue by
-    config.max_batch_size = 4  # coalescing on by default: its in-flight batches x their size
+    config.max_batch_size = 4  # coalescing on by default: its in-flight batches (one per instance) x their size
+    assert model_slots(ModelSignature.from_config(config)) == 5 * 4
+    config.parameters["inferplane.coalesce_max_inflight"].string_value = "2"
     assert model_slots(ModelSignature.from_config(config)) == 2 * 4
+    del config.parameters["inferplane.coalesce_max_inflight"]
     config.parameters["inferplane.coalesce"].string_value = "false"  # each instance batches up to 4
     assert model_slots(ModelSignature.from_config(config)) == 5 * 4
