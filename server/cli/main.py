@@ -7,7 +7,10 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="inferplane: one deployment target for every model.", no_args_is_help=True, add_completion=False)
+# rich_markup_mode=None: help texts print as written (rich would turn codes like :end: into emoji)
+app = typer.Typer(
+    help="inferplane: one deployment target for every model.", no_args_is_help=True, add_completion=False, rich_markup_mode=None
+)
 demo_app = typer.Typer(help="Demo models built from synthetic data.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
 

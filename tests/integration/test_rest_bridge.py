@@ -8,7 +8,6 @@ cannot show cheaply (a chunked body over a small limit, a bug inside a handler).
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import socket
@@ -321,70 +320,6 @@ def test_body_over_the_limit_really_sent(stack, chunked):
     assert status == 413 and _error(answer)["code"] == "REQUEST_TOO_LARGE"
 
 
-# ---- in-process: what the live stack cannot show cheaply --------------------------------------
-
-
-class _StubDataPlane:
-    """Resolves nothing, and its infer raises an unexpected (non-domain) exception."""
-
-    llm = None  # no generation here
-
-    def is_ready(self) -> bool:
-        return True
-
-    def resolve(self, name, version=""):
-        from server.errors import ModelNotFound
-
-        raise ModelNotFound(f"unknown model '{name}'")
-
-    def authorize(self, ctx, name):
-        return None  # auth off: everyone, every model
-
-    async def infer(self, request, raw=None, timeout=None, ctx=None):
-        raise RuntimeError("a bug")
-
-
-async def _in_process(max_body_bytes: int):
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from server.transports.rest.endpoints import create_app
-    from server.dataplane.metrics import Metrics
-
-    client = TestClient(TestServer(create_app(_StubDataPlane(), Metrics(), max_body_bytes=max_body_bytes)))
-    await client.start_server()
-    return client
-
-
-async def test_chunked_body_over_the_limit_is_413():
-    client = await _in_process(4096)
-    try:
-
-        async def chunks():
-            for _ in range(16):
-                yield b"x" * 1024
-                await asyncio.sleep(0)
-
-        response = await client.post("/v2/models/m/infer", data=chunks(), headers=JSON)
-        assert response.status == 413
-        assert _error(await response.read())["code"] == "REQUEST_TOO_LARGE"
-        assert (await client.get("/v2/health/live")).status == 200
-    finally:
-        await client.close()
-
-
-async def test_unexpected_exception_is_a_500_with_the_error_shape():
-    client = await _in_process(1 << 20)
-    try:
-        doc = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
-        response = await client.post("/v2/models/m/infer", json=doc)
-        assert response.status == 500
-        error = _error(await response.read())
-        assert error["code"] == "INTERNAL" and "a bug" not in error["message"]
-        assert (await client.get("/v2/health/live")).status == 200
-    finally:
-        await client.close()
-
-
 # ---- schemathesis against the live /openapi.json -----------------------------------------------
 
 MAX_EXAMPLES = 12  # per operation and mode: ~20 operations x 2 modes stays well under a minute
@@ -431,3 +366,22 @@ def test_schemathesis_conformance(stack):
     # and nothing it sent broke the stack
     status, _, _ = _call(stack, "GET", "/v2/health/ready")
     assert status == 200
+
+
+def test_the_readme_curl_example_runs_as_written(stack):
+    """The quick start's curl command, run as a user would paste it (only the port is this stack's)."""
+    import shlex
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("curl") is None:
+        pytest.fail("curl is not installed: the README's REST example cannot be checked")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```bash\ncurl ", 1)[1].split("```", 1)[0]
+    command = "curl " + block.replace("\\\n", " ").strip()
+    command = command.replace("localhost:8000", stack.http)
+    out = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    predictions = json.loads(out.stdout)["predictions"]
+    assert len(predictions) == 1 and isinstance(predictions[0], (float, list))
