@@ -311,6 +311,10 @@ def deploy(
     max_batch: Optional[int] = typer.Option(None, help="Max batch size (0: no batching)."),
     queue_delay_us: Optional[int] = typer.Option(None, help="Dynamic batcher max queue delay (µs)."),
     cache: Optional[bool] = typer.Option(None, "--cache/--no-cache", help="Triton response cache."),
+    threads: Optional[int] = typer.Option(None, help="The adapter's framework threads per instance (ONNX Runtime, XGBoost, LightGBM)."),
+    coalesce: Optional[bool] = typer.Option(None, "--coalesce/--no-coalesce", help="The frontend merges concurrent requests into one Triton call."),
+    coalesce_max_inflight: Optional[int] = typer.Option(None, help="Merged calls at Triton at once (default: one per instance)."),
+    coalesce_window_us: Optional[int] = typer.Option(None, help="Longest a request waits for a free call slot, µs (default 0: until one frees)."),
     url: str = _URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
     actor: Optional[str] = _ACTOR,
@@ -325,6 +329,10 @@ def deploy(
         serving.queue_delay_us, serving.has_queue_delay_us = queue_delay_us, True
     if cache is not None:
         serving.cache, serving.has_cache = cache, True
+    serving.threads = threads or 0
+    for field, value in (("coalesce", coalesce), ("coalesce_max_inflight", coalesce_max_inflight), ("coalesce_window_us", coalesce_window_us)):
+        if value is not None:
+            setattr(serving, field, value)
     channel, stub, metadata = _admin(url, actor)
     with channel:
         response = _call(stub.Deploy, admin_pb2.DeployRequest(ref=ref, serving=serving), metadata, timeout)
