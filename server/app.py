@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from server.dataplane.builder import build_dataplane
+from server.db import display_url
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.metrics import Metrics
 from server.dataplane.triton_client import TritonClient
@@ -223,7 +224,7 @@ class Frontend:
         triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
-            f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={_redact(s.database_url)}"
+            f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
         )
 
     async def wait(self) -> None:
@@ -292,16 +293,6 @@ def run(settings: Settings) -> None:
         asyncio.run(serve(settings))
     else:
         uvloop.run(serve(settings))
-
-
-def _redact(url: str) -> str:
-    """A database URL without its password (the ready line is logged)."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy reads: show its scheme only
-        return url.split(":", 1)[0] + ":…"
 
 
 def _worker_main() -> None:

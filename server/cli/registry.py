@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,8 +20,8 @@ models_app = typer.Typer(help="The model registry: register, list, show, lineage
 endpoints_app = typer.Typer(help="Deployed endpoints (via the running frontend's admin API).", no_args_is_help=True)
 
 DEFAULT_URL = "127.0.0.1:8001"
-_DB = typer.Option(None, "--database-url", help="Registry database URL [env INFERPLANE_DATABASE_URL; default sqlite:///var/inferplane.db].")
-_STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default var/artifacts].")
+_DB = typer.Option(None, "--database-url", help="Registry database URL [env INFERPLANE_DATABASE_URL; default sqlite:///DATA_DIR/inferplane.db].")
+_STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default DATA_DIR/artifacts].")
 _URL = typer.Option(DEFAULT_URL, "--url", help="The frontend's gRPC address (admin API).")
 _ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
 
@@ -47,9 +46,11 @@ def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
     from server.control.artifacts import ArtifactStore
     from server.control.registry import Registry
 
-    url = database_url or os.environ.get("INFERPLANE_DATABASE_URL", "sqlite:///var/inferplane.db")
-    store = artifact_store or os.environ.get("INFERPLANE_ARTIFACT_STORE", "var/artifacts")
-    return Registry(url, ArtifactStore(store))
+    from server.settings import Settings
+
+    given = {k: v for k, v in (("database_url", database_url), ("artifact_store", artifact_store)) if v}
+    settings = Settings(**given)  # flags > INFERPLANE_* environment > defaults (the data dir)
+    return Registry(settings.database_url, ArtifactStore(settings.artifact_store))
 
 
 def fail(err) -> None:
@@ -80,6 +81,40 @@ def _version_dict(r) -> dict:
 # ---- models ----------------------------------------------------------------------------------
 
 
+def model_dir_metadata(model_dir: Path) -> dict:
+    """What a model directory written by ``inferplane demo build`` declares: artifact path,
+    signature (with max_batch_size), validation set path and training tags."""
+    meta = json.loads((model_dir / "inferplane.json").read_text())
+    signature = meta["signature"]
+    if "max_batch_size" in meta:
+        signature = {**signature, "max_batch_size": meta["max_batch_size"]}
+    return {
+        "artifact": model_dir / meta["artifact"],
+        "signature": signature,
+        "validation": model_dir / meta["validation"] if meta.get("validation") else None,
+        "training": meta.get("training", {}),
+    }
+
+
+def register_model_dirs(registry, repository: Path, names: list[str], actor: str) -> list:
+    """Register the models of a repository that carry ``inferplane.json`` (identical bytes: their
+    existing version); returns the version records."""
+    records = []
+    for name in names:
+        model_dir = repository / name
+        if not (model_dir / "inferplane.json").is_file():
+            continue
+        meta = model_dir_metadata(model_dir)
+        tags = {k: str(v) for k, v in meta["training"].items() if isinstance(v, (str, int, float))}
+        record, _ = registry.register(
+            name, meta["artifact"].read_bytes(), signature=meta["signature"], filename=meta["artifact"].name,
+            validation=meta["validation"].read_bytes() if meta["validation"] else None, tags=tags,
+            description="a demo model (inferplane demo build)", actor=actor,
+        )  # fmt: skip
+        records.append(record)
+    return records
+
+
 @models_app.command("register")
 def register(
     name: str = typer.Argument(..., help="Model name (the endpoint name when deployed)."),
@@ -108,13 +143,11 @@ def register(
 
     declared, training, extra_metrics = None, {}, {}
     if from_model_dir is not None:
-        meta = json.loads((from_model_dir / "inferplane.json").read_text())
-        artifact = artifact or from_model_dir / meta["artifact"]
+        meta = model_dir_metadata(from_model_dir)
+        artifact = artifact or meta["artifact"]
         declared = meta["signature"]
-        if "max_batch_size" in meta:
-            declared = {**declared, "max_batch_size": meta["max_batch_size"]}
-        validation = validation or (from_model_dir / meta["validation"] if meta.get("validation") else None)
-        training = meta.get("training", {})
+        validation = validation or meta["validation"]
+        training = meta["training"]
     if artifact is None:
         raise typer.BadParameter("give ARTIFACT or --from-model-dir")
     if signature is not None:
@@ -161,8 +194,11 @@ def list_models(database_url: Optional[str] = _DB, artifact_store: Optional[str]
     """Every registered model with its latest version."""
     registry = open_registry(database_url, artifact_store)
     try:
-        for m in registry.list_models():
+        models = registry.list_models()
+        for m in models:
             typer.echo(f"{m.name}\tlatest={m.latest_version}\tversions={m.version_count}\tteam={m.owner_team or '-'}")
+        if not models:
+            typer.echo(f"no models registered in {registry.url_for_display()} (`inferplane models register NAME ARTIFACT --signature FILE`, or `inferplane demo build`)")
     finally:
         registry.close()
 
@@ -362,11 +398,18 @@ def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
     channel, stub, metadata = _admin(url, actor)
     with channel:
         response = _call(stub.ListEndpoints, admin_pb2.ListEndpointsRequest(), metadata, 30)
+        served = _call(stub.ListModels, admin_pb2.ListModelsRequest(), metadata, 30).models
     for e in response.endpoints:
         typer.echo(
             f"{e.name}\tlive={e.live or '-'}\tprevious={e.previous or '-'}\trouted={e.routed or '-'}\t"
             f"loaded={list(e.loaded_versions)}\tserving={e.serving_json}"
         )
+    deployed = {e.name for e in response.endpoints}
+    for m in served:
+        if m.name not in deployed:  # served from the model repository as it was at start, not deployed from the registry
+            typer.echo(f"{m.name}\tlive={','.join(m.versions) or '-'}\tstate={m.state}\t(not deployed: served from the model repository)")
+    if not response.endpoints and not served:
+        typer.echo("no endpoints: nothing is deployed or served (`inferplane deploy NAME:VERSION`)")
 
 
 @endpoints_app.command("show")

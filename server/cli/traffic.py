@@ -28,7 +28,7 @@ ab_app = typer.Typer(help="A/B experiments: sticky arms by caller key, outcomes,
 shadow_app = typer.Typer(help="Shadow traffic: copies to a version whose answers are compared, never returned.", no_args_is_help=True)
 
 _ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
-_API_KEY = typer.Option(None, "--api-key", envvar="INFERPLANE_API_KEY", help="Admin API key (with --auth on).")
+_API_KEY = typer.Option(None, "--api-key", help="Admin API key (with --auth on) [env INFERPLANE_API_KEY].")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
@@ -75,6 +75,10 @@ def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
 
     channel = grpc.insecure_channel(url)
     metadata = [("x-inferplane-actor", actor_name(actor))]
+    if not api_key:
+        from server.settings import Settings
+
+        api_key = Settings().api_key.get_secret_value()
     if api_key:
         metadata.append(("authorization", f"Bearer {api_key}"))
     return channel, traffic_pb2_grpc.TrafficStub(channel), tuple(metadata)

@@ -44,7 +44,7 @@ from server import migrations
 from server.control import safe_formats
 from server.control import signing
 from server.control.artifacts import ArtifactStore
-from server.db import make_engine, session_factory
+from server.db import display_url, make_engine, session_factory
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, PermissionDenied, Violation
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -337,6 +337,9 @@ class Registry:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def url_for_display(self) -> str:
+        return display_url(self.url)
 
     # ---- versions -----------------------------------------------------------------------
 
