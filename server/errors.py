@@ -199,14 +199,24 @@ def _pack(status: status_pb2.Status, detail) -> None:
 # ---- HTTP ---------------------------------------------------------------------------------
 
 
-def http_error(err: InferplaneError) -> tuple[int, dict, dict[str, str]]:
-    """HTTP status, JSON body ``{"error": {code, message, details}}`` and headers for an error."""
+def http_error(err: InferplaneError, *, openai: bool = False) -> tuple[int, dict, dict[str, str]]:
+    """HTTP status, JSON body and headers for an error (``error_body`` says the body's shapes)."""
     e = entry(err)
     details = [{"field": v.field, "description": v.description} for v in err.violations]
     headers: dict[str, str] = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after_s + 0.4999)))
         headers["x-should-retry"] = "true"
-    body = {"error": {"code": e.reason, "message": err.message, "details": details}}
-    return e.http_status, body, headers
+    return e.http_status, error_body(e.reason, err.message, details, openai=openai), headers
+
+
+def error_body(code: str, message: str, details: list[dict], *, openai: bool = False) -> dict:
+    """The two REST error shapes. KServe v2 / Triton routes: ``{"error": "<message>", "code", "details"}``
+    — a string ``error`` as Triton's HTTP API sends (``tritonclient.http`` reads it), the machine
+    reason and the field violations beside it. OpenAI routes: ``{"error": {"message", "type", "code",
+    "param", "details"}}``, the OpenAI API's shape (the ``openai`` SDK reads it)."""
+    if openai:
+        param = details[0]["field"] if details else None
+        return {"error": {"message": message, "type": code.lower(), "code": code, "param": param, "details": details}}
+    return {"error": message, "code": code, "details": details}
 

@@ -133,6 +133,8 @@ class DataPlane:
     # ---- control --------------------------------------------------------------------------
 
     async def load_model(self, name: str) -> ModelSignature:
+        if name not in {m.name for m in await self._backend.repository_index()}:
+            raise ModelNotFound(f"no model '{name}' in the model repository")
         await self._backend.load_model(name)
         self._table.loaded.add(name)
         return await self.refresh(name)

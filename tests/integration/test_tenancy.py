@@ -120,7 +120,7 @@ def test_a_missing_or_wrong_key_is_unauthenticated_on_both_transports(tenancy):
         code, message, _ = _grpc(tenancy, "ModelInfer", req, key)
         assert code == grpc.StatusCode.UNAUTHENTICATED, (key, code, message)
         status, _, body = _http(tenancy, "POST", "/v2/models/fraud_xgboost/infer", _rest_infer_body(tenancy.repository, "fraud_xgboost"), _bearer(key))
-        assert status == 401 and json.loads(body)["error"]["code"] == "UNAUTHENTICATED"
+        assert status == 401 and json.loads(body)["code"] == "UNAUTHENTICATED"
     # x-api-key works as well as a bearer token; health needs no key
     code, _, _ = _grpc(tenancy, "ModelInfer", req, extra=(("x-api-key", tenancy.keys["alpha"]),))
     assert code == grpc.StatusCode.OK
@@ -202,7 +202,7 @@ def test_quota_exact_count_and_retry_hint_on_both_transports(tenancy):
     assert any(d.Unpack(info) for d in rich.details) and info.retry_delay.seconds >= 10
     status, headers, body = _http(tenancy, "POST", "/v2/models/fraud_xgboost/infer", _rest_infer_body(tenancy.repository, "fraud_xgboost"), _bearer(key))
     assert status == 429 and int(headers["Retry-After"]) >= 10 and headers["x-should-retry"] == "true"
-    assert json.loads(body)["error"]["code"] == "RESOURCE_EXHAUSTED"
+    assert json.loads(body)["code"] == "RESOURCE_EXHAUSTED"
     # another model of the same tenant, and another tenant on the same model, are unaffected
     assert _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "mlp_classifier"), key)[0] == grpc.StatusCode.OK
     assert _grpc(tenancy, "ModelInfer", req, tenancy.keys["alpha"])[0] == grpc.StatusCode.OK
@@ -248,7 +248,7 @@ async def test_concurrent_duplicates_with_one_key_run_the_model_once(tenancy):
     s2, _, b2 = _http(tenancy, "POST", f"/v2/models/{model}/infer", body, headers)
     assert s1 == s2 == 200 and b1 == b2
     s3, _, b3 = _http(tenancy, "POST", f"/v2/models/{model}/infer", _rest_infer_body(tenancy.repository, model, 1), headers)
-    assert s3 == 422 and json.loads(b3)["error"]["code"] == "IDEMPOTENCY_KEY_REUSED"
+    assert s3 == 422 and json.loads(b3)["code"] == "IDEMPOTENCY_KEY_REUSED"
     assert _triton_counts(tenancy, model)[1] - after[1] == 1
 
 

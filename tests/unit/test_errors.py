@@ -56,9 +56,12 @@ def test_both_transports_agree(cls, grpc_code, http_status):
 
     code, body, headers = e.http_error(err)
     assert code == http_status
-    assert body["error"]["code"] == err.reason
-    assert body["error"]["message"] == "something went wrong"
-    assert body["error"]["details"] == [{"field": "input 'x' shape", "description": "expected [-1, 4], got [2, 3]"}]
+    violation = [{"field": "input 'x' shape", "description": "expected [-1, 4], got [2, 3]"}]
+    assert body == {"error": "something went wrong", "code": err.reason, "details": violation}  # Triton's string error
+    code, body, headers = e.http_error(err, openai=True)
+    assert code == http_status
+    assert body == {"error": {"message": "something went wrong", "type": err.reason.lower(), "code": err.reason,
+                              "param": "input 'x' shape", "details": violation}}  # fmt: skip
 
 
 def test_retry_hint_on_both_transports():

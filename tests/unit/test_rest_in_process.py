@@ -11,8 +11,8 @@ JSON = {"Content-Type": "application/json"}
 
 def _error(body: bytes) -> dict:
     doc = json.loads(body)
-    assert set(doc) == {"error"} and set(doc["error"]) == {"code", "message", "details"}, doc
-    return doc["error"]
+    assert set(doc) == {"error", "code", "details"} and isinstance(doc["error"], str), doc
+    return {"code": doc["code"], "message": doc["error"], "details": doc["details"]}
 
 
 class _StubDataPlane:

@@ -151,8 +151,7 @@ def _usage(chunk: Chunk) -> dict[str, Any]:
 
 
 def _error_event(err: InferplaneError) -> dict[str, Any]:
-    status, body, _headers = http_error(err)
-    body["error"]["type"] = body["error"]["code"].lower()
+    status, body, _headers = http_error(err, openai=True)
     body["error"]["status"] = status
     return body
 
@@ -429,7 +428,7 @@ async def engine_stats(request: web.Request) -> web.Response:
 
 # ---- routes (mounted into server.transports.rest.endpoints.ROUTES) ------------------------------------------------
 
-_ANY_ERROR = {status: error_body(f"Error ({status}); see the error code") for status in error_statuses()}
+_ANY_ERROR = {status: error_body(f"Error ({status}); see the error code", "OpenAIError") for status in error_statuses()}
 _OBJ = {"type": "object", "additionalProperties": True}
 _SSE_BODY = {SSE: {"schema": {"type": "string", "description": "data: {chunk} events, then data: [DONE]"}}}
 
@@ -473,7 +472,7 @@ ROUTES: list[Route] = [
               "dimensions": {"type": "integer", "minimum": 1},
           })),
     Route("GET", "/v1/models", list_models, "openai_models", "Served LLM and embedding models (OpenAI list shape)", "openai",
-          {200: json_body("Model list", _OBJ)} | error_responses()),
+          {200: json_body("Model list", _OBJ)} | error_responses(schema="OpenAIError")),
     Route("GET", "/v2/models/{name}/engine_stats", engine_stats, "llm_engine_stats",
           "LLM engine counters: decode steps, queue, KV reservations, prefix-cache hits, recent sequences", "llm",
           {200: json_body("Engine counters", _OBJ)} | error_responses(400, 404, 503)),

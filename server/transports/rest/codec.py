@@ -419,6 +419,14 @@ def model_config_json(raw: bytes) -> dict:
     return _numbers(config, json_format.MessageToDict(config, preserving_proto_field_name=True))
 
 
+def statistics_json(raw: bytes) -> dict:
+    """Model statistics as Triton's REST API shows them (``GET /v2/models[/{name}]/stats``)."""
+    from google.protobuf import json_format
+
+    stats = pb.ModelStatisticsResponse.FromString(raw)
+    return _numbers(stats, json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+
+
 _INT64_TYPES = {3, 4, 6, 16, 18}  # FieldDescriptor TYPE_INT64, UINT64, FIXED64, SFIXED64, SINT64
 
 
