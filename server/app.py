@@ -210,12 +210,14 @@ class Frontend:
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
         from server.transports.rest.endpoints import create_app
+        from server.transports.rest.http_errors import json_parse_errors
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
+        json_parse_errors(runner)  # aiohttp's own 400s (bad request line, headers) in the JSON error shape
         self._runners.append(runner)
         site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
         await site.start()

@@ -15,7 +15,7 @@ from server import __version__
 from server.dataplane.dataplane import DataPlane, parse_infer_request, parse_message
 from server.errors import InferplaneError, PermissionDenied, grpc_status
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.identity import CallContext, bearer_token
+from server.tenancy.identity import CallContext, bearer_token, clamp_timeout
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
@@ -51,7 +51,8 @@ def call_context(context: grpc.aio.ServicerContext) -> CallContext:
             api_key = value
         elif key == "idempotency-key":
             idempotency_key = value
-    return CallContext(bearer_token(authorization, api_key), idempotency_key, context.time_remaining(), headers=metadata)
+    timeout = clamp_timeout(context.time_remaining())  # a deadline of years would overflow on the way to Triton
+    return CallContext(bearer_token(authorization, api_key), idempotency_key, timeout, headers=metadata)
 
 
 def _passthrough(method: str, request_type):
@@ -62,9 +63,9 @@ def _passthrough(method: str, request_type):
         ctx = call_context(context)
         if request.name or method != "ModelStatistics":
             self.dp.resolve_for(ctx, request.name, request.version)
-            return await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining())
+            return await self.dp.triton.unary_raw(method, raw, timeout=ctx.timeout)
         # statistics of every model: only those the caller may see
-        answer = pb.ModelStatisticsResponse.FromString(await self.dp.triton.unary_raw(method, raw, timeout=context.time_remaining()))
+        answer = pb.ModelStatisticsResponse.FromString(await self.dp.triton.unary_raw(method, raw, timeout=ctx.timeout))
         visible = set(self.dp.visible(ctx, [m.name for m in answer.model_stats]))
         kept = [m for m in answer.model_stats if m.name in visible]
         del answer.model_stats[:]
