@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from server.transports.grpc.admin import AdminService
 from server.runtime import gc_pauses
 from server.dataplane.dataplane import DataPlane
+from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.transports.grpc.generation import add_to_server as add_generation
 from server.dataplane.generation import LLMService
 from server.dataplane.metrics import Metrics
@@ -173,7 +174,8 @@ class Frontend:
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 1 if s.worker else 0),
-            ]
+            ],
+            interceptors=[DecodeErrorsInterceptor()],  # an unparsable typed request is INVALID_ARGUMENT, not UNKNOWN
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)

@@ -57,7 +57,8 @@ def key_id_of(key: str) -> str | None:
 
 
 def hash_key(key: str, pepper: bytes) -> str:
-    return hmac.new(pepper, key.encode(), hashlib.sha256).hexdigest()
+    # surrogatepass: aiohttp decodes a header that is not UTF-8 with surrogates; such a key is simply unknown
+    return hmac.new(pepper, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 def bearer_token(authorization: str | None, api_key: str | None) -> str | None:

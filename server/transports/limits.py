@@ -70,6 +70,17 @@ def check_text(value: str, field: str) -> str:
     return value
 
 
+# a lone surrogate can only come from a JSON escape (UTF-8 cannot encode one): \ud800-\udfff
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_json(raw: bytes | memoryview, doc: Any) -> None:
+    """:func:`check_document` for a document parsed from ``raw``, walked only when ``raw`` holds a
+    surrogate escape at all (a regex over the bytes, at C speed): large tensor bodies cost nothing."""
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        check_document(doc)
+
+
 def check_document(doc: Any, root: str = "") -> None:
     """Every string (keys included) of a parsed JSON document is valid Unicode; the first one that
     is not is named by its path (``messages[0].content``). Iterative: depth costs no recursion."""

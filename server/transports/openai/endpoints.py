@@ -63,7 +63,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
     if not isinstance(doc, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    limits.check_document(doc)  # a lone surrogate ("\ud800") anywhere is the caller's mistake, named here
+    limits.check_json(raw, doc)  # a lone surrogate ("\ud800") anywhere is the caller's mistake, named here
     return doc
 
 
