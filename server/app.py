@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
 from server.dataplane.dataplane import DataPlane
+from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
 from server.dataplane.triton_client import TritonClient
 from server.protogen import _pool
@@ -145,12 +146,13 @@ class Frontend:
     async def _start_grpc(self) -> None:
         s = self.settings
         server = grpc.aio.server(
-            interceptors=(DomainErrorInterceptor(),),
+            # domain errors -> statuses; an unparsable typed request body -> INVALID_ARGUMENT, not UNKNOWN
+            interceptors=(DomainErrorInterceptor(), DecodeErrorsInterceptor()),
             options=[
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 1 if s.worker else 0),
-            ]
+            ],
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
@@ -187,12 +189,14 @@ class Frontend:
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
         from server.transports.rest.endpoints import create_app
+        from server.transports.rest.http_errors import json_parse_errors
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
+        json_parse_errors(runner)  # aiohttp's own 400s (bad request line, headers) in the JSON error shape
         self._runners.append(runner)
         site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
         await site.start()

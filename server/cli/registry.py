@@ -24,6 +24,7 @@ _DB = typer.Option(None, "--database-url", help="Registry database URL [env INFE
 _STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default DATA_DIR/artifacts].")
 _URL = typer.Option(DEFAULT_URL, "--url", help="The frontend's gRPC address (admin API).")
 _ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
+_API_KEY = typer.Option(None, "--api-key", help="Admin API key (with --auth on) [env INFERPLANE_API_KEY].")
 
 
 def mount(app: typer.Typer) -> None:
@@ -314,13 +315,25 @@ def audit(
 # ---- deploy / rollback / endpoints (admin gRPC) -----------------------------------------------
 
 
-def _admin(url: str, actor: Optional[str]):
+def call_metadata(actor: Optional[str], api_key: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """What every admin call sends: who acts (the audit log) and, with auth on, the API key."""
+    metadata = [("x-inferplane-actor", actor_name(actor))]
+    if not api_key:
+        from server.settings import Settings
+
+        api_key = Settings().api_key.get_secret_value()  # INFERPLANE_API_KEY
+    if api_key:
+        metadata.append(("authorization", f"Bearer {api_key}"))
+    return tuple(metadata)
+
+
+def _admin(url: str, actor: Optional[str], api_key: Optional[str]):
     import grpc
 
     from server.protogen.inferplane.v1 import admin_pb2_grpc
 
     channel = grpc.insecure_channel(url)
-    return channel, admin_pb2_grpc.AdminStub(channel), (("x-inferplane-actor", actor_name(actor)),)
+    return channel, admin_pb2_grpc.AdminStub(channel), call_metadata(actor, api_key)
 
 
 def _call(method, request, metadata, timeout: float):
@@ -354,6 +367,7 @@ def deploy(
     url: str = _URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
     actor: Optional[str] = _ACTOR,
+    api_key: Optional[str] = _API_KEY,
 ) -> None:
     """Load a registered version, warm it up, then switch the endpoint's traffic to it."""
     from server.protogen.inferplane.v1 import admin_pb2
@@ -369,7 +383,7 @@ def deploy(
     for field, value in (("coalesce", coalesce), ("coalesce_max_inflight", coalesce_max_inflight), ("coalesce_window_us", coalesce_window_us)):
         if value is not None:
             setattr(serving, field, value)
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.Deploy, admin_pb2.DeployRequest(ref=ref, serving=serving), metadata, timeout)
     _print_result(response.result, "deployed")
@@ -380,22 +394,23 @@ def rollback(
     url: str = _URL,
     timeout: float = typer.Option(300.0),
     actor: Optional[str] = _ACTOR,
+    api_key: Optional[str] = _API_KEY,
 ) -> None:
     """Traffic back to the previous version (instant while it is still loaded)."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.Rollback, admin_pb2.RollbackRequest(name=name), metadata, timeout)
     _print_result(response.result, "rolled back to")
 
 
 @endpoints_app.command("list")
-def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
+def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
     """Every deployed endpoint: live, previous and loaded versions."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.ListEndpoints, admin_pb2.ListEndpointsRequest(), metadata, 30)
         served = _call(stub.ListModels, admin_pb2.ListModelsRequest(), metadata, 30).models
@@ -413,13 +428,15 @@ def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
 
 
 @endpoints_app.command("show")
-def endpoints_show(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
+def endpoints_show(
+    name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY
+) -> None:
     """One endpoint with its deployment history, as JSON."""
     from google.protobuf.json_format import MessageToDict
 
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.GetEndpoint, admin_pb2.GetEndpointRequest(name=name), metadata, 30)
     typer.echo(json.dumps(MessageToDict(response.endpoint, preserving_proto_field_name=True), indent=2))

@@ -25,7 +25,7 @@ from server.dataplane.routing import Router
 from server.dataplane.signature import ModelSignature
 from server.dataplane.stream_ledger import StreamLedger
 from server.dataplane.validation import validate_infer_request
-from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound
+from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound, public_message
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, Gatekeeper, Principal
 
@@ -389,7 +389,7 @@ def _varint(n: int) -> bytes:
 
 
 def _stream_error(err: InferplaneError, request) -> bytes:
-    response = pb.ModelStreamInferResponse(error_message=f"{err.reason}: {err.message}")
+    response = pb.ModelStreamInferResponse(error_message=f"{err.reason}: {public_message(err)}")
     if request is not None:
         response.infer_response.model_name = request.model_name
         response.infer_response.id = request.id

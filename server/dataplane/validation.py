@@ -1,19 +1,24 @@
 """Check an inference request against the model's declared signature, before any Triton call.
 
 Only the header is inspected: names, datatypes, shapes and byte lengths. Tensor contents are
-never decoded (BYTES tensors are walked for their length prefixes, nothing more). Every problem
-found is reported, each naming the tensor, the field, what was expected and what came.
+never decoded (BYTES tensors are walked for their length prefixes, nothing more), except the
+BYTES inputs a model's signature declares as text (``ModelSignature.text_inputs``: the embedding
+model's ``text``, the LLM engine's inputs), whose elements must be UTF-8 — a caller's mistake is
+answered here, before any model sees it. Every problem found is reported, each naming the tensor,
+the field, what was expected and what came (``server.errors`` caps how much of it is echoed).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 
 from server.dataplane.codecs import CONTENTS_FIELD, bytes_element_count
 from server.errors import InvalidRequest, Violation
 from server.dataplane.signature import ModelSignature, TensorSpec
 
 _MAX_LISTED = 3
+_LEN = struct.Struct("<I")
 
 
 def validate_infer_request(request, signature: ModelSignature) -> None:
@@ -49,6 +54,8 @@ def validate_infer_request(request, signature: ModelSignature) -> None:
         batch = _check_header(tensor, spec, signature, batch, violations)
         if len(violations) == before:
             _check_payload(index, tensor, spec, raw[index] if use_raw else None, violations)
+        if len(violations) == before and spec.name in signature.text_inputs:
+            _check_text(index, tensor, spec, raw[index] if use_raw else None, violations)
     for name in sorted(signature.required - seen):
         spec = signature.inputs[name]
         violations.append(
@@ -146,6 +153,33 @@ def _check_payload(index: int, tensor, spec: TensorSpec, raw: bytes | None, viol
                 f"expected {count} elements for shape {list(tensor.shape)}, got {got}",
             )
         )
+
+
+def _check_text(index: int, tensor, spec: TensorSpec, raw: bytes | None, violations) -> None:
+    """Every element of a text input is UTF-8 (the framing was checked already)."""
+    if raw is not None:
+        where = f"raw_input_contents[{index}] ({'input ' + repr(spec.name)})"
+        elements = _elements(raw)
+    else:
+        where = f"input '{spec.name}' contents.bytes_contents"
+        elements = iter(tensor.contents.bytes_contents)
+    for number, element in enumerate(elements):
+        try:
+            str(element, "utf-8")
+        except UnicodeDecodeError as err:
+            violations.append(
+                Violation(where, f"element {number} is not valid UTF-8 (byte {err.start}): input '{spec.name}' takes text")
+            )
+            return
+
+
+def _elements(raw: bytes):
+    """The elements of a well-framed BYTES buffer, as memoryviews (no copies)."""
+    view, offset = memoryview(raw), 0
+    while offset < len(view):
+        (length,) = _LEN.unpack_from(view, offset)
+        yield view[offset + 4 : offset + 4 + length]
+        offset += 4 + length
 
 
 def _raise(signature: ModelSignature, violations: list[Violation]) -> None:

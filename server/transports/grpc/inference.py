@@ -23,7 +23,8 @@ EXTENSIONS = ("model_repository", "statistics", "model_configuration", "binary_t
 
 def _describe(method: str):
     async def handler(self, raw: bytes, context):
-        return await self.dp.describe(call_context(context), method, raw, timeout=context.time_remaining())
+        ctx = call_context(context)
+        return await self.dp.describe(ctx, method, raw, timeout=ctx.timeout)
 
     return handler
 

@@ -181,6 +181,10 @@ def _instance(ctx: CallContext, index: int) -> CallContext:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The metrics port's registry, for admin keys only: this port faces tenants, and the series
+    name every model with its counts, also models a tenant may not see. (With auth off the open
+    tenant is the admin; the metrics port itself stays open, on the operators' network.)"""
+    request.app[DATAPLANE].gate.require_admin(_context(request), "GET /metrics on the REST port")
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -241,8 +245,10 @@ ROUTES: list[Route] = [
     Route("POST", "/v1/models/{name}:predict", predict, "predict", "KServe v1 convenience form: instances -> predictions",
           "inference", {200: json_body("Predictions, one per instance", "PredictResponse")} | _INFER_ERRORS,
           request=json_body("One row per instance, or an object input name -> row per instance", "PredictRequest")),
-    Route("GET", "/metrics", metrics, "metrics", "Prometheus metrics (same registry as the metrics port)", "operations",
-          {200: Body("Prometheus text exposition", {TEXT: {"schema": {"type": "string"}}})} | _BASIC),
+    Route("GET", "/metrics", metrics, "metrics",
+          "Prometheus metrics (same registry as the metrics port); needs an admin key when auth is on", "operations",
+          {200: Body("Prometheus text exposition", {TEXT: {"schema": {"type": "string"}}})} | _BASIC
+          | {401: documented_error("No API key, or an unknown one"), 403: documented_error("The key is not an admin key")}),
     Route("GET", "/openapi.json", openapi, "openapi", "This document", "operations",
           {200: json_body("OpenAPI 3 document", "OpenAPI")} | _BASIC),
     *REPOSITORY_ROUTES,
