@@ -21,9 +21,56 @@ _MAX_LISTED = 3
 _LEN = struct.Struct("<I")
 
 
+# Triton's own request parameters and the value kinds it takes (the rest are passed to the model);
+# Triton refuses others as INTERNAL, after the request reached it, so they are checked here
+RESERVED_PARAMETERS = {
+    "sequence_id": ("int64_param", "string_param"),
+    "sequence_start": ("bool_param",),
+    "sequence_end": ("bool_param",),
+    "priority": ("int64_param", "uint64_param"),
+    "timeout": ("int64_param",),
+    "triton_enable_empty_final_response": ("bool_param",),
+    "binary_data_output": ("bool_param",),
+}
+
+
+# any other request parameter goes to the model, and Triton takes only these kinds for it
+CUSTOM_PARAMETER_KINDS = ("int64_param", "bool_param", "string_param")
+# tensor parameters: shared memory is not offered through the frontend (a region is Triton's, not
+# the caller's: naming one would read or write memory another tenant registered)
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+TENSOR_PARAMETERS = {"classification": ("int64_param",), "binary_data_size": ("int64_param",), "binary_data": ("bool_param",)}
+
+
+def _kind(value) -> str | None:
+    return value.WhichOneof("parameter_choice")
+
+
+def check_parameters(request, violations: list[Violation]) -> None:
+    """Request and tensor parameters Triton would refuse (as INTERNAL, after the request reached it)."""
+    for key, value in request.parameters.items():
+        kinds = RESERVED_PARAMETERS.get(key, CUSTOM_PARAMETER_KINDS)
+        kind = _kind(value)
+        if not key:
+            violations.append(Violation("parameters", "a parameter needs a name"))
+        elif kind not in kinds:
+            violations.append(Violation(f"parameters.{key}", f"expected {' or '.join(kinds)}, got {kind or 'no value'}"))
+        elif key in ("priority", "timeout") and kind == "int64_param" and value.int64_param < 0:
+            violations.append(Violation(f"parameters.{key}", f"must be >= 0, got {value.int64_param}"))
+    for side, tensors in (("inputs", request.inputs), ("outputs", request.outputs)):
+        for index, tensor in enumerate(tensors):
+            for key, value in tensor.parameters.items():
+                where = f"{side}[{index}].parameters.{key}"
+                if key in SHARED_MEMORY_PARAMETERS:
+                    violations.append(Violation(where, "shared memory is not offered through the frontend; send the tensor's bytes"))
+                elif key in TENSOR_PARAMETERS and _kind(value) not in TENSOR_PARAMETERS[key]:
+                    violations.append(Violation(where, f"expected {' or '.join(TENSOR_PARAMETERS[key])}, got {_kind(value) or 'no value'}"))
+
+
 def validate_infer_request(request, signature: ModelSignature) -> None:
     """Raise InvalidRequest (with one Violation per problem) unless the request fits the signature."""
     violations: list[Violation] = []
+    check_parameters(request, violations)
     raw = request.raw_input_contents
     use_raw = len(raw) > 0
     if use_raw and len(raw) != len(request.inputs):
