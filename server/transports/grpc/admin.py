@@ -16,6 +16,7 @@ from server.dataplane.dataplane import DataPlane
 from server.errors import InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.transports.grpc.inference import abort, call_context
+from server.transports.typed import admin as typed_admin
 from server.tenancy.identity import Principal
 from server.dataplane.signature import ModelSignature, version_key
 
@@ -233,6 +234,22 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     for e in entries
                 ]
             )
+
+        return await _guard(context, run)
+
+    # ---- typed per-model APIs (issue 21: server.transports.typed) ---------------------------
+
+    async def GetModelProto(self, request, context):
+        async def run():
+            self._granted(self._caller(context), request.name, f"unknown model '{request.name}'")
+            return await typed_admin.get_model_proto(self.dp, request)
+
+        return await _guard(context, run)
+
+    async def RetireSchema(self, request, context):
+        async def run():
+            principal = self._admin(context, "RetireSchema")
+            return await typed_admin.retire_schema(self.dp, request, self._actor(context, principal))
 
         return await _guard(context, run)
 

@@ -24,6 +24,7 @@ from server.dataplane.generation import LLMService
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
+from server.transports.rest.typed import ROUTES as TYPED_ROUTES
 from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_body, error_responses, error_statuses, json_body
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
@@ -244,6 +245,7 @@ ROUTES: list[Route] = [
     Route("GET", "/openapi.json", openapi, "openapi", "This document", "operations",
           {200: json_body("OpenAPI 3 document", "OpenAPI")} | _BASIC),
     *OPENAI_ROUTES,
+    *TYPED_ROUTES,
 ]  # fmt: skip
 
 
