@@ -259,7 +259,7 @@ class Codec:
     def _tabular(self, t: Tensor, plan: _TabularPlan, messages, listed, where, violations) -> np.ndarray | None:
         n, k = len(messages), len(plan.fields)
         lo, hi = plan.numbers[0], plan.numbers[-1]
-        values = []
+        values, complete = [], []
         absent = 0
         for r, fields in enumerate(listed):
             mine = [v for fd, v in fields if lo <= fd.number <= hi]
@@ -270,57 +270,63 @@ class Codec:
                 self._missing(messages[r], plan.fields, {fd.number for fd, _ in fields}, r, where, violations)
                 continue
             values.append(mine)
+            complete.append(r)
         if absent == n:
             return None
         if absent:
             violations.append(Violation("rows", f"input '{t.name}' is optional but must be sent in every row or in none ({absent} of {n} rows lack it)"))
-        if len(values) != n:
-            return None  # violations already say why
-        rows = np.fromiter((v for row in values for v in row), dtype=plan.wide, count=n * k).reshape(n, k)
+        rows = np.fromiter((v for row in values for v in row), dtype=plan.wide, count=len(values) * k).reshape(len(values), k)
+        if len(complete) != n:  # check the complete rows too, then fail with every problem named
+            plan.check(rows, lambda r, f: where(complete[r], f), violations)
+            return None
         return plan.check(rows, where, violations)
 
     def _whole(self, t: Tensor, messages, listed, where, violations) -> np.ndarray | None:
+        """A field that is the whole tensor: a scalar, a string or a repeated (packed) field."""
         f = t.fields[0]
-        dtype = codecs.numpy_dtype(t.datatype)
-        values = []
+        values: list = []
         for r, fields in enumerate(listed):
             value = next((v for fd, v in fields if fd.number == f.number), None)
-            if value is None:
+            if value is None:  # an empty repeated field is not listed either
                 if f.required:
                     self._missing(messages[r], (f,), {fd.number for fd, _ in fields}, r, where, violations)
-                values.append(None)
-                continue
-            if f.repeated and f.count is not None and len(value) != f.count:
+            elif f.repeated and f.count is not None and len(value) != f.count:
                 violations.append(Violation(where(r, f), f"expected {f.count} values (tensor '{t.name}' {list(t.dims)}), got {len(value)}"))
-            values.append(value)
+            values.append(value if value is None or f.repeated else (value,))
         if all(v is None for v in values):
             return None
-        if any(v is None for v in values) or violations:
-            if not f.required and any(v is None for v in values) and not violations:
+        if any(v is None for v in values):
+            if not f.required:
                 violations.append(Violation("rows", f"input '{t.name}' is optional but must be sent in every row or in none"))
             return None
         n = len(values)
-        if t.datatype == "BYTES":
-            items = [s.encode() for v in values for s in (v if f.repeated else (v,))]
-            array = np.empty(len(items), dtype=np.object_)
-            array[:] = items
-        else:
-            flat = (x for v in values for x in (v if f.repeated else (v,)))
-            array = np.fromiter(flat, dtype=_WIDE[f.type])
-            if f.range is not None:
-                ok = (array >= f.range[0]) & (array <= f.range[1])
-                if not ok.all():
-                    violations.append(Violation(where(int(np.flatnonzero(~ok)[0]) // max(1, array.size // n), f), f"a value is outside the declared range [{f.range[0]:g}, {f.range[1]:g}]"))
-            bounds = INT_BOUNDS.get(t.datatype)
-            if bounds is not None and ((array < bounds[0]) | (array > bounds[1])).any():
-                violations.append(Violation(f.name, f"a value does not fit {t.datatype} [{bounds[0]}, {bounds[1]}]"))
-            array = array.astype(dtype, copy=False)
-        per_row = array.size // n if n else 0
-        if f.count is None and any(len(v) != per_row for v in values):
-            violations.append(Violation(f.name, "every row must carry the same number of values"))
+        per_row = len(values[0])
+        if any(len(v) != per_row for v in values):
+            violations.append(Violation(where(0, f), "every row must carry the same number of values"))
             return None
-        dims = [per_row] if f.count is None else list(t.dims)
+        if violations:
+            return None
+        if t.datatype == "BYTES":
+            array = np.empty(n * per_row, dtype=np.object_)
+            array[:] = [s.encode() for v in values for s in v]
+        else:
+            array = np.fromiter((x for v in values for x in v), dtype=_WIDE[f.type], count=n * per_row)
+            array = self._checked(t, f, array.reshape(n, per_row), where, violations)
+        dims = [per_row] if f.repeated and f.count is None else list(t.dims)
         return array.reshape([n, *dims])
+
+    @staticmethod
+    def _checked(t: Tensor, f: Field, rows: np.ndarray, where, violations) -> np.ndarray:
+        if f.range is not None:
+            ok = (rows >= f.range[0]) & (rows <= f.range[1])
+            for r in np.flatnonzero(~ok.all(axis=1))[:MAX_VIOLATIONS]:
+                violations.append(Violation(where(r, f), f"values outside the declared range [{f.range[0]:g}, {f.range[1]:g}]"))
+        bounds = INT_BOUNDS.get(t.datatype)
+        if bounds is not None:
+            bad = ((rows < bounds[0]) | (rows > bounds[1])).any(axis=1)
+            for r in np.flatnonzero(bad)[:MAX_VIOLATIONS]:
+                violations.append(Violation(where(r, f), f"values that do not fit {t.datatype} [{bounds[0]}, {bounds[1]}]"))
+        return rows.astype(codecs.numpy_dtype(t.datatype), copy=False)
 
     def _missing(self, message, fields, present: set[int], r: int, where, violations) -> None:
         """Name each field a row lacks; a field that came with the wrong wire type says so."""
