@@ -11,8 +11,9 @@ goes through the message class: one ``operator.attrgetter`` over the fields per 
 presence asked only of the zeros, and vectorized enum / range / integer-width checks; its errors
 name each field.
 
-Responses: float outputs of fixed size are written the same way (one (n, bytes) array filled by
-column slices); others through the message class.
+Responses: float outputs of fixed size are Triton's output bytes behind precomputed field
+headers (joined for one row; one (n, bytes) array filled by column slices for a batch); others
+go through the message class.
 """
 
 from __future__ import annotations
@@ -113,17 +114,17 @@ class _WireAnswers:
 
     def __init__(self, outputs: tuple[Tensor, ...]):
         template = bytearray()
-        self.slices: list[tuple[str, np.dtype, int, int]] = []  # tensor, dtype, offset, bytes
+        self.slices: list[tuple[str, str, int, int, bytes]] = []  # tensor, datatype, offset, bytes, field header
         for t in outputs:
             f = t.fields[0]
-            dtype = np.dtype("<f4") if f.type == "float" else np.dtype("<f8")
-            count = f.count or 1
-            nbytes = count * dtype.itemsize
+            width = 4 if f.type == "float" else 8
+            nbytes = (f.count or 1) * width
             if f.repeated:
-                template += _tag(f.number, 2) + varint(nbytes)
+                header = _tag(f.number, 2) + varint(nbytes)
             else:
-                template += _tag(f.number, 5 if dtype.itemsize == 4 else 1)
-            self.slices.append((t.name, dtype, len(template), nbytes))
+                header = _tag(f.number, 5 if width == 4 else 1)
+            template += header
+            self.slices.append((t.name, "FP32" if width == 4 else "FP64", len(template), nbytes, header))
             template += bytes(nbytes)
         self.size = len(template)
         self.template = np.frombuffer(bytes(template), dtype=np.uint8)
@@ -141,15 +142,24 @@ class _WireAnswers:
                 return None
         return cls(schema.outputs)
 
-    def encode(self, outputs: dict[str, np.ndarray], n: int, batch: bool) -> bytes:
+    def encode(self, answer: pb.ModelInferResponse, n: int, batch: bool) -> bytes | None:
+        """The response bytes straight from Triton's output bytes (already little-endian floats);
+        None when the answer is not what the layout expects (the message path says why)."""
+        raw = answer.raw_output_contents
+        index = {out.name: i for i, out in enumerate(answer.outputs)}
+        chosen = []
+        for name, wire, offset, nbytes, header in self.slices:
+            i = index.get(name)
+            if i is None or i >= len(raw) or answer.outputs[i].datatype != wire or len(raw[i]) != n * nbytes:
+                return None
+            chosen.append(raw[i])
+        if n == 1 and not batch:  # Predict: the fields' headers and the bytes, joined
+            return b"".join(part for (_, _, _, _, header), data in zip(self.slices, chosen) for part in (header, data))
         template, shift = (self.record_template, self.head) if batch else (self.template, 0)
         out = np.empty((n, template.size), dtype=np.uint8)
         out[:] = template
-        for name, dtype, offset, nbytes in self.slices:
-            values = np.ascontiguousarray(outputs[name], dtype=dtype).reshape(n, -1).view(np.uint8)
-            if values.shape[1] != nbytes:
-                raise ValueError(f"output '{name}' has {values.shape[1] // dtype.itemsize} values per row, expected {nbytes // dtype.itemsize}")
-            out[:, shift + offset : shift + offset + nbytes] = values
+        for (_, _, offset, nbytes, _), data in zip(self.slices, chosen):
+            out[:, shift + offset : shift + offset + nbytes] = np.frombuffer(data, dtype=np.uint8).reshape(n, nbytes)
         return out.tobytes()
 
 
@@ -173,6 +183,7 @@ class _TabularPlan:
         self.range_lo = np.array([r[0] for _, r in ranged], dtype=np.float64)
         self.range_hi = np.array([r[1] for _, r in ranged], dtype=np.float64)
         self.range_all = len(ranged) == len(self.fields)
+        self.lo32, self.hi32 = self.range_lo.astype(np.float32), self.range_hi.astype(np.float32)  # for float32 rows
         self.bounds = INT_BOUNDS.get(tensor.datatype)
         names = [f.name for f in tensor.fields]
         get = operator.attrgetter(*names)
@@ -194,8 +205,9 @@ class _TabularPlan:
                 rows[:, pos] = lut[np.where(valid, codes, 0).astype(np.intp)]
         if self.range_pos.size:
             values = rows if self.range_all else rows[:, self.range_pos]
-            if not ((values >= self.range_lo).all() and (values <= self.range_hi).all()):  # NaN is never in range
-                ok = (values >= self.range_lo) & (values <= self.range_hi)
+            lo, hi = (self.lo32, self.hi32) if values.dtype == np.float32 else (self.range_lo, self.range_hi)
+            ok = (values >= lo) & (values <= hi)  # NaN is never in range
+            if np.count_nonzero(ok) != ok.size:
                 for r, c in zip(*np.nonzero(~ok)):
                     if len(violations) >= MAX_VIOLATIONS:
                         break
@@ -363,6 +375,10 @@ class Codec:
     # -- responses --
 
     def encode(self, answer: pb.ModelInferResponse, n: int, batch: bool, batched: bool) -> bytes:
+        if self.answers is not None:
+            data = self.answers.encode(answer, n, batch)
+            if data is not None:
+                return data
         outputs: dict[str, np.ndarray] = {}
         raw = answer.raw_output_contents
         for i, out in enumerate(answer.outputs):
@@ -373,8 +389,6 @@ class Codec:
         missing = [t.name for t in self.schema.outputs if t.name not in outputs]
         if missing:
             raise ValueError(f"the model's answer lacks outputs {missing}")
-        if self.answers is not None:
-            return self.answers.encode(outputs, n, batch)
         if not batch:
             return self._fill(self.Response(), outputs, 0).SerializeToString()
         message = self.BatchResponse()
