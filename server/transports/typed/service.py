@@ -118,6 +118,7 @@ class TypedServices(grpc.GenericRpcHandler):
         if built.source is not None and self.dp.models.get(name) is not built.source:
             self.sync()  # the model was reloaded: its schema may have changed (next calls use it)
         ctx = call_context(context)
+        self.dp.authorize(ctx, name)  # before decoding: a caller the model is hidden from learns nothing of its fields
         arrays, n = built.codec.decode(raw, batch)
         signature = self.dp.models.get(name)
         batched = signature is None or signature.max_batch_size > 0
