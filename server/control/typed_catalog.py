@@ -4,7 +4,7 @@ Two kinds of entries:
 
 * **deployed endpoints** (the registry): every schema major the endpoint has served and not
   retired, persisted in ``typed_schemas`` (``server.control.typed_store``). At deploy the new
-  version's schema is checked against the live one (``typed_schema.compare``): a breaking change
+  version's schema is checked against the live one (``typed_compat.compare``): a breaking change
   adds the next major beside the old ones, which keep being served until
   ``inferplane endpoints retire-schema NAME v1``; a non-breaking one replaces the live major's
   schema (its revision goes up); no change only records the model version.
@@ -26,7 +26,8 @@ import json
 import logging
 from pathlib import Path
 
-from server.control.typed_schema import NoTypedApi, TypedSchema, compare, from_model_signature, from_signature, is_breaking
+from server.control.typed_compat import compare, is_breaking
+from server.control.typed_schema import NoTypedApi, TypedSchema, from_model_signature, from_signature
 from server.control.typed_store import TypedSchemaStore
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
 

@@ -17,9 +17,8 @@ For model ``fraud_xgboost`` at schema major 1 the file is package
 missing one is told from a zero); an enum's 0 is ``<NAME>_UNSPECIFIED`` and its labels are 1, 2, …
 in declaration order, each standing for a tensor value (the label's index unless declared).
 
-:func:`compare` is the compatibility check between the schema being served and a new one: a removed
-field, a changed type or number (or element count), a removed or renumbered enum label, or a new
-required input field is breaking; other additions are not.
+The ``.proto`` text and its descriptor are written by ``server.control.typed_proto``; the
+compatibility check between the schema being served and a new one is ``server.control.typed_compat``.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
-
-from google.protobuf import descriptor_pb2
 
 from server.dataplane.signature import is_llm
 from server.errors import InvalidRequest
@@ -48,11 +45,6 @@ PROTO_TYPE = {
 }  # fmt: skip
 # values a narrow integer tensor can hold (the proto field is wider)
 INT_BOUNDS = {"INT8": (-(2**7), 2**7 - 1), "INT16": (-(2**15), 2**15 - 1), "UINT8": (0, 2**8 - 1), "UINT16": (0, 2**16 - 1)}
-_FDP = descriptor_pb2.FieldDescriptorProto
-_SCALAR_ENUM = {
-    "float": _FDP.TYPE_FLOAT, "double": _FDP.TYPE_DOUBLE, "int32": _FDP.TYPE_INT32, "int64": _FDP.TYPE_INT64,
-    "uint32": _FDP.TYPE_UINT32, "uint64": _FDP.TYPE_UINT64, "bool": _FDP.TYPE_BOOL, "string": _FDP.TYPE_STRING,
-}  # fmt: skip
 # field names the generated message code of common languages reserves or that read badly
 _RESERVED = {"descriptor", "extensions"}
 
@@ -197,9 +189,14 @@ class TypedSchema:
         return f"v{self.major}" + (f".{self.revision}" if self.revision else "")
 
     def proto_text(self) -> str:
+        from server.control.typed_proto import proto_text
+
         return proto_text(self)
 
-    def file_descriptor(self) -> descriptor_pb2.FileDescriptorProto:
+    def file_descriptor(self):
+        """The ``google.protobuf.FileDescriptorProto`` of :meth:`proto_text` (what protoc makes of it)."""
+        from server.control.typed_proto import file_descriptor
+
         return file_descriptor(self)
 
 
@@ -474,210 +471,7 @@ def _same_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return False
 
 
-# ---- compatibility ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Change:
-    breaking: bool
-    where: str  # "request.amount", "response.probability", "enum MerchantCategory"
-    what: str
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.what}"
-
-
-def compare(old: TypedSchema, new: TypedSchema) -> list[Change]:
-    """What changes for a caller of ``old`` when ``new`` is served instead (breaking ones first)."""
-    changes: list[Change] = []
-    changes += _compare_fields("request", old.request_fields, new.request_fields, inputs=True)
-    changes += _compare_fields("response", old.response_fields, new.response_fields, inputs=False)
-    return sorted(changes, key=lambda c: (not c.breaking, c.where))
-
-
-def _signature_of(f: Field) -> str:
-    kind = f"repeated {f.type}" if f.repeated else f.type
-    return kind + (f"[{f.count}]" if f.repeated and f.count is not None else "")
-
-
-def _compare_fields(side: str, old: tuple[Field, ...], new: tuple[Field, ...], *, inputs: bool) -> list[Change]:
-    out: list[Change] = []
-    by_name = {f.name: f for f in new}
-    old_names = {f.name for f in old}
-    for f in old:
-        where = f"{side}.{f.name}"
-        g = by_name.get(f.name)
-        if g is None:
-            out.append(Change(True, where, f"field removed (was {_signature_of(f)} = {f.number})"))
-            continue
-        if g.number != f.number:
-            out.append(Change(True, where, f"field number changed {f.number} -> {g.number}"))
-        if _signature_of(g) != _signature_of(f) or bool(g.enum) != bool(f.enum):
-            out.append(Change(True, where, f"type changed {_signature_of(f)} -> {_signature_of(g)}"))
-        elif f.enum:
-            out += _compare_enum(where, f, g)
-        if inputs and g.required and not f.required:
-            out.append(Change(True, where, "became required (callers that leave it out are refused)"))
-        if inputs and not g.required and f.required:
-            out.append(Change(False, where, "became optional"))
-        if inputs and g.range != f.range:
-            out.append(Change(False, where, f"declared range {_show_range(f.range)} -> {_show_range(g.range)}"))
-    for g in new:
-        if g.name in old_names:
-            continue
-        where = f"{side}.{g.name}"
-        if inputs and g.required:
-            out.append(Change(True, where, f"new required field ({_signature_of(g)} = {g.number}): callers of the old schema do not send it"))
-        else:
-            out.append(Change(False, where, f"field added ({_signature_of(g)} = {g.number})"))
-    return out
-
-
-def _compare_enum(where: str, f: Field, g: Field) -> list[Change]:
-    out = []
-    old = {label: (i + 1, value) for i, (label, value) in enumerate(f.enum)}
-    new = {label: (i + 1, value) for i, (label, value) in enumerate(g.enum)}
-    for label, (number, value) in old.items():
-        if label not in new:
-            out.append(Change(True, where, f"enum label {label} removed"))
-        elif new[label][0] != number:
-            out.append(Change(True, where, f"enum label {label} renumbered {number} -> {new[label][0]}"))
-        elif new[label][1] != value:
-            out.append(Change(True, where, f"enum label {label} now means tensor value {new[label][1]:g} (was {value:g})"))
-    for label, (number, _) in new.items():
-        if label not in old:
-            out.append(Change(False, where, f"enum label {label} = {number} added"))
-    return out
-
-
-def _show_range(r) -> str:
-    return "none" if r is None else f"[{r[0]:g}, {r[1]:g}]"
-
-
-def is_breaking(changes: list[Change]) -> bool:
-    return any(c.breaking for c in changes)
-
-
-# ---- .proto text -----------------------------------------------------------------------------
-
-
-def _comment(f: Field, side: str) -> str:
-    parts = []
-    if f.description:
-        parts.append(f.description)
-    if side == "input":
-        parts.append("required" if f.required else "optional")
-    if f.index is not None:
-        parts.append(f"{f.tensor}[{f.index}]")
-    else:
-        parts.append(f"tensor '{f.tensor}'" + (f", {f.count} values" if f.repeated and f.count else ""))
-    if f.unit:
-        parts.append(f"unit: {f.unit}")
-    if f.range is not None:
-        parts.append(f"range [{f.range[0]:g}, {f.range[1]:g}]")
-    return "; ".join(parts)
-
-
-def _field_line(f: Field, side: str) -> list[str]:
-    label = "repeated " if f.repeated else ("optional " if side == "input" else "")
-    return [f"  // {_comment(f, side)}", f"  {label}{f.type} {f.name} = {f.number};"]
-
-
-def proto_text(schema: TypedSchema) -> str:
-    s = schema.stem
-    lines = [
-        f"// Typed API of model '{schema.model}', schema {schema.label}"
-        + (f" (from model version {schema.model_version})" if schema.model_version else "")
-        + ". Generated by inferplane; served with reflection.",
-        "// Each Predict goes through the platform's request pipeline like an Open Inference Protocol call.",
-        'syntax = "proto3";',
-        "",
-        f"package {schema.package};",
-        "",
-    ]
-    for name, f in schema.enums():
-        prefix = enum_prefix(f)
-        lines.append(f"// values of feature '{f.name}'")
-        lines.append(f"enum {name} {{")
-        lines.append(f"  {prefix}_UNSPECIFIED = 0;  // not a value: the field counts as missing")
-        for i, (label, value) in enumerate(f.enum, start=1):
-            lines.append(f"  {prefix}_{label.upper()} = {i};  // tensor value {value:g}")
-        lines += ["}", ""]
-    for kind, fields, side in (("Request", schema.request_fields, "input"), ("Row", schema.request_fields, "input"), ("Response", schema.response_fields, "output")):
-        what = {"Request": "One row to score.", "Row": "One row of a PredictBatch call.", "Response": "The model's answer for one row."}[kind]
-        lines.append(f"// {what}")
-        lines.append(f"message {s}{kind} {{")
-        for f in fields:
-            lines += _field_line(f, side)
-        lines += ["}", ""]
-    lines += [
-        f"message {s}BatchRequest {{",
-        f"  repeated {s}Row rows = 1;",
-        "}",
-        "",
-        f"message {s}BatchResponse {{",
-        "  // one per row, in the order of the rows",
-        f"  repeated {s}Response results = 1;",
-        "}",
-        "",
-        f"service {s}Service {{",
-        f"  rpc Predict({s}Request) returns ({s}Response);",
-        f"  rpc PredictBatch({s}BatchRequest) returns ({s}BatchResponse);",
-        "}",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-# ---- descriptor ------------------------------------------------------------------------------
-
-
-def _add_field(message: descriptor_pb2.DescriptorProto, f: Field, package: str, presence: bool) -> None:
-    fd = message.field.add(name=f.name, number=f.number, json_name=json_name(f.name))
-    fd.label = _FDP.LABEL_REPEATED if f.repeated else _FDP.LABEL_OPTIONAL
-    if f.enum:
-        fd.type = _FDP.TYPE_ENUM
-        fd.type_name = f".{package}.{f.type}"
-    else:
-        fd.type = _SCALAR_ENUM[f.type]
-    if presence and not f.repeated:
-        fd.proto3_optional = True
-
-
-def _add_synthetic_oneofs(message: descriptor_pb2.DescriptorProto) -> None:
-    """proto3 ``optional``: each such field sits alone in a synthetic oneof ``_<name>``, after the
-    real ones (this schema has none), in field order — as protoc writes them."""
-    for fd in message.field:
-        if fd.proto3_optional:
-            fd.oneof_index = len(message.oneof_decl)
-            message.oneof_decl.add(name=f"_{fd.name}")
-
-
-def file_descriptor(schema: TypedSchema) -> descriptor_pb2.FileDescriptorProto:
-    package, s = schema.package, schema.stem
-    fdp = descriptor_pb2.FileDescriptorProto(name=schema.file_name, package=package, syntax="proto3")
-    for name, f in schema.enums():
-        enum = fdp.enum_type.add(name=name)
-        prefix = enum_prefix(f)
-        enum.value.add(name=f"{prefix}_UNSPECIFIED", number=0)
-        for i, (label, _) in enumerate(f.enum, start=1):
-            enum.value.add(name=f"{prefix}_{label.upper()}", number=i)
-    for kind, fields, presence in (("Request", schema.request_fields, True), ("Row", schema.request_fields, True), ("Response", schema.response_fields, False)):
-        message = fdp.message_type.add(name=f"{s}{kind}")
-        for f in fields:
-            _add_field(message, f, package, presence)
-        _add_synthetic_oneofs(message)
-    batch = fdp.message_type.add(name=f"{s}BatchRequest")
-    batch.field.add(name="rows", number=1, json_name="rows", label=_FDP.LABEL_REPEATED, type=_FDP.TYPE_MESSAGE, type_name=f".{package}.{s}Row")
-    results = fdp.message_type.add(name=f"{s}BatchResponse")
-    results.field.add(name="results", number=1, json_name="results", label=_FDP.LABEL_REPEATED, type=_FDP.TYPE_MESSAGE, type_name=f".{package}.{s}Response")
-    service = fdp.service.add(name=f"{s}Service")
-    service.method.add(name="Predict", input_type=f".{package}.{s}Request", output_type=f".{package}.{s}Response")
-    service.method.add(name="PredictBatch", input_type=f".{package}.{s}BatchRequest", output_type=f".{package}.{s}BatchResponse")
-    return fdp
-
-
 __all__ = [
-    "Change", "Field", "NoTypedApi", "Tensor", "TypedSchema", "check_declared", "compare", "file_descriptor",
-    "from_model_signature", "from_signature", "is_breaking", "normalize_features", "proto_text",
+    "Field", "NoTypedApi", "Tensor", "TypedSchema", "check_declared", "from_model_signature", "from_signature",
+    "normalize_features",
 ]  # fmt: skip
