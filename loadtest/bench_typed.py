@@ -12,7 +12,9 @@ reflection hands out, as a generic client (grpcurl, Postman) would. Reports B/A 
 (throughput, latencies, frontend CPU per request) with their spread over the rounds.
 
 ``--decode-only`` measures, in this process and without a server, the ways of reading a typed
-request into a numpy row (the options behind server/transports/typed/codec.py).
+request into a numpy row (the options behind server/transports/typed/codec.py) and the Python
+cost per call of the typed handler vs the OIP one over a stand-in data plane (both are printed
+before every full run too).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 import timeit
 from pathlib import Path
 
@@ -162,6 +165,73 @@ def decode_options(model_dir: Path, number: int = 20000) -> dict:
     return {"model": meta["name"], "fields": len(names), "us_per_request": out}
 
 
+def handler_cost(model_dir: Path, calls: int = 20000) -> dict:
+    """µs of frontend Python per call of the typed Predict handler and of OIP ModelInfer, in this
+    process, over a stand-in data plane that answers at once (what the typed transport adds,
+    without the network, gRPC or Triton — steadier than the stack's figures on a busy machine)."""
+    import gc
+    import types
+
+    from server.control import typed_schema
+    from server.control.registry import check_signature
+    from server.protogen.inference import grpc_service_pb2 as pb
+    from server.transports.grpc.inference import InferenceService
+    from server.transports.typed.service import TypedServices
+
+    meta = json.loads((model_dir / "inferplane.json").read_text())
+    schema = typed_schema.from_signature(meta["name"], check_signature(meta["signature"]))
+    row = np.load(model_dir / "validation.npz")["features"][:1].astype(np.float32)
+    out = schema.outputs[0]
+    answer = pb.ModelInferResponse(model_name=schema.model, model_version="1")
+    answer.outputs.add(name=out.name, datatype=out.datatype, shape=[1, *out.dims])
+    answer.raw_output_contents.append(np.zeros(out.dims, np.float32).tobytes())
+    answer_bytes = answer.SerializeToString()
+
+    class StandIn:  # the DataPlane surface the two handlers use
+        models = {schema.model: types.SimpleNamespace(max_batch_size=64)}
+
+        def authorize(self, ctx, name):
+            return None
+
+        async def infer(self, request, raw=None, timeout=None, ctx=None):
+            _ = raw if raw is not None else request.SerializeToString()
+            return answer_bytes
+
+    catalog = types.SimpleNamespace(revision=1, served=lambda: [schema], is_deployed=lambda name: True, sync=lambda: False)
+    context = types.SimpleNamespace(invocation_metadata=lambda: (), time_remaining=lambda: 30.0, set_trailing_metadata=lambda md: None)
+    dp = StandIn()
+    typed = TypedServices(dp, catalog)
+    typed.refresh()
+    predict = typed.service(types.SimpleNamespace(method=f"/{schema.service}/Predict")).unary_unary
+    codec = typed.built()[0].codec
+    typed_raw = codec.Request(**dict(zip([f.name for f in schema.request_fields], row[0].tolist()))).SerializeToString()
+    request = pb.ModelInferRequest(model_name=schema.model)
+    request.inputs.add(name="features", datatype="FP32", shape=[1, row.shape[1]])
+    request.raw_input_contents.append(row.tobytes())
+    oip_raw = request.SerializeToString()
+    oip = InferenceService(dp).model_infer
+
+    async def per_call(fn, raw) -> float:
+        for _ in range(1000):
+            await fn(raw, context)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            await fn(raw, context)
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    async def measure() -> dict:
+        best = {"typed": float("inf"), "oip": float("inf")}
+        for _ in range(5):  # interleaved, best of 5
+            best["typed"] = min(best["typed"], await per_call(predict, typed_raw))
+            best["oip"] = min(best["oip"], await per_call(oip, oip_raw))
+        return best
+
+    gc.freeze()  # as the frontend does after start-up
+    best = asyncio.run(measure())
+    return {"model": schema.model, "typed_us": round(best["typed"], 2), "oip_us": round(best["oip"], 2),
+            "typed_extra_us": round(best["typed"] - best["oip"], 2)}  # fmt: skip
+
+
 def _frontend_cpu_ms(run: dict, frontend: int, triton: int) -> float | None:
     pids = (run.get("cpu") or {}).get("pids", {})
     tree, sub = pids.get(str(frontend), {}), pids.get(str(triton), {})
@@ -193,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {
         "command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "decode": [decode_options(repo / m) for m in args.models.split(",")], "models": {},
+        "decode": [decode_options(repo / m) for m in args.models.split(",")],
+        "handler": [handler_cost(repo / m) for m in args.models.split(",")], "models": {},
     }  # fmt: skip
     for d in results["decode"]:
         print(f"decode {d['model']} ({d['fields']} fields): " + ", ".join(f"{k} {v} µs" for k, v in d["us_per_request"].items()), flush=True)
+    for h in results["handler"]:
+        print(f"handler {h['model']}: typed Predict {h['typed_us']} µs, OIP ModelInfer {h['oip_us']} µs per call (stand-in data plane)", flush=True)
     if args.decode_only:
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
         return 0
