@@ -27,6 +27,32 @@ def _range(x: np.ndarray) -> tuple[float, float]:
     return float(np.floor(x.min()) - 1.0), float(np.ceil(x.max()) + 1.0)
 
 
+# Feature names of the tabular demos: the fields of their typed gRPC APIs (`inferplane proto NAME`).
+# The data is synthetic and standardized (make_classification / make_regression), hence "z-score".
+FRAUD_FEATURES = (
+    "amount", "amount_vs_card_avg_30d", "amount_vs_merchant_avg_30d", "hour_of_day", "day_of_week",
+    "seconds_since_last_txn", "txn_count_1h", "txn_count_24h", "txn_count_7d", "distinct_merchants_24h",
+    "distinct_countries_7d", "distance_from_home_km", "distance_from_last_txn_km", "travel_speed_kmh",
+    "card_age_days", "account_age_days", "merchant_risk_score", "merchant_fraud_rate_90d", "mcc_risk_score",
+    "device_risk_score", "ip_risk_score", "email_domain_age_days", "billing_shipping_distance_km",
+    "cvv_failures_24h", "declines_24h", "chargebacks_365d", "card_not_present_ratio_30d",
+    "foreign_currency_ratio_30d", "avg_ticket_ratio_7d", "spend_velocity_24h", "password_resets_30d",
+    "new_device_logins_7d",
+)  # fmt: skip
+DELIVERY_FEATURES = (
+    "distance_km", "items_in_order", "order_value", "prep_time_estimate", "courier_load", "courier_rating",
+    "traffic_index", "rain_mm", "temperature_c", "hour_of_day", "day_of_week", "restaurant_backlog",
+    "pickup_wait_estimate", "dropoff_floor", "building_access_score", "zone_density",
+)  # fmt: skip
+
+
+def _features(names, x: np.ndarray, unit: str = "z-score") -> tuple[dict, ...]:
+    """One declared feature per column: its name, unit and the column's range (rounded outward)."""
+    if len(names) != x.shape[1]:
+        raise AssertionError(f"{len(names)} feature names for {x.shape[1]} columns")
+    return tuple({"name": n, **({"unit": unit} if unit else {}), "range": list(_range(x[:, j]))} for j, n in enumerate(names))
+
+
 def _split(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     x = x.astype(np.float32)
     return x[:-VALIDATION_ROWS], y[:-VALIDATION_ROWS], np.ascontiguousarray(x[-VALIDATION_ROWS:])
@@ -81,7 +107,7 @@ def mlp_classifier(seed: int = SEED) -> ModelBundle:
         raise AssertionError("the ONNX export disagrees with the sklearn MLP")
     return ModelBundle(
         name="mlp_classifier", framework="onnxruntime", format="onnx", artifact_name="model.onnx",
-        artifact=artifact, inputs=(TensorSpec("features", (64,), _range(x)),),
+        artifact=artifact, inputs=(TensorSpec("features", (64,), _range(x), _features([f"f{j}" for j in range(64)], x, "")),),
         outputs=(TensorSpec("probabilities", (10,)),), features=rows, expected=expected, seed=seed,
         extra={"estimator": "sklearn.MLPClassifier(hidden=128)", "classes": 10, "opset": ONNX_OPSET},
     )
@@ -103,7 +129,7 @@ def fraud_xgboost(seed: int = SEED, trees: int = 200) -> ModelBundle:
     expected = native.inplace_predict(rows).astype(np.float32).reshape(-1, 1)
     return ModelBundle(
         name="fraud_xgboost", framework="xgboost", format="xgboost-json", artifact_name="model.json",
-        artifact=artifact, inputs=(TensorSpec("features", (32,), _range(x)),),
+        artifact=artifact, inputs=(TensorSpec("features", (32,), _range(x), _features(FRAUD_FEATURES, x)),),
         outputs=(TensorSpec("probability", (1,)),), features=rows, expected=expected, seed=seed + 1,
         extra={"estimator": "xgboost binary:logistic", "trees": trees, "positive_rate": float(y.mean())},
     )
@@ -126,7 +152,7 @@ def lightgbm_regressor(seed: int = SEED, rounds: int = 100) -> ModelBundle:
     expected = native.predict(rows, num_threads=1).astype(np.float32).reshape(-1, 1)
     return ModelBundle(
         name="lightgbm_regressor", framework="lightgbm", format="lightgbm-text", artifact_name="model.txt",
-        artifact=artifact, inputs=(TensorSpec("features", (16,), _range(x)),),
+        artifact=artifact, inputs=(TensorSpec("features", (16,), _range(x), _features(DELIVERY_FEATURES, x)),),
         outputs=(TensorSpec("prediction", (1,)),), features=rows, expected=expected, seed=seed + 2,
         extra={"estimator": "lightgbm regression", "rounds": rounds},
     )

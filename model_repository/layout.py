@@ -37,11 +37,16 @@ class TensorSpec:
     name: str
     dims: tuple[int, ...]
     range: tuple[float, float] | None = None
+    # named features of a tabular input, one per element ({"name", "unit"?, "range"?, "enum"?, ...}):
+    # the fields of the model's typed gRPC API (server/control/typed_schema.py)
+    features: tuple[dict[str, Any], ...] = ()
 
     def signature(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": self.name, "datatype": "FP32", "dims": list(self.dims)}
         if self.range is not None:
             entry["range"] = [float(self.range[0]), float(self.range[1])]
+        if self.features:
+            entry["features"] = [dict(f) for f in self.features]
         return entry
 
 

@@ -36,6 +36,7 @@ from server.transports.grpc.tenancy import TenancyService
 from server.transports.grpc.tenancy import add_to_server as add_tenancy
 from server.transports.grpc.traffic import TrafficService
 from server.transports.grpc.traffic import add_to_server as add_traffic
+from server.transports.typed import add_typed_services
 
 log = logging.getLogger("inferplane")
 
@@ -159,10 +160,11 @@ class Frontend:
         tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
         generation_name = add_generation(self.dataplane.llm, server)
         traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
+        typed = add_typed_services(server, self.dataplane, registry=self.registry, deployer=self.deployer, repository=s.model_repository)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
         admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-        reflection.enable_server_reflection(
+        typed.enable_reflection(  # grpc_reflection's, plus the typed services that come and go at deploy
             (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
             pool=_pool.POOL,

@@ -223,6 +223,7 @@ class Deployer:
         self.clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
         self._state: dict[str, _EndpointState] = {}
+        self.schemas = None  # server.control.typed_catalog.SchemaCatalog (typed APIs), set when they are served
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -316,11 +317,24 @@ class Deployer:
         self.dp.set_live(name, str(record.version))  # the switch: one assignment on the event loop
         switch_ms = (self.clock() - ready_at) * 1000.0
         self._schedule_expiry(name)
+        typed = await self._typed_schema(name, record, actor)
         return DeployResult(
             endpoint=name, version=record.version, previous=live, switch_ms=switch_ms,
             total_ms=(self.clock() - started) * 1000.0, loaded_versions=sorted(st.loaded), reloaded=reloaded,
-            message=f"{name}:{record.version} is live" + (f" ({name}:{live} stays loaded for {self.grace_s:g}s)" if live and live != record.version else ""),
+            message=f"{name}:{record.version} is live" + (f" ({name}:{live} stays loaded for {self.grace_s:g}s)" if live and live != record.version else "") + typed,
         )  # fmt: skip
+
+    async def _typed_schema(self, name: str, record: VersionRecord, actor: str) -> str:
+        """The typed API's schema after the switch: checked against the live one (a breaking change
+        bumps its major); never fails the deploy, which is done."""
+        if self.schemas is None:
+            return ""
+        try:
+            note = await self.schemas.deployed(name, record, actor)
+        except Exception as err:  # the version serves; only its typed schema is not updated
+            log.exception("endpoint %s: updating the typed API schema failed", name)
+            return f"; typed API not updated: {err}"
+        return f"; {note}" if note else ""
 
     async def _load(self, name: str, record: VersionRecord, config: ModelConfig, versions: list[int]) -> None:
         """Materialize the version, write the config and load; on any failure put everything back."""

@@ -43,6 +43,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 from server import migrations
 from server.control import safe_formats
 from server.control import signing
+from server.control import typed_schema
 from server.control.artifacts import ArtifactStore
 from server.db import display_url, make_engine, session_factory
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, PermissionDenied, Violation
@@ -258,7 +259,10 @@ def check_signature(signature: Mapping[str, Any]) -> dict:
     """The declared I/O signature, normalised: ``{"inputs": [...], "outputs": [...]}``.
 
     Each tensor: ``name``, ``datatype`` (wire name, e.g. FP32), ``dims`` (no batch dim; -1 is
-    variable), optional ``range`` [lo, hi]. An optional top-level ``max_batch_size`` is kept.
+    variable), optional ``range`` [lo, hi]; an input may name its ``features`` (one per element of
+    its one dimension, each a name or ``{name, unit?, description?, range?, enum?}``: the fields of
+    the model's typed API, ``server.control.typed_schema``). An optional top-level
+    ``max_batch_size`` is kept.
     """
     if not isinstance(signature, Mapping):
         raise InvalidRequest("the signature must be an object with 'inputs' and 'outputs'")
@@ -284,6 +288,10 @@ def check_signature(signature: Mapping[str, Any]) -> dict:
                 if lo > hi:
                     raise InvalidRequest(f"{where} range [{lo}, {hi}] is empty")
                 entry["range"] = [lo, hi]
+            if t.get("features") is not None:
+                if side != "inputs":
+                    raise InvalidRequest(f"{where}: only inputs declare features")
+                entry["features"] = typed_schema.normalize_features(t["features"], entry, where)
             normalised.append(entry)
         out[side] = normalised
     if "max_batch_size" in signature:
@@ -380,6 +388,7 @@ class Registry:
         parse_ref(name)
         fmt = safe_formats.check_model(artifact, filename, format or None)
         declared = check_signature(signature)
+        typed_schema.check_declared(name, declared)  # the feature names make a valid typed API
         companions = dict(companions or {})
         for cname, cdata in companions.items():
             if not COMPANION.match(cname):

@@ -459,3 +459,52 @@ def test_an_api_key_header_that_is_not_utf8_is_unauthenticated_not_a_crash(tenan
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["code"] == "UNAUTHENTICATED"
+
+
+# ---- typed per-model APIs (issue 21) ----------------------------------------------------------
+
+
+def test_typed_apis_show_and_answer_only_granted_models(tenancy, tmp_path):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from tests.integration.test_typed import compile_stubs
+
+    status, _, body = _http(tenancy, "GET", "/v1/models/fraud_xgboost/proto", headers=_bearer(tenancy.keys["alpha"]))
+    assert status == 200
+    messages, _ = compile_stubs(body.decode(), "fraud_xgboost_typed", tmp_path)
+    names = [f.name for f in messages.FraudXgboostRequest.DESCRIPTOR.fields]
+    good = messages.FraudXgboostRequest(**dict(zip(names, _features(tenancy.repository, "fraud_xgboost", 1)[0].tolist()))).SerializeToString()
+    predict = tenancy.channel.unary_unary("/inferplane.models.fraud_xgboost.v1.FraudXgboostService/Predict")
+
+    def call(body, key):
+        try:
+            predict(body, metadata=_auth(key), timeout=30)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            return err.code()
+
+    assert call(good, tenancy.keys["alpha"]) == grpc.StatusCode.OK
+    assert call(b"", tenancy.keys["alpha"]) == grpc.StatusCode.INVALID_ARGUMENT  # every field missing
+    assert call(b"", None) == grpc.StatusCode.UNAUTHENTICATED
+    assert call(b"", tenancy.keys["beta"]) == grpc.StatusCode.NOT_FOUND  # not granted: nothing about its fields
+    assert call(good, tenancy.keys["beta"]) == grpc.StatusCode.NOT_FOUND
+    assert _http(tenancy, "GET", "/v1/models/fraud_xgboost/proto", headers=_bearer(tenancy.keys["beta"]))[0] == 404
+    admin = admin_pb2_grpc.AdminStub(tenancy.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        admin.GetModelProto(admin_pb2.GetModelProtoRequest(name="fraud_xgboost"), metadata=_auth(tenancy.keys["beta"]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        admin.RetireSchema(admin_pb2.RetireSchemaRequest(name="fraud_xgboost", major="v1"), metadata=_auth(tenancy.keys["alpha"]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    def listed(key):
+        stub = reflection_pb2_grpc.ServerReflectionStub(tenancy.channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (answer,) = stub.ServerReflectionInfo(iter([request]), metadata=_auth(key), timeout=30)
+        return {s.name for s in answer.list_services_response.service if s.name.startswith("inferplane.models.")}
+
+    assert listed(tenancy.keys["beta"]) == {"inferplane.models.lightgbm_regressor.v1.LightgbmRegressorService"}
+    assert listed(tenancy.keys["alpha"]) == {
+        "inferplane.models.fraud_xgboost.v1.FraudXgboostService", "inferplane.models.mlp_classifier.v1.MlpClassifierService",
+    }  # fmt: skip
+    assert listed(None) == set()

@@ -16,6 +16,7 @@ from server.dataplane.dataplane import DataPlane
 from server.errors import InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.transports.grpc.context import call_context
+from server.transports.typed import admin as typed_admin
 from server.tenancy.identity import Principal
 from server.dataplane.signature import ModelSignature, version_key
 
@@ -203,6 +204,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 for e in entries
             ]
         )
+
+    # ---- typed per-model APIs (issue 21: server.transports.typed) ---------------------------
+
+    async def GetModelProto(self, request, context):
+        self._granted(self._caller(context), request.name, f"unknown model '{request.name}'")
+        return await typed_admin.get_model_proto(self.dp, request)
+
+    async def RetireSchema(self, request, context):
+        principal = self._admin(context, "RetireSchema")
+        return await typed_admin.retire_schema(self.dp, request, self._actor(context, principal))
 
 
 def actor(context) -> str:

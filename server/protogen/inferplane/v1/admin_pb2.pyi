@@ -420,3 +420,51 @@ class ListAuditResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...
+
+class TypedSchemaInfo(_message.Message):
+    __slots__ = ("major", "revision", "model_version", "service", "file_name", "state")
+    MAJOR_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    major: int
+    revision: int
+    model_version: str
+    service: str
+    file_name: str
+    state: str
+    def __init__(self, major: _Optional[int] = ..., revision: _Optional[int] = ..., model_version: _Optional[str] = ..., service: _Optional[str] = ..., file_name: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class GetModelProtoRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class GetModelProtoResponse(_message.Message):
+    __slots__ = ("proto", "schema", "served")
+    PROTO_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    proto: str
+    schema: TypedSchemaInfo
+    served: _containers.RepeatedCompositeFieldContainer[TypedSchemaInfo]
+    def __init__(self, proto: _Optional[str] = ..., schema: _Optional[_Union[TypedSchemaInfo, _Mapping]] = ..., served: _Optional[_Iterable[_Union[TypedSchemaInfo, _Mapping]]] = ...) -> None: ...
+
+class RetireSchemaRequest(_message.Message):
+    __slots__ = ("name", "major")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAJOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    major: str
+    def __init__(self, name: _Optional[str] = ..., major: _Optional[str] = ...) -> None: ...
+
+class RetireSchemaResponse(_message.Message):
+    __slots__ = ("served",)
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    served: _containers.RepeatedCompositeFieldContainer[TypedSchemaInfo]
+    def __init__(self, served: _Optional[_Iterable[_Union[TypedSchemaInfo, _Mapping]]] = ...) -> None: ...

@@ -94,6 +94,16 @@ class AdminStub:
                 request_serializer=inferplane_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
                 _registered_method=True)
+        self.GetModelProto = channel.unary_unary(
+                '/inferplane.v1.Admin/GetModelProto',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.GetModelProtoRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.GetModelProtoResponse.FromString,
+                _registered_method=True)
+        self.RetireSchema = channel.unary_unary(
+                '/inferplane.v1.Admin/RetireSchema',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.RetireSchemaRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.RetireSchemaResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -181,6 +191,22 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelProto(self, request, context):
+        """---- typed per-model APIs: inferplane.models.<name>.v<major>.<Name>Service ----
+        The .proto of a model's typed API: the newest served schema, a schema major ("v1") or the
+        schema a model version ("3") is served under.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireSchema(self, request, context):
+        """Stop serving an older schema major of an endpoint (kept after a breaking change bumped it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +269,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListAudit,
                     request_deserializer=inferplane_dot_v1_dot_admin__pb2.ListAuditRequest.FromString,
                     response_serializer=inferplane_dot_v1_dot_admin__pb2.ListAuditResponse.SerializeToString,
+            ),
+            'GetModelProto': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelProto,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.GetModelProtoRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.GetModelProtoResponse.SerializeToString,
+            ),
+            'RetireSchema': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireSchema,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.RetireSchemaRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.RetireSchemaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +605,60 @@ class Admin:
             '/inferplane.v1.Admin/ListAudit',
             inferplane_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
             inferplane_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelProto(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/GetModelProto',
+            inferplane_dot_v1_dot_admin__pb2.GetModelProtoRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.GetModelProtoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireSchema(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Admin/RetireSchema',
+            inferplane_dot_v1_dot_admin__pb2.RetireSchemaRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.RetireSchemaResponse.FromString,
             options,
             channel_credentials,
             insecure,
