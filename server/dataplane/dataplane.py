@@ -80,6 +80,11 @@ class DataPlane:
         return self._router
 
     @property
+    def observer(self):
+        """server.dataplane.observe.Observer: the sampled copies the drift monitor and payload log read."""
+        return self._pipeline.observer
+
+    @property
     def backend_target(self) -> str:
         return self._backend.target
 
@@ -87,6 +92,8 @@ class DataPlane:
         """Flush the last usage records and close shared connections (Redis, Triton channels)."""
         if self._pipeline.meter is not None:
             await self._pipeline.meter.stop()
+        if self._pipeline.tracing is not None:
+            await asyncio.to_thread(self._pipeline.tracing.shutdown)  # the last spans go out
         for shared in (self._idempotency, self._pipeline.quotas):
             close = getattr(shared, "close", None)
             if close is not None:
@@ -281,7 +288,7 @@ class DataPlane:
 
                 async def forward() -> bytes:
                     call.computed = True
-                    answer = await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+                    answer = await self._submit(call, request, data, signature)
                     if count_tokens is not None:
                         call.tokens_in = count_tokens(answer)
                     return answer
@@ -293,12 +300,24 @@ class DataPlane:
                     answer = await forward()
                 if self._router.shadows:
                     call.shadow = (data, answer)
+                call.answer = answer
                 return answer
             except InferplaneError:
                 raise
             except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
                 log.exception("inference on %s failed", request.model_name)
                 raise BackendError(f"inference failed: {err}") from None
+
+    async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
+        """The coalescer's call; a traced request is registered there so its batch's span finds it."""
+        trace = call.trace
+        if trace is None:
+            return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+        trace.submitting(request)
+        try:
+            return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+        finally:
+            trace.submitted(request)
 
     async def stream_infer(
         self, raw_requests: AsyncIterator[bytes], timeout: float | None = None, ctx: CallContext | None = None

@@ -34,6 +34,8 @@ class ModelSignature:
     coalesce: CoalescePolicy = CoalescePolicy(enabled=False)
     instances: int = 1  # Triton instances serving it (all instance groups)
     max_running: int = 16  # an LLM engine's concurrent sequences (its ``max_running`` parameter)
+    # the config's ``inferplane.*`` parameters (SLOs, payload logging, …), as strings
+    params: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def from_config(cls, config: model_config_pb2.ModelConfig, versions=()) -> "ModelSignature":
@@ -56,6 +58,7 @@ class ModelSignature:
             coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size), instances),
             instances=instances,
             max_running=_int(params.get("max_running"), 16),
+            params={k: v for k, v in params.items() if k.startswith("inferplane.")},
         )
 
     @property
