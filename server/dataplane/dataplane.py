@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from google.protobuf.message import DecodeError
 
 from batching.coalescer import Coalescer
+from server.dataplane import triton_stats
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.metrics import Metrics
@@ -67,6 +68,7 @@ class DataPlane:
         self._idempotency = idempotency
         self._reloading = asyncio.Lock()
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
+        self._stat_readings: dict = {}
         self.llm = LLMService(self, pipeline, backend)
 
     # ---- collaborators others may read ----------------------------------------------------
@@ -181,7 +183,9 @@ class DataPlane:
         raw = await self._backend.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
         previous = self._queue_readings
         self._queue_readings = {}
-        for stats in pb.ModelStatisticsResponse.FromString(raw).model_stats:
+        response = pb.ModelStatisticsResponse.FromString(raw)
+        self._stat_readings = triton_stats.export_statistics(self.metrics, response, set(self._table.signatures), self._stat_readings)
+        for stats in response.model_stats:
             if stats.name not in self._table.signatures:
                 continue
             inference = stats.inference_stats
