@@ -103,6 +103,7 @@ class Settings(BaseSettings):
     slo_latency_target: float = Field(0.99, gt=0, lt=1)
     slo_window_s: float = Field(30 * 86400.0, gt=0)
     slo_step_s: float = Field(60.0, gt=0)  # how often the budget is recomputed from the counters
+    status_history_step_s: float = Field(5.0, gt=0)  # the status page's charts: one point per step (120 kept)
     # drift: share of answered requests copied (undecoded) into a bounded ring for the background monitor
     drift_sample_ratio: float = Field(0.01, ge=0, le=1)
     drift_buffer: int = Field(1024, ge=1)  # ring capacity, in requests
