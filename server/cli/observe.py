@@ -104,8 +104,90 @@ def dashboard(out: Annotated[Optional[Path], typer.Option(help="Write here (defa
         typer.echo(f"wrote {out}")
 
 
+def chargeback(
+    since: Annotated[str, typer.Option(help="1h, 30m, 7d, an ISO date, or unix seconds")] = "30d",
+    prices: Annotated[Optional[Path], typer.Option(help="JSON {hardware: USD per device-hour} or deploy/pricing.json's shape")] = None,
+    hardware: Annotated[Optional[list[str]], typer.Option("--hardware", help="MODEL=HARDWARE (repeatable)")] = None,
+    default_hardware: Annotated[str, typer.Option(help="Hardware of endpoints not named by --hardware")] = "cpu",
+    database_url: Annotated[Optional[str], typer.Option("--database-url", envvar="INFERPLANE_DATABASE_URL")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Compute seconds and cost per team and endpoint (metered usage x the price table), with team totals."""
+    from server.control.rightsizing import chargeback as report
+    from server.tenancy.metering import parse_since
+    from server.tenancy.store import TenancyStore
+
+    table, mapping = None, dict(item.split("=", 1) for item in hardware or [])
+    if prices is not None:
+        doc = json.loads(prices.read_text())
+        table = doc.get("prices", doc)
+        mapping = {**doc.get("hardware", {}), **mapping}
+        default_hardware = doc.get("default_hardware", default_hardware) if default_hardware == "cpu" else default_hardware
+    try:
+        rows = report(TenancyStore(database_url).usage("team_model", parse_since(since)), table, mapping, default_hardware)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    typer.echo(f"{'team':<20} {'endpoint':<24} {'hardware':<8} {'requests':>10} {'compute_s':>12} {'cost_usd':>12}")
+    for r in rows:
+        typer.echo(f"{r['team']:<20} {r['endpoint']:<24} {r['hardware']:<8} {r['requests']:>10} {r['compute_s']:>12.3f} {r['cost_usd']:>12.6f}")
+
+
+def rightsize(
+    metrics_url: MetricsUrl = DEFAULT_METRICS,
+    interval: Annotated[float, typer.Option(min=1.0, help="Seconds between the two readings.")] = 30.0,
+    target_utilization: Annotated[float, typer.Option(min=0.05, max=1.0)] = 0.6,
+    url: Annotated[str, typer.Option("--url", envvar="INFERPLANE_URL", help="The frontend's gRPC (instances, max batch).")] = "127.0.0.1:8001",
+    as_json: AsJson = False,
+) -> None:
+    """Observed utilization per endpoint: instances needed at the target utilization, rows per call, p99 vs SLO."""
+    import time
+
+    from server.control.rightsizing import readings
+    from server.control.rightsizing import rightsize as report
+    from server.control.slo import statuses_from_metrics
+
+    first = readings(_scrape(metrics_url))
+    time.sleep(interval)
+    text = _scrape(metrics_url)
+    instances, max_batch = _model_shapes(url)
+    thresholds = {r["model"]: r["threshold_ms"] / 1000 for r in statuses_from_metrics(text) if "threshold_ms" in r}
+    rows = report(first, readings(text), interval, instances=instances, slo_latency_s=thresholds, max_batch=max_batch, target_utilization=target_utilization)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    typer.echo(f"{'endpoint':<24} {'rps':>8} {'busy':>6} {'inst':>5} {'util':>6} {'need':>5} {'rows/call':>9} {'p99 ms':>8} {'slo ms':>7}  batching")
+    for r in rows:
+        typer.echo(
+            f"{r['model']:<24} {r['rps']:>8.1f} {r['busy_instances']:>6.2f} {r['instances']:>5} {r['utilization']:>6.2f} {r['recommended_instances']:>5} "
+            f"{r['rows_per_call'] if r['rows_per_call'] is not None else '-':>9} {r['p99_ms'] if r['p99_ms'] is not None else '-':>8} "
+            f"{r['slo_latency_ms'] if r['slo_latency_ms'] is not None else '-':>7}  {r['batching']}"
+        )
+
+
+def _model_shapes(url: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Instances and max batch size per served model, from the frontend's ModelConfig (empty when unreachable)."""
+    try:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(url)
+        instances, batch = {}, {}
+        for m in client.get_model_repository_index().models:
+            config = client.get_model_config(m.name).config
+            instances[m.name] = max(1, sum(max(1, g.count) for g in config.instance_group))
+            batch[m.name] = config.max_batch_size
+        client.close()
+        return instances, batch
+    except Exception:  # noqa: BLE001 - the report works without them (one instance assumed)
+        return {}, {}
+
+
 def mount(app: typer.Typer) -> None:
-    """Add ``slo``, ``drift`` and ``dashboard`` to the ``inferplane`` command line."""
+    """Add ``slo``, ``drift``, ``dashboard``, ``chargeback`` and ``rightsize`` to the ``inferplane`` command line."""
     app.add_typer(slo_app, name="slo")
     app.command("drift")(drift)
     app.command("dashboard")(dashboard)
+    app.command("chargeback")(chargeback)
+    app.command("rightsize")(rightsize)

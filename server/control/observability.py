@@ -79,10 +79,9 @@ def _errors(text: str) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "inferplane_requests":
-            for s in family.samples:
-                if s.name.endswith("_total") and s.labels.get("code") != "OK":
-                    out[s.labels["model"]] = out.get(s.labels["model"], 0.0) + s.value
+        for s in family.samples:
+            if s.name == "inferplane_requests_total" and s.labels.get("code") != "OK":
+                out[s.labels["model"]] = out.get(s.labels["model"], 0.0) + s.value
     return out
 
 

@@ -115,28 +115,24 @@ def read_counts(text: str) -> dict[str, Counts]:
     out: dict[str, Counts] = {}
     buckets: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "inferplane_requests":
-            for s in family.samples:
-                if s.name.endswith("_total") and s.labels.get("model") not in (None, UNKNOWN_MODEL_LABEL):
-                    c = out.setdefault(s.labels["model"], Counts())
-                    c.total += s.value
-                    if s.labels.get("code") in BAD_CODES:
-                        c.bad += s.value
-        elif family.name == "inferplane_admissions":
-            for s in family.samples:
-                if s.name.endswith("_total") and s.labels.get("path") == "refused":
-                    out.setdefault(s.labels["model"], Counts()).bad += s.value
-        elif family.name == "inferplane_request_duration_seconds":
-            for s in family.samples:
-                model = s.labels.get("model")
-                if model in (None, UNKNOWN_MODEL_LABEL):
-                    continue
-                if s.name.endswith("_bucket"):
-                    le = float(s.labels["le"])
-                    per = buckets.setdefault(model, {})
-                    per[le] = per.get(le, 0.0) + s.value
-                elif s.name.endswith("_count"):
-                    out.setdefault(model, Counts()).observed += s.value
+        for s in family.samples:
+            model = s.labels.get("model")
+            if model in (None, UNKNOWN_MODEL_LABEL):
+                continue
+            if s.name == "inferplane_requests_total":
+                c = out.setdefault(model, Counts())
+                c.total += s.value
+                if s.labels.get("code") in BAD_CODES:
+                    c.bad += s.value
+            elif s.name == "inferplane_admissions_total":
+                if s.labels.get("path") == "refused":
+                    out.setdefault(model, Counts()).bad += s.value
+            elif s.name == "inferplane_request_duration_seconds_bucket":
+                le = float(s.labels["le"])
+                per = buckets.setdefault(model, {})
+                per[le] = per.get(le, 0.0) + s.value
+            elif s.name == "inferplane_request_duration_seconds_count":
+                out.setdefault(model, Counts()).observed += s.value
     for model, per in buckets.items():
         out.setdefault(model, Counts()).buckets = tuple(sorted(per.items()))
     return out

@@ -29,7 +29,7 @@ import tritonclient.http as httpclient
 from model_repository.config_writer import read_config, write_config
 from server.tenancy.store import TenancyStore
 from tests.conftest import start_stack, stop_stack, wait_until
-from tests.otlp_receiver import start_receiver
+from loadtest.otlp_sink import start_receiver
 
 pytestmark = pytest.mark.integration
 
@@ -69,9 +69,10 @@ def observed(demo_repository, tmp_path_factory):
         "INFERPLANE_DRIFT_SAMPLE_RATIO": "1", "INFERPLANE_DRIFT_MIN_ROWS": "100", "INFERPLANE_DRIFT_WINDOW_ROWS": "256",
         "INFERPLANE_DRIFT_INTERVAL_S": "0.3", "INFERPLANE_SLO_STEP_S": "0.5", "INFERPLANE_STATUS_HISTORY_STEP_S": "0.5",
         "INFERPLANE_PAYLOAD_LOG_DESTINATION": str(payloads), "INFERPLANE_METRICS_TOP_TENANTS": "1",
+        "INFERPLANE_USAGE_FLUSH_S": "0.3",
     }  # fmt: skip
     stack = start_stack(repository, workdir, env=env)
-    stack.keys, stack.receiver, stack.payloads = keys, receiver, payloads
+    stack.keys, stack.receiver, stack.payloads, stack.store, stack.url = keys, receiver, payloads, store, url
     yield stack
     stop_stack(stack)
     receiver.stop()
@@ -195,6 +196,44 @@ def test_slo_budget_on_metrics_and_in_the_cli(observed):
     assert rows[(STRICT, "availability")]["budget_remaining"] == 1.0
     table = _cli("slo", "status", "--metrics-url", f"http://{stack.metrics}/metrics")
     assert STRICT in table.stdout and "budget left" in table.stdout
+
+
+def test_chargeback_per_team_and_endpoint_and_rightsizing(observed):
+    import threading
+
+    stack = observed
+    client = grpcclient.InferenceServerClient(stack.grpc)
+    rows = _rows(stack, DRIFT_MODEL)[:8]
+    for tenant in ("alpha", "beta"):
+        _infer(client, DRIFT_MODEL, rows, {"authorization": f"Bearer {stack.keys[tenant]}"})
+    assert wait_until(lambda: {r["team"] for r in stack.store.usage("team_model") if r["model"] == DRIFT_MODEL} >= {"team-alpha", "team-beta"}, timeout=30)
+    out = _cli("chargeback", "--database-url", stack.url, "--since", "1h", "--json")
+    assert out.returncode == 0, out.stderr
+    got = {(r["team"], r["endpoint"]): r for r in json.loads(out.stdout)}
+    line = got[("team-alpha", DRIFT_MODEL)]
+    assert line["compute_s"] > 0 and line["cost_usd"] > 0 and line["hardware"] == "cpu"
+    assert got[("team-alpha", "*")]["compute_s"] >= line["compute_s"]
+    usage = _cli("usage", "--by", "team", "--cost", "--since", "1h", "--database-url", stack.url, "--json")
+    assert usage.returncode == 0 and all("cost_usd" in r for r in json.loads(usage.stdout))
+
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            _infer(client, DRIFT_MODEL, rows, {"authorization": f"Bearer {stack.keys['alpha']}"})
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        out = _cli("rightsize", "--metrics-url", f"http://{stack.metrics}/metrics", "--interval", "2", "--url", stack.grpc, "--json")
+    finally:
+        stop.set()
+        worker.join()
+        client.close()
+    assert out.returncode == 0, out.stderr
+    report = {r["model"]: r for r in json.loads(out.stdout)}[DRIFT_MODEL]
+    assert report["rps"] > 0 and report["rows_per_call"] >= 8 and report["recommended_instances"] >= 1
+    assert report["slo_latency_ms"] == 100.0 and report["batching"]
 
 
 # ---- drift -----------------------------------------------------------------------------------------

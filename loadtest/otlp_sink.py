@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP trace receiver for tests: a loopback HTTP server on a free port that decodes each
+"""A real OTLP/HTTP trace receiver (for the tests and the tracing benchmark): a loopback HTTP server on a free port that decodes each
 ``POST /v1/traces`` body as the OTLP protobuf ``ExportTraceServiceRequest`` (opentelemetry-proto) and
 keeps the spans, with their service name. Both the frontend's exporter and Triton's OpenTelemetry
 trace mode (opentelemetry-cpp's OTLP/HTTP exporter) send here."""
