@@ -6,6 +6,7 @@ trace mode (opentelemetry-cpp's OTLP/HTTP exporter) send here."""
 from __future__ import annotations
 
 import gzip
+import json
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -82,6 +83,14 @@ def start_receiver() -> Receiver:
         def log_message(self, *args):  # quiet
             pass
 
+        def do_GET(self):  # noqa: N802 - /stats: how many spans arrived (for a sink in another process)
+            body = json.dumps({"spans": len(holder["r"].spans), "requests": holder["r"].requests}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def do_POST(self):  # noqa: N802 - http.server's name
             if (self.headers.get("Transfer-Encoding") or "").lower() == "chunked":  # opentelemetry-cpp (Triton) sends chunks
                 body = b""
@@ -141,3 +150,12 @@ def start_receiver() -> Receiver:
     receiver = holder["r"] = Receiver(server)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return receiver
+
+
+if __name__ == "__main__":  # a sink in a process of its own (the benchmark's): prints "PORT n", serves until killed
+    import time
+
+    r = start_receiver()
+    print(f"PORT {r.server.server_address[1]}", flush=True)
+    while True:
+        time.sleep(3600)
