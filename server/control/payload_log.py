@@ -204,8 +204,12 @@ class PayloadLog:
 
         self.fs, self.root = fsspec.core.url_to_fs(self.destination)
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self._opened = False  # the destination is touched only once a record is written
+
+    def _open(self) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
         self._files = self._existing()
+        self._opened = True
 
     def _existing(self) -> list[_File]:
         files = []
@@ -231,6 +235,8 @@ class PayloadLog:
                 self.metrics.payload_dropped.labels(sample.model).inc()
         if not lines:
             return 0
+        if not self._opened:
+            self._open()
         data = ("\n".join(lines) + "\n").encode()
         if self.local:
             if self._current is None or self._current.records >= self.file_records:

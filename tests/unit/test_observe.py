@@ -268,3 +268,20 @@ def test_every_dashboard_query_names_an_exported_metric_or_recording_rule():
                 assert name in exported or name in recorded, f"panel {panel['title']!r}: {name} is not exported"
     on_disk = json.loads((__import__("pathlib").Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "inferplane.json").read_text())
     assert on_disk == doc, "deploy/grafana/inferplane.json is stale: regenerate it with `inferplane dashboard --out deploy/grafana/inferplane.json`"
+
+
+def test_payload_log_keeps_within_its_retention_limit(tmp_path):
+    from server.control.payload_log import PayloadLog
+
+    metrics = Metrics()
+    request = pb.ModelInferRequest(model_name="m", id="r")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 1])
+    request.raw_input_contents.append(np.zeros((1, 1), np.float32).tobytes())
+    log = PayloadLog(None, metrics, str(tmp_path / "p"), lambda name: Redaction(), max_records=3, file_records=2)
+    assert not (tmp_path / "p").exists()  # nothing written, nothing created
+    for _ in range(4):
+        log.write([_Sample(request), _Sample(request)])
+    files = sorted((tmp_path / "p").glob("payloads-*.jsonl"))
+    kept = sum(len(f.read_text().splitlines()) for f in files)
+    assert len(files) == 1 and kept == 2  # older files deleted once over 3 records
+    assert log.written == 8 and metrics.registry.get_sample_value("inferplane_payload_logged_total", {"model": "m"}) == 8
