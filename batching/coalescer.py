@@ -20,6 +20,11 @@ is transport-free and format-free: requests are opaque to it; a ``BatchCodec`` (
 protobuf one, ``server.dataplane.batch_codec``) says which requests may merge, how many rows each
 carries, and how to merge them and split the answer; ``send(raw, timeout, request)`` is an async
 callable (``request``: the call's first member, for routing).
+
+``on_call(requests, rows)`` (optional) hears of every call before it is sent — the members' requests
+and their rows — and may return a finisher, called with the call's error (or None) when it returns:
+batch-size metrics and trace spans hang there (``server.dataplane.observe``). It runs in the task
+that makes the call, so a context variable it sets is seen by ``send``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 Send = Callable[[bytes, "float | None", Any], Awaitable[bytes]]
+OnCall = Callable[[list, int], "Callable[[BaseException | None], None] | None"]
 
 
 class BatchCodec(Protocol):
@@ -104,8 +110,10 @@ class Coalescer:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_call: OnCall | None = None,
     ):
         self._send = send
+        self._on_call = on_call
         self._codec = codec
         self._clock = clock
         self._sleep = sleep
@@ -120,7 +128,9 @@ class Coalescer:
         key = self._codec.key(request) if policy.enabled else None
         if key is None:
             self.calls += 1
-            return await self._send(raw, timeout, request)
+            if self._on_call is None:
+                return await self._send(raw, timeout, request)
+            return await self._observed_send(raw, timeout, request, policy)
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
@@ -139,6 +149,19 @@ class Coalescer:
             hold = policy.window_s if timeout is None else max(0.0, min(policy.window_s, timeout * 0.1))
             lane.timer = asyncio.create_task(self._expire(key, lane, policy, hold))
         return await member.future
+
+    async def _observed_send(self, raw: bytes, timeout: float | None, request: Any, policy: CoalescePolicy) -> bytes:
+        """A call of one unmerged request, with ``on_call`` told before and after."""
+        done = self._on_call([request], self._codec.rows(request) if policy.enabled else 1)
+        failure = None
+        try:
+            return await self._send(raw, timeout, request)
+        except BaseException as err:
+            failure = err
+            raise
+        finally:
+            if done is not None:
+                done(failure)
 
     def _tick(self, key, lane: _Lane, policy: CoalescePolicy) -> None:
         lane.tick_scheduled = False
@@ -175,13 +198,17 @@ class Coalescer:
         asyncio.create_task(self._run(key, lane, policy, members))
 
     async def _run(self, key, lane: _Lane, policy: CoalescePolicy, members: list[_Member]) -> None:
+        done = self._on_call([m.request for m in members], sum(m.rows for m in members)) if self._on_call is not None else None
+        failure = None
         try:
             results = await self._call(members)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as err:
+            failure = err
             for m in members:
                 m.future.cancel()
             raise
         except Exception as err:  # every member learns the outcome
+            failure = err
             for m in members:
                 if not m.future.done():
                     m.future.set_exception(err)
@@ -194,6 +221,8 @@ class Coalescer:
                 else:
                     m.future.set_result(result)
         finally:
+            if done is not None:
+                done(failure)  # first: the next call's task must not inherit this call's context
             lane.inflight -= 1
             self._on_slot_free(key, lane, policy)
 

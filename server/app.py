@@ -66,6 +66,7 @@ class Frontend:
         self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
+        self.observability = None  # server.control.observability.Observability (issue 19)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -85,6 +86,7 @@ class Frontend:
                 on_down=self._on_triton_down,
                 startup_timeout=s.triton_startup_timeout_s,
                 response_cache_bytes=s.response_cache_bytes,
+                otlp_traces_url=_triton_traces_url(s),
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
@@ -105,6 +107,7 @@ class Frontend:
             self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
             await self.traffic.start()
         self.metrics.triton_up.set(1)
+        self._start_observability()
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
@@ -123,6 +126,24 @@ class Frontend:
         if s.gc_freeze:
             gc_pauses.settle()
         await self._set_serving(True)
+
+    def _start_observability(self) -> None:
+        """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.observability)."""
+        from server.control.observability import Observability
+
+        s = self.settings
+        supervisor = self.supervisor
+
+        def triton_metrics() -> str:
+            if s.triton_metrics_url or supervisor is None:
+                return s.triton_metrics_url
+            return f"http://127.0.0.1:{supervisor.metrics_port}/metrics"
+
+        self.observability = Observability(
+            s, self.metrics, self.dataplane, serves_metrics=not s.worker, serves_requests=s.workers == 1 or s.worker,
+            triton_metrics_url=triton_metrics, registry=self.registry,
+        )  # fmt: skip
+        self.observability.start()
 
     async def _start_workers(self, target: str) -> None:
         from server.runtime.workers import WorkerPool, worker_settings
@@ -195,6 +216,9 @@ class Frontend:
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
+        from server.transports.rest.status_page import STATUS
+
+        app[STATUS] = self.observability
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
@@ -251,6 +275,8 @@ class Frontend:
             await self.grpc_server.stop(self.settings.shutdown_grace_s)
         for runner in self._runners:
             await runner.cleanup()
+        if self.observability is not None:
+            await self.observability.stop()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
         if self.supervisor is not None:
@@ -299,6 +325,15 @@ def run(settings: Settings) -> None:
         asyncio.run(serve(settings))
     else:
         uvloop.run(serve(settings))
+
+
+def _triton_traces_url(settings: Settings) -> str | None:
+    """Where the embedded Triton's OpenTelemetry trace mode exports (the frontend's collector)."""
+    if not settings.otlp_endpoint or not settings.triton_tracing:
+        return None
+    from server.dataplane.tracing import traces_url
+
+    return traces_url(settings.otlp_endpoint)
 
 
 def _worker_main() -> None:

@@ -82,6 +82,44 @@ class Settings(BaseSettings):
     # freeze what start-up left alive so garbage collections stay short (server.runtime.gc_pauses)
     gc_freeze: bool = True
 
+    # ---- observability (issue 19; server.dataplane.observe, server.dataplane.tracing, server.control.slo|drift|payload_log) ----
+    # OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318); unset: no traces at all (no span is ever made)
+    otlp_endpoint: str = ""
+    # share of requests without a sampled W3C traceparent that are traced (a sampled parent is always followed)
+    trace_sample_ratio: float = Field(0.01, ge=0, le=1)
+    trace_service_name: str = "inferplane"
+    # with an OTLP endpoint, the embedded Triton runs its OpenTelemetry trace mode (only requests that carry
+    # the frontend's traceparent are traced there, so its spans join the frontend's traces)
+    triton_tracing: bool = True
+    # Triton's own Prometheus endpoint (GPU/CPU utilization, memory): the embedded one's by default
+    triton_metrics_url: str = ""
+    # tenants (and teams) beyond the top N by recent traffic share one "other" label on /metrics
+    metrics_top_tenants: int = Field(10, ge=0, le=1000)
+    metrics_tenant_refresh_s: float = Field(60.0, gt=0)
+    # SLO defaults for endpoints whose config names none (parameters inferplane.slo_availability,
+    # inferplane.slo_latency_ms, inferplane.slo_latency_target), and the budget's window
+    slo_availability: float = Field(0.999, gt=0, lt=1)
+    slo_latency_ms: float = Field(100.0, gt=0)
+    slo_latency_target: float = Field(0.99, gt=0, lt=1)
+    slo_window_s: float = Field(30 * 86400.0, gt=0)
+    slo_step_s: float = Field(60.0, gt=0)  # how often the budget is recomputed from the counters
+    status_history_step_s: float = Field(5.0, gt=0)  # the status page's charts: one point per step (120 kept)
+    # drift: share of answered requests copied (undecoded) into a bounded ring for the background monitor
+    drift_sample_ratio: float = Field(0.01, ge=0, le=1)
+    drift_buffer: int = Field(1024, ge=1)  # ring capacity, in requests
+    drift_window_rows: int = Field(2000, ge=10)  # live rows per model compared with the reference
+    drift_min_rows: int = Field(200, ge=10)  # no statistic before this many live rows
+    drift_interval_s: float = Field(30.0, gt=0)
+    drift_psi_threshold: float = Field(0.25, gt=0)
+    drift_ks_threshold: float = Field(0.2, gt=0, le=1)
+    # payload logging: endpoints opt in with inferplane.payload_log_sample in their config; records go here
+    # (a local folder of JSONL files, or any fsspec URL), at most this many records / bytes kept
+    payload_log_destination: str = ""  # unset: DATA_DIR/payloads
+    payload_log_max_records: int = Field(100_000, ge=1)
+    payload_log_max_bytes: int = Field(256 << 20, ge=1024)
+    payload_log_file_records: int = Field(10_000, ge=1)  # records per file before the next one starts
+    payload_log_buffer: int = Field(1024, ge=1)  # queued records; past it a sampled record is dropped and counted
+
     # an API key the CLIs send to a running frontend (deploy, rollback, traffic, keys over gRPC)
     api_key: SecretStr = SecretStr("")
     # where the CLIs find the running frontend's gRPC port
@@ -107,6 +145,8 @@ class Settings(BaseSettings):
     def _check(self) -> "Settings":
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'inferplane.db'}"
+        if not self.payload_log_destination:
+            self.payload_log_destination = str(self.data_dir / "payloads")
         if not self.artifact_store:
             self.artifact_store = str(self.data_dir / "artifacts")
         ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]

@@ -201,14 +201,22 @@ def usage(
     since: Annotated[str, typer.Option(help="1h, 30m, 7d, an ISO date, or unix seconds")] = "24h",
     database_url: DbUrl = None,
     as_json: AsJson = False,
+    with_cost: Annotated[bool, typer.Option("--cost", help="Also cost (compute hours x the built-in price table, CPU): see `inferplane chargeback`.")] = False,
 ) -> None:
     """Requests, input/output tokens (LLMs, embeddings) and Triton compute seconds per tenant, team or model."""
-    from server.tenancy.metering import parse_since, usage_report
+    from server.tenancy.metering import DEFAULT_PRICES, parse_since, usage_report
 
     try:
         rows = usage_report(_store(database_url), by, parse_since(since))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
+    if with_cost:
+        for r in rows:
+            r["cost_usd"] = round(r["compute_s"] / 3600.0 * DEFAULT_PRICES["cpu"], 9)
+        if not as_json:
+            _emit(rows, False, [f"{by:<24} {'requests':>12} {'compute_s':>12} {'cost_usd':>12}"]
+                  + [f"{r.get(by if by != 'model_version' else 'model'):<24} {r['requests']:>12} {r['compute_s']:>12.3f} {r['cost_usd']:>12.6f}" for r in rows])
+            return
     key = "model" if by == "model_version" else by
     if not rows and not as_json:
         typer.echo(

@@ -11,6 +11,7 @@ from server.dataplane.dataplane import DataPlane
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
+from server.dataplane.observe import Observer
 from server.dataplane.pipeline import Pipeline
 from server.dataplane.routing import Router
 from server.settings import Settings
@@ -30,6 +31,7 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         quotas, idempotency = QuotaPolicy(), MemoryIdempotency(s.idempotency_ttl_s)
     table = ModelTable()
     router = Router({})
+    observer = build_observer(s, metrics, backend.target)
     pipeline = Pipeline(
         gate=gate,
         quotas=quotas,
@@ -41,6 +43,24 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         admission_policy=AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue),
         admission_slots=s.admission_slots,
         meter=meter,
+        observer=observer,
     )
-    coalescer = Coalescer(lambda raw, timeout, request: backend.infer_raw(raw, timeout), CODEC)
+    coalescer = Coalescer(lambda raw, timeout, request: backend.infer_raw(raw, timeout), CODEC, on_call=observer.on_batch)
     return DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+
+
+def build_observer(settings: Settings, metrics: Metrics, replica: str) -> Observer:
+    """Tenant metrics, traces (when an OTLP endpoint is set) and the sampled copies for drift / payload logs."""
+    from server.dataplane.tracing import Tracing
+
+    s = settings
+    return Observer(
+        metrics,
+        top_n=s.metrics_top_tenants,
+        refresh_s=s.metrics_tenant_refresh_s,
+        tracing=Tracing.from_settings(s, metrics),
+        replica=replica,
+        drift_ratio=s.drift_sample_ratio,
+        drift_buffer=s.drift_buffer,
+        payload_buffer=s.payload_log_buffer,
+    )

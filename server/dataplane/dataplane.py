@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from google.protobuf.message import DecodeError
 
 from batching.coalescer import Coalescer
+from server.dataplane import triton_stats
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.metrics import Metrics
@@ -68,6 +69,7 @@ class DataPlane:
         self._idempotency = idempotency
         self._reloading = asyncio.Lock()
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
+        self._stat_readings: dict = {}
         self.llm = LLMService(self, pipeline, backend)
 
     # ---- collaborators others may read ----------------------------------------------------
@@ -81,6 +83,11 @@ class DataPlane:
         return self._router
 
     @property
+    def observer(self):
+        """server.dataplane.observe.Observer: the sampled copies the drift monitor and payload log read."""
+        return self._pipeline.observer
+
+    @property
     def backend_target(self) -> str:
         return self._backend.target
 
@@ -88,6 +95,8 @@ class DataPlane:
         """Flush the last usage records and close shared connections (Redis, Triton channels)."""
         if self._pipeline.meter is not None:
             await self._pipeline.meter.stop()
+        if self._pipeline.tracing is not None:
+            await asyncio.to_thread(self._pipeline.tracing.shutdown)  # the last spans go out
         for shared in (self._idempotency, self._pipeline.quotas):
             close = getattr(shared, "close", None)
             if close is not None:
@@ -177,7 +186,9 @@ class DataPlane:
         raw = await self._backend.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
         previous = self._queue_readings
         self._queue_readings = {}
-        for stats in pb.ModelStatisticsResponse.FromString(raw).model_stats:
+        response = pb.ModelStatisticsResponse.FromString(raw)
+        self._stat_readings = triton_stats.export_statistics(self.metrics, response, set(self._table.signatures), self._stat_readings)
+        for stats in response.model_stats:
             if stats.name not in self._table.signatures:
                 continue
             inference = stats.inference_stats
@@ -291,7 +302,7 @@ class DataPlane:
 
                 async def forward() -> bytes:
                     call.computed = True
-                    answer = await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+                    answer = await self._submit(call, request, data, signature)
                     if count_tokens is not None:
                         call.tokens_in = count_tokens(answer)
                     return answer
@@ -303,12 +314,24 @@ class DataPlane:
                     answer = await forward()
                 if self._router.shadows:
                     call.shadow = (data, answer)
+                call.answer = answer
                 return answer
             except InferplaneError:
                 raise
             except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
                 log.exception("inference on %s failed", request.model_name)
                 raise BackendError(f"inference failed: {err}") from None
+
+    async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
+        """The coalescer's call; a traced request is registered there so its batch's span finds it."""
+        trace = call.trace
+        if trace is None:
+            return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+        trace.submitting(request)
+        try:
+            return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
+        finally:
+            trace.submitted(request)
 
     async def stream_infer(
         self, raw_requests: AsyncIterator[bytes], timeout: float | None = None, ctx: CallContext | None = None

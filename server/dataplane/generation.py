@@ -169,7 +169,7 @@ class LLMService:
                 raise InvalidRequest("send exactly one of messages and prompt")
 
         async with self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate) as call:
-            stream = None
+            stream = span = None
             try:
                 timeout = call.timeout
                 if timeout is not None and params.deadline_ms is None:
@@ -183,7 +183,12 @@ class LLMService:
                 _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
                 call.request = request
                 # a little slack past the engine's own deadline, so the engine reports it
-                stream = self._backend.stream_raw(timeout=None if timeout is None else timeout + 5.0)
+                span, metadata = self._trace_call(call)
+                stream_timeout = None if timeout is None else timeout + 5.0
+                if metadata is None:
+                    stream = self._backend.stream_raw(timeout=stream_timeout)
+                else:
+                    stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata)
                 call.computed = True
                 call.dispatched_at = time.perf_counter()
                 async for outputs in _stream_outputs(stream, request):
@@ -213,6 +218,14 @@ class LLMService:
             finally:
                 if stream is not None:
                     stream.cancel()
+                    if span is not None:
+                        self._pipeline.tracing.end_call(span)
+
+    def _trace_call(self, call):
+        """(span, metadata) of a traced generation's Triton stream; (None, None) untraced."""
+        if call.trace is None:
+            return None, None
+        return self._pipeline.tracing.start_call(call, "triton generate", self._backend.target)
 
     async def complete(
         self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None

@@ -1,7 +1,10 @@
 """Prometheus metrics of the frontend: requests by model, version and status, latency, in-flight.
 
 Label children are cached per (model, version, code) so the hot path does one dict lookup and
-one increment, not a label resolution.
+one increment, not a label resolution. Tenant and team labels are bounded: only the top N by recent
+traffic keep their name (``server.dataplane.observe.TopLabels``), the rest share ``other``.
+Every name defined here is listed by :func:`exported_names` (the Grafana dashboard and the rules
+file are checked against it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # write metrics to files in this folder; the parent's /metrics sums them.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 UNKNOWN_MODEL_LABEL = "_unknown"  # every model name a caller sends that is not served here
+OTHER_LABEL = "other"  # every tenant / team outside the top N
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 LATENCY_BUCKETS = (
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -100,9 +106,173 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        # ---- issue 19: tenants, batching, Triton's statistics and devices, SLOs, drift, payloads ----
+        self.tenant_requests = Counter(
+            "inferplane_tenant_requests",
+            "Inference requests answered, by model, version, tenant (top N, the rest 'other') and status code.",
+            ("model", "version", "tenant", "code"),
+            registry=self.registry,
+        )
+        self.tenant_latency = Histogram(
+            "inferplane_tenant_request_duration_seconds",
+            "Time from arrival to answer in the frontend, by model, version and tenant (top N, the rest 'other').",
+            ("model", "version", "tenant"),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.compute_seconds = Counter(
+            "inferplane_compute_seconds",
+            "Backend compute seconds (dispatch to answer; an LLM's engine time) by model and team (top N, "
+            "the rest 'other'): what chargeback prices.",
+            ("model", "team"),
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "inferplane_queue_wait_seconds",
+            "Time a request waited in the frontend's fair queue for a slot, by model (only requests that waited: "
+            "the rest are inferplane_admissions_total{path=\"direct\"}).",
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_rows = Histogram(
+            "inferplane_batch_rows",
+            "Rows per Triton call the frontend made, by model (coalesced calls carry many requests' rows).",
+            ("model",),
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_requests = Histogram(
+            "inferplane_batch_requests",
+            "Caller requests per Triton call, by model (1 without coalescing).",
+            ("model",),
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.triton_count = Gauge(
+            "inferplane_triton_stat_count",
+            "Triton's cumulative counts from its statistics API, by model and kind: inference (rows), "
+            "execution (batches run), success, fail, cache_hit, cache_miss.",
+            ("model", "kind"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.triton_seconds = Gauge(
+            "inferplane_triton_stat_seconds",
+            "Triton's cumulative time from its statistics API, by model and phase: queue, compute_input, "
+            "compute_infer, compute_output, success.",
+            ("model", "phase"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.triton_compute_seconds = Gauge(
+            "inferplane_triton_compute_seconds",
+            "Mean compute time (input + infer + output) of a Triton request since the last reading, by model.",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.triton_batch_size = Gauge(
+            "inferplane_triton_batch_size",
+            "Mean rows per Triton execution since the last reading, by model (Triton's own batcher included).",
+            ("model",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.gpu_utilization = Gauge(
+            "inferplane_gpu_utilization",
+            "GPU utilization (0-1) Triton reports, by GPU (absent where Triton sees no GPU).",
+            ("gpu",),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.gpu_memory_used = Gauge(
+            "inferplane_gpu_memory_used_bytes", "GPU memory in use, by GPU (Triton's report).", ("gpu",),
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.gpu_memory_total = Gauge(
+            "inferplane_gpu_memory_total_bytes", "GPU memory, by GPU (Triton's report).", ("gpu",),
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.gpu_power = Gauge(
+            "inferplane_gpu_power_watts", "GPU power draw, by GPU (Triton's report).", ("gpu",),
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.triton_cpu_utilization = Gauge(
+            "inferplane_triton_cpu_utilization", "CPU utilization (0-1) of Triton's host, as Triton reports it.",
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.triton_memory_used = Gauge(
+            "inferplane_triton_memory_used_bytes", "Host memory in use, as Triton reports it.",
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.triton_memory_total = Gauge(
+            "inferplane_triton_memory_total_bytes", "Host memory, as Triton reports it.",
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.slo_objective = Gauge(
+            "inferplane_slo_objective",
+            "The endpoint's objective: share of good requests (availability: not a server error; latency: "
+            "answered within the threshold), by model and slo.",
+            ("model", "slo"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.slo_latency_threshold = Gauge(
+            "inferplane_slo_latency_threshold_seconds", "The endpoint's latency SLO threshold, by model.", ("model",),
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.slo_good_ratio = Gauge(
+            "inferplane_slo_good_ratio",
+            "Share of good requests over the SLO window (what the frontend counted since it started, at most the window), by model and slo.",
+            ("model", "slo"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.slo_budget_remaining = Gauge(
+            "inferplane_slo_error_budget_remaining",
+            "Share of the error budget left over the SLO window (1: untouched, 0: spent, below 0: overspent), by model and slo.",
+            ("model", "slo"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.drift_psi = Gauge(
+            "inferplane_drift_psi",
+            "Population stability index of a feature's live distribution against the validation set, by model and feature.",
+            ("model", "feature"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.drift_ks = Gauge(
+            "inferplane_drift_ks",
+            "Kolmogorov-Smirnov statistic of a feature's live distribution against the validation set, by model and feature.",
+            ("model", "feature"),
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
+        self.drift_rows = Gauge(
+            "inferplane_drift_live_rows", "Live rows in the drift window, by model.", ("model",),
+            registry=self.registry, multiprocess_mode="max",
+        )  # fmt: skip
+        self.drift_sampled = Counter(
+            "inferplane_drift_sampled", "Requests copied into the drift ring, by model.", ("model",), registry=self.registry
+        )
+        self.payload_logged = Counter(
+            "inferplane_payload_logged", "Payload records written, by model.", ("model",), registry=self.registry
+        )
+        self.payload_dropped = Counter(
+            "inferplane_payload_dropped",
+            "Sampled payload records dropped (the writer's queue was full, or the write failed), by model.",
+            ("model",),
+            registry=self.registry,
+        )
+        self.traces_sampled = Counter(
+            "inferplane_traces_sampled", "Requests traced (spans exported), by kind.", ("kind",), registry=self.registry
+        )
         self._counted: dict[tuple[str, str, str], object] = {}
         self._admitted: dict[tuple[str, str], object] = {}
         self._per_model: dict[str, tuple[object, object]] = {}
+        self._waited: dict[str, object] = {}
 
     def model(self, model: str):
         """(latency child, inflight child) for a model, cached."""
@@ -125,6 +295,17 @@ class Metrics:
             child = self._admitted[key] = self.admissions.labels(model, path)
         child.inc()
 
+    def waited(self, model: str, seconds: float) -> None:
+        """A request waited ``seconds`` in the model's fair queue (the slow path only)."""
+        child = self._waited.get(model)
+        if child is None:
+            child = self._waited[model] = self.queue_wait.labels(model)
+        child.observe(seconds)
+
+    def names(self) -> list[str]:
+        """Every metric name this registry exports (histograms with their _bucket/_sum/_count, counters with _total)."""
+        return exported_names(self.registry)
+
     def render(self) -> bytes:
         """This process's metrics, or all processes' summed when running multiprocess."""
         if self.multiprocess:
@@ -132,3 +313,17 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def exported_names(registry: CollectorRegistry) -> list[str]:
+    """The sample names a registry's metrics appear under on /metrics."""
+    names: set[str] = set()
+    for collector in list(registry._collector_to_names):  # noqa: SLF001 - the registry's own index
+        for family in collector.describe() if hasattr(collector, "describe") else collector.collect():
+            if family.type == "histogram":
+                names.update(f"{family.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+            elif family.type == "counter":
+                names.update((f"{family.name}_total", f"{family.name}_created"))
+            else:
+                names.add(family.name)
+    return sorted(names)

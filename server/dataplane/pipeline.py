@@ -51,6 +51,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
+        "trace", "answer",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -81,6 +82,8 @@ class AdmittedCall:
         self.inflight = self.latency = None
         self.code = "OK"
         self.closed = False
+        self.trace = None  # server.dataplane.tracing.RequestTrace when this request is sampled
+        self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
 
     @property
     def tenant(self) -> Tenant:
@@ -103,6 +106,7 @@ class Pipeline:
         admission_policy: AdmissionPolicy = AdmissionPolicy(),
         admission_slots: int | None = None,
         meter=None,  # server.tenancy.metering.Meter
+        observer=None,  # server.dataplane.observe.Observer: tenant metrics, traces, sampled copies
     ):
         self.gate = gate
         self.quotas = quotas
@@ -115,6 +119,8 @@ class Pipeline:
         self.admission_policy = admission_policy
         self.admission_slots = admission_slots  # None: from each model's own capacity
         self.queues: dict[str, FairQueue] = {}
+        self.observer = observer
+        self.tracing = observer.tracing if observer is not None else None
 
     # ---- the context manager ---------------------------------------------------------------
 
@@ -145,6 +151,7 @@ class Pipeline:
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
+        trace = call.trace = self.tracing.begin(call) if self.tracing is not None else None  # None unless sampled
         try:
             ctx = call.ctx
             if ctx is not None:
@@ -152,6 +159,8 @@ class Pipeline:
             call.principal = principal = self.gate.authenticate(ctx)
             if not principal.tenant.may_use(call.name):
                 raise ModelNotFound(f"unknown model '{call.name}'")
+            if trace is not None:
+                trace.hop("auth")
             if not call.version:
                 call.version, call.arm = self.router.choose(call.name, ctx)
                 call.routed = bool(call.version)
@@ -160,9 +169,15 @@ class Pipeline:
             if not call.version:
                 call.version = signature.latest_version
             tenant = principal.tenant
+            if trace is not None:
+                trace.hop("route")
             call.ticket = await self.quotas.admit(tenant.name, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
+            if trace is not None:
+                trace.hop("quota")
             if validate is not None:
                 validate(signature)
+            if trace is not None:
+                trace.hop("validation")
             call.latency, call.inflight = self.metrics.model(call.name)
             call.inflight.inc()
             queue = call.queue = self._queue(call.name, signature)
@@ -184,6 +199,8 @@ class Pipeline:
                 call.breaker = None
                 raise
             call.admitted = True
+            if trace is not None:
+                trace.hop("admission")
             call.dispatched_at = time.perf_counter()
             call.dispatch_timeout = call.timeout
             return call
@@ -222,6 +239,8 @@ class Pipeline:
         finally:
             resolved = call.label != UNKNOWN_MODEL_LABEL
             self.metrics.count(call.label, call.version if resolved else "", call.code)
+            if self.observer is not None:
+                self._observe(call, err)
             if call.ctx is not None:
                 call.ctx.version, call.ctx.arm = call.version, call.arm
             if resolved and (call.arm or self.router.shadows):
@@ -232,6 +251,13 @@ class Pipeline:
                     log.exception("traffic bookkeeping for %s failed", call.name)
 
     # ---- pieces ----------------------------------------------------------------------------
+
+    def _observe(self, call: AdmittedCall, err: BaseException | None) -> None:
+        """Tenant metrics, the trace's spans, sampled copies (``server.dataplane.observe``): never an answer's business."""
+        try:
+            self.observer.exit(call, err, time.perf_counter())
+        except Exception:
+            log.exception("observing a request to %s failed", call.name)
 
     async def _wait(self, call: AdmittedCall, queue: FairQueue, tenant: Tenant, timeout: float | None) -> None:
         """The slow path: no free slot, wait in the model's queue in weighted fair order."""
@@ -249,6 +275,7 @@ class Pipeline:
         finally:
             depth.dec()
         self.metrics.admitted(call.name, "queued")
+        self.metrics.waited(call.name, time.perf_counter() - waited)
         if timeout is not None:
             call.timeout = max(0.0, timeout - (time.perf_counter() - waited))
 

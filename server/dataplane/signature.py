@@ -38,6 +38,8 @@ class ModelSignature:
     # the config parameter ``inferplane.text_inputs`` (comma-separated names), and every input of
     # a model speaking the LLM engine's contract
     text_inputs: frozenset[str] = frozenset()
+    # the config's ``inferplane.*`` parameters (SLOs, payload logging, …), as strings
+    params: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def from_config(cls, config: model_config_pb2.ModelConfig, versions=()) -> "ModelSignature":
@@ -66,6 +68,7 @@ class ModelSignature:
             instances=instances,
             max_running=_int(params.get("max_running"), 16),
             text_inputs=frozenset(n for n in text if n in inputs and inputs[n].datatype == "BYTES"),
+            params={k: v for k, v in params.items() if k.startswith("inferplane.")},
         )
 
     @property

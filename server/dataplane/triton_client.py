@@ -11,6 +11,7 @@ import itertools
 
 import grpc
 
+from server.dataplane.tracing import outgoing_metadata
 from server.errors import BackendUnavailable, InferplaneError, from_grpc_code
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
@@ -57,16 +58,16 @@ class TritonClient:
     async def infer_raw(self, request: bytes, timeout: float | None = None) -> bytes:
         call = self._infer_calls[next(self._rr)]
         try:
-            return await call(request, timeout=timeout)
+            return await call(request, timeout=timeout, metadata=outgoing_metadata())  # a traced call's traceparent
         except grpc.aio.AioRpcError as err:
             raise translate(err) from None
 
-    def stream_raw(self, timeout: float | None = None) -> "RawStream":
+    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None) -> "RawStream":
         """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads); its failures
-        are domain errors like every other call's."""
+        are domain errors like every other call's. ``metadata``: e.g. a traced generation's traceparent."""
         channel = self._channels[next(self._rr)]
         method = channel.stream_stream(_SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None)
-        return RawStream(method(timeout=timeout))
+        return RawStream(method(timeout=timeout, metadata=metadata))
 
     async def unary_raw(self, method: str, request: bytes, timeout: float | None = 30.0) -> bytes:
         call = self._channels[0].unary_unary(_SERVICE + method, request_serializer=None, response_deserializer=None)

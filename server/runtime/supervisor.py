@@ -56,6 +56,8 @@ class TritonSupervisor:
         max_backoff: float = 8.0,
         extra_args: list[str] | None = None,
         response_cache_bytes: int = 64 << 20,
+        otlp_traces_url: str | None = None,
+        trace_service_name: str = "triton",
     ):
         self.repository = Path(repository).resolve()
         self.workdir = Path(workdir).resolve()
@@ -66,6 +68,8 @@ class TritonSupervisor:
         self.max_backoff = max_backoff
         self.extra_args = list(extra_args or [])
         self.response_cache_bytes = response_cache_bytes
+        self.otlp_traces_url = otlp_traces_url
+        self.trace_service_name = trace_service_name
         self.state = "stopped"
         self.restarts = 0
         self.grpc_port = 0
@@ -107,6 +111,7 @@ class TritonSupervisor:
             # without a cache config, a model's `response_cache { enable: true }` silently does nothing
             *([f"--cache-config=local,size={self.response_cache_bytes}"] if self.response_cache_bytes else []),
             "--strict-readiness=false",
+            *trace_args(self.otlp_traces_url, self.trace_service_name),
             *self.extra_args,
         ]
 
@@ -226,6 +231,24 @@ class TritonSupervisor:
     def _cleanup_shm(self) -> None:
         """Remove the shared-memory regions this process's Tritons created (all generations)."""
         remove_shm_regions(lambda pid: pid == os.getpid())
+
+
+def trace_args(otlp_traces_url: str | None, service_name: str = "triton") -> list[str]:
+    """Triton's OpenTelemetry trace mode, exporting to ``otlp_traces_url`` (OTLP/HTTP, the only
+    exporter Triton 2.51 has). ``rate=0``: Triton samples nothing on its own and traces exactly the
+    requests that carry a propagated ``traceparent`` (the frontend sends one only for the requests it
+    traces), so Triton's spans are children of the frontend's Triton-call span."""
+    if not otlp_traces_url:
+        return []
+    return [
+        "--trace-config=mode=opentelemetry",
+        "--trace-config=rate=0",
+        "--trace-config=count=-1",
+        "--trace-config=level=TIMESTAMPS",
+        f"--trace-config=opentelemetry,url={otlp_traces_url}",
+        f"--trace-config=opentelemetry,resource=service.name={service_name}",
+        "--trace-config=opentelemetry,bsp_schedule_delay=500",
+    ]
 
 
 def remove_shm_regions(owned: Callable[[int], bool], shm: Path = Path("/dev/shm")) -> list[str]:

@@ -28,6 +28,7 @@ from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
 from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_responses, error_statuses, json_body
 from server.transports.rest.openapi import error_body as documented_error
 from server.transports.rest.typed import ROUTES as TYPED_ROUTES
+from server.transports.rest.status_page import ROUTES as STATUS_ROUTES
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
@@ -255,6 +256,7 @@ ROUTES: list[Route] = [
     *REPOSITORY_ROUTES,
     *OPENAI_ROUTES,
     *TYPED_ROUTES,
+    *STATUS_ROUTES,
 ]  # fmt: skip
 OPENAI_OPERATIONS = frozenset(r.operation_id for r in OPENAI_ROUTES if r.tag == "openai")
 
