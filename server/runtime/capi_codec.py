@@ -84,10 +84,26 @@ def model_metadata(doc: dict) -> pb.ModelMetadataResponse:
     return out
 
 
+def _full_protos():
+    """Triton's own complete ``inference.*`` messages (tritonclient's generated code, in protobuf's
+    default pool; the project's protogen is a subset in a pool of its own). Answers are built with
+    them, so their bytes carry every field the remote Triton's frontend sends (a config's
+    ``optimization``, the statistics' ``memory_usage`` and ``response_stats``, ...)."""
+    from tritonclient.grpc import service_pb2
+
+    return service_pb2
+
+
+def model_config_bytes(doc: dict) -> bytes:
+    """The serialized ModelConfigResponse (Triton's JSON read as its gRPC frontend reads it)."""
+    full = _full_protos().ModelConfigResponse()
+    json_format.ParseDict({"config": doc}, full, ignore_unknown_fields=True)
+    return full.SerializeToString()
+
+
 def model_config(doc: dict) -> pb.ModelConfigResponse:
-    out = pb.ModelConfigResponse()
-    json_format.ParseDict(doc, out.config, ignore_unknown_fields=True)
-    return out
+    """The project's ModelConfigResponse (fields it does not declare stay as unknown fields)."""
+    return pb.ModelConfigResponse.FromString(model_config_bytes(doc))
 
 
 def repository_index(doc: list) -> pb.RepositoryIndexResponse:
@@ -97,61 +113,16 @@ def repository_index(doc: list) -> pb.RepositoryIndexResponse:
     return out
 
 
-_INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
-_BATCH_STATS = ("compute_input", "compute_infer", "compute_output")
-# InferResponseStatistics (field numbers of Triton's grpc_service.proto; the project's proto has no such message)
-_RESPONSE_STATS = (("compute_infer", 1), ("compute_output", 2), ("success", 3), ("fail", 4), ("empty_response", 5), ("cancel", 6))
-_MEMORY_USAGE_FIELD, _RESPONSE_STATS_FIELD = 8, 9  # ModelStatistics fields the project's proto lacks
-
-
-def _duration(target: pb.StatisticDuration, doc: dict) -> None:
-    target.SetInParent()  # present even when zero, as the C++ frontend's mutable_*() makes it
-    target.count = int(doc.get("count", 0))
-    target.ns = int(doc.get("ns", 0))
+def model_statistics(doc: dict) -> bytes:
+    """The serialized ModelStatisticsResponse, with everything Triton's gRPC frontend sends
+    (its JSON keys are the proto's field names)."""
+    full = _full_protos().ModelStatisticsResponse()
+    json_format.ParseDict(doc, full, ignore_unknown_fields=True)
+    return full.SerializeToString()
 
 
 def model_statistics_message(doc: dict) -> pb.ModelStatisticsResponse:
-    """The statistics as the project's protobuf knows them (no memory usage, no response stats)."""
-    out = pb.ModelStatisticsResponse()
-    for stat in doc.get("model_stats", []):
-        entry = out.model_stats.add(
-            name=stat["name"],
-            version=stat["version"],
-            last_inference=int(stat["last_inference"]),
-            inference_count=int(stat["inference_count"]),
-            execution_count=int(stat["execution_count"]),
-        )
-        infer = stat.get("inference_stats", {})
-        entry.inference_stats.SetInParent()
-        for key in _INFER_STATS:
-            _duration(getattr(entry.inference_stats, key), infer.get(key, {}))
-        for batch in stat.get("batch_stats", []):
-            b = entry.batch_stats.add(batch_size=int(batch["batch_size"]))
-            for key in _BATCH_STATS:
-                _duration(getattr(b, key), batch.get(key, {}))
-    return out
-
-
-def model_statistics(doc: dict) -> bytes:
-    """The serialized ModelStatisticsResponse with everything Triton's gRPC frontend sends,
-    including ``memory_usage`` (8) and ``response_stats`` (9), encoded by hand."""
-    known = model_statistics_message(doc)
-    parts = []
-    for stat, entry in zip(doc.get("model_stats", []), known.model_stats):
-        body = entry.SerializeToString() + _statistics_extras(stat)
-        parts.append(_tag(1, 2) + _varint(len(body)) + body)
-    return b"".join(parts)
-
-
-def _statistics_extras(stat: dict) -> bytes:
-    out = []
-    for usage in stat.get("memory_usage", []):
-        body = _string(1, usage.get("type", "")) + _uint(2, int(usage.get("id", 0))) + _uint(3, int(usage.get("byte_size", 0)))
-        out.append(_message(_MEMORY_USAGE_FIELD, body))
-    for key, res in stat.get("response_stats", {}).items():
-        value = b"".join(_message(num, _uint(1, int(res.get(name, {}).get("count", 0))) + _uint(2, int(res.get(name, {}).get("ns", 0)))) for name, num in _RESPONSE_STATS)
-        out.append(_message(_RESPONSE_STATS_FIELD, _string(1, key) + _message(2, value)))
-    return b"".join(out)
+    return pb.ModelStatisticsResponse.FromString(model_statistics(doc))
 
 
 def _varint(value: int) -> bytes:
@@ -169,19 +140,6 @@ def _varint(value: int) -> bytes:
 
 def _tag(number: int, wire: int) -> bytes:
     return _varint((number << 3) | wire)
-
-
-def _uint(number: int, value: int) -> bytes:
-    return _tag(number, 0) + _varint(value) if value else b""
-
-
-def _string(number: int, value: str) -> bytes:
-    data = value.encode()
-    return _tag(number, 2) + _varint(len(data)) + data if data else b""
-
-
-def _message(number: int, body: bytes) -> bytes:
-    return _tag(number, 2) + _varint(len(body)) + body
 
 
 RAW_OUTPUT_TAG = _tag(6, 2)  # ModelInferResponse.raw_output_contents

@@ -320,9 +320,8 @@ class InProcessTriton:
             if response_cache_bytes:
                 check(lib.TRITONSERVER_ServerOptionsSetCacheConfig(options, b"local", json.dumps({"size": str(response_cache_bytes)}).encode()))
             check(lib.TRITONSERVER_ServerOptionsSetBackendConfig(options, b"python", b"shm-region-prefix-name", shm_prefix.encode()))
-            # no GPU here: a pinned pool would only log that it cannot be allocated
-            check(lib.TRITONSERVER_ServerOptionsSetPinnedMemoryPoolByteSize(options, 0))
-            check(lib.TRITONSERVER_ServerOptionsSetMinSupportedComputeCapability(options, 0.0))
+            # the pinned memory pool keeps tritonserver's default (256 MiB): with it the normalized
+            # model configs (optimization.*_pinned_memory) are the same as the remote Triton's
             check(lib.TRITONSERVER_ServerOptionsSetLogFile(options, str(workdir / "triton.log").encode()))
             check(lib.TRITONSERVER_ServerOptionsSetLogInfo(options, True))
             check(lib.TRITONSERVER_ServerOptionsSetLogWarn(options, True))
@@ -456,9 +455,12 @@ class InProcessTriton:
         return self._model_config(name, version).config
 
     def _model_config(self, name: str, version: str = "") -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse.FromString(self._model_config_bytes(name, version))
+
+    def _model_config_bytes(self, name: str, version: str = "") -> bytes:
         self._check_running()
         v = capi_codec.parse_version(version)
-        return capi_codec.model_config(self._json(lambda out: self._lib.TRITONSERVER_ServerModelConfig(self._server, name.encode(), v, 1, out)))
+        return capi_codec.model_config_bytes(self._json(lambda out: self._lib.TRITONSERVER_ServerModelConfig(self._server, name.encode(), v, 1, out)))
 
     async def repository_index(self, ready_only: bool = False) -> list:
         return list(self._repository_index(ready_only).models)
@@ -1004,7 +1006,7 @@ async def _model_metadata(t: InProcessTriton, req: pb.ModelMetadataRequest, _tim
 
 
 async def _model_config(t: InProcessTriton, req: pb.ModelConfigRequest, _timeout):
-    return t._model_config(req.name, req.version)
+    return t._model_config_bytes(req.name, req.version)
 
 
 async def _statistics(t: InProcessTriton, req: pb.ModelStatisticsRequest, _timeout):
