@@ -10,7 +10,9 @@ Starts, each in a process of its own, on loopback:
 * **(b) grpc-proxy**: a bare grpc.aio raw-bytes proxy forwarding each ModelInfer to (a) over gRPC
   (``loadtest.naive_proxy --mode proxy``);
 * **(c) inprocess**: the same kind of grpc.aio server with Triton *in its process*
-  (``server.runtime.inprocess.InProcessTriton``), one ``InProcessTriton.infer`` per request;
+  (``server.runtime.inprocess.InProcessTriton``), one Triton request per caller's request
+  (``InProcessTriton.infer_bytes``: ``infer`` with the answer serialized, as a raw-bytes handler
+  returns it);
 * **(d) group-commit**: as (c), but requests present at the same time become one Triton request:
   while a call is in flight, arrivals wait and join the next call; a lone request goes at once.
   Inputs are not copied (each caller's bytes are one more ``AppendInputData`` chunk of the merged
@@ -128,7 +130,7 @@ async def _serve(mode: str, repository: Path, workdir: Path, model: str, port: i
             request = pb.ModelInferRequest.FromString(raw)
             if mode == "group-commit" and request.model_name == model:
                 return await merger.infer(request)
-            return (await triton.infer(request, timeout=context.time_remaining())).SerializeToString()
+            return await triton.infer_bytes(request, timeout=context.time_remaining())
         except InferplaneError as err:
             status = grpc_status(err)
             await context.abort(status.code, status.details, status.trailing_metadata)
@@ -204,12 +206,14 @@ async def _micro(repository: Path, workdir: Path, model: str, n: int) -> dict:
         timed("request_plan(pb.ModelInferRequest) (pure Python)", lambda: capi_codec.request_plan(request))
         plan = capi_codec.request_plan(request)
 
+        held = triton._held
+
         def build_and_delete():
             call = _Call(triton, plan)
-            holder = ffi.new("TRITONSERVER_InferenceRequest**")
-            lib.TRITONSERVER_InferenceRequestNew(holder, server, triton._name(model), -1)
-            triton._describe(holder[0], plan, call.keep)
-            lib.TRITONSERVER_InferenceRequestDelete(holder[0])
+            held.request_new(triton._request_out_addr, triton._server_addr, triton._name(model), -1)
+            request = triton._request_out.value
+            triton._describe(request, plan, call.keep)
+            held.request_delete(request)
 
         timed("build a C request (New, SetId, AddInput, AppendInputData, ...) + Delete", build_and_delete)
         result = await triton.infer_tensors(model, plan.inputs)

@@ -264,6 +264,7 @@ class Library:
         if backend_library is not None:  # see the module docstring
             real = Path(os.path.realpath(backend_library))
             self._preloaded += preload_closure(real, path.parent, include_self=True)
+        self.held = HeldCalls(path)
         major, minor = ffi.new("uint32_t*"), ffi.new("uint32_t*")
         self.check(self.lib.TRITONSERVER_ApiVersion(major, minor))
         self.api_version = (major[0], minor[0])
@@ -302,6 +303,43 @@ class Library:
             return ffi.unpack(base[0], size[0])
         finally:
             self.lib.TRITONSERVER_MessageDelete(out[0])
+
+
+class HeldCalls:
+    """Some of the same functions through ``ctypes.PyDLL``: calls that keep the GIL.
+
+    Only for calls on objects this process alone holds (a request not yet submitted, a response
+    already delivered, a released request), which take no lock a Triton thread could hold while
+    it waits for the GIL in one of our callbacks: holding the GIL there cannot deadlock, and it
+    saves the GIL hand-over cffi makes around every call (on a busy event loop each hand-over lets
+    a waiting Triton thread in, and costs the loop a wait to get the GIL back). Pointers are ints.
+    """
+
+    def __init__(self, path: Path):
+        dll = ctypes.PyDLL(str(path))
+        P, I, U32, I64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int64, ctypes.c_size_t
+        S = ctypes.c_char_p
+
+        def fn(name, *args):
+            f = getattr(dll, name)
+            f.restype, f.argtypes = P, args
+            return f
+
+        self.request_new = fn("TRITONSERVER_InferenceRequestNew", P, P, S, I64)
+        self.request_delete = fn("TRITONSERVER_InferenceRequestDelete", P)
+        self.request_set_id = fn("TRITONSERVER_InferenceRequestSetId", P, S)
+        self.request_add_input = fn("TRITONSERVER_InferenceRequestAddInput", P, S, I, P, ctypes.c_uint64)
+        self.request_append_input_data = fn("TRITONSERVER_InferenceRequestAppendInputData", P, S, P, SZ, I, I64)
+        self.request_add_requested_output = fn("TRITONSERVER_InferenceRequestAddRequestedOutput", P, S)
+        self.request_set_release_callback = fn("TRITONSERVER_InferenceRequestSetReleaseCallback", P, P, P)
+        self.request_set_response_callback = fn("TRITONSERVER_InferenceRequestSetResponseCallback", P, P, P, P, P)
+        self.response_delete = fn("TRITONSERVER_InferenceResponseDelete", P)
+        self.response_error = fn("TRITONSERVER_InferenceResponseError", P)
+        self.response_model = fn("TRITONSERVER_InferenceResponseModel", P, P, P)
+        self.response_id = fn("TRITONSERVER_InferenceResponseId", P, P)
+        self.response_parameter_count = fn("TRITONSERVER_InferenceResponseParameterCount", P, P)
+        self.response_output_count = fn("TRITONSERVER_InferenceResponseOutputCount", P, P)
+        self.response_output = fn("TRITONSERVER_InferenceResponseOutput", P, U32, P, P, P, P, P, P, P, P, P)
 
 
 _loaded: Library | None = None
@@ -365,23 +403,34 @@ def preload_closure(path: Path, libs: Path, *, include_self: bool = False, _seen
     return handles
 
 
-def prepare_process_environment(install: TritonInstallation) -> dict[str, str]:
+def prepare_process_environment(install: TritonInstallation) -> dict[str, str | None]:
     """Put what the Python-backend stubs need into this process's environment (they inherit it).
 
-    Returns the variables it changed (name -> new value). Call it before any model loads, and
-    before Triton's threads start (``putenv`` is not safe against concurrent ``getenv``).
+    Returns what it changed, as the previous values (None: was unset), for
+    :func:`restore_process_environment`. Call it before any model loads, and before Triton's
+    threads start (``putenv`` is not safe against a concurrent ``getenv``).
     """
     wanted = install.environment(dict(os.environ))
-    changed = {}
+    previous: dict[str, str | None] = {}
     for key in ("PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS"):
-        if os.environ.get(key) != wanted.get(key) and key in wanted:
-            if key == "PATH" and os.environ.get("PATH", "").split(os.pathsep)[:1] == [str(Path(sys.executable).parent)]:
-                continue  # already first
-            if key == "LD_LIBRARY_PATH" and _has_all(os.environ.get(key, ""), wanted[key]):
-                continue
-            os.environ[key] = wanted[key]
-            changed[key] = wanted[key]
-    return changed
+        current = os.environ.get(key)
+        if key not in wanted or current == wanted[key]:
+            continue
+        if key == "PATH" and (current or "").split(os.pathsep)[:1] == [str(Path(sys.executable).parent)]:
+            continue  # already first
+        if key == "LD_LIBRARY_PATH" and _has_all(current or "", wanted[key]):
+            continue
+        previous[key] = current
+        os.environ[key] = wanted[key]
+    return previous
+
+
+def restore_process_environment(previous: dict[str, str | None]) -> None:
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _has_all(current: str, wanted: str) -> bool:

@@ -102,6 +102,7 @@ def _stub_of(prefix: str, model: str) -> psutil.Process:
 
 
 async def test_lifecycle_start_load_unload_stop_leaves_nothing(repository, tmp_path):
+    environment = {key: os.environ.get(key) for key in ("PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")}
     triton = await InProcessTriton.start(repository, tmp_path / "lifecycle", models=("fraud_xgboost",))
     prefix = triton.shm_prefix
     try:
@@ -125,6 +126,7 @@ async def test_lifecycle_start_load_unload_stop_leaves_nothing(repository, tmp_p
         await triton.stop()
     assert _stubs(prefix) == [], "no stub processes (nor zombies) after stop"
     assert list(Path("/dev/shm").glob(prefix + "*")) == [], "no shared-memory regions after stop"
+    assert {key: os.environ.get(key) for key in environment} == environment, "the stubs' environment is taken back"
     assert not await triton.server_live()
     with pytest.raises(errors.BackendUnavailable):
         await triton.infer(_request("fraud_xgboost", features))
@@ -162,8 +164,9 @@ async def test_same_answers_as_the_remote_triton(triton, remote, repository, mod
     mine, theirs = await triton.infer_raw(raw, timeout=30), await remote.infer_raw(raw, timeout=30)
     assert pb.ModelInferResponse.FromString(mine) == pb.ModelInferResponse.FromString(theirs)
     assert mine == theirs, "the serialized answers are the same bytes"
-    # the typed fast path answers the same message
+    # the parsed-request fast paths answer the same
     assert await triton.infer(request) == pb.ModelInferResponse.FromString(mine)
+    assert await triton.infer_bytes(request) == mine
 
 
 async def test_requested_outputs_versions_and_typed_contents(triton, remote, repository):
