@@ -28,9 +28,11 @@ What must be true before and after ``dlopen``:
   (``os.environ`` writes go through ``putenv``, which the C ``environ`` the backend forks with sees).
 
 cffi releases the GIL around every C call. That is right for the blocking calls (server new,
-load, unload, stop) and wrong inside a callback Triton makes on its own thread: each call there
-would hand the GIL to the event loop and wait to get it back. ``server.runtime.inprocess`` keeps
-its callbacks free of C calls for that reason.
+load, unload, stop) and for the calls that take locks Triton's threads may hold while they wait
+for the GIL in a callback (``ServerInferAsync``), and wasteful elsewhere: each call hands the GIL
+to a waiting Triton thread and waits to get it back. :class:`HeldCalls` offers the calls on
+objects this process alone holds through ``ctypes.PyDLL``, which keeps the GIL;
+``server.runtime.inprocess`` uses them on its hot path and keeps its callbacks free of C calls.
 """
 
 from __future__ import annotations

@@ -15,19 +15,31 @@ directory with the Python backend and this interpreter's stub, cache directory a
 strict readiness off). :meth:`stop` unloads every model (their stubs finalize and exit), stops
 and deletes the server, and removes what is left: no stub processes, no ``/dev/shm`` regions.
 
-How a request travels (the costs are in the module's benchmark, ``loadtest/bench_inprocess.py``):
+How a request travels:
 
 * On the event loop: one ``TRITONSERVER_InferenceRequest`` per call, inputs pointed at the
   caller's bytes (``AppendInputData``, zero copy; the Python objects stay referenced until Triton's
-  request-release callback), then ``ServerInferAsync``.
-* On Triton's threads, three tiny callbacks and **no C calls** (cffi releases the GIL around every
-  C call; inside a callback that would hand the GIL to the busy event loop and wait, per call, to
-  get it back): the allocator hands Triton the storage of a fresh Python ``bytes`` object
-  (``PyBytes_FromStringAndSize(NULL, n)``, through ``ctypes.pythonapi`` which keeps the GIL), the
-  response callback does one ``loop.call_soon_threadsafe`` per Triton response (a merged batch
-  costs one hop), and the request-release callback appends to a deque and posts one sweep for
-  all the releases that come before the loop runs it (requests must be deleted promptly: a
-  request holds a reference to its model, and an unload waits for it).
+  request-release callback), then ``ServerInferAsync``. The calls on objects only this process
+  holds (building the request, reading and deleting a response, deleting a released request) go
+  through ``capi.HeldCalls`` (ctypes ``PyDLL``: the GIL is kept); ``ServerInferAsync``, cancel and
+  the server-level calls go through cffi, which lets the GIL go (they take locks a Triton thread
+  may hold while it waits for the GIL in one of our callbacks: keeping the GIL there could
+  deadlock). With cffi everywhere, each call handed the GIL to a waiting Triton thread and waited
+  to get it back: 247-285 us of loop time per request against 150-160 us with the held calls
+  (``python -m loadtest.bench_inprocess --micro``, 4000 requests at once, three alternating runs
+  on a loaded 2-core machine).
+* On Triton's threads, three tiny callbacks and **no C calls**: the allocator hands Triton the
+  storage of a fresh Python ``bytes`` object (``PyBytes_FromStringAndSize(NULL, n)`` through
+  ``ctypes.pythonapi``, which keeps the GIL), the response callback does one
+  ``loop.call_soon_threadsafe`` per Triton response (a merged batch costs one hop), and the
+  request-release callback appends to a deque and posts one sweep for all the releases that come
+  before the loop runs it (requests must be deleted promptly: a request holds a reference to its
+  model, and an unload waits for it). Each callback still takes the GIL from a Triton thread:
+  three hand-overs per Triton request, which is why a request per caller costs more CPU here
+  than a grpc.aio hop to a Triton process (``loadtest/bench_inprocess.py``), and why merged
+  requests (``infer_tensors``, one call for many callers) are where in-process Triton pays off.
+  Removing the GIL from Triton's threads entirely needs callbacks written in C (cffi's API mode:
+  a compiler at install time).
 * Back on the loop: the response is read (outputs are those ``bytes``: one copy when they go into
   a protobuf message or a serialized answer), then deleted.
 
@@ -39,10 +51,14 @@ Failure story:
   that answer (``capi_codec.is_stub_death``), answers ``UNAVAILABLE`` with a 1 s retry hint —
   not INTERNAL: the request was valid and will succeed shortly, which is what UNAVAILABLE means
   to a client's retry policy — fails further requests to that model fast while it reloads the
-  model (unload, wait, load: a load of a model already loaded from unchanged files does nothing;
-  the unload tears the dead stub's instance down and the backend reaps its zombie), and serves
-  again.
-  The frontend process is not affected.
+  model (unload, then load: a load of a model already loaded from unchanged files does nothing),
+  and serves again within ~2 s. Other models and the process are not affected. What stays behind
+  (a Triton 2.51 Python-backend bug; the ``tritonserver`` process does the same): the requests the
+  stub held when it died leak their response factories, so the old instance never finishes
+  unloading; its threads idle until the process ends, its stub stays a zombie until :meth:`stop`
+  reaps it, and :meth:`stop` then does not delete the server (deleting it under that instance's
+  threads crashed the process 1 run in 5) — after a stub death, let the worker exit and restart
+  rather than start another in-process Triton in it.
 * **Triton's core crashes** (a segfault or abort in libtritonserver or a backend library loaded
   into it): it is this process; the worker dies with every request it holds. Nothing in-process
   can catch that. The parent must supervise the worker (restart it, as ``WorkerPool`` restarts
@@ -52,11 +68,17 @@ Failure story:
 
 Things to know about running Triton here: the Python backend forks (``fork`` + ``execvp bash``,
 and ``system()``) from this multi-threaded process to start each stub, so stubs are children of
-the frontend, in its process group (a terminal's Ctrl-C reaches them too), and they read
-``PATH``/``LD_LIBRARY_PATH`` from this process (``capi.prepare_process_environment``). Nothing
-here may reap children it did not start (``waitpid(-1)``, ``SIGCHLD`` ignored): the backend waits
-for its stubs by pid. libtritonserver installs no signal handlers. Starting the server adds ~8
-threads, each loaded Python-backend model ~30 more (most idle).
+the frontend, in its process group (a terminal's Ctrl-C reaches them; they ignore SIGINT), and
+they read ``PATH``/``LD_LIBRARY_PATH``/``OMP_NUM_THREADS`` from this process's environment, which
+:meth:`start` sets (``capi.prepare_process_environment``) and :meth:`stop` gives back. Nothing here
+may reap children it did not start (``waitpid(-1)``, ``SIGCHLD`` ignored): the backend waits for
+its stubs by pid (asyncio's default child watcher and uvloop wait by pid too). grpc's fork
+handlers see the backend's ``fork`` and skip themselves ("Other threads are currently calling into
+gRPC, skipping fork() handlers" on stderr); the child only ``exec``s. libtritonserver installs no
+signal handlers (``SigCgt`` unchanged). Starting the server adds ~8 threads, each loaded
+Python-backend model ~30 more (most idle). One server per process: libtritonserver keeps
+process-wide state (a second server with a response cache is refused: "TritonCacheManager already
+holds a cache").
 """
 
 from __future__ import annotations

@@ -181,6 +181,27 @@ async def test_requested_outputs_versions_and_typed_contents(triton, remote, rep
         assert await triton.infer_raw(message.SerializeToString()) == await remote.infer_raw(message.SerializeToString())
 
 
+async def test_a_stream_of_plain_requests_equals_the_remote_triton(triton, remote, repository):
+    """ModelStreamInfer with a non-decoupled model: each answer carries triton_final_response=true,
+    and a request Triton refuses gets an in-stream error, as from Triton's gRPC frontend."""
+    requests = [_request("fraud_xgboost", _rows(repository, "fraud_xgboost", n), f"s{n}") for n in (1, 2, 3)]
+    requests.append(_request("fraud_xgboost", np.zeros((1, 5), np.float32), "wrong-shape"))
+
+    async def collect(call) -> dict[str, pb.ModelStreamInferResponse]:
+        for request in requests:
+            await call.write(request.SerializeToString())
+        await call.done_writing()
+        answers = [pb.ModelStreamInferResponse.FromString(raw) async for raw in call]
+        return {r.infer_response.id: r for r in answers}
+
+    mine, theirs = await collect(triton.stream_raw(timeout=30)), await collect(remote.stream_raw(timeout=30))
+    assert mine.keys() == theirs.keys() == {"s1", "s2", "s3", "wrong-shape"}
+    for key in ("s1", "s2", "s3"):
+        assert mine[key] == theirs[key], key
+        assert mine[key].infer_response.parameters[FINAL_PARAMETER].bool_param is True
+    assert mine["wrong-shape"].error_message == theirs["wrong-shape"].error_message != ""
+
+
 async def test_control_answers_equal_the_remote_triton(triton, remote):
     for method, message in (
         ("ModelMetadata", pb.ModelMetadataRequest(name="fraud_xgboost")),
