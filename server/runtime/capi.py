@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
 import struct
 import sys
 import threading
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
@@ -342,6 +344,63 @@ class HeldCalls:
         self.response_parameter_count = fn("TRITONSERVER_InferenceResponseParameterCount", P, P)
         self.response_output_count = fn("TRITONSERVER_InferenceResponseOutputCount", P, P)
         self.response_output = fn("TRITONSERVER_InferenceResponseOutput", P, U32, P, P, P, P, P, P, P, P, P)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """``TRITONSERVER_ServerOptions`` as the supervisor's ``tritonserver`` flags set them: explicit
+    model control, strict model config (= ``--disable-auto-complete-config``), strict readiness
+    off, exit on error, the Python backend's shm prefix, the ``local`` response cache. The pinned
+    memory pool keeps tritonserver's default (256 MiB): with it the normalized model configs
+    (``optimization.*_pinned_memory``) are the same as the remote Triton's."""
+
+    repository: Path
+    backends: Path
+    repoagents: Path
+    caches: Path
+    response_cache_bytes: int
+    python_shm_prefix: str
+    exit_timeout_s: int = 5
+    log_file: Path | None = None
+    log_verbose: int = 0
+    metrics: bool = False
+    server_id: str = "inferplane"
+
+    def new_server(self, library: Library):
+        """``TRITONSERVER_ServerNew`` with these options (blocking: run it off the event loop)."""
+        lib, check = library.lib, library.check
+        holder = ffi.new("TRITONSERVER_ServerOptions**")
+        check(lib.TRITONSERVER_ServerOptionsNew(holder))
+        options = holder[0]
+        try:
+            check(lib.TRITONSERVER_ServerOptionsSetServerId(options, self.server_id.encode()))
+            check(lib.TRITONSERVER_ServerOptionsSetModelRepositoryPath(options, str(self.repository).encode()))
+            check(lib.TRITONSERVER_ServerOptionsSetModelControlMode(options, MODEL_CONTROL_EXPLICIT))
+            check(lib.TRITONSERVER_ServerOptionsSetStrictModelConfig(options, True))
+            check(lib.TRITONSERVER_ServerOptionsSetStrictReadiness(options, False))
+            check(lib.TRITONSERVER_ServerOptionsSetExitOnError(options, True))
+            check(lib.TRITONSERVER_ServerOptionsSetExitTimeout(options, self.exit_timeout_s))
+            check(lib.TRITONSERVER_ServerOptionsSetBackendDirectory(options, str(self.backends).encode()))
+            check(lib.TRITONSERVER_ServerOptionsSetRepoAgentDirectory(options, str(self.repoagents).encode()))
+            check(lib.TRITONSERVER_ServerOptionsSetCacheDirectory(options, str(self.caches).encode()))
+            if self.response_cache_bytes:
+                config = json.dumps({"size": str(self.response_cache_bytes)}).encode()
+                check(lib.TRITONSERVER_ServerOptionsSetCacheConfig(options, b"local", config))
+            check(lib.TRITONSERVER_ServerOptionsSetBackendConfig(options, b"python", b"shm-region-prefix-name", self.python_shm_prefix.encode()))
+            if self.log_file is not None:
+                check(lib.TRITONSERVER_ServerOptionsSetLogFile(options, str(self.log_file).encode()))
+            check(lib.TRITONSERVER_ServerOptionsSetLogInfo(options, True))
+            check(lib.TRITONSERVER_ServerOptionsSetLogWarn(options, True))
+            check(lib.TRITONSERVER_ServerOptionsSetLogError(options, True))
+            check(lib.TRITONSERVER_ServerOptionsSetLogVerbose(options, self.log_verbose))
+            check(lib.TRITONSERVER_ServerOptionsSetMetrics(options, self.metrics))
+            check(lib.TRITONSERVER_ServerOptionsSetGpuMetrics(options, False))
+            check(lib.TRITONSERVER_ServerOptionsSetCpuMetrics(options, self.metrics))
+            server = ffi.new("TRITONSERVER_Server**")
+            check(lib.TRITONSERVER_ServerNew(server, options))
+            return server[0]
+        finally:
+            lib.TRITONSERVER_ServerOptionsDelete(options)
 
 
 _loaded: Library | None = None

@@ -18,7 +18,6 @@ from google.protobuf import json_format
 
 from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Unimplemented, from_grpc_code
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.protogen.inference import model_config_pb2
 
 # ---- errors -----------------------------------------------------------------------------------
 

@@ -92,177 +92,28 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from server.errors import BackendError, BackendUnavailable, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest, Unimplemented
+from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, InvalidRequest, Unimplemented
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
 from server.runtime import capi, capi_codec
 from server.runtime.capi import ffi
 from server.runtime.capi_codec import RequestPlan, Tensor
+from server.runtime.inprocess_call import CPU, FINAL_PARAMETER, InferResult, Output, _Call, _OutParams, _parameter_value, callbacks
+from server.runtime.inprocess_stream import InProcessStream
 from server.runtime.triton_install import TritonInstallation
+
+__all__ = ["FINAL_PARAMETER", "InProcessTriton", "InProcessStream", "InferResult", "Output", "Tensor"]
 
 log = logging.getLogger(__name__)
 
-FINAL_PARAMETER = "triton_final_response"
 _FINAL = capi.RESPONSE_COMPLETE_FINAL
-_CPU = capi.MEMORY_CPU
 _DTYPE = capi.DATATYPE_BY_NAME
 _DTYPE_NAME = capi.DATATYPE_NAMES
 UNLOAD_WAIT_S = 0.5  # how long a reload waits for the dead stub's instance to unload (it will not: see _reload)
 _generation = 0  # servers started by this process (the shm prefix names each)
 
-# an uninitialized bytes object for Triton to write an output into (the documented way to fill
-# a bytes object before anyone sees it); ctypes.pythonapi calls keep the GIL
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype = ctypes.py_object
-_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-
-
-@dataclass(slots=True)
-class Output:
-    name: str
-    datatype: str
-    shape: list[int]
-    data: bytes  # the buffer Triton wrote (a memoryview slice when Triton used less than it asked for)
-
-
-@dataclass(slots=True)
-class InferResult:
-    """One Triton response: what the gRPC frontend puts into a ModelInferResponse."""
-
-    model_name: str
-    model_version: str
-    id: str
-    parameters: dict
-    outputs: list[Output]
-
-    def to_message(self) -> pb.ModelInferResponse:
-        msg = self._header()
-        msg.raw_output_contents.extend(o.data if type(o.data) is bytes else bytes(o.data) for o in self.outputs)
-        return msg
-
-    def to_bytes(self) -> bytes:
-        """The serialized ModelInferResponse; each output's bytes are copied once."""
-        parts = [self._header().SerializeToString()]
-        for o in self.outputs:  # field 6 is the message's last: appending it is what protobuf writes
-            parts += capi_codec.raw_output_field(o.data)
-        return b"".join(parts)
-
-    def _header(self) -> pb.ModelInferResponse:
-        msg = pb.ModelInferResponse(model_name=self.model_name, model_version=self.model_version, id=self.id)
-        for key, value in self.parameters.items():
-            _set_parameter(msg.parameters[key], value)
-        for o in self.outputs:
-            msg.outputs.add(name=o.name, datatype=o.datatype, shape=o.shape)
-        return msg
-
-
-def _set_parameter(param: pb.InferParameter, value) -> None:
-    if isinstance(value, bool):
-        param.bool_param = value
-    elif isinstance(value, int):
-        param.int64_param = value
-    elif isinstance(value, float):
-        param.double_param = value
-    else:
-        param.string_param = value
-
-
-class _Call:
-    """One Triton request in flight: kept alive (and its ``handle`` valid) until Triton has
-    released the request *and* sent its final response."""
-
-    __slots__ = ("owner", "handle", "request", "keep", "buffers", "future", "stream", "plan", "final", "released", "timer")
-
-    def __init__(self, owner: "InProcessTriton", plan: RequestPlan):
-        self.owner = owner
-        self.handle = ffi.new_handle(self)
-        self.request = None  # the C request, until deleted after its release
-        self.keep: list = []  # the input buffers Triton reads
-        self.buffers: dict[int, bytes] = {}  # output storage, by the index given to Triton as buffer_userp
-        self.future: asyncio.Future | None = None
-        self.stream: InProcessStream | None = None
-        self.plan = plan
-        self.final = False
-        self.released = False
-        self.timer = None
-
-
-class _OutParams:
-    """ctypes storage for the out-parameters of response reads, and their addresses."""
-
-    def __init__(self):
-        c = ctypes
-        self.name, self.version, self.count = c.c_char_p(), c.c_int64(), c.c_uint32()
-        self.name_addr, self.version_addr, self.count_addr = c.addressof(self.name), c.addressof(self.version), c.addressof(self.count)
-        self.output_name, self.datatype, self.shape, self.dim_count = c.c_char_p(), c.c_int(), c.c_void_p(), c.c_uint64()
-        self.base, self.byte_size, self.memory_type, self.memory_type_id, self.userp = c.c_void_p(), c.c_size_t(), c.c_int(), c.c_int64(), c.c_void_p()
-        self.output_addrs = [
-            c.addressof(x)
-            for x in (self.output_name, self.datatype, self.shape, self.dim_count, self.base, self.byte_size, self.memory_type, self.memory_type_id, self.userp)
-        ]
-
-
-class _Callbacks:
-    """The C callbacks, created once per process; they run on Triton's threads and make no C calls."""
-
-    def __init__(self, library: capi.Library):
-        lib = library.lib
-        internal = capi.ErrorCode.INTERNAL
-
-        @ffi.callback("TRITONSERVER_ResponseAllocatorAllocFn_t")
-        def alloc(allocator, name, size, memory_type, memory_type_id, userp, buffer, buffer_userp, actual_type, actual_id):
-            try:
-                actual_type[0] = _CPU
-                actual_id[0] = 0
-                if size == 0:
-                    buffer[0] = ffi.NULL
-                    buffer_userp[0] = ffi.NULL
-                    return ffi.NULL
-                call = ffi.from_handle(userp)
-                storage = _new_bytes(None, size)
-                index = len(call.buffers) + 1  # 0 would be NULL: "not ours"
-                while index in call.buffers:
-                    index += 1
-                call.buffers[index] = storage
-                buffer[0] = ffi.from_buffer(storage)
-                buffer_userp[0] = ffi.cast("void*", index)
-                return ffi.NULL
-            except BaseException as err:  # noqa: BLE001 - must never unwind into C
-                return lib.TRITONSERVER_ErrorNew(internal, f"output allocation failed: {err}".encode())
-
-        @ffi.callback("TRITONSERVER_ResponseAllocatorReleaseFn_t")
-        def release_buffer(allocator, buffer, buffer_userp, size, memory_type, memory_type_id):
-            return ffi.NULL  # the storage is a Python object, referenced by the answer (or dropped with it)
-
-        @ffi.callback("TRITONSERVER_InferenceResponseCompleteFn_t")
-        def response(response, flags, userp):
-            owner = ffi.from_handle(userp).owner
-            try:
-                owner._loop.call_soon_threadsafe(owner._on_response, ffi.from_handle(userp), response, flags)
-            except RuntimeError:  # the loop is closed: nobody waits for this answer any more
-                if response != ffi.NULL:
-                    lib.TRITONSERVER_InferenceResponseDelete(response)
-
-        @ffi.callback("TRITONSERVER_InferenceRequestReleaseFn_t")
-        def release_request(request, flags, userp):
-            call = ffi.from_handle(userp)
-            call.released = True
-            owner = call.owner
-            owner._released.append(call)
-            if not owner._sweep_posted:  # one hop for all the requests released meanwhile
-                owner._sweep_posted = True
-                try:
-                    owner._loop.call_soon_threadsafe(owner._sweep)
-                except RuntimeError:  # the loop is closed
-                    pass
-
-        self.alloc, self.release_buffer, self.response, self.release_request = alloc, release_buffer, response, release_request
-
-
-_callbacks: _Callbacks | None = None
 _running: "InProcessTriton | None" = None  # the one server this process runs
 _kept: list = []  # stopped servers that must never be deleted (see InProcessTriton.stop)
 SKIP_DELETE = False  # tests and experiments: keep every stopped server
@@ -297,7 +148,8 @@ class InProcessTriton:
         self.stub_restarts = 0
         self.leaked_instances = 0  # instances of dead stubs that never finished unloading (see _reload)
         allocator = ffi.new("TRITONSERVER_ResponseAllocator**")
-        library.check(self._lib.TRITONSERVER_ResponseAllocatorNew(allocator, _callbacks.alloc, _callbacks.release_buffer, ffi.NULL))
+        hooks = callbacks(library)
+        library.check(self._lib.TRITONSERVER_ResponseAllocatorNew(allocator, hooks.alloc, hooks.release_buffer, ffi.NULL))
         self._allocator = allocator[0]
         # the GIL-keeping calls and their out-parameters: only ever used on the loop thread
         self._held = library.held
@@ -306,8 +158,8 @@ class InProcessTriton:
         self._request_out_addr = ctypes.addressof(self._request_out)
         self._server_addr = int(ffi.cast("uintptr_t", server))
         self._allocator_addr = int(ffi.cast("uintptr_t", self._allocator))
-        self._response_fn = int(ffi.cast("uintptr_t", _callbacks.response))
-        self._release_fn = int(ffi.cast("uintptr_t", _callbacks.release_request))
+        self._response_fn = int(ffi.cast("uintptr_t", hooks.response))
+        self._release_fn = int(ffi.cast("uintptr_t", hooks.release_request))
         self._name_p = ffi.new("const char**")
         self._ptype_p, self._pvalue_p = ffi.new("int*"), ffi.new("const void**")
 
@@ -329,7 +181,7 @@ class InProcessTriton:
         heal_stubs: bool = True,
     ) -> "InProcessTriton":
         """Start Triton in this process with the supervisor's options, then load ``models``."""
-        global _callbacks, _generation, _running
+        global _generation, _running
         from server.runtime.supervisor import _is_dead, kill_stale_stubs, remove_shm_regions
 
         if _running is not None and not _running._stopped:
@@ -343,51 +195,30 @@ class InProcessTriton:
         remove_shm_regions(_is_dead)
         environment = capi.prepare_process_environment(install)
         library = capi.load_library(install)
-        if _callbacks is None:
-            _callbacks = _Callbacks(library)
         _generation += 1
         shm_prefix = f"inferplane_{os.getpid()}_capi{_generation}_"
         backends = install.prepare_backends(workdir)
-        lib, check = library.lib, library.check
-        holder = ffi.new("TRITONSERVER_ServerOptions**")
-        check(lib.TRITONSERVER_ServerOptionsNew(holder))
-        options = holder[0]
+        options = capi.ServerOptions(
+            repository=repository,
+            backends=backends,
+            repoagents=install.root / "repoagents",
+            caches=install.caches,
+            response_cache_bytes=response_cache_bytes,
+            python_shm_prefix=shm_prefix,
+            exit_timeout_s=exit_timeout_s,
+            log_file=workdir / "triton.log",
+            log_verbose=log_verbose,
+            metrics=metrics,
+        )
         try:
-            check(lib.TRITONSERVER_ServerOptionsSetServerId(options, b"inferplane"))
-            check(lib.TRITONSERVER_ServerOptionsSetModelRepositoryPath(options, str(repository).encode()))
-            check(lib.TRITONSERVER_ServerOptionsSetModelControlMode(options, capi.MODEL_CONTROL_EXPLICIT))
-            check(lib.TRITONSERVER_ServerOptionsSetStrictModelConfig(options, True))  # = --disable-auto-complete-config
-            check(lib.TRITONSERVER_ServerOptionsSetStrictReadiness(options, False))
-            check(lib.TRITONSERVER_ServerOptionsSetExitOnError(options, True))
-            check(lib.TRITONSERVER_ServerOptionsSetExitTimeout(options, exit_timeout_s))
-            check(lib.TRITONSERVER_ServerOptionsSetBackendDirectory(options, str(backends).encode()))
-            check(lib.TRITONSERVER_ServerOptionsSetRepoAgentDirectory(options, str(install.root / "repoagents").encode()))
-            check(lib.TRITONSERVER_ServerOptionsSetCacheDirectory(options, str(install.caches).encode()))
-            if response_cache_bytes:
-                check(lib.TRITONSERVER_ServerOptionsSetCacheConfig(options, b"local", json.dumps({"size": str(response_cache_bytes)}).encode()))
-            check(lib.TRITONSERVER_ServerOptionsSetBackendConfig(options, b"python", b"shm-region-prefix-name", shm_prefix.encode()))
-            # the pinned memory pool keeps tritonserver's default (256 MiB): with it the normalized
-            # model configs (optimization.*_pinned_memory) are the same as the remote Triton's
-            check(lib.TRITONSERVER_ServerOptionsSetLogFile(options, str(workdir / "triton.log").encode()))
-            check(lib.TRITONSERVER_ServerOptionsSetLogInfo(options, True))
-            check(lib.TRITONSERVER_ServerOptionsSetLogWarn(options, True))
-            check(lib.TRITONSERVER_ServerOptionsSetLogError(options, True))
-            check(lib.TRITONSERVER_ServerOptionsSetLogVerbose(options, log_verbose))
-            check(lib.TRITONSERVER_ServerOptionsSetMetrics(options, metrics))
-            check(lib.TRITONSERVER_ServerOptionsSetGpuMetrics(options, False))
-            check(lib.TRITONSERVER_ServerOptionsSetCpuMetrics(options, metrics))
-            server_p = ffi.new("TRITONSERVER_Server**")
-            err = await asyncio.wait_for(asyncio.to_thread(lib.TRITONSERVER_ServerNew, server_p, options), startup_timeout)
-            check(err)
+            server = await asyncio.wait_for(asyncio.to_thread(options.new_server, library), startup_timeout)
         except capi.TritonError as err:
             capi.restore_process_environment(environment)
             raise BackendUnavailable(f"in-process Triton did not start: {err.message}") from None
         except BaseException:
             capi.restore_process_environment(environment)
             raise
-        finally:
-            lib.TRITONSERVER_ServerOptionsDelete(options)
-        triton = _running = cls(library, server_p[0], repository=repository, workdir=workdir, shm_prefix=shm_prefix, exit_timeout_s=exit_timeout_s, heal_stubs=heal_stubs)
+        triton = _running = cls(library, server, repository=repository, workdir=workdir, shm_prefix=shm_prefix, exit_timeout_s=exit_timeout_s, heal_stubs=heal_stubs)
         triton._environment = environment
         try:
             for name in models:
@@ -598,7 +429,9 @@ class InProcessTriton:
         """A serialized GRPCInferenceService request in, the serialized answer out (TritonClient parity)."""
         from google.protobuf.message import DecodeError
 
-        handler = _UNARY.get(method)
+        from server.runtime.inprocess_unary import UNARY
+
+        handler = UNARY.get(method)
         if handler is None:
             raise Unimplemented(f"method '{method}' is not offered by the in-process Triton")
         request_type, run = handler
@@ -729,11 +562,11 @@ class InProcessTriton:
             for chunk in tensor.chunks:
                 if type(chunk) is bytes:
                     keep.append(chunk)  # ctypes passes a bytes object's own storage
-                    ok(held.request_append_input_data(request, name, chunk, len(chunk), _CPU, 0))
+                    ok(held.request_append_input_data(request, name, chunk, len(chunk), CPU, 0))
                 else:
                     pointer = ffi.from_buffer(chunk)  # keeps ``chunk`` alive as long as ``pointer`` lives
                     keep.append(pointer)
-                    ok(held.request_append_input_data(request, name, int(ffi.cast("uintptr_t", pointer)), len(pointer), _CPU, 0))
+                    ok(held.request_append_input_data(request, name, int(ffi.cast("uintptr_t", pointer)), len(pointer), CPU, 0))
         for output in plan.outputs:
             ok(held.request_add_requested_output(request, self._name(output)))
 
@@ -930,216 +763,3 @@ class InProcessTriton:
         """A ModelStreamInfer call on bytes, like ``TritonClient.stream_raw``: ``await write(raw)``,
         ``await done_writing()``, ``async for response in stream``, ``cancel()``."""
         return InProcessStream(self, timeout)
-
-
-def _parameter_value(kind: int, value):
-    if kind == capi.PARAMETER_BOOL:
-        return bool(ffi.cast("bool*", value)[0])
-    if kind == capi.PARAMETER_INT:
-        return int(ffi.cast("int64_t*", value)[0])
-    if kind == capi.PARAMETER_DOUBLE:
-        return float(ffi.cast("double*", value)[0])
-    if kind == capi.PARAMETER_STRING:
-        return ffi.string(ffi.cast("const char*", value)).decode()
-    raise capi.TritonError(capi.ErrorCode.UNSUPPORTED, "Response parameter of type 'TRITONSERVER_PARAMETER_BYTES' is not currently supported")
-
-
-class InProcessStream:
-    """One ModelStreamInfer call against the in-process Triton (the shape of a grpc.aio stream
-    call on bytes). Responses come in completion order; every one carries ``triton_final_response``
-    like Triton's gRPC frontend sets it; a request Triton refuses gets an in-stream error."""
-
-    def __init__(self, owner: InProcessTriton, timeout: float | None):
-        self.owner = owner
-        self._loop = owner._loop
-        self._queue: collections.deque[bytes] = collections.deque()
-        self._pending: set[_Call] = set()
-        self._waiter: asyncio.Future | None = None
-        self._done_writing = False
-        self._closed = False
-        self._error: BaseException | None = None
-        self._deadline = self._loop.call_later(timeout, self._expire) if timeout is not None else None
-
-    async def write(self, raw: bytes) -> None:
-        from google.protobuf.message import DecodeError
-
-        if self._closed or self._done_writing:
-            raise Cancelled("the stream is closed for writing")
-        try:
-            request = pb.ModelInferRequest.FromString(raw)
-        except DecodeError as err:
-            self._push(pb.ModelStreamInferResponse(error_message=f"malformed ModelInferRequest: {err}"))
-            return
-        try:
-            plan = capi_codec.request_plan(request)
-            self.owner._refuse_if_healing(plan.model_name)
-            call = _Call(self.owner, plan)
-            call.stream = self
-            self.owner._submit(call)
-        except InferplaneError as err:
-            answer = pb.ModelStreamInferResponse(error_message=err.message)
-            answer.infer_response.id = request.id
-            self._push(answer)
-            return
-        self._pending.add(call)
-
-    async def done_writing(self) -> None:
-        self._done_writing = True
-        self._wake()
-
-    def cancel(self) -> bool:
-        if self._closed:
-            return False
-        self._closed = True
-        for call in list(self._pending):
-            self.owner._cancel(call)
-        self._pending.clear()
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._wake()
-        return True
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> bytes:
-        while True:
-            if self._queue:
-                return self._queue.popleft()
-            if self._error is not None:
-                err, self._error = self._error, None
-                self._closed = True
-                raise err
-            if self._closed or (self._done_writing and not self._pending):
-                if self._deadline is not None:
-                    self._deadline.cancel()
-                raise StopAsyncIteration
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    # -- from the owner, on the loop
-
-    def _deliver(self, call: _Call, result, final: bool) -> None:
-        if final:
-            self._pending.discard(call)
-        if self._closed:
-            return
-        plan = call.plan
-        if isinstance(result, capi.TritonError):
-            err = self.owner._failure(plan.model_name, result)
-            answer = pb.ModelStreamInferResponse(error_message=err.message)
-            answer.infer_response.id, answer.infer_response.model_name = plan.id, plan.model_name
-            answer.infer_response.model_version = "" if plan.model_version < 0 else str(plan.model_version)
-        elif result is not None:
-            answer = pb.ModelStreamInferResponse(infer_response=result.to_message())
-        elif final and plan.empty_final_response:
-            answer = pb.ModelStreamInferResponse()
-            answer.infer_response.id, answer.infer_response.model_name = plan.id, plan.model_name
-            answer.infer_response.model_version = "" if plan.model_version < 0 else str(plan.model_version)
-        else:
-            self._wake()  # a bare final flag the caller did not ask to see
-            return
-        answer.infer_response.parameters[FINAL_PARAMETER].bool_param = final
-        self._push(answer)
-
-    def _push(self, answer: pb.ModelStreamInferResponse) -> None:
-        self._queue.append(answer.SerializeToString())
-        self._wake()
-
-    def _abort(self, err: InferplaneError) -> None:
-        self._pending.clear()
-        if not self._closed:
-            self._error = err
-        self._wake()
-
-    def _expire(self) -> None:
-        self._deadline = None
-        if self._closed:
-            return
-        for call in list(self._pending):
-            self.owner._cancel(call)
-        self._pending.clear()
-        self._error = DeadlineExceeded("the stream's deadline passed")
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-
-# ---- unary methods (TritonClient.unary_raw parity) ----------------------------------------------
-
-
-async def _live(t: InProcessTriton, _req, _timeout):
-    return pb.ServerLiveResponse(live=await t.server_live())
-
-
-async def _ready(t: InProcessTriton, _req, _timeout):
-    return pb.ServerReadyResponse(ready=await t.server_ready())
-
-
-async def _model_ready(t: InProcessTriton, req: pb.ModelReadyRequest, _timeout):
-    t._check_running()
-    flag = ffi.new("bool*")
-    t._ok(t._lib.TRITONSERVER_ServerModelIsReady(t._server, req.name.encode(), capi_codec.parse_version(req.version), flag))
-    return pb.ModelReadyResponse(ready=bool(flag[0]))
-
-
-async def _server_metadata(t: InProcessTriton, _req, _timeout):
-    t._check_running()
-    return capi_codec.server_metadata(t._json(lambda out: t._lib.TRITONSERVER_ServerMetadata(t._server, out)))
-
-
-async def _model_metadata(t: InProcessTriton, req: pb.ModelMetadataRequest, _timeout):
-    t._check_running()
-    v = capi_codec.parse_version(req.version)
-    return capi_codec.model_metadata(t._json(lambda out: t._lib.TRITONSERVER_ServerModelMetadata(t._server, req.name.encode(), v, out)))
-
-
-async def _model_config(t: InProcessTriton, req: pb.ModelConfigRequest, _timeout):
-    return t._model_config_bytes(req.name, req.version)
-
-
-async def _statistics(t: InProcessTriton, req: pb.ModelStatisticsRequest, _timeout):
-    return t.statistics(req.name, req.version)
-
-
-async def _index(t: InProcessTriton, req: pb.RepositoryIndexRequest, _timeout):
-    if req.repository_name:
-        raise Unimplemented("'repository_name' specification is not supported")
-    return t._repository_index(req.ready)
-
-
-async def _load(t: InProcessTriton, req: pb.RepositoryModelLoadRequest, timeout):
-    config = req.parameters["config"].string_param if "config" in req.parameters else None
-    if any(k != "config" for k in req.parameters):
-        raise Unimplemented("only the 'config' load parameter is supported by the in-process Triton")
-    await t.load_model(req.model_name, timeout or 300.0, config=config)
-    return pb.RepositoryModelLoadResponse()
-
-
-async def _unload(t: InProcessTriton, req: pb.RepositoryModelUnloadRequest, timeout):
-    await t.unload_model(req.model_name, timeout or 60.0)
-    return pb.RepositoryModelUnloadResponse()
-
-
-async def _infer(t: InProcessTriton, req: pb.ModelInferRequest, timeout):
-    return (await t._infer_plan(capi_codec.request_plan(req), timeout)).to_bytes()
-
-
-_UNARY = {
-    "ServerLive": (pb.ServerLiveRequest, _live),
-    "ServerReady": (pb.ServerReadyRequest, _ready),
-    "ModelReady": (pb.ModelReadyRequest, _model_ready),
-    "ServerMetadata": (pb.ServerMetadataRequest, _server_metadata),
-    "ModelMetadata": (pb.ModelMetadataRequest, _model_metadata),
-    "ModelConfig": (pb.ModelConfigRequest, _model_config),
-    "ModelStatistics": (pb.ModelStatisticsRequest, _statistics),
-    "RepositoryIndex": (pb.RepositoryIndexRequest, _index),
-    "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, _load),
-    "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, _unload),
-    "ModelInfer": (pb.ModelInferRequest, _infer),
-}
