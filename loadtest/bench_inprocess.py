@@ -206,22 +206,18 @@ async def _micro(repository: Path, workdir: Path, model: str, n: int) -> dict:
         timed("request_plan(pb.ModelInferRequest) (pure Python)", lambda: capi_codec.request_plan(request))
         plan = capi_codec.request_plan(request)
 
-        held = triton._held
-
         def build_and_delete():
             call = _Call(triton, plan)
-            held.request_new(triton._request_out_addr, triton._server_addr, triton._name(model), -1)
-            request = triton._request_out.value
-            triton._describe(request, plan, call.keep)
-            held.request_delete(request)
+            holder = ffi.new("TRITONSERVER_InferenceRequest**")
+            lib.TRITONSERVER_InferenceRequestNew(holder, server, triton._name(model), -1)
+            triton._describe(holder[0], plan, call.keep)
+            lib.TRITONSERVER_InferenceRequestDelete(holder[0])
 
         timed("build a C request (New, SetId, AddInput, AppendInputData, ...) + Delete", build_and_delete)
-        held.request_new(triton._request_out_addr, triton._server_addr, triton._name(model), -1)
-        one = triton._request_out.value
-        one_cdata = ffi.cast("TRITONSERVER_InferenceRequest*", one)
-        timed("one call that keeps the GIL (ctypes PyDLL: InferenceRequestSetId)", lambda: held.request_set_id(one, b"x"))
-        timed("one call that lets the GIL go (cffi: InferenceRequestSetId)", lambda: lib.TRITONSERVER_InferenceRequestSetId(one_cdata, b"x"))
-        held.request_delete(one)
+        holder = ffi.new("TRITONSERVER_InferenceRequest**")
+        lib.TRITONSERVER_InferenceRequestNew(holder, server, triton._name(model), -1)
+        timed("one cffi call (InferenceRequestSetId; the GIL is let go and taken back)", lambda: lib.TRITONSERVER_InferenceRequestSetId(holder[0], b"x"))
+        lib.TRITONSERVER_InferenceRequestDelete(holder[0])
         result = await triton.infer_tensors(model, plan.inputs)
         timed("InferResult.to_bytes (serialized answer)", result.to_bytes)
         timed("InferResult.to_message (pb.ModelInferResponse)", result.to_message)

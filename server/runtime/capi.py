@@ -29,10 +29,9 @@ What must be true before and after ``dlopen``:
 
 cffi releases the GIL around every C call. That is right for the blocking calls (server new,
 load, unload, stop) and for the calls that take locks Triton's threads may hold while they wait
-for the GIL in a callback (``ServerInferAsync``), and wasteful elsewhere: each call hands the GIL
-to a waiting Triton thread and waits to get it back. :class:`HeldCalls` offers the calls on
-objects this process alone holds through ``ctypes.PyDLL``, which keeps the GIL;
-``server.runtime.inprocess`` uses them on its hot path and keeps its callbacks free of C calls.
+for the GIL in one of our callbacks (``ServerInferAsync``: keeping the GIL there could deadlock);
+elsewhere each call may hand the GIL to a waiting Triton thread and wait to get it back.
+``server.runtime.inprocess`` keeps its callbacks, which run on Triton's threads, free of C calls.
 """
 
 from __future__ import annotations
@@ -268,7 +267,6 @@ class Library:
         if backend_library is not None:  # see the module docstring
             real = Path(os.path.realpath(backend_library))
             self._preloaded += preload_closure(real, path.parent, include_self=True)
-        self.held = HeldCalls(path)
         major, minor = ffi.new("uint32_t*"), ffi.new("uint32_t*")
         self.check(self.lib.TRITONSERVER_ApiVersion(major, minor))
         self.api_version = (major[0], minor[0])
@@ -307,43 +305,6 @@ class Library:
             return ffi.unpack(base[0], size[0])
         finally:
             self.lib.TRITONSERVER_MessageDelete(out[0])
-
-
-class HeldCalls:
-    """Some of the same functions through ``ctypes.PyDLL``: calls that keep the GIL.
-
-    Only for calls on objects this process alone holds (a request not yet submitted, a response
-    already delivered, a released request), which take no lock a Triton thread could hold while
-    it waits for the GIL in one of our callbacks: holding the GIL there cannot deadlock, and it
-    saves the GIL hand-over cffi makes around every call (on a busy event loop each hand-over lets
-    a waiting Triton thread in, and costs the loop a wait to get the GIL back). Pointers are ints.
-    """
-
-    def __init__(self, path: Path):
-        dll = ctypes.PyDLL(str(path))
-        P, I, U32, I64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int64, ctypes.c_size_t
-        S = ctypes.c_char_p
-
-        def fn(name, *args):
-            f = getattr(dll, name)
-            f.restype, f.argtypes = P, args
-            return f
-
-        self.request_new = fn("TRITONSERVER_InferenceRequestNew", P, P, S, I64)
-        self.request_delete = fn("TRITONSERVER_InferenceRequestDelete", P)
-        self.request_set_id = fn("TRITONSERVER_InferenceRequestSetId", P, S)
-        self.request_add_input = fn("TRITONSERVER_InferenceRequestAddInput", P, S, I, P, ctypes.c_uint64)
-        self.request_append_input_data = fn("TRITONSERVER_InferenceRequestAppendInputData", P, S, P, SZ, I, I64)
-        self.request_add_requested_output = fn("TRITONSERVER_InferenceRequestAddRequestedOutput", P, S)
-        self.request_set_release_callback = fn("TRITONSERVER_InferenceRequestSetReleaseCallback", P, P, P)
-        self.request_set_response_callback = fn("TRITONSERVER_InferenceRequestSetResponseCallback", P, P, P, P, P)
-        self.response_delete = fn("TRITONSERVER_InferenceResponseDelete", P)
-        self.response_error = fn("TRITONSERVER_InferenceResponseError", P)
-        self.response_model = fn("TRITONSERVER_InferenceResponseModel", P, P, P)
-        self.response_id = fn("TRITONSERVER_InferenceResponseId", P, P)
-        self.response_parameter_count = fn("TRITONSERVER_InferenceResponseParameterCount", P, P)
-        self.response_output_count = fn("TRITONSERVER_InferenceResponseOutputCount", P, P)
-        self.response_output = fn("TRITONSERVER_InferenceResponseOutput", P, U32, P, P, P, P, P, P, P, P, P)
 
 
 @dataclass(frozen=True)

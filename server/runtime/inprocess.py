@@ -19,15 +19,13 @@ How a request travels:
 
 * On the event loop: one ``TRITONSERVER_InferenceRequest`` per call, inputs pointed at the
   caller's bytes (``AppendInputData``, zero copy; the Python objects stay referenced until Triton's
-  request-release callback), then ``ServerInferAsync``. The calls on objects only this process
-  holds (building the request, reading and deleting a response, deleting a released request) go
-  through ``capi.HeldCalls`` (ctypes ``PyDLL``: the GIL is kept); ``ServerInferAsync``, cancel and
-  the server-level calls go through cffi, which lets the GIL go (they take locks a Triton thread
-  may hold while it waits for the GIL in one of our callbacks: keeping the GIL there could
-  deadlock). With cffi everywhere, each call handed the GIL to a waiting Triton thread and waited
-  to get it back: 247-285 us of loop time per request against 150-160 us with the held calls
-  (``python -m loadtest.bench_inprocess --micro``, 4000 requests at once, three alternating runs
-  on a loaded 2-core machine).
+  request-release callback), then ``ServerInferAsync``: about a dozen cffi calls per request
+  (~0.25 us each uncontended; each lets the GIL go and takes it back). Tried and dropped: the calls
+  on objects only this process holds through ``ctypes.PyDLL``, which keeps the GIL. It was 1.7x
+  less loop time per request on an overloaded 2-core machine (150-160 against 247-285 us, 4000
+  requests at once), no better on a quiet one (84 against 75 us, median of 5) nor through sockets
+  at c=32 (medians 1439 against 1590 req/s, noise larger than the difference), and keeping the GIL
+  makes Triton's threads wait longer in our callbacks.
 * On Triton's threads, three tiny callbacks and **no C calls**: the allocator hands Triton the
   storage of a fresh Python ``bytes`` object (``PyBytes_FromStringAndSize(NULL, n)`` through
   ``ctypes.pythonapi``, which keeps the GIL), the response callback does one
@@ -86,7 +84,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -100,7 +97,7 @@ from server.protogen.inference import model_config_pb2
 from server.runtime import capi, capi_codec
 from server.runtime.capi import ffi
 from server.runtime.capi_codec import RequestPlan, Tensor
-from server.runtime.inprocess_call import CPU, FINAL_PARAMETER, InferResult, Output, _Call, _OutParams, _parameter_value, callbacks
+from server.runtime.inprocess_call import CPU, FINAL_PARAMETER, InferResult, Output, _Call, _parameter_value, callbacks
 from server.runtime.inprocess_stream import InProcessStream
 from server.runtime.triton_install import TritonInstallation
 
@@ -148,19 +145,13 @@ class InProcessTriton:
         self.stub_restarts = 0
         self.leaked_instances = 0  # instances of dead stubs that never finished unloading (see _reload)
         allocator = ffi.new("TRITONSERVER_ResponseAllocator**")
-        hooks = callbacks(library)
+        self._hooks = hooks = callbacks(library)
         library.check(self._lib.TRITONSERVER_ResponseAllocatorNew(allocator, hooks.alloc, hooks.release_buffer, ffi.NULL))
         self._allocator = allocator[0]
-        # the GIL-keeping calls and their out-parameters: only ever used on the loop thread
-        self._held = library.held
-        self._o = _OutParams()
-        self._request_out = ctypes.c_void_p()
-        self._request_out_addr = ctypes.addressof(self._request_out)
-        self._server_addr = int(ffi.cast("uintptr_t", server))
-        self._allocator_addr = int(ffi.cast("uintptr_t", self._allocator))
-        self._response_fn = int(ffi.cast("uintptr_t", hooks.response))
-        self._release_fn = int(ffi.cast("uintptr_t", hooks.release_request))
-        self._name_p = ffi.new("const char**")
+        # the out-parameters of response reads: only ever used on the loop thread
+        self._out = ffi.new("inferplane_output_t*")
+        self._out_ptrs = [ffi.addressof(self._out[0], f) for f in ("name", "datatype", "shape", "dim_count", "base", "byte_size", "memory_type", "memory_type_id", "userp")]
+        self._name_p, self._version_p, self._count_p = ffi.new("const char**"), ffi.new("int64_t*"), ffi.new("uint32_t*")
         self._ptype_p, self._pvalue_p = ffi.new("int*"), ffi.new("const void**")
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -510,32 +501,31 @@ class InProcessTriton:
         return encoded
 
     def _submit(self, call: _Call) -> None:
-        """Build the C request for ``call.plan`` and hand it to Triton (raises a domain error).
-
-        The request is built with GIL-keeping calls (``capi.HeldCalls``: it is ours alone until
-        submitted); ``ServerInferAsync`` goes through cffi, which lets the GIL go: the scheduler
-        may take locks a Triton thread holds while it waits for the GIL in our callbacks."""
+        """Build the C request for ``call.plan`` and hand it to Triton (raises a domain error)."""
         self._check_running()
         if self._released:
             self._sweep()
-        held, plan = self._held, call.plan
-        holder = self._request_out
-        self._held_ok(held.request_new(self._request_out_addr, self._server_addr, self._name(plan.model_name), plan.model_version))
-        request = holder.value
+        lib, plan = self._lib, call.plan
+        holder = ffi.new("TRITONSERVER_InferenceRequest**")
+        err = lib.TRITONSERVER_InferenceRequestNew(holder, self._server, self._name(plan.model_name), plan.model_version)
+        if err != ffi.NULL:
+            problem = self._library.take_error(err)
+            raise capi_codec.domain_error(problem.code, problem.message)
+        request = holder[0]
         try:
             self._describe(request, plan, call.keep)
-            handle = int(ffi.cast("uintptr_t", call.handle))
-            self._held_ok(held.request_set_release_callback(request, self._release_fn, handle))
-            self._held_ok(held.request_set_response_callback(request, self._allocator_addr, handle, self._response_fn, handle))
+            handle = call.handle
+            self._ok(lib.TRITONSERVER_InferenceRequestSetReleaseCallback(request, self._hooks.release_request, handle))
+            self._ok(lib.TRITONSERVER_InferenceRequestSetResponseCallback(request, self._allocator, handle, self._hooks.response, handle))
             call.request = request
             self._live.add(call)
-            err = self._lib.TRITONSERVER_ServerInferAsync(self._server, ffi.cast("TRITONSERVER_InferenceRequest*", request), ffi.NULL)
+            err = lib.TRITONSERVER_ServerInferAsync(self._server, request, ffi.NULL)
             if err != ffi.NULL:
                 self._live.discard(call)
                 call.request = None
                 self._ok(err)
         except BaseException:
-            held.request_delete(request)  # Triton did not take it: ours to delete
+            lib.TRITONSERVER_InferenceRequestDelete(request)  # Triton did not take it: ours to delete
             call.keep = []
             raise
 
@@ -544,35 +534,10 @@ class InProcessTriton:
             problem = self._library.take_error(err)
             raise capi_codec.domain_error(problem.code, problem.message)
 
-    def _held_ok(self, err: int | None) -> None:
-        if err:
-            problem = self._library.take_error(ffi.cast("TRITONSERVER_Error*", err))
-            raise capi_codec.domain_error(problem.code, problem.message)
-
-    def _describe(self, request: int, plan: RequestPlan, keep: list) -> None:
-        held, ok = self._held, self._held_ok
-        if plan.id:
-            ok(held.request_set_id(request, plan.id.encode()))
-        if plan.flags or plan.correlation_id is not None or plan.priority is not None or plan.timeout_us is not None or plan.parameters:
-            self._describe_rest(ffi.cast("TRITONSERVER_InferenceRequest*", request), plan)
-        for tensor in plan.inputs:
-            name = self._name(tensor.name)
-            shape = tensor.shape
-            ok(held.request_add_input(request, name, _DTYPE.get(tensor.datatype, 0), (ctypes.c_int64 * len(shape))(*shape), len(shape)))
-            for chunk in tensor.chunks:
-                if type(chunk) is bytes:
-                    keep.append(chunk)  # ctypes passes a bytes object's own storage
-                    ok(held.request_append_input_data(request, name, chunk, len(chunk), CPU, 0))
-                else:
-                    pointer = ffi.from_buffer(chunk)  # keeps ``chunk`` alive as long as ``pointer`` lives
-                    keep.append(pointer)
-                    ok(held.request_append_input_data(request, name, int(ffi.cast("uintptr_t", pointer)), len(pointer), CPU, 0))
-        for output in plan.outputs:
-            ok(held.request_add_requested_output(request, self._name(output)))
-
-    def _describe_rest(self, request, plan: RequestPlan) -> None:
-        """The rarely used parts of a request (through cffi: these calls are not on the hot path)."""
+    def _describe(self, request, plan: RequestPlan, keep: list) -> None:
         lib, ok = self._lib, self._ok
+        if plan.id:
+            ok(lib.TRITONSERVER_InferenceRequestSetId(request, plan.id.encode()))
         if plan.flags:
             ok(lib.TRITONSERVER_InferenceRequestSetFlags(request, plan.flags))
         if plan.correlation_id is not None:
@@ -594,6 +559,16 @@ class InProcessTriton:
                 ok(lib.TRITONSERVER_InferenceRequestSetDoubleParameter(request, k, value))
             else:
                 ok(lib.TRITONSERVER_InferenceRequestSetStringParameter(request, k, value.encode()))
+        for tensor in plan.inputs:
+            name = self._name(tensor.name)
+            shape = tensor.shape
+            ok(lib.TRITONSERVER_InferenceRequestAddInput(request, name, _DTYPE.get(tensor.datatype, 0), shape, len(shape)))
+            for chunk in tensor.chunks:
+                pointer = ffi.from_buffer(chunk)  # keeps ``chunk`` alive as long as ``pointer`` lives
+                keep.append(pointer)
+                ok(lib.TRITONSERVER_InferenceRequestAppendInputData(request, name, pointer, len(pointer), CPU, 0))
+        for output in plan.outputs:
+            ok(lib.TRITONSERVER_InferenceRequestAddRequestedOutput(request, self._name(output)))
 
     # ---- completion (event loop) --------------------------------------------------------------
 
@@ -601,13 +576,12 @@ class InProcessTriton:
         final = bool(flags & _FINAL)
         result = None
         if response != ffi.NULL:
-            address = int(ffi.cast("uintptr_t", response))
             try:
-                result = self._read(call, address)
+                result = self._read(call, response)
             except capi.TritonError as err:
                 result = err
             finally:
-                self._held.response_delete(address)  # calls release_buffer (on this thread, GIL kept)
+                self._lib.TRITONSERVER_InferenceResponseDelete(response)
         if final:
             call.final = True
             if call.timer is not None:
@@ -632,59 +606,47 @@ class InProcessTriton:
         elif final:
             future.set_exception(BackendError(f"model '{call.plan.model_name}' sent no response"))
 
-    def _read(self, call: _Call, response: int) -> InferResult:
-        held, o = self._held, self._o
-        err = held.response_error(response)
-        if err:
-            raise self._library.peek_error(ffi.cast("TRITONSERVER_Error*", err))  # owned by the response
-        self._check_held(held.response_model(response, o.name_addr, o.version_addr))
-        model_name, model_version = o.name.value.decode(), str(o.version.value)
-        self._check_held(held.response_id(response, o.name_addr))
-        request_id = o.name.value.decode() if o.name.value else ""
+    def _read(self, call: _Call, response) -> InferResult:
+        lib, check = self._lib, self._library.check
+        err = lib.TRITONSERVER_InferenceResponseError(response)
+        if err != ffi.NULL:
+            raise self._library.peek_error(err)  # owned by the response
+        name_p, version_p, count_p = self._name_p, self._version_p, self._count_p
+        check(lib.TRITONSERVER_InferenceResponseModel(response, name_p, version_p))
+        model_name, model_version = ffi.string(name_p[0]).decode(), str(version_p[0])
+        check(lib.TRITONSERVER_InferenceResponseId(response, name_p))
+        request_id = ffi.string(name_p[0]).decode() if name_p[0] != ffi.NULL else ""
         parameters = {}
-        self._check_held(held.response_parameter_count(response, o.count_addr))
-        if o.count.value:
-            parameters = self._read_parameters(response, o.count.value)
-        self._check_held(held.response_output_count(response, o.count_addr))
+        check(lib.TRITONSERVER_InferenceResponseParameterCount(response, count_p))
+        for i in range(count_p[0]):
+            check(lib.TRITONSERVER_InferenceResponseParameter(response, i, name_p, self._ptype_p, self._pvalue_p))
+            parameters[ffi.string(name_p[0]).decode()] = _parameter_value(self._ptype_p[0], self._pvalue_p[0])
+        check(lib.TRITONSERVER_InferenceResponseOutputCount(response, count_p))
         outputs = []
-        buffers = call.buffers
-        for i in range(o.count.value):
-            self._check_held(held.response_output(response, i, *o.output_addrs))
-            size = o.byte_size.value
-            index = o.userp.value or 0
+        out, ptrs, buffers = self._out, self._out_ptrs, call.buffers
+        for i in range(count_p[0]):
+            check(lib.TRITONSERVER_InferenceResponseOutput(response, i, *ptrs))
+            size = out.byte_size
+            index = int(ffi.cast("uintptr_t", out.userp))
             storage = buffers.pop(index, None) if index else None
             if storage is None:  # not a buffer this allocator gave (never expected): copy it
-                data = ctypes.string_at(o.base.value, size) if size else b""
+                data = ffi.unpack(ffi.cast("char*", out.base), size) if size else b""
             elif size == len(storage):
                 data = storage
             else:
                 data = memoryview(storage)[:size]
-            dims = o.dim_count.value
-            shape = list((ctypes.c_int64 * dims).from_address(o.shape.value)) if dims else []
-            outputs.append(Output(o.output_name.value.decode(), _DTYPE_NAME.get(o.datatype.value, "INVALID"), shape, data))
+            outputs.append(Output(ffi.string(out.name).decode(), _DTYPE_NAME.get(out.datatype, "INVALID"), ffi.unpack(out.shape, out.dim_count), data))
         return InferResult(model_name, model_version, request_id, parameters, outputs)
-
-    def _read_parameters(self, response: int, count: int) -> dict:
-        lib, check, pointer = self._lib, self._library.check, ffi.cast("TRITONSERVER_InferenceResponse*", response)
-        parameters = {}
-        for i in range(count):
-            check(lib.TRITONSERVER_InferenceResponseParameter(pointer, i, self._name_p, self._ptype_p, self._pvalue_p))
-            parameters[ffi.string(self._name_p[0]).decode()] = _parameter_value(self._ptype_p[0], self._pvalue_p[0])
-        return parameters
-
-    def _check_held(self, err: int | None) -> None:
-        if err:
-            raise self._library.take_error(ffi.cast("TRITONSERVER_Error*", err))
 
     def _sweep(self) -> None:
         """Delete the requests Triton gave back (their inputs are free to go)."""
-        delete = self._held.request_delete
+        lib = self._lib
         self._sweep_posted = False  # before draining: a release from now on posts another sweep
         released = self._released
         while released:
             call = released.popleft()
             if call.request is not None:
-                delete(call.request)
+                lib.TRITONSERVER_InferenceRequestDelete(call.request)
                 call.request = None
             call.keep = []
             if call.final:
@@ -706,8 +668,7 @@ class InProcessTriton:
             call.timer.cancel()
             call.timer = None
         if not call.final and not call.released and call.request is not None:
-            request = ffi.cast("TRITONSERVER_InferenceRequest*", call.request)
-            self._library.take_error(self._lib.TRITONSERVER_InferenceRequestCancel(request))
+            self._library.take_error(self._lib.TRITONSERVER_InferenceRequestCancel(call.request))
 
     def _fail(self, call: _Call, err: InferplaneError) -> None:
         if call.future is not None and not call.future.done():

@@ -100,21 +100,6 @@ class _Call:
         self.timer = None
 
 
-class _OutParams:
-    """ctypes storage for the out-parameters of response reads, and their addresses."""
-
-    def __init__(self):
-        c = ctypes
-        self.name, self.version, self.count = c.c_char_p(), c.c_int64(), c.c_uint32()
-        self.name_addr, self.version_addr, self.count_addr = c.addressof(self.name), c.addressof(self.version), c.addressof(self.count)
-        self.output_name, self.datatype, self.shape, self.dim_count = c.c_char_p(), c.c_int(), c.c_void_p(), c.c_uint64()
-        self.base, self.byte_size, self.memory_type, self.memory_type_id, self.userp = c.c_void_p(), c.c_size_t(), c.c_int(), c.c_int64(), c.c_void_p()
-        self.output_addrs = [
-            c.addressof(x)
-            for x in (self.output_name, self.datatype, self.shape, self.dim_count, self.base, self.byte_size, self.memory_type, self.memory_type_id, self.userp)
-        ]
-
-
 class Callbacks:
     """The C callbacks, created once per process; they run on Triton's threads and make no C calls."""
 
