@@ -33,9 +33,12 @@ How a request travels:
   request-release callback appends to a deque and posts one sweep for all the releases that come
   before the loop runs it (requests must be deleted promptly: a request holds a reference to its
   model, and an unload waits for it). Each callback still takes the GIL from a Triton thread:
-  three hand-overs per Triton request, which is why a request per caller costs more CPU here
-  than a grpc.aio hop to a Triton process (``loadtest/bench_inprocess.py``), and why merged
-  requests (``infer_tensors``, one call for many callers) are where in-process Triton pays off.
+  three hand-overs per Triton request. Measured with ``loadtest/bench_inprocess.py`` on a busy
+  2-core machine, a request per caller costs more CPU per request (0.74 against 0.63 ms, process
+  trees with their stubs) and gets no more throughput than a grpc.aio hop to a Triton process;
+  Triton then also runs smaller batches (2.5 rows per execution), which makes the stub's share
+  per row larger. Merged requests (``infer_tensors``, one call for many callers) are where
+  in-process Triton pays off: the hand-overs, C calls and stub executions are per call.
   Removing the GIL from Triton's threads entirely needs callbacks written in C (cffi's API mode:
   a compiler at install time).
 * Back on the loop: the response is read (outputs are those ``bytes``: one copy when they go into
