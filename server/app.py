@@ -51,7 +51,7 @@ class Frontend:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics(multiprocess=settings.metrics_dir is not None)
-        gc_pauses.watch(self.metrics.gc_pause)
+        self.gc_watch = gc_pauses.PauseWatch(self.metrics.gc_pause)
         self.supervisor: TritonSupervisor | None = None
         self.tenancy: Tenancy | None = None
         self.dataplane: DataPlane | None = None
@@ -78,6 +78,8 @@ class Frontend:
             )
         if s.triton_url:
             target = s.triton_url
+        elif s.triton_mode == "in-process":
+            target = "in-process"
         else:
             self.supervisor = TritonSupervisor(
                 s.model_repository,
@@ -90,11 +92,11 @@ class Frontend:
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
-        backend = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
-        backend.connect()
+        backend = await self._backend(target)
         # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
+        self._tasks.append(asyncio.create_task(self.gc_watch.run(), name="gc-pauses"))
         self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter)
         await self._load_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
@@ -126,6 +128,20 @@ class Frontend:
         if s.gc_freeze:
             gc_pauses.settle()
         await self._set_serving(True)
+
+    async def _backend(self, target: str):
+        """The Triton this process talks to: over gRPC (a child process or a remote server), or in
+        this process through the C API."""
+        s = self.settings
+        if target == "in-process":
+            from server.runtime.inprocess import InProcessTriton
+
+            return await InProcessTriton.start(
+                s.model_repository, s.workdir, response_cache_bytes=s.response_cache_bytes, startup_timeout=s.triton_startup_timeout_s
+            )
+        backend = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
+        backend.connect()
+        return backend
 
     def _start_observability(self) -> None:
         """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.observability)."""
@@ -251,7 +267,12 @@ class Frontend:
 
     def ready_line(self) -> str:
         s = self.settings
-        triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
+        if self.settings.triton_url:
+            triton = self.settings.triton_url
+        elif self.supervisor is None:
+            triton = "in-process"
+        else:
+            triton = f"embedded@{self.supervisor.grpc_target}"
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
             f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
@@ -281,6 +302,7 @@ class Frontend:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
         if self.supervisor is not None:
             await self.supervisor.stop()
+        self.gc_watch.close()
         self._stopped.set()
 
 

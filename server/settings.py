@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,10 @@ class Settings(BaseSettings):
     models: list[str] = ["*"]
     max_request_bytes: int = Field(64 << 20, ge=1024)
     triton_channels: int = Field(2, ge=1, le=64)
+    # the embedded Triton (no triton_url): "process" — a supervised tritonserver child reached over
+    # loopback gRPC (the default: BENCHMARKS.md §2 compares the two); "in-process" — libtritonserver
+    # in this process through its C API (server/runtime/inprocess.py; one frontend process)
+    triton_mode: Literal["process", "in-process"] = "process"
     triton_startup_timeout_s: float = Field(120.0, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
     log_level: str = "INFO"
@@ -152,6 +157,8 @@ class Settings(BaseSettings):
         ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError("grpc, http and metrics ports must differ")
+        if self.triton_mode == "in-process" and not self.triton_url and self.workers > 1:
+            raise ValueError("triton_mode in-process runs Triton inside the one frontend process: use --workers 1")
         if self.workers > 1 and 0 in (self.grpc_port, self.http_port):
             raise ValueError("with several workers, give fixed --grpc-port and --http-port (they share them)")
         return self

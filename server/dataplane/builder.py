@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from batching.coalescer import Coalescer
 from batching.fair_queue import AdmissionPolicy
-from server.dataplane.batch_codec import CODEC
 from server.dataplane.circuit_breaker import BreakerPolicy
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
@@ -45,7 +44,8 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         meter=meter,
         observer=observer,
     )
-    coalescer = Coalescer(lambda raw, timeout, request: backend.infer_raw(raw, timeout), CODEC, on_call=observer.on_batch)
+    # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
+    coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     return DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
 
 

@@ -62,6 +62,17 @@ class TritonClient:
         except grpc.aio.AioRpcError as err:
             raise translate(err) from None
 
+    # ---- what the data plane's coalescer calls (batching/coalescer.py) ----------------------
+
+    def batch_codec(self):
+        """Merged batches as one serialized ModelInferRequest (``server.dataplane.batch_codec``)."""
+        from server.dataplane.batch_codec import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload: bytes, timeout: float | None, request=None) -> bytes:
+        return await self.infer_raw(payload, timeout)
+
     def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None) -> "RawStream":
         """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads); its failures
         are domain errors like every other call's. ``metadata``: e.g. a traced generation's traceparent."""

@@ -438,6 +438,22 @@ class InProcessTriton:
 
     # ---- inference ----------------------------------------------------------------------------
 
+    # ---- what the data plane's coalescer calls (batching/coalescer.py) ----------------------
+
+    def batch_codec(self):
+        """Merged batches as one request over the members' own buffers (``inprocess_batch``)."""
+        from server.runtime.inprocess_batch import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest):
+        """A lone request (its bytes; ``request`` is the same request parsed) or a merged batch."""
+        from server.runtime.inprocess_batch import MergedBatch
+
+        if isinstance(payload, MergedBatch):
+            return await self.infer_tensors(payload.model, payload.tensors, model_version=payload.version, outputs=payload.outputs, timeout=timeout)
+        return await self.infer_bytes(request, timeout)
+
     async def infer_raw(self, request: bytes, timeout: float | None = None) -> bytes:
         from google.protobuf.message import DecodeError
 

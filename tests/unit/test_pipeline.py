@@ -83,6 +83,14 @@ class ScriptedTriton:
     async def infer_raw(self, raw, timeout=None):
         raise AssertionError("not used")
 
+    def batch_codec(self):
+        from server.dataplane.batch_codec import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload, timeout, request=None):
+        raise AssertionError("not used")
+
     async def close(self):
         pass
 
