@@ -16,10 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from server.control.fleet import PRIMARY, Fleet
 from server.dataplane.builder import build_dataplane
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.metrics import Metrics
-from server.dataplane.triton_client import TritonClient
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
@@ -27,6 +28,8 @@ from server.runtime.supervisor import TritonSupervisor
 from server.settings import Settings
 from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
 from server.transports.grpc.admin import AdminService
+from server.transports.grpc.autoscale import AutoscaleService
+from server.transports.grpc.autoscale import add_to_server as add_autoscale
 from server.transports.grpc.context import DomainErrorInterceptor
 from server.transports.grpc.generation import add_to_server as add_generation
 from server.transports.grpc.inference import SERVICE, InferenceService
@@ -63,6 +66,7 @@ class Frontend:
         self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
+        self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -85,12 +89,14 @@ class Frontend:
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
-        backend = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
-        backend.connect()
+        self.fleet = fleet = Fleet.build(s, self.supervisor)
+        await fleet.start_replicas()
         # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
-        self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter)
+        hooks = FleetHooks()
+        self.dataplane = build_dataplane(s, fleet.replicas, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, hooks=hooks)
+        fleet.attach_dataplane(self.dataplane, hooks, self.metrics)
         await self._load_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
@@ -101,6 +107,9 @@ class Frontend:
 
             self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
             await self.traffic.start()
+            await fleet.read_memory_needs(self.registry)
+            fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
+        await fleet.start()
         self.metrics.triton_up.set(1)
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
@@ -156,11 +165,12 @@ class Frontend:
         tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
         generation_name = add_generation(self.dataplane.llm, server)
         traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
+        autoscale_name = add_autoscale(AutoscaleService(self.dataplane, self.fleet.autoscaler, self.fleet.sampler), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
         admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
         reflection.enable_server_reflection(
-            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, autoscale_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
             pool=_pool.POOL,
         )
@@ -189,6 +199,10 @@ class Frontend:
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
+        if self.fleet.provisioner is not None:
+            from server.transports.rest.deploy import PROVISIONER
+
+            app[PROVISIONER] = self.fleet.provisioner
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
@@ -211,10 +225,19 @@ class Frontend:
             await self.health.set(name, status)
 
     def _on_triton_down(self) -> None:
+        """The embedded Triton died: with other replicas up only it leaves the rotation; alone, the
+        whole backend is down (callers get UNAVAILABLE with a retry hint until it is back)."""
+        self.fleet.replicas.mark_down(PRIMARY)
+        if self.fleet.others_up(PRIMARY):
+            return
         self.dataplane.mark_backend_down()
         asyncio.get_running_loop().create_task(self._set_serving(False))
 
     async def _on_triton_restart(self) -> None:
+        if self.dataplane.backend_up:  # other replicas kept serving: it rejoins with its models
+            await self.fleet.replicas.rejoin(PRIMARY)
+            return
+        self.fleet.replicas.revive(PRIMARY)
         await self.dataplane.reload_all()
         await self._set_serving(True)
 
@@ -232,6 +255,8 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self.traffic is not None:
             await self.traffic.stop()
         if self.deployer is not None:
@@ -246,6 +271,8 @@ class Frontend:
             await runner.cleanup()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
+        if self.fleet is not None:
+            await self.fleet.stop_replicas()
         if self.supervisor is not None:
             await self.supervisor.stop()
         self._stopped.set()

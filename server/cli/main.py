@@ -14,9 +14,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import llm, plan, registry, tenancy, traffic
+    from server.cli import autoscale, llm, plan, registry, tenancy, traffic
 
-    for module in (tenancy, registry, traffic, llm, plan):
+    for module in (tenancy, registry, traffic, llm, plan, autoscale):
         module.mount(app)
 
 

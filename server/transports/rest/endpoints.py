@@ -23,6 +23,7 @@ from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, 
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
+from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
 from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_body, error_responses, error_statuses, json_body
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
@@ -239,6 +240,7 @@ ROUTES: list[Route] = [
     Route("GET", "/openapi.json", openapi, "openapi", "This document", "operations",
           {200: json_body("OpenAPI 3 document", "OpenAPI")} | _BASIC),
     *OPENAI_ROUTES,
+    *DEPLOY_ROUTES,
 ]  # fmt: skip
 
 
