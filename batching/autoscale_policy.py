@@ -109,10 +109,11 @@ class PolicyState:
     last_up: float = -math.inf
     last_change: float = -math.inf
     last_active: float = -math.inf  # the last time any load was seen
+    held: tuple[float, int] | None = None  # (time, count) found at start: no scale-down below it within a window
 
     @classmethod
     def start(cls, replicas: int, now: float) -> "PolicyState":
-        return cls(replicas=replicas, last_active=now)
+        return cls(replicas=replicas, last_active=now, held=(now, replicas))
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,10 @@ def recommend(config: ScalingConfig, current: int, load: float, forecast: float 
     if current > 0 and load > 0 and abs(load / (current * config.target) - 1.0) <= config.tolerance:
         reactive = current
     else:
-        reactive = math.ceil(load / config.target - 1e-9) if load > 0 else 0
+        reactive = max(1, math.ceil(load / config.target - 1e-9)) if load > 0 else 0
     predictive = None
     if config.predictive and forecast is not None and forecast > 0:
-        predictive = math.ceil(forecast / config.target - 1e-9)
+        predictive = max(1, math.ceil(forecast / config.target - 1e-9))
     raw = max(reactive, predictive or 0)
     return raw, reactive, predictive
 
@@ -176,6 +177,8 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
     # ---- stabilization windows -----------------------------------------------------------------
     up_rec = min(r for t, r in recs if t >= now - config.scale_up_window_s)
     down_rec = max(r for t, r in recs if t >= now - config.scale_down_window_s)
+    if state.held is not None and state.held[0] >= now - config.scale_down_window_s:
+        down_rec = max(down_rec, state.held[1])
     inputs["up_recommendation"], inputs["down_recommendation"] = up_rec, down_rec
     want, why = current, f"load {obs.load:g} ~ {current} x target {config.target:g}"
     if up_rec > current:

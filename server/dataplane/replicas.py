@@ -9,7 +9,8 @@ replicas; this is the one hop that picks the replica.
 
 **Choice.** Among the members serving the model (up, not ejected, the model ready there and not
 being drained from there): least outstanding requests with power-of-two choices (two members at
-random, the one with fewer requests in flight; ties by latency). When every such member is
+random, the one with fewer requests in flight; on a tie the random one — slow members are the
+latency ejection's business). When every such member is
 ejected, the ejected ones are used rather than none (a panic threshold of zero).
 
 **Health.** Every ``health_interval_s`` each member is probed (``ServerLive``) and its ready models
@@ -291,7 +292,7 @@ class ReplicaSet:
         a, b = self._rng.sample(candidates, 2)
         if a.outstanding != b.outstanding:
             return a if a.outstanding < b.outstanding else b
-        return a if a.latency.get(model, 0.0) <= b.latency.get(model, 0.0) else b
+        return a  # a tie: the random pick (ordering ties by latency starves whoever measured slower once)
 
     async def _member_for(self, model: str, deadline: float | None, exclude: Member | None = None) -> Member:
         member = self._choose(model, exclude)
