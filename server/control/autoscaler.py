@@ -109,6 +109,17 @@ class EndpointScaler:
         self.provision_s: float | None = None  # the last scale-up's or wake's duration
         self.pending = False  # configured but not served yet
         self.lock = asyncio.Lock()  # a sleep and a wake never overlap
+        self.asleep = False  # at zero replicas (the sleep finished)
+
+
+def _state(ep: EndpointScaler) -> str:
+    if ep.pending:
+        return "pending"  # configured, not deployed yet
+    if ep.waker is None:
+        return "serving"
+    if ep.waker.task is not None and not ep.waker.task.done():
+        return "waking"
+    return "asleep" if ep.asleep else "sleeping"  # sleeping: draining and unloading on the way to zero
 
 
 class Autoscaler:
@@ -328,6 +339,7 @@ class Autoscaler:
             if stashed:
                 log.info("endpoint %s: %d artifact(s) into the weight cache", name, len(stashed))
         ep.state = replace(ep.state, replicas=0)
+        ep.asleep = True
         log.info("endpoint %s scaled to zero", name)
 
     async def _wake_task(self, ep: EndpointScaler) -> None:
@@ -369,6 +381,7 @@ class Autoscaler:
     def _awake(self, ep: EndpointScaler) -> None:
         self.hooks.wakers.pop(ep.name, None)
         ep.waker = None
+        ep.asleep = False
         now = self._clock()
         ep.state = replace(ep.state, replicas=max(1, self.executor.replicas(ep.name)), last_active=now, last_change=now, last_up=now)
 
@@ -396,7 +409,7 @@ class Autoscaler:
         decisions = [d for d in ep.decisions if d.get("action") not in (HOLD,)]
         return {
             "endpoint": ep.name,
-            "state": "pending" if ep.pending else "asleep" if ep.waker is not None else "serving",
+            "state": _state(ep),
             "replicas": ep.state.replicas,
             "serving_replicas": self.replicas.hosting_count(ep.name) if self.replicas is not None else ep.state.replicas,
             "signal": ep.config.signal,
