@@ -121,10 +121,10 @@ _REQUEST = {
                     "additionalProperties": False},
         "autoscaling": {"type": "object", "properties": {
             "min_replicas": {"type": "integer", "minimum": 0}, "max_replicas": {"type": "integer", "minimum": 1},
-            "target_inflight": {"type": "number", "exclusiveMinimum": 0}, "target": {"type": "number", "exclusiveMinimum": 0},
+            "target_inflight": {"type": "number", "minimum": 0, "exclusiveMinimum": True}, "target": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
             "signal": {"type": "string", "enum": ["inflight", "queue", "qps", "tokens_per_s", "triton_queue_ms"]},
-            "scale_to_zero_after_s": {"type": "number", "exclusiveMinimum": 0},
-            "cold_start_budget_s": {"type": "number", "exclusiveMinimum": 0},
+            "scale_to_zero_after_s": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+            "cold_start_budget_s": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
         }, "additionalProperties": True},
     },
     "additionalProperties": False,
