@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 SIGNALS = ("inflight", "queue", "qps", "tokens_per_s", "triton_queue_ms")
+UNITS = ("replicas", "instances")  # what the count scales: replica processes, or Triton instances of the model
 UP, DOWN, HOLD, ZERO, WAKE = "up", "down", "hold", "zero", "wake"
 
 
@@ -52,6 +53,7 @@ class ScalingConfig:
     scale_to_zero_after_s: float | None = None  # idle this long: 0 replicas (None: never)
     cold_start_budget_s: float = 30.0  # how long a request waits for a scaled-to-zero endpoint to load
     predictive: bool = True
+    unit: str = "replicas"
 
     def __post_init__(self) -> None:
         problems = []
@@ -61,6 +63,8 @@ class ScalingConfig:
             problems.append(f"max_replicas must be >= max(1, min_replicas) (got {self.max_replicas}, min {self.min_replicas})")
         if not (self.target > 0 and math.isfinite(self.target)):
             problems.append(f"target must be a positive number (got {self.target})")
+        if self.unit not in UNITS:
+            problems.append(f"unit must be one of {', '.join(UNITS)} (got {self.unit!r})")
         if self.signal not in SIGNALS:
             problems.append(f"signal must be one of {', '.join(SIGNALS)} (got {self.signal!r})")
         if not 0 <= self.tolerance < 1:

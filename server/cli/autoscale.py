@@ -200,12 +200,18 @@ def set_config(
     signal: Optional[str] = typer.Option(None, help="inflight | queue | qps | tokens_per_s | triton_queue_ms"),
     scale_to_zero_after: Optional[str] = typer.Option(None, help="Idle time before zero replicas (300s, 5m)."),
     cold_start_budget: Optional[str] = typer.Option(None, help="How long a request waits for a load from zero (30s)."),
+    unit: Optional[str] = typer.Option(None, help="replicas (processes / pods) | instances (the model's Triton instances, local executor)."),
+    predictive: Optional[bool] = typer.Option(None, "--predictive/--reactive", help="Pre-scale from the forecast, or react only."),
     url: str = _URL,
     api_key: Optional[str] = _API_KEY,
     actor: Optional[str] = _ACTOR,
 ) -> None:
     """Set an endpoint's autoscaling config (stored with the endpoint, audited)."""
     fields = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, signal, target)
+    if unit is not None:
+        fields["unit"] = unit
+    if predictive is not None:
+        fields["predictive"] = predictive
     r = configure(url, endpoint, fields, actor, api_key)
     typer.echo(f"{r['endpoint']}: {r['min_replicas']}..{r['max_replicas']} replicas, target {r['target']:g} {r['signal']}, state {r['state']}")
 

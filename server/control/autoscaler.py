@@ -209,8 +209,10 @@ class Autoscaler:
             raise InvalidRequest(f"autoscaling config for '{name}': {err}") from None
         if persist and self.store is not None:
             await asyncio.to_thread(self.store.put, name, config.as_dict(), actor)
+        if config.unit == "instances" and not hasattr(self.executor, "set_instances"):
+            raise InvalidRequest(f"the {self.executor.name} executor scales replicas, not Triton instances (unit 'instances')")
         served = self.dp.signature(name) is not None
-        current = self.executor.replicas(name) if served else 0
+        current = (await self._count(name, config, read=True)) if served else 0
         if ep is None:
             ep = self.endpoints[name] = EndpointScaler(name, config, current, self._clock(), self._profile())
             await self._seed(ep)
@@ -276,7 +278,7 @@ class Autoscaler:
             if ep.busy is not None and not ep.busy.done():
                 continue
             if ep.waker is None:
-                ep.state = replace(ep.state, replicas=self.executor.replicas(name))
+                ep.state = replace(ep.state, replicas=await self._count(name, ep.config))
             demand = bool(ep.waker is not None and ep.waker.waiting) or bool(self.replicas is not None and self.replicas.waiting.get(name))
             decision, ep.state = decide(ep.config, ep.state, Observation(now, load, forecast, demand))
             if decision.action == HOLD:
@@ -309,6 +311,8 @@ class Autoscaler:
                 await self.sleep(ep.name)
             elif action == WAKE:
                 await self._wake_task(ep)
+            elif ep.config.unit == "instances":
+                await self.executor.set_instances(ep.name, n)
             else:
                 await self.executor.set_replicas(ep.name, n)
                 if action == UP:
@@ -316,7 +320,7 @@ class Autoscaler:
         except Exception as err:
             log.error("endpoint %s: scaling %d -> %d failed: %s", ep.name, previous, n, err)
             self._record(ep, {"t": self._wall(), "action": "failed", "reason": f"{action} to {n}: {err}"})
-            ep.state = replace(ep.state, replicas=self.executor.replicas(ep.name))
+            ep.state = replace(ep.state, replicas=await self._count(ep.name, ep.config))
         else:
             self._record(ep, {"t": self._wall(), "action": "done", "reason": f"{action} to {n} in {self._clock() - began:.2f}s"})
 
@@ -370,8 +374,11 @@ class Autoscaler:
         if self.weight_cache is not None and self.repository is not None:
             cache = await asyncio.to_thread(self.weight_cache.restore, self.repository / name, self.artifact_store)
         n = max(1, ep.config.floor)
-        await self.executor.prepare(name, n)
+        instances = ep.config.unit == "instances"
+        await self.executor.prepare(name, 1 if instances else n)
         await self.dp.load_model(name)
+        if instances and n > 1:
+            await self.executor.set_instances(name, n)
         seconds = self._clock() - began
         ep.provision_s = seconds
         ep.cold_starts.append({"t": self._wall(), "seconds": round(seconds, 3), "weight_cache": cache, "replicas": n})
@@ -383,7 +390,14 @@ class Autoscaler:
         ep.waker = None
         ep.asleep = False
         now = self._clock()
-        ep.state = replace(ep.state, replicas=max(1, self.executor.replicas(ep.name)), last_active=now, last_change=now, last_up=now)
+        count = self.executor.instances(ep.name) if ep.config.unit == "instances" else self.executor.replicas(ep.name)
+        ep.state = replace(ep.state, replicas=max(1, count), last_active=now, last_change=now, last_up=now)
+
+    async def _count(self, name: str, config: ScalingConfig, *, read: bool = False) -> int:
+        """What the endpoint has now, in the config's unit."""
+        if config.unit == "instances":
+            return await self.executor.read_instances(name) if read else self.executor.instances(name)
+        return self.executor.replicas(name)
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -412,6 +426,7 @@ class Autoscaler:
             "state": _state(ep),
             "replicas": ep.state.replicas,
             "serving_replicas": self.replicas.hosting_count(ep.name) if self.replicas is not None else ep.state.replicas,
+            "unit": ep.config.unit,
             "signal": ep.config.signal,
             "value": latest.signal(ep.config.signal) if latest is not None else 0.0,
             "target": ep.config.target,

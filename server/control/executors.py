@@ -71,6 +71,7 @@ class LocalExecutor:
         self._lock = asyncio.Lock()
         self.last_plan: Plan | None = None
         self.provision_s: dict[str, float] = {}  # endpoint -> seconds its last scale-up took
+        self.instance_counts: dict[str, int] = {}  # model -> Triton instances per replica (set or read here)
         replicas.placer = self.place_one
 
     # ---- what exists -------------------------------------------------------------------------
@@ -179,6 +180,17 @@ class LocalExecutor:
             await self.set.remove_member(member.id)
             await self.pool.stop(member.id)
 
+    def instances(self, model: str) -> int:
+        return self.instance_counts.get(model, 1)
+
+    async def read_instances(self, model: str) -> int:
+        """The model's instance count per replica, from a replica's Triton config."""
+        hosts = [m for m in self._local() if model in m.wanted]
+        if hosts:
+            config = await hosts[0].client.model_config(model)
+            self.instance_counts[model] = max(1, sum(max(1, g.count) for g in config.instance_group) or 1)
+        return self.instances(model)
+
     async def set_instances(self, model: str, count: int) -> None:
         """Scale a model's Triton instances on every replica hosting it (load-with-config: the
         replica's config.pbtxt with another ``instance_group`` count; Triton swaps it in while the
@@ -197,6 +209,7 @@ class LocalExecutor:
             for group in config.instance_group:
                 group.count = count
             await self.set.load_on(member.id, model, config=MessageToJson(config))
+        self.instance_counts[model] = count
         await self._refresh(model)
 
     def describe(self) -> dict:

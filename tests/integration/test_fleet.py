@@ -287,6 +287,25 @@ def test_past_the_cold_start_budget_the_caller_gets_503_with_retry_after(fleet, 
     api.configure(LGBM, scale_to_zero_after_s=0)  # never again: the later tests use it
 
 
+def test_instances_scale_inside_a_replica_with_load_with_config(fleet, api):
+    api.configure(LGBM, unit="instances", min_replicas=2, max_replicas=2)
+    (replica,) = api.replicas(LGBM)
+
+    def instances() -> int:
+        client = grpcclient.InferenceServerClient(replica["target"])
+        try:
+            return sum(int(g.get("count", 1)) for g in client.get_model_config(LGBM, as_json=True)["config"]["instance_group"])
+        finally:
+            client.close()
+
+    assert wait_until(lambda: instances() == 2, 60), api.explain(LGBM)["decisions"][-3:]
+    assert api.explain(LGBM)["replicas"] == 2 and len(api.replicas(LGBM)) == 1  # two instances, one replica
+    client = grpcclient.InferenceServerClient(fleet.grpc)
+    assert infer(client, LGBM).as_numpy("prediction").shape == (1, 1)
+    client.close()
+    api.configure(LGBM, unit="replicas", min_replicas=1, max_replicas=1)
+
+
 # ---- REST deploy, CLI, restart -------------------------------------------------------------------------------------
 
 
