@@ -228,8 +228,8 @@ class SeasonalProfile:
     """
 
     def __init__(self, period_s: float = WEEK_S, slot_s: float = HOUR_S, alpha: float = 0.5):
-        if period_s <= 0 or slot_s <= 0 or period_s % slot_s > 1e-9 * period_s:
-            raise ValueError("period_s must be a positive multiple of slot_s")
+        if period_s <= 0 or slot_s <= 0 or abs(period_s / slot_s - round(period_s / slot_s)) > 1e-6:
+            raise ValueError("period_s must be a positive whole multiple of slot_s")
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
         self.period_s, self.slot_s, self.alpha = period_s, slot_s, alpha

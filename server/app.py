@@ -97,7 +97,11 @@ class Frontend:
         hooks = FleetHooks()
         self.dataplane = build_dataplane(s, fleet.replicas, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, hooks=hooks)
         fleet.attach_dataplane(self.dataplane, hooks, self.metrics)
-        await self._load_models()
+        if fleet.has_replicas():
+            await self._load_models()
+        else:  # model groups with no replica yet (scaled to zero): their models load when replicas appear
+            log.warning("no Triton replica is up yet; requests for the model groups' models are held until one is")
+        fleet.hold_group_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
 

@@ -43,6 +43,8 @@ class Fleet:
         self.dataplane = None
         self._refreshing: set[str] = set()
         self._memory: dict[str, int] = {}
+        self._group_wakers: set[str] = set()
+        self.hooks = None
 
     # ---- the replica set (before the data plane) ---------------------------------------------
 
@@ -97,6 +99,29 @@ class Fleet:
         if self.groups is not None:
             return self.groups.group_of(model) or "default"
         return "local" if self.pool is not None else "remote"
+
+    def has_replicas(self) -> bool:
+        return any(m.state == "up" for m in self.replicas.members())
+
+    def hold_group_models(self) -> None:
+        """Models a group names that no replica serves yet (the group is at zero replicas, or its pods
+        are starting): the table knows them as asleep, so their requests are held — counted in the
+        group's queue gauge, which brings KEDA's first replica — until a replica serves them."""
+        from server.control.autoscaler import Waker
+
+        if self.groups is None or self.dataplane is None:
+            return
+        for spec in self.groups.groups.values():
+            for model in spec["models"]:
+                if model != "*" and self.dataplane.signature(model) is None and model not in self.hooks.wakers:
+                    self.hooks.wakers[model] = Waker(model, lambda m=model: self._adopt_when_served(m), self.settings.replica_wait_s)
+                    self._group_wakers.add(model)
+
+    async def _adopt_when_served(self, model: str) -> None:
+        await self.replicas.wait_for(model)
+        await self.dataplane.adopt(model)
+        self.hooks.wakers.pop(model, None)
+        self._group_wakers.discard(model)
 
     def others_up(self, member_id: str) -> bool:
         return any(m.state == "up" for m in self.replicas.members() if m.id != member_id)
@@ -198,6 +223,9 @@ class Fleet:
         if dp is None:
             return
         for model in models:
+            if model in self._group_wakers and self.replicas.hosting_count(model):
+                self.hooks.wakers[model].start()  # a replica serves it now: into the table
+                continue
             if model in self._refreshing or dp.signature(model) is None:
                 continue
             self._refreshing.add(model)

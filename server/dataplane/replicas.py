@@ -300,6 +300,10 @@ class ReplicaSet:
             return member
         return await self._wait_for_member(model, deadline, exclude)
 
+    async def wait_for(self, model: str, timeout: float | None = None) -> Member:
+        """A member serving ``model``, once there is one (held like a request, within its budget)."""
+        return await self._member_for(model, None if timeout is None else self._clock() + timeout)
+
     async def _wait_for_member(self, model: str, deadline: float | None, exclude: Member | None) -> Member:
         """Hold the request until a member serves ``model`` (a restart, a wake, a scale-up)."""
         budget = self.wait_budget(model)

@@ -168,3 +168,44 @@ def test_model_groups_file_is_validated(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(InvalidRequest, match="cannot read"):
         ModelGroups.load(bad)
+
+
+def test_control_run_once_reads_the_stored_configs_and_patches_the_group(registry, tmp_path):
+    """The command the control-plane Deployment runs, as a process: kubeconfig, model groups file,
+    registry and Prometheus from the environment (the manifests' INFERPLANE_* settings)."""
+    import os
+    import subprocess
+    import sys
+
+    ScalingStore(registry).put("fraud", {"min_replicas": 1, "max_replicas": 8, "target": 4}, "ci")
+    groups = tmp_path / "model-groups.json"
+    groups.write_text(json.dumps(GROUPS))
+    load = {q("inflight", "fraud"): 17.0, q("qps", "fraud"): 100.0}
+    with FakeApiServer({"triton-trees": 1}) as api, FakePrometheus(load) as prom:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": api.url}}],
+            "users": [{"name": "test", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+        }))  # fmt: skip
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), INFERPLANE_MODEL_GROUPS_FILE=str(groups),
+                   INFERPLANE_DATABASE_URL=registry.url, INFERPLANE_ARTIFACT_STORE=str(tmp_path / "artifacts"),
+                   INFERPLANE_KUBERNETES_NAMESPACE="inferplane", INFERPLANE_PROMETHEUS_URL=prom.url)  # fmt: skip
+        out = subprocess.run([sys.executable, "-m", "server.cli.main", "control", "run", "--executor", "kubernetes", "--once"],
+                             capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    change = json.loads(out.stdout.splitlines()[0])
+    assert (change["from"], change["to"], change["action"]) == (1, 5, "up")  # ceil(17 / 4)
+    assert api.deployments == {"triton-trees": 5}
+    patch = next(r for r in api.requests if r["method"] == "PATCH")
+    assert json.loads(patch["body"]) == {"spec": {"replicas": 5}} and patch["headers"]["authorization"] == "Bearer test-token"
+    assert "fraud: 5 replica(s)" in out.stdout
+
+
+def test_control_run_refuses_another_executor():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "server.cli.main", "control", "run", "--executor", "local", "--once"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "only 'kubernetes'" in out.stderr
