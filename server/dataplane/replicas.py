@@ -118,6 +118,7 @@ class Member:
         self.samples: dict[str, int] = {}
         self.served = 0
         self.errors = 0
+        self.last_success = -1e18  # on the set's clock
         self.rejoining: asyncio.Task | None = None
         self.probing = False
 
@@ -390,6 +391,7 @@ class ReplicaSet:
     def _succeeded(self, member: Member, model: str, seconds: float) -> None:
         member.failures = 0
         member.served += 1
+        member.last_success = self._clock()
         old = member.latency.get(model)
         a = self.policy.ewma_alpha
         member.latency[model] = seconds if old is None else (1 - a) * old + a * seconds
@@ -646,7 +648,10 @@ class ReplicaSet:
         live = await client.server_live(self.policy.health_timeout_s)
         if not live:
             member.failed_probes += 1
-            if member.state == UP and member.failed_probes >= self.policy.down_after_probes:
+            # a probe that times out on a busy replica that just answered requests says nothing; a
+            # local replica's death is its supervisor's to report (it sees the process exit)
+            answering = self._clock() - member.last_success < 3 * self.policy.health_interval_s
+            if member.state == UP and member.failed_probes >= self.policy.down_after_probes and not member.local and not answering:
                 log.warning("replica %s (%s) is down", member.id, member.target)
                 self.mark_down(member.id)
             return

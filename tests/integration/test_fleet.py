@@ -374,7 +374,13 @@ def _cli(stack, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli.main", *args, "--url", stack.grpc], capture_output=True, text=True, env=env, timeout=60)
 
 
-def test_cli_status_and_explain(fleet):
+def test_cli_deploy_with_autoscaling_flags_status_and_explain(fleet, api):
+    deployed = _cli(fleet, "deploy", f"{DEPLOYED}:1", "--min-replicas", "2", "--max-replicas", "4", "--target-inflight", "8",
+                    "--scale-to-zero-after", "300s")  # fmt: skip
+    assert deployed.returncode == 0, deployed.stderr
+    assert f"autoscaling {DEPLOYED}: 2..4 replicas, target 8 inflight" in deployed.stdout
+    assert f"deployed {DEPLOYED}:1" in deployed.stdout
+    assert api.explain(DEPLOYED)["config"]["scale_to_zero_after_s"] == 300.0
     status = _cli(fleet, "autoscale", "status")
     assert status.returncode == 0, status.stderr
     lines = {line.split()[0]: line for line in status.stdout.splitlines()[1:] if line and not line.startswith(" ")}
@@ -410,7 +416,7 @@ def test_the_configs_survive_a_restart(fleet):
     again.env = fleet.env
     try:
         restarted = Api(again)
-        for name, (lo, hi) in {FRAUD: (1, 1), DEPLOYED: (2, 3)}.items():
+        for name, (lo, hi) in {FRAUD: (1, 1), DEPLOYED: (2, 4)}.items():
             explained = restarted.explain(name)
             assert (explained["config"]["min_replicas"], explained["config"]["max_replicas"]) == (lo, hi)
         # the deployed endpoint comes back on its replicas
