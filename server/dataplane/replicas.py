@@ -10,7 +10,10 @@ replicas; this is the one hop that picks the replica.
 **Choice.** Among the members serving the model (up, not ejected, the model ready there and not
 being drained from there): least outstanding requests with power-of-two choices (two members at
 random, the one with fewer requests in flight; on a tie the random one — slow members are the
-latency ejection's business). When every such member is
+latency ejection's business), except that an idle member (nothing outstanding) is always taken
+over a busy one: with as few admission slots as replicas (a model of one instance and no batching),
+plain two-choice sends a request to a busy replica while another idles half the time at four
+replicas, which ``python -m loadtest.autoscale`` measured as capacity lost. When every such member is
 ejected, the ejected ones are used rather than none (a panic threshold of zero).
 
 **Health.** Every ``health_interval_s`` each member is probed (``ServerLive``) and its ready models
@@ -290,6 +293,9 @@ class ReplicaSet:
                 return None
         if len(candidates) == 1:
             return candidates[0]
+        idle = [m for m in candidates if not m.outstanding]
+        if idle and len(idle) < len(candidates):  # never a busy replica while one is idle
+            return idle[0] if len(idle) == 1 else self._rng.choice(idle)
         a, b = self._rng.sample(candidates, 2)
         if a.outstanding != b.outstanding:
             return a if a.outstanding < b.outstanding else b
