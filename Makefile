@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPO ?= var/model_repository
 ARGS ?=
+FUZZ_ARGS ?=
 
 .PHONY: setup serve test models proto bench clean
 
@@ -30,8 +31,10 @@ models: $(REPO)/.built
 serve: models
 	$(BIN)/inferplane serve --model-repository $(REPO) --auth off $(ARGS)
 
+# the suite, then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs both
 test: setup
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest --ignore=tests/fuzz $(ARGS)
+	$(BIN)/python -m pytest -m fuzz tests/fuzz $(FUZZ_ARGS)
 
 proto: setup
 	$(BIN)/python proto/generate.py

@@ -16,6 +16,7 @@ app = typer.Typer(
     help="Load generator for OIP v2 gRPC, KServe v2 REST and SSE token-stream targets (Triton, the inferplane frontend).",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # help texts as written: rich would turn codes like :end: into emoji
 )
 
 Target = Annotated[str, typer.Option("--target", "-t", help="grpc://HOST:PORT, http://HOST:PORT (REST) or sse://HOST:PORT")]
@@ -330,19 +331,21 @@ def sweep(
 def perf_analyzer_cmd(
     target: Target,
     model: Model,
-    concurrency_range: Annotated[str, typer.Option("--concurrency-range", help="N or start:end:step")] = "1",
+    concurrency_range: Annotated[str, typer.Option("--concurrency-range", help="N, or START:END:STEP (e.g. 1:32:8)")] = "1",
     measurement_interval: Annotated[int, typer.Option("--measurement-interval", help="ms per measurement")] = 5000,
     batch: Batch = 1,
     json_out: JsonOut = None,
     quiet: Quiet = False,
     extra: Annotated[list[str] | None, typer.Option("--extra", help="extra perf_analyzer argument (repeatable)")] = None,
-    ensure_only: Annotated[bool, typer.Option("--ensure-only", help="only fetch the binary and print its path")] = False,
+    ensure_only: Annotated[
+        bool, typer.Option("--ensure-only", help="only fetch the binary and print a script that runs it on its own")
+    ] = False,
 ) -> None:
     """Run NVIDIA perf_analyzer (from the tritonclient 2.51.0 wheel) and emit loadtest JSON."""
     from loadtest import perf_analyzer as pa
 
     if ensure_only:
-        typer.echo(str(pa.ensure_binary()))
+        typer.echo(str(pa.wrapper_script()))
         return
     result = pa.run_perf_analyzer(
         target, model, concurrency_range=concurrency_range, measurement_interval_ms=measurement_interval,

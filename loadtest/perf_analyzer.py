@@ -105,6 +105,21 @@ def lib_env(base: Path | None = None, env: dict | None = None) -> dict:
     return env
 
 
+def wrapper_script(cache: Path | None = None) -> Path:
+    """A script that runs perf_analyzer on its own (it sets the library path the binary needs):
+    what to hand a user, instead of a binary that fails to start without LD_LIBRARY_PATH."""
+    base = Path(cache) if cache else cache_dir()
+    binary = ensure_binary(base)
+    script = base / "perf_analyzer"
+    text = f'#!/bin/sh\nLD_LIBRARY_PATH="{base / "lib"}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec "{binary}" "$@"\n'
+    if not script.is_file() or script.read_text() != text:
+        tmp = script.with_name(".perf_analyzer.sh.tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, script)
+    return script
+
+
 def ensure_binary(cache: Path | None = None) -> Path:
     """Path to a runnable perf_analyzer (downloading and unpacking it on first use)."""
     base = Path(cache) if cache else cache_dir()

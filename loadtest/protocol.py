@@ -121,14 +121,16 @@ def http_base(target: str) -> str:
 
 def http_error(status: int, body: bytes) -> CallError:
     """A non-2xx answer as CallError('HTTP 429', 'RESOURCE_EXHAUSTED: ...') (message from the
-    bridge's {"error": {code, message}} body when it has one, else the body's start)."""
+    bridge's error body when it has one — Triton's {"error": "...", "code"} or OpenAI's
+    {"error": {code, message}} — else the body's start)."""
     message = body[:300].decode(errors="replace")
     try:
-        err = json.loads(body).get("error")
+        doc = json.loads(body)
+        err = doc.get("error")
         if isinstance(err, dict):
             message = f"{err.get('code', '')}: {err.get('message', '')}".strip(": ")
         elif isinstance(err, str):
-            message = err
+            message = f"{doc.get('code', '')}: {err}".strip(": ")
     except (ValueError, AttributeError):
         pass
     return CallError(f"HTTP {status}", message)

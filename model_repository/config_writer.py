@@ -16,17 +16,25 @@ CONFIG_FILE = "config.pbtxt"
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """How Triton serves one model: batch limits, batching window, instances, response cache."""
+    """How Triton serves one model: batch limits, batching window, instances, response cache; how
+    many threads its adapter's framework uses; and how the frontend merges requests for it
+    (``inferplane.coalesce*`` parameters, read by ``batching.coalescer.CoalescePolicy``)."""
 
     max_batch_size: int = 64
     preferred_batch_sizes: tuple[int, ...] = (16, 32, 64)
     max_queue_delay_us: int = 200
     instances: int = 1
     response_cache: bool = False
+    threads: int = 1  # the adapter's intra-op threads (ONNX Runtime, XGBoost, LightGBM)
+    coalesce: bool = True  # the frontend merges concurrent requests into one Triton call
+    coalesce_max_inflight: int | None = None  # merged calls at once (None: one per instance)
+    coalesce_window_us: int = 0  # > 0: the longest a request waits for a free call slot
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 0 or self.instances < 1 or self.max_queue_delay_us < 0:
+        if self.max_batch_size < 0 or self.instances < 1 or self.max_queue_delay_us < 0 or self.threads < 1:
             raise ValueError(f"invalid serving config: {self}")
+        if self.coalesce_window_us < 0 or (self.coalesce_max_inflight is not None and self.coalesce_max_inflight < 1):
+            raise ValueError(f"invalid coalescing settings: {self}")
         too_big = [b for b in self.preferred_batch_sizes if b < 1 or b > max(self.max_batch_size, 1)]
         if too_big:
             raise ValueError(f"preferred batch sizes {too_big} outside 1..{self.max_batch_size}")
@@ -44,6 +52,13 @@ class ServingConfig:
         config.ClearField("response_cache")
         if self.response_cache:
             config.response_cache.enable = True
+        config.parameters["threads"].string_value = str(self.threads)
+        config.parameters["inferplane.coalesce"].string_value = "true" if self.coalesce else "false"
+        config.parameters["inferplane.coalesce_window_us"].string_value = str(self.coalesce_window_us)
+        if self.coalesce_max_inflight is not None:
+            config.parameters["inferplane.coalesce_max_inflight"].string_value = str(self.coalesce_max_inflight)
+        else:
+            config.parameters.pop("inferplane.coalesce_max_inflight", None)
         return config
 
 

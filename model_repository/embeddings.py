@@ -117,7 +117,10 @@ def embedding_config(name: str, sha256: str, max_batch_size: int = 64, threads: 
     config.output.add(name="tokens", data_type=model_config_pb2.TYPE_INT32, dims=[1])
     config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=1)
     config.dynamic_batching.max_queue_delay_microseconds = 500
-    params = {"artifact": "model.onnx", "artifact_sha256": sha256, "threads": str(threads), "max_length": str(MAX_LENGTH)}
+    params = {
+        "artifact": "model.onnx", "artifact_sha256": sha256, "threads": str(threads), "max_length": str(MAX_LENGTH),
+        "inferplane.text_inputs": "text",  # the frontend checks these BYTES are UTF-8 before Triton sees them
+    }  # fmt: skip
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config

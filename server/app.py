@@ -18,8 +18,10 @@ from grpc_reflection.v1alpha import reflection
 
 from server.control.fleet import PRIMARY, Fleet
 from server.dataplane.builder import build_dataplane
+from server.db import display_url
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.fleet_hooks import FleetHooks
+from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
@@ -157,12 +159,13 @@ class Frontend:
     async def _start_grpc(self) -> None:
         s = self.settings
         server = grpc.aio.server(
-            interceptors=(DomainErrorInterceptor(),),
+            # domain errors -> statuses; an unparsable typed request body -> INVALID_ARGUMENT, not UNKNOWN
+            interceptors=(DomainErrorInterceptor(), DecodeErrorsInterceptor()),
             options=[
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 1 if s.worker else 0),
-            ]
+            ],
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
@@ -200,6 +203,7 @@ class Frontend:
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
         from server.transports.rest.endpoints import create_app
+        from server.transports.rest.http_errors import json_parse_errors
 
         s = self.settings
         app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
@@ -210,6 +214,7 @@ class Frontend:
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
+        json_parse_errors(runner)  # aiohttp's own 400s (bad request line, headers) in the JSON error shape
         self._runners.append(runner)
         site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
         await site.start()
@@ -250,7 +255,7 @@ class Frontend:
         triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
-            f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={_redact(s.database_url)}"
+            f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
         )
 
     async def wait(self) -> None:
@@ -323,16 +328,6 @@ def run(settings: Settings) -> None:
         asyncio.run(serve(settings))
     else:
         uvloop.run(serve(settings))
-
-
-def _redact(url: str) -> str:
-    """A database URL without its password (the ready line is logged)."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy reads: show its scheme only
-        return url.split(":", 1)[0] + ":…"
 
 
 def _worker_main() -> None:

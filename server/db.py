@@ -1,6 +1,7 @@
 """The registry database: an engine and sessions from one URL (SQLite by default, PostgreSQL by URL).
 
-``sqlite:///var/inferplane.db`` is relative to the working directory; its folder is created.
+A SQLite file's folder is created (the default, ``sqlite:///DATA_DIR/inferplane.db``, lives in the
+settings' data dir, the same whatever the working directory).
 PostgreSQL URLs may name the driver or not (``postgresql://`` uses psycopg 3).
 """
 
@@ -45,3 +46,11 @@ def make_engine(url: str, **kwargs) -> Engine:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def display_url(url: str) -> str:
+    """A database URL fit to print or log: the password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy reads: show its scheme only
+        return url.split(":", 1)[0] + ":…"

@@ -159,6 +159,46 @@ def from_grpc_code(code: grpc.StatusCode, message: str) -> InferplaneError:
     return _FROM_GRPC.get(code, BackendError)(message)
 
 
+# ---- what an error may echo ----------------------------------------------------------------
+# Messages and violations echo what the caller sent (a datatype, a model name, every unknown
+# output). gRPC carries them in trailers — ``grpc-message`` (percent-encoded: up to 3 bytes per
+# byte) and ``grpc-status-details-bin`` (base64) — and clients refuse trailers over 8 KiB (soft)
+# / 16 KiB (hard) by default. So both transports cap them here, in bytes of UTF-8:
+# worst case ~1.5 KiB of grpc-message + ~4 KiB of details, whatever the caller sent.
+
+MAX_MESSAGE_BYTES = 512
+MAX_VIOLATIONS = 8  # listed; the rest are counted in one last entry
+MAX_FIELD_BYTES = 64
+MAX_DESCRIPTION_BYTES = 256
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` UTF-8 bytes (never mid-character), saying how much was left out.
+    A lone surrogate (which no protobuf string or UTF-8 header can hold) becomes ``?``."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return data.decode("utf-8")
+    marker = f"... (+{len(data) - limit} bytes)"
+    return data[: max(0, limit - len(marker))].decode("utf-8", "ignore") + marker
+
+
+def public_message(err: InferplaneError) -> str:
+    """The error's message as either transport sends it (capped)."""
+    return clip(err.message, MAX_MESSAGE_BYTES)
+
+
+def public_violations(err: InferplaneError) -> list[Violation]:
+    """At most MAX_VIOLATIONS, each capped; one last entry counts those not listed."""
+    listed = [
+        Violation(clip(v.field, MAX_FIELD_BYTES), clip(v.description, MAX_DESCRIPTION_BYTES))
+        for v in err.violations[:MAX_VIOLATIONS]
+    ]
+    more = len(err.violations) - MAX_VIOLATIONS
+    if more > 0:
+        listed.append(Violation("(more)", f"{more} more violations not listed"))
+    return listed
+
+
 # ---- gRPC ---------------------------------------------------------------------------------
 
 
@@ -172,12 +212,13 @@ class GrpcStatus:
 def grpc_status(err: InferplaneError) -> GrpcStatus:
     """Status code, message and ``grpc-status-details-bin`` (google.rpc.Status) for an error."""
     e = entry(err)
-    status = status_pb2.Status(code=e.grpc_code.value[0], message=err.message)
+    message = public_message(err)
+    status = status_pb2.Status(code=e.grpc_code.value[0], message=message)
     info = error_details_pb2.ErrorInfo(reason=e.reason, domain=DOMAIN)
     _pack(status, info)
     if err.violations:
         bad = error_details_pb2.BadRequest()
-        for v in err.violations:
+        for v in public_violations(err):
             bad.field_violations.add(field=v.field, description=v.description)
         _pack(status, bad)
     metadata: list[tuple[str, str | bytes]] = []
@@ -187,7 +228,7 @@ def grpc_status(err: InferplaneError) -> GrpcStatus:
         _pack(status, error_details_pb2.RetryInfo(retry_delay=delay))
         metadata.append(("retry-after", f"{max(err.retry_after_s, 0.001):.3f}"))
     metadata.append(("grpc-status-details-bin", status.SerializeToString()))
-    return GrpcStatus(e.grpc_code, err.message, tuple(metadata))
+    return GrpcStatus(e.grpc_code, message, tuple(metadata))
 
 
 def _pack(status: status_pb2.Status, detail) -> None:
@@ -199,14 +240,24 @@ def _pack(status: status_pb2.Status, detail) -> None:
 # ---- HTTP ---------------------------------------------------------------------------------
 
 
-def http_error(err: InferplaneError) -> tuple[int, dict, dict[str, str]]:
-    """HTTP status, JSON body ``{"error": {code, message, details}}`` and headers for an error."""
+def http_error(err: InferplaneError, *, openai: bool = False) -> tuple[int, dict, dict[str, str]]:
+    """HTTP status, JSON body and headers for an error (``error_body`` says the body's shapes)."""
     e = entry(err)
-    details = [{"field": v.field, "description": v.description} for v in err.violations]
+    details = [{"field": v.field, "description": v.description} for v in public_violations(err)]
     headers: dict[str, str] = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after_s + 0.4999)))
         headers["x-should-retry"] = "true"
-    body = {"error": {"code": e.reason, "message": err.message, "details": details}}
-    return e.http_status, body, headers
+    return e.http_status, error_body(e.reason, public_message(err), details, openai=openai), headers
+
+
+def error_body(code: str, message: str, details: list[dict], *, openai: bool = False) -> dict:
+    """The two REST error shapes. KServe v2 / Triton routes: ``{"error": "<message>", "code", "details"}``
+    — a string ``error`` as Triton's HTTP API sends (``tritonclient.http`` reads it), the machine
+    reason and the field violations beside it. OpenAI routes: ``{"error": {"message", "type", "code",
+    "param", "details"}}``, the OpenAI API's shape (the ``openai`` SDK reads it)."""
+    if openai:
+        param = details[0]["field"] if details else None
+        return {"error": {"message": message, "type": code.lower(), "code": code, "param": param, "details": details}}
+    return {"error": message, "code": code, "details": details}
 

@@ -48,6 +48,7 @@ class AdapterSettings:
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.input_name: str = config["input"][0]["name"]
+        self.input_dims: list[int] = [int(d) for d in config["input"][0].get("dims", [])]
         self.output_name: str = config["output"][0]["name"]
         self.output_dims: list[int] = [int(d) for d in config["output"][0]["dims"]]
         self.threads: int = max(1, int(params.get("threads") or 1))
@@ -56,6 +57,117 @@ class AdapterSettings:
         if not artifact or Path(artifact).name != artifact:
             raise ArtifactMismatch(f"parameter 'artifact' must be a file name, got {artifact!r}")
         self.artifact: Path = verify_artifact(version_dir / artifact, params.get("artifact_sha256", ""))
+
+
+# ---- one batch, each request answered on its own ---------------------------------------------
+
+MAX_ERROR_CHARS = 1000  # a Triton error travels as a gRPC status message: keep it far below 16 KiB
+
+
+class BadInput(ValueError):
+    """The request cannot be served as sent (the caller's mistake): INVALID_ARG, for it alone."""
+
+
+def error_response(pb_utils: Any, message: str, code: str = "INTERNAL") -> Any:
+    """An error response with its own ``TritonError``.
+
+    Never share one ``TritonError`` between responses: the stub copies an error into shared memory
+    each time a response carrying it is sent, and a second copy frees the first one while the
+    first response still points at it — Triton then reads freed memory (garbage messages, and a
+    SIGSEGV of tritonserver itself). So every response gets a fresh error object.
+    """
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS} more characters)"
+    value = getattr(pb_utils.TritonError, code, None)
+    try:
+        error = pb_utils.TritonError(message, value) if value is not None else pb_utils.TritonError(message)
+    except TypeError:  # a stub whose TritonError takes the message only
+        error = pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+# what a request's failure must never swallow (a pyo3 panic from a tokenizer is a BaseException too)
+_FATAL = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def answer_each(
+    requests: Sequence[Any],
+    pb_utils: Any,
+    parse: Callable[[Any], Any],
+    compute: Callable[[list[Any]], list[Any]],
+    respond: Callable[[Any], Any],
+) -> list[Any]:
+    """One response per request, whatever the others in the batch hold.
+
+    ``parse(request)`` reads one request (raising :class:`BadInput` for a caller mistake);
+    ``compute(items)`` runs the model once over every parsed item and returns one result per
+    item; ``respond(result)`` builds that request's response. A request that fails to parse gets
+    its own INVALID_ARG error and stays out of the model call. When the batched call fails, each
+    item is computed alone, so only the requests that fail by themselves get an error (INTERNAL)
+    and the good ones still answer. Never raises.
+    """
+    responses: list[Any] = [None] * len(requests)
+    parsed: list[tuple[int, Any]] = []
+    for index, request in enumerate(requests):
+        try:
+            parsed.append((index, parse(request)))
+        except BadInput as exc:
+            responses[index] = error_response(pb_utils, f"invalid request: {exc}", "INVALID_ARG")
+        except BaseException as exc:  # noqa: BLE001 - one request's failure is its own
+            if isinstance(exc, _FATAL):
+                raise
+            responses[index] = error_response(pb_utils, _describe(exc))
+
+    def finish(group: list[tuple[int, Any]]) -> None:
+        results = compute([item for _, item in group])
+        if len(results) != len(group):
+            raise RuntimeError(f"the model answered {len(results)} results for {len(group)} requests")
+        built = [respond(result) for result in results]
+        for (index, _), response in zip(group, built):
+            responses[index] = response
+
+    if parsed:
+        try:
+            finish(parsed)
+        except BaseException as exc:  # noqa: BLE001 - find which requests fail on their own
+            if isinstance(exc, _FATAL):
+                raise
+            if len(parsed) == 1:
+                responses[parsed[0][0]] = error_response(pb_utils, _describe(exc))
+            else:
+                for one in parsed:
+                    try:
+                        finish([one])
+                    except BadInput as alone:
+                        responses[one[0]] = error_response(pb_utils, f"invalid request: {alone}", "INVALID_ARG")
+                    except BaseException as alone:  # noqa: BLE001
+                        if isinstance(alone, _FATAL):
+                            raise
+                        responses[one[0]] = error_response(pb_utils, _describe(alone))
+    for index, response in enumerate(responses):
+        if response is None:  # cannot happen; never answer fewer responses than requests
+            responses[index] = error_response(pb_utils, "no response was produced")
+    return responses
+
+
+# ---- the tabular adapters (ONNX Runtime, XGBoost, LightGBM): FP32 rows in, FP32 rows out -------
+
+
+def feature_rows(array: np.ndarray, dims: Sequence[int]) -> np.ndarray:
+    """One request's input as ``[rows, *dims]`` FP32; raise BadInput when it cannot be."""
+    array = np.asarray(array)
+    if array.dtype.kind not in "fiub":
+        raise BadInput(f"features must be numbers, got dtype {array.dtype}")
+    if array.ndim != 1 + len(dims):
+        raise BadInput(f"features must have rank {1 + len(dims)} (batch + {list(dims)}), got shape {list(array.shape)}")
+    for axis, (got, want) in enumerate(zip(array.shape[1:], dims), start=1):
+        if want != -1 and got != want:
+            raise BadInput(f"features shape[{axis}] must be {want}, got {got} (shape {list(array.shape)})")
+    return np.ascontiguousarray(array, dtype=np.float32)
 
 
 def concat_batch(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
@@ -78,15 +190,24 @@ def execute_batched(
     settings: AdapterSettings,
     predict: Callable[[np.ndarray], np.ndarray],
 ) -> list[Any]:
-    """One model call for all ``requests``; an error becomes an error response for each of them."""
-    try:
-        inputs = [pb_utils.get_input_tensor_by_name(r, settings.input_name).as_numpy() for r in requests]
-        batch, counts = concat_batch(inputs)
-        pieces = split_batch(predict(batch), counts, settings.output_dims)
-    except Exception as exc:  # one bad batch must not take the model down
-        error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
-        return [pb_utils.InferenceResponse(output_tensors=[], error=error) for _ in requests]
-    return [
-        pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(settings.output_name, piece)])
-        for piece in pieces
-    ]
+    """One model call for all ``requests``; each request gets its own answer or its own error."""
+
+    def parse(request: Any) -> np.ndarray:
+        tensor = pb_utils.get_input_tensor_by_name(request, settings.input_name)
+        if tensor is None:
+            raise BadInput(f"input '{settings.input_name}' is missing")
+        return feature_rows(tensor.as_numpy(), settings.input_dims)
+
+    def compute(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        nonempty = [a for a in arrays if a.shape[0] > 0]
+        pieces = iter(())
+        if nonempty:
+            batch, counts = concat_batch(nonempty)
+            pieces = iter(split_batch(predict(batch), counts, settings.output_dims))
+        empty = np.zeros((0, *settings.output_dims), dtype=np.float32)
+        return [next(pieces) if a.shape[0] > 0 else empty for a in arrays]
+
+    def respond(piece: np.ndarray) -> Any:
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(settings.output_name, piece)])
+
+    return answer_each(requests, pb_utils, parse, compute, respond)

@@ -8,6 +8,8 @@ vLLM, and the vLLM path does not depend on the transformers internals the CPU en
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,6 +22,24 @@ FINISH_ERROR = "error"
 
 class RequestError(ValueError):
     """The request cannot be served as asked (bad parameters, too long for the KV budget)."""
+
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # what a generator takes (and the gRPC field holds)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    big = isinstance(value, int) and value.bit_length() > 128
+    text = f"an integer of {value.bit_length()} bits" if big else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_text(text: str, field: str) -> str:
+    """``text`` unless it holds a lone surrogate (JSON's ``"\\ud800"``), which no tokenizer can encode."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise RequestError(f"{field} holds a lone surrogate (U+{ord(found.group()):04X}) at character {found.start()}: not valid Unicode text")
+    return text
 
 
 class Sink(Protocol):
@@ -47,20 +67,23 @@ class SamplingParams:
             if value is None:
                 return default
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError(f"{key} must be a number, got {value!r}")
-            value = kind(value)
-            if not low <= value <= high:
-                raise RequestError(f"{key} must be in [{low}, {high}], got {value}")
-            return value
+                raise RequestError(f"{key} must be a number, got {_short(value)}")
+            if not (isinstance(value, int) or math.isfinite(value)) or not low <= value <= high:
+                raise RequestError(f"{key} must be in [{low}, {high}], got {_short(value)}")
+            return kind(value)
 
         stop = doc.get("stop") or ()
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
             raise RequestError("stop must be a non-empty string or a list of at most 16 non-empty strings")
+        for i, s in enumerate(stop):
+            check_text(s, f"stop[{i}]")
         seed = doc.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(f"seed must be an integer, got {seed!r}")
+            raise RequestError(f"seed must be an integer, got {_short(seed)}")
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {_short(seed)}")
         deadline = number("deadline_ms", float, None, 0, 86_400_000)
         return cls(
             max_tokens=number("max_tokens", int, default_max_tokens, 1, 1 << 20),
@@ -77,12 +100,14 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template, ready for the answer."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
             raise RequestError("each message needs a string role and string content")
+        check_text(m["role"], f"messages[{i}].role")
+        check_text(m.get("content", ""), f"messages[{i}].content")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    return list(tokenizer(prompt)["input_ids"])
+    return list(tokenizer(check_text(prompt, "text_input"))["input_ids"])

@@ -3,7 +3,9 @@
 Input ``text`` (BYTES, one string per row); outputs ``embedding`` (FP32 ``[dim]``, already
 mean-pooled and L2-normalized by the graph) and ``tokens`` (INT32 ``[1]``, tokens per row).
 The dynamic batcher hands several requests to ``execute``; their rows are tokenized together
-(padded to the longest row), run in one ``session.run`` and cut back per request.
+(padded to the longest row), run in one ``session.run`` and cut back per request. A request
+whose text is not UTF-8 gets its own INVALID_ARG error; the others in the batch still answer
+(``_common.answer_each``).
 """
 
 import json
@@ -14,7 +16,7 @@ import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
-from _common import ArtifactMismatch, verify_artifact
+from _common import ArtifactMismatch, BadInput, answer_each, verify_artifact
 
 
 class TritonPythonModel:
@@ -36,38 +38,57 @@ class TritonPythonModel:
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(artifact), sess_options=options, providers=["CPUExecutionProvider"])
         self.graph_inputs = {i.name for i in self.session.get_inputs()}
+        self.dim = next(int(o["dims"][0]) for o in config["output"] if o["name"] == "embedding")
 
     def execute(self, requests):
-        try:
-            texts, counts = [], []
-            for request in requests:
-                rows = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)
-                counts.append(len(rows))
-                texts.extend(r.decode("utf-8") if isinstance(r, bytes) else str(r) for r in rows)
-            encodings = self.tokenizer.encode_batch(texts)
-            feeds = {
-                "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-                "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-                "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
-            }
-            feeds = {k: v for k, v in feeds.items() if k in self.graph_inputs}
-            embedding = self.session.run(["embedding"], feeds)[0].astype(np.float32)
-            tokens = feeds["attention_mask"].sum(axis=1).astype(np.int32).reshape(-1, 1)
-        except Exception as exc:  # noqa: BLE001 - one bad batch must not take the model down
-            error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
-            return [pb_utils.InferenceResponse(output_tensors=[], error=error) for _ in requests]
-        responses, start = [], 0
-        for n in counts:
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[
-                        pb_utils.Tensor("embedding", embedding[start : start + n]),
-                        pb_utils.Tensor("tokens", tokens[start : start + n]),
-                    ]
-                )
-            )
+        return answer_each(requests, pb_utils, self._texts, self._embed, self._respond)
+
+    @staticmethod
+    def _texts(request):
+        """One request's rows as text; a row that is not UTF-8 is this request's mistake alone."""
+        tensor = pb_utils.get_input_tensor_by_name(request, "text")
+        if tensor is None:
+            raise BadInput("input 'text' is missing")
+        rows = tensor.as_numpy().reshape(-1)
+        texts = []
+        for i, row in enumerate(rows):
+            if isinstance(row, bytes):
+                try:
+                    row = row.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise BadInput(f"input 'text' row {i} is not valid UTF-8 (byte {err.start})") from None
+            texts.append(str(row))
+        return texts
+
+    def _embed(self, groups):
+        """One tokenizer pass and one session run over every request's rows; cut back per request."""
+        texts = [t for group in groups for t in group]
+        if not texts:
+            return [(np.zeros((0, self.dim), np.float32), np.zeros((0, 1), np.int32)) for _ in groups]
+        encodings = self.tokenizer.encode_batch(texts)
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+        feeds = {k: v for k, v in feeds.items() if k in self.graph_inputs}
+        embedding = self.session.run(["embedding"], feeds)[0].astype(np.float32)
+        tokens = feeds["attention_mask"].sum(axis=1).astype(np.int32).reshape(-1, 1)
+        if embedding.shape[0] != len(texts):
+            raise RuntimeError(f"the graph answered {embedding.shape[0]} rows for {len(texts)} texts")
+        out, start = [], 0
+        for group in groups:
+            n = len(group)
+            out.append((embedding[start : start + n], tokens[start : start + n]))
             start += n
-        return responses
+        return out
+
+    @staticmethod
+    def _respond(result):
+        embedding, tokens = result
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor("embedding", embedding), pb_utils.Tensor("tokens", tokens)]
+        )
 
     def finalize(self):
         self.session = None

@@ -16,25 +16,38 @@ cancelled | deadline | error) with prompt/completion/cached token counts and the
 """
 
 import json
+import logging
 import uuid
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from _common import ArtifactMismatch, verify_artifact
+from _common import MAX_ERROR_CHARS, ArtifactMismatch, verify_artifact
 from _llm_common import RequestError, SamplingParams
 from _vllm_core import EngineUnavailable, choose_engine
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger(__name__)
 
 
 def _error(message, code_name="INVALID_ARG"):
+    """A fresh TritonError for one response (never share one between responses: see _common.error_response)."""
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS} more characters)"
     code = getattr(pb_utils.TritonError, code_name, None)
     try:
         return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
     except TypeError:  # an older stub: message only
         return pb_utils.TritonError(message)
+
+
+def _fail(sender, message, code_name):
+    """The final error response of one request; a sender that refuses (the caller left) is let go."""
+    try:
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message, code_name)), flags=FINAL)
+    except Exception:  # noqa: BLE001 - the request is gone; nothing left to tell
+        log.warning("could not send the error of a request: %s", message[:200])
 
 
 def _response(text, info):
@@ -102,7 +115,12 @@ def _input(request, name):
     if value.size != 1:
         raise RequestError(f"input {name} must hold exactly one element")
     value = value[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(f"input {name} is not valid UTF-8 (byte {err.start})") from None
 
 
 def _cpu_engine(model_dir, params, hooks):
@@ -162,17 +180,21 @@ class TritonPythonModel:
         self.engine.start()
 
     def execute(self, requests):
+        """Each request on its own: one that fails (its own mistake or not) answers only itself."""
         for request in requests:
-            sender = request.get_response_sender()
+            try:
+                sender = request.get_response_sender()
+            except Exception:  # noqa: BLE001 - no way to answer this one; the others still go
+                log.exception("no response sender for a request")
+                continue
             try:
                 self._submit(request, sender)
             except RequestError as err:  # the frontend maps this prefix to INVALID_ARGUMENT
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(f"invalid request: {err}")), flags=FINAL)
-            except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
-                sender.send(
-                    pb_utils.InferenceResponse(output_tensors=[], error=_error(f"{type(err).__name__}: {err}", "INTERNAL")),
-                    flags=FINAL,
-                )
+                _fail(sender, f"invalid request: {err}", "INVALID_ARG")
+            except BaseException as err:  # noqa: BLE001 - one bad request must not take the model down
+                if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                    raise
+                _fail(sender, f"{type(err).__name__}: {err}", "INTERNAL")
         return None
 
     def _submit(self, request, sender):
@@ -192,6 +214,8 @@ class TritonPythonModel:
         if messages is not None:
             try:
                 ids = self.engine.encode_chat(json.loads(messages))
+            except RequestError:
+                raise
             except ValueError as err:
                 raise RequestError(f"messages: {err}") from None
         else:

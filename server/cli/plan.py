@@ -127,7 +127,7 @@ def gpus(
 def cost(
     since: Annotated[str, typer.Option(help="1h, 30m, 7d, an ISO date, or unix seconds")] = "30d",
     config: Annotated[Optional[Path], typer.Option(help='JSON {"prices": {hw: USD/h}, "hardware": {model: hw}, "spot_discount": {hw: share}, "interruptible": [model]}; see deploy/pricing.json.')] = None,
-    database_url: Annotated[Optional[str], typer.Option("--database-url", envvar="INFERPLANE_DATABASE_URL", help="SQLAlchemy URL of the tenancy store.")] = None,
+    database_url: Annotated[Optional[str], typer.Option("--database-url", help="SQLAlchemy URL of the tenancy store [env INFERPLANE_DATABASE_URL; default: the settings']")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Device-hours and dollars per endpoint and team from metered usage; spot savings for batch/shadow."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,10 +20,11 @@ models_app = typer.Typer(help="The model registry: register, list, show, lineage
 endpoints_app = typer.Typer(help="Deployed endpoints (via the running frontend's admin API).", no_args_is_help=True)
 
 DEFAULT_URL = "127.0.0.1:8001"
-_DB = typer.Option(None, "--database-url", help="Registry database URL [env INFERPLANE_DATABASE_URL; default sqlite:///var/inferplane.db].")
-_STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default var/artifacts].")
+_DB = typer.Option(None, "--database-url", help="Registry database URL [env INFERPLANE_DATABASE_URL; default sqlite:///DATA_DIR/inferplane.db].")
+_STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default DATA_DIR/artifacts].")
 _URL = typer.Option(DEFAULT_URL, "--url", help="The frontend's gRPC address (admin API).")
 _ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
+_API_KEY = typer.Option(None, "--api-key", help="Admin API key (with --auth on) [env INFERPLANE_API_KEY].")
 
 
 def mount(app: typer.Typer) -> None:
@@ -47,9 +47,11 @@ def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
     from server.control.artifacts import ArtifactStore
     from server.control.registry import Registry
 
-    url = database_url or os.environ.get("INFERPLANE_DATABASE_URL", "sqlite:///var/inferplane.db")
-    store = artifact_store or os.environ.get("INFERPLANE_ARTIFACT_STORE", "var/artifacts")
-    return Registry(url, ArtifactStore(store))
+    from server.settings import Settings
+
+    given = {k: v for k, v in (("database_url", database_url), ("artifact_store", artifact_store)) if v}
+    settings = Settings(**given)  # flags > INFERPLANE_* environment > defaults (the data dir)
+    return Registry(settings.database_url, ArtifactStore(settings.artifact_store))
 
 
 def fail(err) -> None:
@@ -80,6 +82,40 @@ def _version_dict(r) -> dict:
 # ---- models ----------------------------------------------------------------------------------
 
 
+def model_dir_metadata(model_dir: Path) -> dict:
+    """What a model directory written by ``inferplane demo build`` declares: artifact path,
+    signature (with max_batch_size), validation set path and training tags."""
+    meta = json.loads((model_dir / "inferplane.json").read_text())
+    signature = meta["signature"]
+    if "max_batch_size" in meta:
+        signature = {**signature, "max_batch_size": meta["max_batch_size"]}
+    return {
+        "artifact": model_dir / meta["artifact"],
+        "signature": signature,
+        "validation": model_dir / meta["validation"] if meta.get("validation") else None,
+        "training": meta.get("training", {}),
+    }
+
+
+def register_model_dirs(registry, repository: Path, names: list[str], actor: str) -> list:
+    """Register the models of a repository that carry ``inferplane.json`` (identical bytes: their
+    existing version); returns the version records."""
+    records = []
+    for name in names:
+        model_dir = repository / name
+        if not (model_dir / "inferplane.json").is_file():
+            continue
+        meta = model_dir_metadata(model_dir)
+        tags = {k: str(v) for k, v in meta["training"].items() if isinstance(v, (str, int, float))}
+        record, _ = registry.register(
+            name, meta["artifact"].read_bytes(), signature=meta["signature"], filename=meta["artifact"].name,
+            validation=meta["validation"].read_bytes() if meta["validation"] else None, tags=tags,
+            description="a demo model (inferplane demo build)", actor=actor,
+        )  # fmt: skip
+        records.append(record)
+    return records
+
+
 @models_app.command("register")
 def register(
     name: str = typer.Argument(..., help="Model name (the endpoint name when deployed)."),
@@ -108,13 +144,11 @@ def register(
 
     declared, training, extra_metrics = None, {}, {}
     if from_model_dir is not None:
-        meta = json.loads((from_model_dir / "inferplane.json").read_text())
-        artifact = artifact or from_model_dir / meta["artifact"]
+        meta = model_dir_metadata(from_model_dir)
+        artifact = artifact or meta["artifact"]
         declared = meta["signature"]
-        if "max_batch_size" in meta:
-            declared = {**declared, "max_batch_size": meta["max_batch_size"]}
-        validation = validation or (from_model_dir / meta["validation"] if meta.get("validation") else None)
-        training = meta.get("training", {})
+        validation = validation or meta["validation"]
+        training = meta["training"]
     if artifact is None:
         raise typer.BadParameter("give ARTIFACT or --from-model-dir")
     if signature is not None:
@@ -161,8 +195,11 @@ def list_models(database_url: Optional[str] = _DB, artifact_store: Optional[str]
     """Every registered model with its latest version."""
     registry = open_registry(database_url, artifact_store)
     try:
-        for m in registry.list_models():
+        models = registry.list_models()
+        for m in models:
             typer.echo(f"{m.name}\tlatest={m.latest_version}\tversions={m.version_count}\tteam={m.owner_team or '-'}")
+        if not models:
+            typer.echo(f"no models registered in {registry.url_for_display()} (`inferplane models register NAME ARTIFACT --signature FILE`, or `inferplane demo build`)")
     finally:
         registry.close()
 
@@ -278,13 +315,25 @@ def audit(
 # ---- deploy / rollback / endpoints (admin gRPC) -----------------------------------------------
 
 
-def _admin(url: str, actor: Optional[str]):
+def call_metadata(actor: Optional[str], api_key: Optional[str]) -> tuple[tuple[str, str], ...]:
+    """What every admin call sends: who acts (the audit log) and, with auth on, the API key."""
+    metadata = [("x-inferplane-actor", actor_name(actor))]
+    if not api_key:
+        from server.settings import Settings
+
+        api_key = Settings().api_key.get_secret_value()  # INFERPLANE_API_KEY
+    if api_key:
+        metadata.append(("authorization", f"Bearer {api_key}"))
+    return tuple(metadata)
+
+
+def _admin(url: str, actor: Optional[str], api_key: Optional[str]):
     import grpc
 
     from server.protogen.inferplane.v1 import admin_pb2_grpc
 
     channel = grpc.insecure_channel(url)
-    return channel, admin_pb2_grpc.AdminStub(channel), (("x-inferplane-actor", actor_name(actor)),)
+    return channel, admin_pb2_grpc.AdminStub(channel), call_metadata(actor, api_key)
 
 
 def _call(method, request, metadata, timeout: float):
@@ -311,6 +360,10 @@ def deploy(
     max_batch: Optional[int] = typer.Option(None, help="Max batch size (0: no batching)."),
     queue_delay_us: Optional[int] = typer.Option(None, help="Dynamic batcher max queue delay (µs)."),
     cache: Optional[bool] = typer.Option(None, "--cache/--no-cache", help="Triton response cache."),
+    threads: Optional[int] = typer.Option(None, help="The adapter's framework threads per instance (ONNX Runtime, XGBoost, LightGBM)."),
+    coalesce: Optional[bool] = typer.Option(None, "--coalesce/--no-coalesce", help="The frontend merges concurrent requests into one Triton call."),
+    coalesce_max_inflight: Optional[int] = typer.Option(None, help="Merged calls at Triton at once (default: one per instance)."),
+    coalesce_window_us: Optional[int] = typer.Option(None, help="Longest a request waits for a free call slot, µs (default 0: until one frees)."),
     min_replicas: Optional[int] = typer.Option(None, help="Autoscaling: fewest replicas while in use."),
     max_replicas: Optional[int] = typer.Option(None, help="Autoscaling: most replicas."),
     target_inflight: Optional[float] = typer.Option(None, help="Autoscaling: requests in flight (queue included) per replica."),
@@ -319,6 +372,7 @@ def deploy(
     url: str = _URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
     actor: Optional[str] = _ACTOR,
+    api_key: Optional[str] = _API_KEY,
 ) -> None:
     """Load a registered version, warm it up, then switch the endpoint's traffic to it. Autoscaling
     flags store the endpoint's scaling config first (so the deploy loads --min-replicas copies)."""
@@ -327,7 +381,7 @@ def deploy(
 
     scaling = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget)
     if scaling:
-        status = configure(url, ref.partition(":")[0], scaling, actor, os.environ.get("INFERPLANE_API_KEY"))
+        status = configure(url, ref.partition(":")[0], scaling, actor, api_key)
         typer.echo(f"autoscaling {status['endpoint']}: {status['min_replicas']}..{status['max_replicas']} replicas, target {status['target']:g} {status['signal']}")
 
     serving = admin_pb2.ServingOptions(instances=instances or 0)
@@ -337,7 +391,11 @@ def deploy(
         serving.queue_delay_us, serving.has_queue_delay_us = queue_delay_us, True
     if cache is not None:
         serving.cache, serving.has_cache = cache, True
-    channel, stub, metadata = _admin(url, actor)
+    serving.threads = threads or 0
+    for field, value in (("coalesce", coalesce), ("coalesce_max_inflight", coalesce_max_inflight), ("coalesce_window_us", coalesce_window_us)):
+        if value is not None:
+            setattr(serving, field, value)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.Deploy, admin_pb2.DeployRequest(ref=ref, serving=serving), metadata, timeout)
     _print_result(response.result, "deployed")
@@ -348,39 +406,49 @@ def rollback(
     url: str = _URL,
     timeout: float = typer.Option(300.0),
     actor: Optional[str] = _ACTOR,
+    api_key: Optional[str] = _API_KEY,
 ) -> None:
     """Traffic back to the previous version (instant while it is still loaded)."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.Rollback, admin_pb2.RollbackRequest(name=name), metadata, timeout)
     _print_result(response.result, "rolled back to")
 
 
 @endpoints_app.command("list")
-def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
+def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
     """Every deployed endpoint: live, previous and loaded versions."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.ListEndpoints, admin_pb2.ListEndpointsRequest(), metadata, 30)
+        served = _call(stub.ListModels, admin_pb2.ListModelsRequest(), metadata, 30).models
     for e in response.endpoints:
         typer.echo(
             f"{e.name}\tlive={e.live or '-'}\tprevious={e.previous or '-'}\trouted={e.routed or '-'}\t"
             f"loaded={list(e.loaded_versions)}\tserving={e.serving_json}"
         )
+    deployed = {e.name for e in response.endpoints}
+    for m in served:
+        if m.name not in deployed:  # served from the model repository as it was at start, not deployed from the registry
+            typer.echo(f"{m.name}\tlive={','.join(m.versions) or '-'}\tstate={m.state}\t(not deployed: served from the model repository)")
+    if not response.endpoints and not served:
+        typer.echo("no endpoints: nothing is deployed or served (`inferplane deploy NAME:VERSION`)")
 
 
 @endpoints_app.command("show")
-def endpoints_show(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR) -> None:
+def endpoints_show(
+    name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY
+) -> None:
     """One endpoint with its deployment history, as JSON."""
     from google.protobuf.json_format import MessageToDict
 
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor)
+    channel, stub, metadata = _admin(url, actor, api_key)
     with channel:
         response = _call(stub.GetEndpoint, admin_pb2.GetEndpointRequest(name=name), metadata, 30)
     typer.echo(json.dumps(MessageToDict(response.endpoint, preserving_proto_field_name=True), indent=2))

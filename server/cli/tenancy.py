@@ -8,7 +8,6 @@ with ``INFERPLANE_KEY_PEPPER``: give the CLI the same one as the server.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,7 +17,10 @@ import typer
 keys_app = typer.Typer(help="API keys: create, revoke, rotate, list (stored hashed).", no_args_is_help=True)
 tenants_app = typer.Typer(help="Tenants: team, plan, granted models, quotas.", no_args_is_help=True)
 
-DbUrl = Annotated[Optional[str], typer.Option("--database-url", envvar="INFERPLANE_DATABASE_URL", help="SQLAlchemy URL (default sqlite:///var/inferplane.db).")]
+DbUrl = Annotated[
+    Optional[str],
+    typer.Option("--database-url", help="SQLAlchemy URL [env INFERPLANE_TENANCY_DATABASE_URL or INFERPLANE_DATABASE_URL; default sqlite:///DATA_DIR/inferplane.db]."),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 Models = Annotated[Optional[list[str]], typer.Option("--model", help="Grant this model (repeatable); '*' grants all.")]
 Team = Annotated[Optional[str], typer.Option(help="Team the tenant's usage is attributed to.")]
@@ -33,14 +35,21 @@ ModelQuota = Annotated[
 ]
 
 
+def _settings(**given):
+    from server.settings import Settings
+
+    return Settings(**{k: v for k, v in given.items() if v})  # flags > INFERPLANE_* environment > defaults
+
+
 def _pepper() -> bytes:
-    return os.environ.get("INFERPLANE_KEY_PEPPER", "").encode()
+    """The key pepper the server hashes keys with (``INFERPLANE_KEY_PEPPER``): the CLI must share it."""
+    return _settings().key_pepper.get_secret_value().encode()
 
 
 def _store(url: Optional[str]):
     from server.tenancy.store import TenancyStore
 
-    return TenancyStore(url)
+    return TenancyStore(url or _settings().tenancy_url)
 
 
 def _emit(data, as_json: bool, lines) -> None:
@@ -201,6 +210,12 @@ def usage(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     key = "model" if by == "model_version" else by
+    if not rows and not as_json:
+        typer.echo(
+            f"no usage recorded since {since}: usage is metered for authenticated tenants only "
+            "(a frontend started with --auth off records none)"
+        )
+        return
     _emit(
         rows,
         as_json,

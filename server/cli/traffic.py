@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from server.cli.registry import _URL, actor_name
+from server.cli.registry import _API_KEY, _URL, call_metadata
 
 traffic_app = typer.Typer(help="Traffic of a deployed endpoint: status, promote, rollback.", no_args_is_help=True)
 bluegreen_app = typer.Typer(help="Blue-green: stage a version beside the live one, then switch at once.", no_args_is_help=True)
@@ -28,7 +28,6 @@ ab_app = typer.Typer(help="A/B experiments: sticky arms by caller key, outcomes,
 shadow_app = typer.Typer(help="Shadow traffic: copies to a version whose answers are compared, never returned.", no_args_is_help=True)
 
 _ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
-_API_KEY = typer.Option(None, "--api-key", envvar="INFERPLANE_API_KEY", help="Admin API key (with --auth on).")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
@@ -74,10 +73,7 @@ def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
     from server.protogen.inferplane.v1 import traffic_pb2_grpc
 
     channel = grpc.insecure_channel(url)
-    metadata = [("x-inferplane-actor", actor_name(actor))]
-    if api_key:
-        metadata.append(("authorization", f"Bearer {api_key}"))
-    return channel, traffic_pb2_grpc.TrafficStub(channel), tuple(metadata)
+    return channel, traffic_pb2_grpc.TrafficStub(channel), call_metadata(actor, api_key)
 
 
 def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 300.0):

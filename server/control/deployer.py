@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 ADAPTERS = {
     safe_formats.ONNX: "onnx_runtime.py",
     safe_formats.XGBOOST_JSON: "xgboost_runtime.py",
+    safe_formats.XGBOOST_UBJ: "xgboost_runtime.py",
     safe_formats.LIGHTGBM_TEXT: "lightgbm_runtime.py",
 }
 VERSION_FILE = "inferplane_version.json"
@@ -84,9 +85,11 @@ class TritonPythonModel(_Adapter):
 
 
 def serving_from(options: Mapping[str, Any] | None, base: Mapping[str, Any] | None = None) -> ServingConfig:
-    """A ServingConfig from deploy options (instances, max_batch, queue_delay_us, cache) over ``base``."""
+    """A ServingConfig from deploy options (instances, max_batch, queue_delay_us, cache, threads,
+    coalesce, coalesce_max_inflight, coalesce_window_us) over ``base``."""
     merged = {**(base or {}), **{k: v for k, v in (options or {}).items() if v is not None}}
     max_batch = int(merged.get("max_batch", 64))
+    inflight = merged.get("coalesce_max_inflight")
     try:
         return ServingConfig(
             max_batch_size=max_batch,
@@ -94,18 +97,28 @@ def serving_from(options: Mapping[str, Any] | None, base: Mapping[str, Any] | No
             max_queue_delay_us=int(merged.get("queue_delay_us", 200)),
             instances=int(merged.get("instances", 1)),
             response_cache=bool(merged.get("cache", False)),
+            threads=int(merged.get("threads", 1)),
+            coalesce=bool(merged.get("coalesce", True)),
+            coalesce_max_inflight=None if inflight is None else int(inflight),
+            coalesce_window_us=int(merged.get("coalesce_window_us", 0)),
         )
     except ValueError as err:
         raise InvalidRequest(str(err)) from None
 
 
 def serving_dict(serving: ServingConfig) -> dict[str, Any]:
-    return {
+    out = {
         "instances": serving.instances,
         "max_batch": serving.max_batch_size,
         "queue_delay_us": serving.max_queue_delay_us,
         "cache": serving.response_cache,
+        "threads": serving.threads,
+        "coalesce": serving.coalesce,
+        "coalesce_window_us": serving.coalesce_window_us,
     }
+    if serving.coalesce_max_inflight is not None:
+        out["coalesce_max_inflight"] = serving.coalesce_max_inflight
+    return out
 
 
 def _wire_to_config(datatype: str) -> int:
@@ -120,7 +133,6 @@ def build_config(name: str, signature: Mapping[str, Any], serving: ServingConfig
         config.input.add(name=t["name"], data_type=_wire_to_config(t["datatype"]), dims=list(t["dims"]))
     for t in signature["outputs"]:
         config.output.add(name=t["name"], data_type=_wire_to_config(t["datatype"]), dims=list(t["dims"]))
-    config.parameters["threads"].string_value = "1"
     config.version_policy.specific.versions.extend(sorted(set(versions)))
     return serving.apply(config)
 

@@ -44,8 +44,8 @@ from server import migrations
 from server.control import safe_formats
 from server.control import signing
 from server.control.artifacts import ArtifactStore
-from server.db import make_engine, session_factory
-from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, PermissionDenied
+from server.db import display_url, make_engine, session_factory
+from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, PermissionDenied, Violation
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 COMPANION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.(json|txt|model|safetensors)$")
@@ -291,14 +291,39 @@ def check_signature(signature: Mapping[str, Any]) -> dict:
     return out
 
 
-def check_validation(data: bytes) -> None:
-    """A validation set is an ``.npz`` of plain arrays (loaded with ``allow_pickle=False``)."""
+def check_validation(data: bytes, signature: Mapping[str, Any] | None = None) -> None:
+    """A validation set is an ``.npz`` of plain arrays (loaded with ``allow_pickle=False``) whose keys
+    name the signature's tensors: every input (``features`` for a single-input model) and any of the
+    outputs (``expected`` for a single-output model), with the declared per-row dims. A set that
+    names nothing the model takes would warm a deploy up with zeros, so it is refused here."""
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            for key in npz.files:
-                npz[key]
+            arrays = {key: npz[key] for key in npz.files}
     except Exception as err:
         raise InvalidRequest(f"the validation set must be an .npz of numeric arrays without pickles: {err}") from None
+    if signature is None:
+        return
+    inputs, outputs = signature["inputs"], signature["outputs"]
+    aliases = {}
+    if len(inputs) == 1:
+        aliases["features"] = inputs[0]
+    if len(outputs) == 1:
+        aliases["expected"] = outputs[0]
+    tensors = {t["name"]: t for t in (*inputs, *outputs)}
+    violations = []
+    for key, array in arrays.items():
+        spec = tensors.get(key) or aliases.get(key)
+        if spec is None:
+            violations.append(Violation(f"validation[{key!r}]", f"names no tensor of the signature (inputs {[t['name'] for t in inputs]}, outputs {[t['name'] for t in outputs]})"))
+            continue
+        dims = list(spec["dims"])
+        if array.ndim != len(dims) + 1 or any(d != -1 and d != n for d, n in zip(dims, array.shape[1:])):
+            violations.append(Violation(f"validation[{key!r}]", f"rows of shape {list(array.shape[1:])}, expected {dims} (-1: any)"))
+    for t in inputs:
+        if t["name"] not in arrays and not (len(inputs) == 1 and "features" in arrays):
+            violations.append(Violation(f"validation[{t['name']!r}]", "missing: the validation set must hold every input"))
+    if violations:
+        raise InvalidRequest(f"the validation set does not match the signature: {violations[0].field} {violations[0].description}", violations)
 
 
 class Registry:
@@ -312,6 +337,9 @@ class Registry:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def url_for_display(self) -> str:
+        return display_url(self.url)
 
     # ---- versions -----------------------------------------------------------------------
 
@@ -360,7 +388,7 @@ class Registry:
         if companions and fmt != safe_formats.SAFETENSORS:
             raise InvalidRequest("companion files (config, tokenizer) belong to safetensors models only")
         if validation is not None:
-            check_validation(validation)
+            check_validation(validation, declared)
         digest = self.store.put(artifact)
         with self._session() as session:
             model = session.scalar(select(Model).where(Model.name == name))

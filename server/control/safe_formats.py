@@ -60,7 +60,8 @@ _PICKLE_SUFFIXES = {
     ".dill": "a dill (pickle) dump",
     ".cloudpickle": "a cloudpickle dump",
 }
-_PLAN_SUFFIXES = {".plan", ".engine", ".trt"}
+_PLAN_MAGIC = (b"ptrt", b"ftrt")
+_PLAN_HEADER_BYTES = 24
 _SNIFF_BYTES = 1 << 20
 
 
@@ -89,25 +90,53 @@ def _refuse_pickle(filename: str, what: str) -> UnsafeArtifact:
     )
 
 
+class _Discard:
+    """Where ``pickletools.dis`` writes its listing: nowhere (only its checks matter here)."""
+
+    @staticmethod
+    def write(_text: str) -> None:
+        return None
+
+
 def is_pickle(data: bytes) -> bool:
-    """True when ``data`` is a pickle opcode stream (walked, never executed) ending in STOP."""
+    """True when ``data`` parses as a pickle opcode stream — walked, never executed.
+
+    Any protocol (0-5 and beyond), with or without the PROTO header: a protocol-4 stream may
+    begin with SHORT_BINUNICODE (``8c 08 'builtins' 94 ...``), a protocol-0 one with ``c``
+    (GLOBAL) or ``(`` (MARK). ``pickletools.dis`` walks the opcodes with the unpickler's stack
+    and memo discipline (pops have something to pop, a MARK exists when one is needed, memo keys
+    are stored before use, one object is left at STOP). A stream counts as a pickle when it gets
+    to STOP that way, or when the data (a sniffed prefix of a larger file) runs out mid-stream
+    with every opcode so far valid. Every format the registry accepts fails this at its first
+    bytes (ONNX ``08``, safetensors' length then ``00``, ``{`` JSON/UBJ, ``tree`` LightGBM
+    (TUPLE without MARK), ``ftrt``/``ptrt`` plans), so nothing accepted is mistaken for one.
+    """
     if not data:
         return False
-    first = data[0]
-    if first == 0x80:
-        if len(data) < 2 or data[1] > 5:
-            return False
-    elif chr(first) not in "(}]cKJMNIFSVX":  # protocol 0/1 streams start with one of these opcodes
-        return False
-    count = 0
+    stream = io.BytesIO(data)
     try:
-        for opcode, _arg, _pos in pickletools.genops(io.BytesIO(data)):
+        pickletools.dis(stream, out=_Discard())
+    except Exception:  # noqa: BLE001 - not an opcode stream, or a prefix of one cut short
+        # genops reads an opcode, then its argument: running out of bytes leaves nothing unread
+        return stream.tell() >= len(data) and _opcodes_before_end(data) >= 2
+    return True
+
+
+def _opcodes_before_end(data: bytes) -> int:
+    """How many opcodes a cut-short stream held, the cut one included when its code is a real
+    opcode (a lone opcode byte is not evidence; PROTO then a cut BINBYTES is)."""
+    stream, count, end = io.BytesIO(data), 0, 0
+    try:
+        for _ in pickletools.genops(stream):
             count += 1
-            if opcode.name == "STOP":
-                return count >= 2
-    except Exception:  # not a valid opcode stream
-        return False
-    return False
+            end = stream.tell()
+    except Exception:  # noqa: BLE001 - the cut
+        if data[end : end + 1].decode("latin-1") in _OPCODE_CODES:
+            count += 1
+    return count
+
+
+_OPCODE_CODES = frozenset(op.code for op in pickletools.opcodes)
 
 
 def _zip_pickle(data: bytes) -> str | None:
@@ -183,6 +212,14 @@ def _is_safetensors(data: bytes) -> bool:
     return True
 
 
+def _is_tensorrt_plan(data: bytes) -> bool:
+    """A serialized TensorRT engine: it starts with the tag ``ptrt`` or ``ftrt`` followed by its
+    header (version, sizes: 24 bytes in all), what ``IHostMemory`` from ``serialize()`` holds and
+    what Netron's TensorRT reader matches (lutzroeder/netron ``source/tensorrt.js``). The file name
+    (``.plan`` / ``.engine`` / ``.trt``) decides nothing: the bytes must say it."""
+    return len(data) >= _PLAN_HEADER_BYTES and data[:4] in _PLAN_MAGIC
+
+
 def _is_lightgbm_text(data: bytes) -> bool:
     head = data[:4096]
     return head.startswith(b"tree\n") and b"version=" in head
@@ -197,7 +234,12 @@ def detect_format(data: bytes, filename: str = "") -> str:
     suffix = PurePath(filename).suffix.lower() if filename else ""
     if suffix in _PICKLE_SUFFIXES:
         raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])
-    if is_pickle(data[:_SNIFF_BYTES]) or is_pickle(data):
+    # A complete safetensors file is recognised first: its 8-byte header length may read as a
+    # harmless two-opcode pickle (0x2E4E = 11854 is "N." — None, STOP), but no loadable pickle
+    # that imports anything fits before the zero high bytes of a real length and the "{" after it.
+    if _is_safetensors(data):
+        return SAFETENSORS
+    if is_pickle(data[:_SNIFF_BYTES]):
         raise _refuse_pickle(filename, "a pickle opcode stream")
     if data[:4] == b"PK\x03\x04":
         member = _zip_pickle(data)
@@ -209,8 +251,6 @@ def detect_format(data: bytes, filename: str = "") -> str:
         if is_pickle(head):
             raise _refuse_pickle(filename, "a compressed pickle (the joblib dump format)")
         raise UnsafeArtifact(f"refusing {filename or 'artifact'}: compressed streams are not a model format; upload {SAFE_LIST}")
-    if _is_safetensors(data):
-        return SAFETENSORS
     if _is_lightgbm_text(data):
         return LIGHTGBM_TEXT
     if _is_xgboost_ubj(data):
@@ -221,7 +261,7 @@ def detect_format(data: bytes, filename: str = "") -> str:
             return XGBOOST_JSON
         if parsed is not None:
             return JSON
-    if data[:4] in (b"ftrt", b"ptrt") or (suffix in _PLAN_SUFFIXES and data):
+    if _is_tensorrt_plan(data):
         return TENSORRT_PLAN
     if _is_onnx(data):
         return ONNX

@@ -10,6 +10,7 @@ It is built once from the settings (``server.dataplane.builder.build_dataplane``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -22,10 +23,10 @@ from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
 from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline
 from server.dataplane.routing import Router
-from server.dataplane.signature import ModelSignature
+from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import StreamLedger
 from server.dataplane.validation import validate_infer_request
-from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound
+from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound, public_message
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, Gatekeeper, Principal
 
@@ -133,6 +134,8 @@ class DataPlane:
     # ---- control --------------------------------------------------------------------------
 
     async def load_model(self, name: str) -> ModelSignature:
+        if name not in {m.name for m in await self._backend.repository_index()}:
+            raise ModelNotFound(f"no model '{name}' in the model repository")
         await self._backend.load_model(name)
         self._table.loaded.add(name)
         return await self.refresh(name)
@@ -268,7 +271,14 @@ class DataPlane:
         idempotency key. ``count_tokens`` reads from Triton's answer how many input tokens it
         covered (embedding models report them): metered and charged to the token quota.
         """
-        validate = lambda signature: validate_infer_request(request, signature)  # noqa: E731
+        def validate(signature: ModelSignature) -> None:
+            if signature.decoupled:  # Triton answers UNIMPLEMENTED; it is the caller's choice of call
+                raise InvalidRequest(
+                    f"model '{signature.name}' streams its answers (decoupled): call ModelStreamInfer"
+                    + (", /v1/chat/completions or Generate" if is_llm(signature) else "")
+                )
+            validate_infer_request(request, signature)
+
         async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate) as call:
             try:
                 caller_bytes = raw if raw is not None else request.SerializeToString()
@@ -309,12 +319,38 @@ class DataPlane:
         the caller has finished writing and Triton has sent its last response. Each message written
         to Triton holds its pipeline call (quota ticket, queue slot) open until its final response
         (or the end of the stream) and is metered then, with an LLM's tokens (``StreamLedger``).
+
+        Each model the caller's stream names gets a Triton stream of its own: Triton 2.51 crashes
+        (SIGSEGV/abort in its stream writer) when one ModelStreamInfer stream carries requests of a
+        decoupled model and of a non-decoupled one (``tests/integration/test_hardening_streams.py``),
+        so one tenant's mixed stream would take every model down. Per model, that cannot happen.
         """
         self.gate.authenticate(ctx)  # before the first message: the call is refused
         out: asyncio.Queue = asyncio.Queue()
-        stream = self._backend.stream_raw(timeout=timeout)
+        streams: dict[str, object] = {}  # model -> its Triton stream
+        relays: list[asyncio.Task] = []
         ledger = StreamLedger(self._pipeline)
-        done = object()
+        relay_done, pump_done = object(), object()
+
+        async def relay(stream) -> None:
+            try:
+                async for response in stream:
+                    try:
+                        response = await ledger.answered(response)  # before the caller sees it: its tokens are charged
+                    except Exception:  # bookkeeping must never change or stop an answer
+                        log.exception("stream bookkeeping failed")
+                    await out.put(response)
+            except Exception as err:  # the stream failed after it started: tell the caller in-stream
+                await out.put(_stream_error(BackendUnavailable(f"Triton stream failed: {err}"), None))
+            finally:
+                await out.put(relay_done)
+
+        def stream_for(model: str):
+            stream = streams.get(model)
+            if stream is None:
+                stream = streams[model] = self._backend.stream_raw(timeout=timeout)
+                relays.append(asyncio.create_task(relay(stream)))
+            return stream
 
         async def pump() -> None:
             try:
@@ -330,33 +366,32 @@ class DataPlane:
                     if call.routed:
                         request.model_version = call.version
                         raw = pin_version(raw, call.version)
+                    stream = stream_for(request.model_name)
                     ledger.sent(request, call)
                     await stream.write(raw)
             finally:
-                await stream.done_writing()
+                for stream in streams.values():
+                    with contextlib.suppress(Exception):  # a stream that failed says so through its relay
+                        await stream.done_writing()
+                await out.put(pump_done)
 
-        async def relay() -> None:
-            try:
-                async for response in stream:
-                    try:
-                        response = await ledger.answered(response)  # before the caller sees it: its tokens are charged
-                    except Exception:  # bookkeeping must never change or stop an answer
-                        log.exception("stream bookkeeping failed")
-                    await out.put(response)
-            except Exception as err:  # the stream failed after it started: tell the caller in-stream
-                await out.put(_stream_error(BackendUnavailable(f"Triton stream failed: {err}"), None))
-            finally:
-                await out.put(done)
-
-        tasks = [asyncio.create_task(pump()), asyncio.create_task(relay())]
+        pumping = asyncio.create_task(pump())
         try:
-            while (item := await out.get()) is not done:
-                yield item
-            await tasks[0]
+            finished, pumped = 0, False
+            while not (pumped and finished == len(relays)):
+                item = await out.get()
+                if item is pump_done:
+                    pumped = True
+                elif item is relay_done:
+                    finished += 1
+                else:
+                    yield item
+            await pumping
         finally:
-            for task in tasks:
+            for task in (pumping, *relays):
                 task.cancel()
-            stream.cancel()
+            for stream in streams.values():
+                stream.cancel()
             await ledger.close()
 
 
@@ -387,7 +422,7 @@ def _varint(n: int) -> bytes:
 
 
 def _stream_error(err: InferplaneError, request) -> bytes:
-    response = pb.ModelStreamInferResponse(error_message=f"{err.reason}: {err.message}")
+    response = pb.ModelStreamInferResponse(error_message=f"{err.reason}: {public_message(err)}")
     if request is not None:
         response.infer_response.model_name = request.model_name
         response.infer_response.id = request.id

@@ -34,6 +34,10 @@ class ModelSignature:
     coalesce: CoalescePolicy = CoalescePolicy(enabled=False)
     instances: int = 1  # Triton instances serving it (all instance groups)
     max_running: int = 16  # an LLM engine's concurrent sequences (its ``max_running`` parameter)
+    # BYTES inputs whose elements are UTF-8 text (validation checks them; other BYTES stay opaque):
+    # the config parameter ``inferplane.text_inputs`` (comma-separated names), and every input of
+    # a model speaking the LLM engine's contract
+    text_inputs: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, config: model_config_pb2.ModelConfig, versions=()) -> "ModelSignature":
@@ -44,18 +48,24 @@ class ModelSignature:
         inputs = {t.name: spec(t, t.optional) for t in config.input}
         params = {k: v.string_value for k, v in config.parameters.items()}
         instances = max(1, sum(max(1, g.count) for g in config.instance_group))
+        outputs = {t.name: spec(t) for t in config.output}
+        decoupled = config.model_transaction_policy.decoupled
+        text = {n.strip() for n in params.get(TEXT_INPUTS_PARAMETER, "").split(",") if n.strip()}
+        if decoupled and LLM_OUTPUTS <= set(outputs) and set(inputs) <= LLM_INPUTS:
+            text |= set(inputs)
         return cls(
             name=config.name,
             max_batch_size=int(config.max_batch_size),
             inputs=inputs,
-            outputs={t.name: spec(t) for t in config.output},
+            outputs=outputs,
             versions=frozenset(str(v) for v in versions),
             backend=config.backend or config.platform,
-            decoupled=config.model_transaction_policy.decoupled,
+            decoupled=decoupled,
             required=frozenset(name for name, s in inputs.items() if not s.optional),
             coalesce=CoalescePolicy.from_parameters(params, int(config.max_batch_size), instances),
             instances=instances,
             max_running=_int(params.get("max_running"), 16),
+            text_inputs=frozenset(n for n in text if n in inputs and inputs[n].datatype == "BYTES"),
         )
 
     @property
@@ -67,6 +77,8 @@ class ModelSignature:
         """The full shape a request must carry, -1 where any size goes (batch included)."""
         return ([-1] if self.max_batch_size > 0 else []) + list(tensor.dims)
 
+
+TEXT_INPUTS_PARAMETER = "inferplane.text_inputs"
 
 # the LLM engine's contract (model_repository/adapters/llm_engine.py): BYTES in, text and info JSON out
 LLM_INPUTS = frozenset({"text_input", "messages", "parameters"})

@@ -1,24 +1,76 @@
 """Check an inference request against the model's declared signature, before any Triton call.
 
 Only the header is inspected: names, datatypes, shapes and byte lengths. Tensor contents are
-never decoded (BYTES tensors are walked for their length prefixes, nothing more). Every problem
-found is reported, each naming the tensor, the field, what was expected and what came.
+never decoded (BYTES tensors are walked for their length prefixes, nothing more), except the
+BYTES inputs a model's signature declares as text (``ModelSignature.text_inputs``: the embedding
+model's ``text``, the LLM engine's inputs), whose elements must be UTF-8 — a caller's mistake is
+answered here, before any model sees it. Every problem found is reported, each naming the tensor,
+the field, what was expected and what came (``server.errors`` caps how much of it is echoed).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 
 from server.dataplane.codecs import CONTENTS_FIELD, bytes_element_count
 from server.errors import InvalidRequest, Violation
 from server.dataplane.signature import ModelSignature, TensorSpec
 
 _MAX_LISTED = 3
+_LEN = struct.Struct("<I")
+
+
+# Triton's own request parameters and the value kinds it takes (the rest are passed to the model);
+# Triton refuses others as INTERNAL, after the request reached it, so they are checked here
+RESERVED_PARAMETERS = {
+    "sequence_id": ("int64_param", "string_param"),
+    "sequence_start": ("bool_param",),
+    "sequence_end": ("bool_param",),
+    "priority": ("int64_param", "uint64_param"),
+    "timeout": ("int64_param",),
+    "triton_enable_empty_final_response": ("bool_param",),
+    "binary_data_output": ("bool_param",),
+}
+
+
+# any other request parameter goes to the model, and Triton takes only these kinds for it
+CUSTOM_PARAMETER_KINDS = ("int64_param", "bool_param", "string_param")
+# tensor parameters: shared memory is not offered through the frontend (a region is Triton's, not
+# the caller's: naming one would read or write memory another tenant registered)
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+TENSOR_PARAMETERS = {"classification": ("int64_param",), "binary_data_size": ("int64_param",), "binary_data": ("bool_param",)}
+
+
+def _kind(value) -> str | None:
+    return value.WhichOneof("parameter_choice")
+
+
+def check_parameters(request, violations: list[Violation]) -> None:
+    """Request and tensor parameters Triton would refuse (as INTERNAL, after the request reached it)."""
+    for key, value in request.parameters.items():
+        kinds = RESERVED_PARAMETERS.get(key, CUSTOM_PARAMETER_KINDS)
+        kind = _kind(value)
+        if not key:
+            violations.append(Violation("parameters", "a parameter needs a name"))
+        elif kind not in kinds:
+            violations.append(Violation(f"parameters.{key}", f"expected {' or '.join(kinds)}, got {kind or 'no value'}"))
+        elif key in ("priority", "timeout") and kind == "int64_param" and value.int64_param < 0:
+            violations.append(Violation(f"parameters.{key}", f"must be >= 0, got {value.int64_param}"))
+    for side, tensors in (("inputs", request.inputs), ("outputs", request.outputs)):
+        for index, tensor in enumerate(tensors):
+            for key, value in tensor.parameters.items():
+                where = f"{side}[{index}].parameters.{key}"
+                if key in SHARED_MEMORY_PARAMETERS:
+                    violations.append(Violation(where, "shared memory is not offered through the frontend; send the tensor's bytes"))
+                elif key in TENSOR_PARAMETERS and _kind(value) not in TENSOR_PARAMETERS[key]:
+                    violations.append(Violation(where, f"expected {' or '.join(TENSOR_PARAMETERS[key])}, got {_kind(value) or 'no value'}"))
 
 
 def validate_infer_request(request, signature: ModelSignature) -> None:
     """Raise InvalidRequest (with one Violation per problem) unless the request fits the signature."""
     violations: list[Violation] = []
+    check_parameters(request, violations)
     raw = request.raw_input_contents
     use_raw = len(raw) > 0
     if use_raw and len(raw) != len(request.inputs):
@@ -49,6 +101,8 @@ def validate_infer_request(request, signature: ModelSignature) -> None:
         batch = _check_header(tensor, spec, signature, batch, violations)
         if len(violations) == before:
             _check_payload(index, tensor, spec, raw[index] if use_raw else None, violations)
+        if len(violations) == before and spec.name in signature.text_inputs:
+            _check_text(index, tensor, spec, raw[index] if use_raw else None, violations)
     for name in sorted(signature.required - seen):
         spec = signature.inputs[name]
         violations.append(
@@ -146,6 +200,33 @@ def _check_payload(index: int, tensor, spec: TensorSpec, raw: bytes | None, viol
                 f"expected {count} elements for shape {list(tensor.shape)}, got {got}",
             )
         )
+
+
+def _check_text(index: int, tensor, spec: TensorSpec, raw: bytes | None, violations) -> None:
+    """Every element of a text input is UTF-8 (the framing was checked already)."""
+    if raw is not None:
+        where = f"raw_input_contents[{index}] ({'input ' + repr(spec.name)})"
+        elements = _elements(raw)
+    else:
+        where = f"input '{spec.name}' contents.bytes_contents"
+        elements = iter(tensor.contents.bytes_contents)
+    for number, element in enumerate(elements):
+        try:
+            str(element, "utf-8")
+        except UnicodeDecodeError as err:
+            violations.append(
+                Violation(where, f"element {number} is not valid UTF-8 (byte {err.start}): input '{spec.name}' takes text")
+            )
+            return
+
+
+def _elements(raw: bytes):
+    """The elements of a well-framed BYTES buffer, as memoryviews (no copies)."""
+    view, offset = memoryview(raw), 0
+    while offset < len(view):
+        (length,) = _LEN.unpack_from(view, offset)
+        yield view[offset + 4 : offset + 4 + length]
+        offset += 4 + length
 
 
 def _raise(signature: ModelSignature, violations: list[Violation]) -> None:

@@ -57,7 +57,8 @@ def key_id_of(key: str) -> str | None:
 
 
 def hash_key(key: str, pepper: bytes) -> str:
-    return hmac.new(pepper, key.encode(), hashlib.sha256).hexdigest()
+    # surrogatepass: aiohttp decodes a header that is not UTF-8 with surrogates; such a key is simply unknown
+    return hmac.new(pepper, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
 
 def bearer_token(authorization: str | None, api_key: str | None) -> str | None:
@@ -132,22 +133,40 @@ class CallContext:
     arm: str = ""
 
     @classmethod
-    def from_headers(cls, headers) -> "CallContext":
+    def from_headers(cls, headers, max_timeout_s: float | None = None) -> "CallContext":
         """From HTTP headers: ``Authorization: Bearer`` / ``x-api-key``, ``Idempotency-Key`` and
-        ``x-request-timeout`` (seconds)."""
+        ``x-request-timeout`` (seconds).
+
+        A timeout that is not a number > 0 (``nan``, ``0``, ``-1``, ``abc``) is INVALID_ARGUMENT;
+        one beyond ``max_timeout_s`` (``inf``, ``1e300``) is clamped to it, like a gRPC deadline
+        (:func:`clamp_timeout`): no deadline reaches Triton that its clients would overflow.
+        """
         timeout = headers.get("x-request-timeout")
         if timeout is not None:
             try:
-                timeout = float(timeout)
-                if not timeout > 0:
+                seconds = float(timeout)
+                if not seconds > 0:  # also NaN
                     raise ValueError
             except ValueError:
                 raise InvalidRequest(
                     f"x-request-timeout: expected seconds > 0, got {timeout!r:.40}",
                     [Violation("x-request-timeout", f"expected seconds > 0, got {timeout!r:.40}")],
                 ) from None
+            timeout = clamp_timeout(seconds, max_timeout_s)
         key = bearer_token(headers.get("Authorization"), headers.get("x-api-key"))
         return cls(key, headers.get("Idempotency-Key"), timeout, headers=headers)
+
+
+# The longest deadline the frontend passes on (a day): a caller's 1e10 s would overflow grpc's
+# nanosecond deadline arithmetic on the way to Triton and expire at once (an immediate 504).
+MAX_TIMEOUT_S = 86_400.0
+
+
+def clamp_timeout(seconds: float | None, max_timeout_s: float | None = None) -> float | None:
+    """A caller's remaining deadline, at most ``max_timeout_s`` (default MAX_TIMEOUT_S); None stays None."""
+    if seconds is None:
+        return None
+    return min(seconds, MAX_TIMEOUT_S if max_timeout_s is None else max_timeout_s)
 
 
 # ---- the in-memory key index ----------------------------------------------------------------

@@ -10,7 +10,6 @@ Nothing on the request path reads or writes the database.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,13 +20,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from server.tenancy.quota_policy import Quota
 from server.tenancy.identity import ALL_MODELS, DEFAULT_PLAN, PLAN_WEIGHTS, KeyEntry, Tenant, hash_key, new_key
-
-DEFAULT_DATABASE_URL = "sqlite:///var/inferplane.db"
-
-
-def database_url(explicit: str | None = None) -> str:
-    return explicit or os.environ.get("INFERPLANE_DATABASE_URL") or DEFAULT_DATABASE_URL
-
 
 class Base(DeclarativeBase):
     pass
@@ -108,7 +100,11 @@ class TenancyStore:
     """Tenants, keys and usage in one database; ``migrate=False`` when the schema is managed elsewhere."""
 
     def __init__(self, url: str | None = None, *, engine: Engine | None = None, migrate: bool = True):
-        self.url = database_url(url)
+        if url is None:  # the settings' URL (flags > INFERPLANE_* environment > the data dir's SQLite)
+            from server.settings import Settings
+
+            url = Settings().tenancy_url
+        self.url = url
         if engine is None:
             from server.db import make_engine  # the registry's engine rules (SQLite pragmas, psycopg 3)
 

@@ -24,6 +24,8 @@ from loadtest.paced_model import NAME, build_paced_model, sample_features
 from server.protogen.inference import grpc_service_pb2 as pb
 from tests.conftest import start_stack, stop_stack, wait_until
 
+pytestmark = pytest.mark.integration
+
 SERVICE_MS = 1500
 
 

@@ -44,7 +44,7 @@ def _bundle_request(bundle, name=ENDPOINT, **extra) -> admin_pb2.RegisterModelRe
     return admin_pb2.RegisterModelRequest(
         name=name, artifact=bundle.artifact, filename=bundle.artifact_name, signature_json=json.dumps(signature),
         validation_npz=_npz(features=bundle.features, expected=bundle.expected), training_run=f"seed-{bundle.seed}",
-        dataset_version="synthetic-regression-v1", metrics={"rounds": float(bundle.extra["rounds"])}, owner_team="ml",
+        dataset_version="synthetic-regression-v1", metrics={k: float(v) for k, v in bundle.extra.items() if k == "rounds"}, owner_team="ml",
         **extra,
     )  # fmt: skip
 
@@ -260,3 +260,44 @@ def test_tampered_artifacts_are_refused(deploy_stack, admin, client, bundles):
     shown = admin.GetEndpoint(admin_pb2.GetEndpointRequest(name=ENDPOINT)).endpoint
     assert list(shown.ready_versions) == [1, 2] and list(shown.loaded_versions) == [1, 2]  # failed loads dropped nothing
     assert not (deploy_stack.repository / ENDPOINT / str(third.version)).exists()
+
+
+def test_a_ubj_booster_registers_and_deploys_with_threads_and_coalescing_flags(deploy_stack, admin, client):
+    """XGBoost's binary UBJ format deploys like its JSON one; the CLI's serving flags reach the config
+    Triton loads (adapter threads, the frontend's coalescing) and the endpoint's recorded serving."""
+    import xgboost as xgb
+
+    from model_repository.config_writer import read_config
+
+    bundle = demo.fraud_xgboost(trees=20)
+    booster = xgb.Booster()
+    booster.load_model(bytearray(bundle.artifact))
+    ubj = bytes(booster.save_raw("ubj"))
+    request = _bundle_request(bundle, name="fraud_ubj")
+    request.artifact, request.filename = ubj, "model.ubj"
+    version = admin.RegisterModel(request, metadata=ACTOR).version
+    assert version.format == "xgboost-ubj"
+    out = _cli(deploy_stack, "deploy", f"fraud_ubj:{version.version}", "--url", deploy_stack.grpc, "--threads", "2",
+               "--no-coalesce", "--coalesce-window-us", "300")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    config = read_config(deploy_stack.repository / "fraud_ubj")
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert (params["threads"], params["inferplane.coalesce"], params["inferplane.coalesce_window_us"]) == ("2", "false", "300")
+    _, probability = _infer(client, bundle, model="fraud_ubj")
+    np.testing.assert_allclose(probability, bundle.expected[:4], rtol=1e-5, atol=1e-6)  # the JSON model's answers
+    serving = json.loads(admin.GetEndpoint(admin_pb2.GetEndpointRequest(name="fraud_ubj")).endpoint.serving_json)
+    assert (serving["threads"], serving["coalesce"], serving["coalesce_window_us"]) == (2, False, 300)
+
+
+def test_a_validation_set_that_names_no_tensor_is_refused_at_registration(admin, bundles):
+    v1, _ = bundles
+    request = _bundle_request(v1, name="mislabelled")
+    request.validation_npz = _npz(inputs=v1.features, expected=v1.expected)  # "inputs" is no tensor of the model
+    with pytest.raises(grpc.RpcError) as err:
+        admin.RegisterModel(request, metadata=ACTOR)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "validation['inputs']" in err.value.details() and "features" in err.value.details()
+    request.validation_npz = _npz(features=v1.features[:, :3], expected=v1.expected)  # wrong row shape
+    with pytest.raises(grpc.RpcError) as err:
+        admin.RegisterModel(request, metadata=ACTOR)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows of shape [3]" in err.value.details()

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from loadtest import fairness
+
+pytestmark = pytest.mark.integration
 
 
 def test_fairness_benchmark_runs_every_phase(tmp_path):

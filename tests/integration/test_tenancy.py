@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 
@@ -120,7 +121,7 @@ def test_a_missing_or_wrong_key_is_unauthenticated_on_both_transports(tenancy):
         code, message, _ = _grpc(tenancy, "ModelInfer", req, key)
         assert code == grpc.StatusCode.UNAUTHENTICATED, (key, code, message)
         status, _, body = _http(tenancy, "POST", "/v2/models/fraud_xgboost/infer", _rest_infer_body(tenancy.repository, "fraud_xgboost"), _bearer(key))
-        assert status == 401 and json.loads(body)["error"]["code"] == "UNAUTHENTICATED"
+        assert status == 401 and json.loads(body)["code"] == "UNAUTHENTICATED"
     # x-api-key works as well as a bearer token; health needs no key
     code, _, _ = _grpc(tenancy, "ModelInfer", req, extra=(("x-api-key", tenancy.keys["alpha"]),))
     assert code == grpc.StatusCode.OK
@@ -202,7 +203,7 @@ def test_quota_exact_count_and_retry_hint_on_both_transports(tenancy):
     assert any(d.Unpack(info) for d in rich.details) and info.retry_delay.seconds >= 10
     status, headers, body = _http(tenancy, "POST", "/v2/models/fraud_xgboost/infer", _rest_infer_body(tenancy.repository, "fraud_xgboost"), _bearer(key))
     assert status == 429 and int(headers["Retry-After"]) >= 10 and headers["x-should-retry"] == "true"
-    assert json.loads(body)["error"]["code"] == "RESOURCE_EXHAUSTED"
+    assert json.loads(body)["code"] == "RESOURCE_EXHAUSTED"
     # another model of the same tenant, and another tenant on the same model, are unaffected
     assert _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "mlp_classifier"), key)[0] == grpc.StatusCode.OK
     assert _grpc(tenancy, "ModelInfer", req, tenancy.keys["alpha"])[0] == grpc.StatusCode.OK
@@ -248,7 +249,7 @@ async def test_concurrent_duplicates_with_one_key_run_the_model_once(tenancy):
     s2, _, b2 = _http(tenancy, "POST", f"/v2/models/{model}/infer", body, headers)
     assert s1 == s2 == 200 and b1 == b2
     s3, _, b3 = _http(tenancy, "POST", f"/v2/models/{model}/infer", _rest_infer_body(tenancy.repository, model, 1), headers)
-    assert s3 == 422 and json.loads(b3)["error"]["code"] == "IDEMPOTENCY_KEY_REUSED"
+    assert s3 == 422 and json.loads(b3)["code"] == "IDEMPOTENCY_KEY_REUSED"
     assert _triton_counts(tenancy, model)[1] - after[1] == 1
 
 
@@ -394,3 +395,67 @@ def test_a_non_admin_key_may_not_manage_keys_or_deploy(tenancy):
     # an ungranted endpoint reads like one never deployed
     code, message = _rpc_code(admin_api.GetEndpoint, admin_pb2.GetEndpointRequest(name="lightgbm_regressor"), alpha)
     assert code == grpc.StatusCode.NOT_FOUND and message == "endpoint 'lightgbm_regressor' has never been deployed"
+
+
+# ---- issue 15, class 8: /metrics on the REST port, the CLIs' API key, keys that are not UTF-8 -------
+
+
+def test_rest_metrics_needs_an_admin_key_and_the_metrics_port_stays_open(tenancy):
+    """The REST port faces tenants; its /metrics names every model with its counts (also models
+    a tenant was not granted), so it answers only an admin key. The metrics port is unchanged."""
+    assert _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, "lightgbm_regressor"), tenancy.keys["beta"])[0] == grpc.StatusCode.OK
+    status, _, body = _http(tenancy, "GET", "/metrics")
+    assert status == 401 and json.loads(body)["code"] == "UNAUTHENTICATED"
+    status, _, body = _http(tenancy, "GET", "/metrics", headers=_bearer(tenancy.keys["alpha"]))
+    assert status == 403 and json.loads(body)["code"] == "PERMISSION_DENIED"
+    assert b"lightgbm_regressor" not in body  # alpha was not granted it: nothing about it leaks
+    status, _, body = _http(tenancy, "GET", "/metrics", headers=_bearer(tenancy.keys["ops"]))
+    assert status == 200 and b'model="lightgbm_regressor"' in body
+    host, port = tenancy.metrics.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    assert r.status == 200 and b'model="lightgbm_regressor"' in r.read()
+    conn.close()
+
+
+def _cli_result(stack, *args, env=None):
+    full = {k: v for k, v in os.environ.items() if k != "INFERPLANE_API_KEY"}
+    full.update(stack.env, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "server.cli.main", *args], env=full, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("command", [["endpoints", "list"], ["endpoints", "show", "mlp_classifier"], ["rollback", "mlp_classifier"],
+                                     ["deploy", "mlp_classifier:1"], ["traffic", "status", "mlp_classifier"]])  # fmt: skip
+def test_the_registry_and_traffic_clis_send_the_api_key(tenancy, command):
+    url = ["--url", tenancy.grpc]
+    without = _cli_result(tenancy, *command, *url)
+    assert without.returncode != 0 and "UNAUTHENTICATED" in without.stderr, without.stderr
+    # with the admin key (flag, then environment) the call is authenticated: whatever it answers, not UNAUTHENTICATED
+    for result in (
+        _cli_result(tenancy, *command, *url, "--api-key", tenancy.keys["ops"]),
+        _cli_result(tenancy, *command, *url, env={"INFERPLANE_API_KEY": tenancy.keys["ops"]}),
+    ):
+        # answered by the server: exit 0, or its own error line (endpoint unknown, nothing to roll back)
+        answered = result.returncode == 0 or re.search(r"^error: [A-Z_]+: ", result.stderr, re.M)
+        assert answered and "UNAUTHENTICATED" not in result.stderr and "PERMISSION_DENIED" not in result.stderr, result.stderr
+    denied = _cli_result(tenancy, *command, *url, "--api-key", tenancy.keys["alpha"])
+    if command[0] in ("deploy", "rollback"):
+        assert denied.returncode != 0 and "PERMISSION_DENIED" in denied.stderr, denied.stderr
+
+
+def test_an_api_key_header_that_is_not_utf8_is_unauthenticated_not_a_crash(tenancy):
+    import socket
+
+    host, port = tenancy.http.rsplit(":", 1)
+    body = _rest_infer_body(tenancy.repository, "lightgbm_regressor")
+    for header in (b"x-api-key: \xff\xfe", b"Authorization: Bearer ipk_\xff"):
+        request = (b"POST /v2/models/lightgbm_regressor/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + header
+                   + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)  # fmt: skip
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(request)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["code"] == "UNAUTHENTICATED"

@@ -56,9 +56,12 @@ def test_both_transports_agree(cls, grpc_code, http_status):
 
     code, body, headers = e.http_error(err)
     assert code == http_status
-    assert body["error"]["code"] == err.reason
-    assert body["error"]["message"] == "something went wrong"
-    assert body["error"]["details"] == [{"field": "input 'x' shape", "description": "expected [-1, 4], got [2, 3]"}]
+    violation = [{"field": "input 'x' shape", "description": "expected [-1, 4], got [2, 3]"}]
+    assert body == {"error": "something went wrong", "code": err.reason, "details": violation}  # Triton's string error
+    code, body, headers = e.http_error(err, openai=True)
+    assert code == http_status
+    assert body == {"error": {"message": "something went wrong", "type": err.reason.lower(), "code": err.reason,
+                              "param": "input 'x' shape", "details": violation}}  # fmt: skip
 
 
 def test_retry_hint_on_both_transports():
@@ -78,3 +81,28 @@ def test_triton_statuses_map_back_to_domain_errors():
     assert isinstance(e.from_grpc_code(grpc.StatusCode.INVALID_ARGUMENT, "x"), e.InvalidRequest)
     assert isinstance(e.from_grpc_code(grpc.StatusCode.NOT_FOUND, "x"), e.ModelNotFound)
     assert isinstance(e.from_grpc_code(grpc.StatusCode.DATA_LOSS, "x"), e.BackendError)
+
+
+# ---- issue 15, class 4: what an error echoes is capped in one place ----------------------------
+
+
+def test_huge_echoes_are_capped_on_both_transports():
+    err = e.InvalidRequest("m" * 100_000 + "é", [e.Violation("f" * 10_000, "d" * 100_000)] * 10_000)
+    status = e.grpc_status(err)
+    assert len(status.details.encode()) <= e.MAX_MESSAGE_BYTES and status.details.endswith("bytes)")
+    assert sum(len(k) + len(v) for k, v in status.trailing_metadata) < 6 << 10
+    bad = error_details_pb2.BadRequest()
+    rich = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"])
+    assert any(d.Unpack(bad) for d in rich.details)
+    assert len(bad.field_violations) == e.MAX_VIOLATIONS + 1
+    assert bad.field_violations[-1].description == f"{10_000 - e.MAX_VIOLATIONS} more violations not listed"
+    _, body, _ = e.http_error(err)
+    assert len(body["details"]) == e.MAX_VIOLATIONS + 1 and len(body["error"].encode()) <= e.MAX_MESSAGE_BYTES
+
+
+def test_clip_never_cuts_a_character_and_replaces_lone_surrogates():
+    assert e.clip("short", 100) == "short"
+    clipped = e.clip("é" * 1000, 100)
+    assert len(clipped.encode()) <= 100 and clipped.endswith("bytes)")
+    assert e.clip("a\ud800b", 100) == "a?b"
+    e.grpc_status(e.InvalidRequest("unknown model '\udcff'"))  # a protobuf string could not hold it: no crash

@@ -123,3 +123,37 @@ def test_optimizer_uses_public_names_only():
         if m.split(".")[0] == "server" and any(part.startswith("_") for part in m.split(".")[1:])
     ]
     assert not bad, "\n".join(bad)
+
+
+def _environment_reads(path: Path):
+    """Reads of the environment: ``os.environ.get``, ``os.getenv``, ``os.environ[...]`` loads, typer's
+    ``envvar=``. Copies handed to a child process (``dict(os.environ, ...)``) and writes for a library
+    that reads its own variable (prometheus-client, grpc) are not settings reads."""
+    tree = ast.parse(path.read_text(), str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "envvar":
+            yield node.value.lineno, "typer envvar="
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"):
+            continue
+        if node.attr == "getenv":
+            yield node.lineno, "os.getenv"
+        if node.attr != "environ":
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and parent.attr in ("get", "pop", "items", "keys", "values", "copy"):
+            yield node.lineno, f"os.environ.{parent.attr}"
+        elif isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Load):
+            yield node.lineno, "os.environ[...]"
+        elif isinstance(parent, ast.Compare):
+            yield node.lineno, "a key in os.environ"
+
+
+def test_only_settings_read_the_environment():
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} {what}"
+        for p in _modules("server")
+        if p.name != "settings.py"
+        for line, what in _environment_reads(p)
+    ]
+    assert not bad, "server/settings.py is the only module that reads the environment:\n" + "\n".join(bad)

@@ -460,6 +460,34 @@ def test_perf_analyzer_binary_runs():
 
 
 @pytest.mark.slow
+def test_the_printed_perf_analyzer_runs_alone_without_ld_library_path():
+    from typer.testing import CliRunner
+
+    from loadtest.cli import app
+
+    result = CliRunner().invoke(app, ["perf-analyzer", "--target", "grpc://127.0.0.1:1", "--model", "m", "--ensure-only"])
+    assert result.exit_code == 0, result.output
+    script = result.output.strip().splitlines()[-1]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    p = subprocess.run([script, "--version"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "2.51.0" in p.stdout + p.stderr
+
+
+def test_help_texts_keep_colon_syntax_literal():
+    """rich renders :name: codes as emoji; perf_analyzer's START:END:STEP must read as written."""
+    from typer.testing import CliRunner
+
+    from loadtest.cli import app as loadtest_app
+    from server.cli.main import app
+
+    for cli, args in ((loadtest_app, ["perf-analyzer", "--help"]), (app, ["loadtest", "perf-analyzer", "--help"])):
+        text = CliRunner().invoke(cli, args, env={"COLUMNS": "200"}).output
+        assert "START:END:STEP" in text, text
+        assert not [c for c in text if ord(c) > 0x2000], text  # no emoji (nor rich's box drawing)
+
+
+@pytest.mark.slow
 def test_run_perf_analyzer_against_dummy_server(dummy_factory):
     from loadtest.perf_analyzer import run_perf_analyzer
 

@@ -59,6 +59,7 @@ SAFE = {
     "model.txt": (_lightgbm, sf.LIGHTGBM_TEXT),
     "model.safetensors": (_safetensors, sf.SAFETENSORS),
     "model.plan": (lambda: b"ftrt" + bytes(range(256)) * 4, sf.TENSORRT_PLAN),
+    "model.engine": (lambda: b"ptrt" + struct.pack("<II", 0x61, 0) + bytes(range(256)) * 4, sf.TENSORRT_PLAN),
 }
 
 
@@ -67,7 +68,7 @@ def test_safe_formats_are_detected_from_their_bytes(filename):
     make, expected = SAFE[filename]
     data = make()
     assert sf.check_model(data, filename) == expected
-    assert sf.detect_format(data) == expected or expected == sf.TENSORRT_PLAN  # a plan is opaque: magic or extension
+    assert sf.detect_format(data) == expected  # from the bytes alone: no name needed, none trusted
 
 
 class _Model:  # what people pickle
@@ -144,3 +145,76 @@ def test_unknown_bytes_and_plain_json_are_refused():
 def test_a_declared_format_must_match_the_bytes():
     with pytest.raises(InvalidRequest, match="declared as onnx but its bytes are lightgbm-text"):
         sf.check_model(_lightgbm(), "model.txt", "onnx")
+
+
+# ---- pickles under any name: content decides (issue 15, class 7) ---------------------------------
+
+
+class _Call:  # what a malicious pickle does on load: call something
+    def __reduce__(self):
+        return (str, ("loaded",))
+
+
+def _without_header(data: bytes) -> bytes:
+    """The same opcode stream without PROTO / FRAME (pickle.loads still runs it)."""
+    import pickletools
+
+    ops = list(pickletools.genops(data))
+    kept = []
+    for i, (op, _arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
+        if op.name not in ("PROTO", "FRAME"):
+            kept.append(data[pos:end])
+    return b"".join(kept)
+
+
+PICKLE_STREAMS = {
+    **{f"protocol {n}": pickle.dumps([_Call(), {"w": [1.0, 2.0]}], protocol=n) for n in range(6)},
+    "protocol 4 without PROTO/FRAME": _without_header(pickle.dumps(_Call(), protocol=4)),
+    "protocol 5 without PROTO/FRAME": _without_header(pickle.dumps([_Call(), b"x" * 300], protocol=5)),
+    "protocol 0 by hand (GLOBAL)": b"cbuiltins\nstr\n(Vloaded\ntR.",
+    "protocol 2 without PROTO": _without_header(pickle.dumps({"a": _Call()}, protocol=2)),
+    "bigger than the sniffed prefix": pickle.dumps([_Call(), bytes(3 << 20)], protocol=4),
+}
+# every name a model may carry, and none at all
+NAMES = ["model.plan", "model.engine", "model.trt", "model.onnx", "model.json", "model.ubj", "model.txt",
+         "model.safetensors", "config.json", "weights.bin", ""]  # fmt: skip
+
+
+def test_the_issue_bytes_are_a_pickle_without_header():
+    data = PICKLE_STREAMS["protocol 4 without PROTO/FRAME"]
+    assert data.hex().startswith("8c086275696c74696e7394")  # SHORT_BINUNICODE 'builtins', MEMOIZE: as in the issue
+    assert pickle.loads(data) == "loaded"  # it really runs on load
+
+
+@pytest.mark.parametrize("kind", sorted(PICKLE_STREAMS))
+@pytest.mark.parametrize("filename", NAMES)
+def test_a_pickle_stream_is_refused_under_every_name(kind, filename):
+    data = PICKLE_STREAMS[kind]
+    with pytest.raises(sf.UnsafeArtifact, match="pickle"):
+        sf.detect_format(data, filename)
+    with pytest.raises(sf.UnsafeArtifact, match="pickle"):
+        sf.check_model(data, filename, declared=sf.TENSORRT_PLAN)
+
+
+@pytest.mark.parametrize("filename", ["model.plan", "model.engine", "model.trt"])
+def test_a_plan_name_without_the_plan_header_is_refused(filename):
+    for data in (b"not a plan at all, just bytes" * 4, b"ftrt", bytes(64), b"\x00ftrt" + bytes(40)):
+        with pytest.raises(sf.UnsafeArtifact):
+            sf.check_model(data, filename)
+
+
+@pytest.mark.parametrize("filename", sorted(SAFE))
+def test_no_accepted_format_reads_as_a_pickle(filename):
+    data = SAFE[filename][0]()
+    assert not sf.is_pickle(data[: 1 << 20])
+
+
+def test_safetensors_whose_header_length_reads_as_a_tiny_pickle_is_still_safetensors():
+    # header length 0x2E4E = 11854: its first two bytes are "N." (None, STOP), a valid pickle
+    tensor = np.zeros(4, dtype=np.float32)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    header += b" " * (0x2E4E - len(header))
+    data = struct.pack("<Q", len(header)) + header + tensor.tobytes()
+    assert data[:2] == b"N." and sf.is_pickle(data)
+    assert sf.check_model(data, "model.safetensors") == sf.SAFETENSORS

@@ -139,3 +139,30 @@ def test_signature_counts_instances_and_sizes_admission_by_them():
     del config.parameters["inferplane.coalesce_max_inflight"]
     config.parameters["inferplane.coalesce"].string_value = "false"  # each instance batches up to 4
     assert model_slots(ModelSignature.from_config(config)) == 5 * 4
+
+
+def test_parameters_triton_would_refuse_are_refused_here_naming_the_parameter():
+    from server.dataplane.validation import check_parameters
+
+    request = pb.ModelInferRequest(model_name="m")
+    request.parameters["sequence_id"].double_param = 1.5  # int64 or string only
+    request.parameters["priority"].int64_param = -1
+    request.parameters["my_knob"].uint64_param = 3  # a custom parameter: int64, bool or string only
+    request.parameters["ok_knob"].string_param = "fine"
+    request.parameters["timeout"].int64_param = 1000
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    tensor.parameters["shared_memory_region"].string_param = "someone_elses_region"
+    request.outputs.add(name="y").parameters["classification"].string_param = "3"
+    violations = []
+    check_parameters(request, violations)
+    fields = {v.field for v in violations}
+    assert fields == {
+        "parameters.sequence_id", "parameters.priority", "parameters.my_knob",
+        "inputs[0].parameters.shared_memory_region", "outputs[0].parameters.classification",
+    }  # fmt: skip
+    good = pb.ModelInferRequest(model_name="m")
+    good.parameters["sequence_id"].string_param = "abc"
+    good.parameters["sequence_start"].bool_param = True
+    violations = []
+    check_parameters(good, violations)
+    assert violations == []

@@ -165,6 +165,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             "max_batch": o.max_batch if o.has_max_batch else None,
             "queue_delay_us": o.queue_delay_us if o.has_queue_delay_us else None,
             "cache": o.cache if o.has_cache else None,
+            "threads": o.threads or None,
+            "coalesce": o.coalesce if o.HasField("coalesce") else None,
+            "coalesce_max_inflight": o.coalesce_max_inflight if o.HasField("coalesce_max_inflight") else None,
+            "coalesce_window_us": o.coalesce_window_us if o.HasField("coalesce_window_us") else None,
         }
         result = await deployer.deploy(request.ref, options, actor=self._actor(context, principal))
         return admin_pb2.DeployResponse(result=deploy_result(result))

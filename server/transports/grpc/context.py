@@ -10,7 +10,7 @@ import logging
 import grpc
 
 from server.errors import InferplaneError, grpc_status
-from server.tenancy.identity import CallContext, bearer_token
+from server.tenancy.identity import CallContext, bearer_token, clamp_timeout
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ def call_context(context: grpc.aio.ServicerContext) -> CallContext:
             api_key = value
         elif key == "idempotency-key":
             idempotency_key = value
-    return CallContext(bearer_token(authorization, api_key), idempotency_key, context.time_remaining(), headers=metadata)
+    timeout = clamp_timeout(context.time_remaining())  # a deadline of years would overflow on the way to Triton
+    return CallContext(bearer_token(authorization, api_key), idempotency_key, timeout, headers=metadata)
 
 
 async def abort(context: grpc.aio.ServicerContext, err: InferplaneError):

@@ -10,22 +10,29 @@ from __future__ import annotations
 
 import grpc
 
-from server.errors import InferplaneError, InvalidRequest
+from server.errors import InferplaneError, InvalidRequest, public_message
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
+from server.transports import limits
 from server.transports.grpc.context import call_context
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def _params(request: generate_pb2.GenerateRequest) -> GenerateParams:
+    """The request's fields, each checked at the edge (``server.transports.limits``): a uint32
+    ``max_tokens`` past the engine's limit or a NaN ``temperature`` is INVALID_ARGUMENT naming it."""
     if bool(request.messages) == bool(request.prompt):
         raise InvalidRequest("send exactly one of messages and prompt")
+
+    def field(name: str, kind: type, low, high):
+        return limits.number(getattr(request, name), name, kind, low, high) if request.HasField(name) else None
+
     params = GenerateParams(
-        max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
-        temperature=request.temperature if request.HasField("temperature") else None,
-        top_p=request.top_p if request.HasField("top_p") else None,
-        seed=request.seed if request.HasField("seed") else None,
+        max_tokens=field("max_tokens", int, 1, limits.MAX_TOKENS),
+        temperature=field("temperature", float, *limits.TEMPERATURE),
+        top_p=field("top_p", float, *limits.TOP_P),
+        seed=field("seed", int, *limits.SEED),
         stop=list(request.stop),
         ignore_eos=request.ignore_eos,
     )
@@ -63,7 +70,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except InferplaneError as err:
             if not started:  # phase one: the interceptor ends the call with the error's status
                 raise
-            yield generate_pb2.GenerateResponse(error=generate_pb2.StreamError(code=err.reason, message=err.message))
+            yield generate_pb2.GenerateResponse(error=generate_pb2.StreamError(code=err.reason, message=public_message(err)))
         finally:
             if stream is not None:
                 await stream.aclose()

@@ -13,7 +13,7 @@ import grpc
 from server import __version__
 from server.dataplane.dataplane import DataPlane, parse_infer_request
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
-from server.errors import InferplaneError
+from server.errors import InferplaneError, InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.transports.grpc.context import call_context
 
@@ -23,7 +23,8 @@ EXTENSIONS = ("model_repository", "statistics", "model_configuration", "binary_t
 
 def _describe(method: str):
     async def handler(self, raw: bytes, context):
-        return await self.dp.describe(call_context(context), method, raw, timeout=context.time_remaining())
+        ctx = call_context(context)
+        return await self.dp.describe(ctx, method, raw, timeout=ctx.timeout)
 
     return handler
 
@@ -67,6 +68,12 @@ class InferenceService:
 
     async def repository_model_load(self, request, context):
         self.dp.gate.require_admin(call_context(context), "loading a model")
+        overrides = sorted(k for k in request.parameters if k == "config" or k.startswith("file:"))
+        if overrides:  # a load with a new config or files is a deploy: through the registry
+            raise InvalidRequest(
+                f"loading with {', '.join(overrides)} is not offered here: register the model and `inferplane deploy` it",
+                [Violation(f"parameters.{k}", "not supported: deploy through the registry") for k in overrides],
+            )
         await self.dp.load_model(request.model_name)
         return pb.RepositoryModelLoadResponse()
 

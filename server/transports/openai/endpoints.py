@@ -28,6 +28,7 @@ from aiohttp import web
 from server.errors import Cancelled, InferplaneError, InvalidRequest, UnsupportedMediaType, Violation, http_error
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
 from server.tenancy.identity import CallContext
+from server.transports import limits
 from server.transports.rest.openapi import JSON, Body, Route, error_body, error_responses, error_statuses, json_body
 
 log = logging.getLogger(__name__)
@@ -58,27 +59,20 @@ async def _body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
         doc = json.loads(raw or b"null")
-    except ValueError:
-        raise InvalidRequest("the request body is not valid JSON") from None
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting too deep is not
+        raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
     if not isinstance(doc, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    limits.check_json(raw, doc)  # a lone surrogate ("\ud800") anywhere is the caller's mistake, named here
     return doc
 
 
 def _bad(field: str, description: str) -> InvalidRequest:
-    return InvalidRequest(f"{field}: {description}", [Violation(field, description)])
+    return limits.bad(field, description)
 
 
 def _number(doc: dict, key: str, kind=float, low=None, high=None):
-    value = doc.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise _bad(key, f"must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    value = kind(value)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise _bad(key, f"must be in [{low}, {high}], got {value}")
-    return value
+    return limits.number(doc.get(key), key, kind, low, high)
 
 
 def _model_name(doc: dict) -> str:
@@ -89,7 +83,7 @@ def _model_name(doc: dict) -> str:
 
 
 def _sampling(doc: dict) -> GenerateParams:
-    if (doc.get("n") or 1) != 1:
+    if doc.get("n") is not None and _number(doc, "n", int) != 1:
         raise _bad("n", "only n=1 is supported")
     stop = doc.get("stop")
     if stop is None:
@@ -98,17 +92,17 @@ def _sampling(doc: dict) -> GenerateParams:
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise _bad("stop", "must be a non-empty string or a list of up to 4 non-empty strings")
-    max_tokens = _number(doc, "max_completion_tokens", int, 1)
+    max_tokens = _number(doc, "max_completion_tokens", int, 1, limits.MAX_TOKENS)
     if max_tokens is None:
-        max_tokens = _number(doc, "max_tokens", int, 1)
+        max_tokens = _number(doc, "max_tokens", int, 1, limits.MAX_TOKENS)
     return GenerateParams(
         max_tokens=max_tokens,
-        temperature=_number(doc, "temperature", float, 0.0, 2.0),
-        top_p=_number(doc, "top_p", float, 0.0, 1.0) or None,
-        seed=_number(doc, "seed", int),
+        temperature=_number(doc, "temperature", float, *limits.TEMPERATURE),
+        top_p=_number(doc, "top_p", float, *limits.TOP_P) or None,
+        seed=_number(doc, "seed", int, *limits.SEED),
         stop=stop,
         ignore_eos=bool(doc.get("ignore_eos", False)),
-        deadline_ms=_number(doc, "deadline_ms", float, 1.0),
+        deadline_ms=_number(doc, "deadline_ms", float, *limits.DEADLINE_MS),
     )
 
 
@@ -151,8 +145,7 @@ def _usage(chunk: Chunk) -> dict[str, Any]:
 
 
 def _error_event(err: InferplaneError) -> dict[str, Any]:
-    status, body, _headers = http_error(err)
-    body["error"]["type"] = body["error"]["code"].lower()
+    status, body, _headers = http_error(err, openai=True)
     body["error"]["status"] = status
     return body
 
@@ -403,7 +396,7 @@ async def embeddings(request: web.Request) -> web.Response:
     encoding = doc.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise _bad("encoding_format", "must be float or base64")
-    dimensions = _number(doc, "dimensions", int, 1)
+    dimensions = _number(doc, "dimensions", int, *limits.DIMENSIONS)
     vectors, tokens = await service(request).embed(model, texts, ctx=_ctx(request))
     if dimensions is not None and dimensions != vectors.shape[1]:
         raise _bad("dimensions", f"model '{model}' produces {vectors.shape[1]} dimensions")
@@ -429,7 +422,7 @@ async def engine_stats(request: web.Request) -> web.Response:
 
 # ---- routes (mounted into server.transports.rest.endpoints.ROUTES) ------------------------------------------------
 
-_ANY_ERROR = {status: error_body(f"Error ({status}); see the error code") for status in error_statuses()}
+_ANY_ERROR = {status: error_body(f"Error ({status}); see the error code", "OpenAIError") for status in error_statuses()}
 _OBJ = {"type": "object", "additionalProperties": True}
 _SSE_BODY = {SSE: {"schema": {"type": "string", "description": "data: {chunk} events, then data: [DONE]"}}}
 
@@ -473,7 +466,7 @@ ROUTES: list[Route] = [
               "dimensions": {"type": "integer", "minimum": 1},
           })),
     Route("GET", "/v1/models", list_models, "openai_models", "Served LLM and embedding models (OpenAI list shape)", "openai",
-          {200: json_body("Model list", _OBJ)} | error_responses()),
+          {200: json_body("Model list", _OBJ)} | error_responses(schema="OpenAIError")),
     Route("GET", "/v2/models/{name}/engine_stats", engine_stats, "llm_engine_stats",
           "LLM engine counters: decode steps, queue, KV reservations, prefix-cache hits, recent sequences", "llm",
           {200: json_body("Engine counters", _OBJ)} | error_responses(400, 404, 503)),

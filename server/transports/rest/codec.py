@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from server.dataplane.codecs import CONTENTS_FIELD, deserialize_bytes, from_numpy, is_known, numpy_dtype, to_numpy
+from server.transports import limits
 from server.errors import InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.dataplane.signature import ModelSignature
@@ -42,10 +43,13 @@ def _bad(field_name: str, description: str) -> InvalidRequest:
 
 def loads(body: bytes | memoryview, what: str = "request body") -> object:
     """Parse a JSON body; anything that is not JSON is an InvalidRequest, never a crash."""
+    data = bytes(body)
     try:
-        return json.loads(bytes(body))
+        document = json.loads(data)
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise _bad(what, f"not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
+    limits.check_json(data, document)  # a lone surrogate escape ("\ud800"): 400 naming where, not a crash later
+    return document
 
 
 def dumps(document: object) -> bytes:
@@ -417,6 +421,14 @@ def model_config_json(raw: bytes) -> dict:
 
     config = pb.ModelConfigResponse.FromString(raw).config
     return _numbers(config, json_format.MessageToDict(config, preserving_proto_field_name=True))
+
+
+def statistics_json(raw: bytes) -> dict:
+    """Model statistics as Triton's REST API shows them (``GET /v2/models[/{name}]/stats``)."""
+    from google.protobuf import json_format
+
+    stats = pb.ModelStatisticsResponse.FromString(raw)
+    return _numbers(stats, json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
 
 
 _INT64_TYPES = {3, 4, 6, 16, 18}  # FieldDescriptor TYPE_INT64, UINT64, FIXED64, SFIXED64, SINT64

@@ -19,22 +19,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server import __version__
 from server.transports.rest import codec as rest_codec
 from server.dataplane.dataplane import DataPlane
-from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, http_error
+from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, error_body, http_error
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
 from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
-from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_body, error_responses, error_statuses, json_body
+from server.transports.rest.appkeys import DATAPLANE, MAX_BODY, METRICS, OPENAPI
+from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
+from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_responses, error_statuses, json_body
+from server.transports.rest.openapi import error_body as documented_error
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
-DATAPLANE: web.AppKey[DataPlane] = web.AppKey("dataplane", DataPlane)
-METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
-MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
-OPENAPI: web.AppKey[bytes] = web.AppKey("openapi", bytes)
 
 EXTENSIONS = ("binary_tensor_data", "model_configuration")
 # bodies above this are decoded/encoded off the event loop (a thread), below it inline
@@ -49,9 +48,17 @@ def _json(document: object, status: int = 200, headers: dict[str, str] | None = 
     return web.Response(body=rest_codec.dumps(document), status=status, headers=headers, content_type=JSON)
 
 
-def _error(err: InferplaneError) -> web.Response:
-    status, body, headers = http_error(err)
+def _error(err: InferplaneError, request: web.Request | None = None) -> web.Response:
+    status, body, headers = http_error(err, openai=_is_openai(request))
     return _json(body, status, headers)
+
+
+def _is_openai(request: web.Request | None) -> bool:
+    """An OpenAI route answers errors in the OpenAI API's shape (``server.errors.error_body``)."""
+    if request is None:
+        return False
+    route = request.match_info.route
+    return getattr(route, "name", None) in OPENAI_OPERATIONS
 
 
 def _context(request: web.Request) -> CallContext:
@@ -175,6 +182,10 @@ def _instance(ctx: CallContext, index: int) -> CallContext:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The metrics port's registry, for admin keys only: this port faces tenants, and the series
+    name every model with its counts, also models a tenant may not see. (With auth off the open
+    tenant is the admin; the metrics port itself stays open, on the operators' network.)"""
+    request.app[DATAPLANE].gate.require_admin(_context(request), "GET /metrics on the REST port")
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -203,7 +214,7 @@ _HEADER_LENGTH_PARAM = {
     "description": "binary tensor extension: length of the JSON header at the start of the body",
 }
 _MODEL_ERRORS = error_responses(404, 503)
-_INFER_ERRORS = {status: error_body(f"Error ({status}); see the error code") for status in error_statuses()}
+_INFER_ERRORS = {status: documented_error(f"Error ({status}); see the error code") for status in error_statuses()}
 
 
 def _versioned(method: str, path: str, handler, operation_id: str, summary: str, tag: str, responses, **kw):
@@ -235,13 +246,17 @@ ROUTES: list[Route] = [
     Route("POST", "/v1/models/{name}:predict", predict, "predict", "KServe v1 convenience form: instances -> predictions",
           "inference", {200: json_body("Predictions, one per instance", "PredictResponse")} | _INFER_ERRORS,
           request=json_body("One row per instance, or an object input name -> row per instance", "PredictRequest")),
-    Route("GET", "/metrics", metrics, "metrics", "Prometheus metrics (same registry as the metrics port)", "operations",
-          {200: Body("Prometheus text exposition", {TEXT: {"schema": {"type": "string"}}})} | _BASIC),
+    Route("GET", "/metrics", metrics, "metrics",
+          "Prometheus metrics (same registry as the metrics port); needs an admin key when auth is on", "operations",
+          {200: Body("Prometheus text exposition", {TEXT: {"schema": {"type": "string"}}})} | _BASIC
+          | {401: documented_error("No API key, or an unknown one"), 403: documented_error("The key is not an admin key")}),
     Route("GET", "/openapi.json", openapi, "openapi", "This document", "operations",
           {200: json_body("OpenAPI 3 document", "OpenAPI")} | _BASIC),
+    *REPOSITORY_ROUTES,
     *OPENAI_ROUTES,
     *DEPLOY_ROUTES,
 ]  # fmt: skip
+OPENAI_OPERATIONS = frozenset(r.operation_id for r in OPENAI_ROUTES if r.tag == "openai")
 
 
 # ---- middleware and app ---------------------------------------------------------------------
@@ -253,21 +268,21 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except InferplaneError as err:
-        return _error(err)
+        return _error(err, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         if exc.status == 413:
-            return _error(RequestTooLarge(exc.text or "request body too large"))
+            return _error(RequestTooLarge(exc.text or "request body too large"), request)
         code = _HTTP_REASONS.get(exc.status, f"HTTP_{exc.status}")
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         message = f"{exc.reason}: {request.method} {request.path}"
-        return _json({"error": {"code": code, "message": message, "details": []}}, exc.status, headers)
+        return _json(error_body(code, message, [], openai=_is_openai(request)), exc.status, headers)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a bug, not the caller's fault: log it, answer 500, keep serving
         log.exception("unexpected error serving %s %s", request.method, request.path)
-        return _error(InferplaneError(f"internal error ({type(exc).__name__})"))
+        return _error(InferplaneError(f"internal error ({type(exc).__name__})"), request)
 
 
 def create_app(dataplane: DataPlane, metrics: Metrics, *, max_body_bytes: int) -> web.Application:

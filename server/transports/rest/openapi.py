@@ -37,10 +37,10 @@ def json_body(description: str, schema: str | dict) -> Body:
     return Body(description, {JSON: {"schema": _ref(schema) if isinstance(schema, str) else schema}})
 
 
-def error_body(description: str) -> Body:
+def error_body(description: str, schema: str = "Error") -> Body:
     return Body(
         description,
-        {JSON: {"schema": _ref("Error")}},
+        {JSON: {"schema": _ref(schema)}},
         # only sent with 429/503 (a retry hint); declared optional
         {"Retry-After": {"schema": {"type": "string"}, "required": False, "description": "seconds to wait before retrying"}},
     )
@@ -68,6 +68,8 @@ class Route:
 COMMON_ERRORS = (500,)
 _ERROR_TEXT = {
     400: "Invalid request (malformed body, or it does not match the model's signature)",
+    401: "Missing, unknown or expired API key",
+    403: "The key may not do this (an admin key is needed)",
     404: "Unknown model, version or path",
     413: "Request body larger than the configured limit",
     415: "Unsupported Content-Type",
@@ -80,9 +82,9 @@ _ERROR_TEXT = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int, Body]:
+def error_responses(*statuses: int, schema: str = "Error") -> dict[int, Body]:
     """Error responses (all of the same JSON shape) for the given statuses plus the common ones."""
-    return {status: error_body(_ERROR_TEXT[status]) for status in sorted({*statuses, *COMMON_ERRORS})}
+    return {status: error_body(_ERROR_TEXT[status], schema) for status in sorted({*statuses, *COMMON_ERRORS})}
 
 
 def error_statuses() -> list[int]:
@@ -111,25 +113,39 @@ _TENSOR_META = {
     },
 }
 
+_DETAILS = {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["field", "description"],
+            "properties": {"field": {"type": "string"}, "description": {"type": "string"}},
+        },
+    }
 SCHEMAS: dict[str, dict] = {
     "Error": {
         "type": "object",
+        "required": ["error", "code", "details"],
+        "description": "Triton's HTTP error shape (a string error) with the machine reason and field violations beside it",
+        "properties": {
+            "error": {"type": "string"},
+            "code": {"type": "string", "description": "stable machine-readable reason, as in gRPC ErrorInfo.reason"},
+            "details": _DETAILS,
+        },
+    },
+    "OpenAIError": {
+        "type": "object",
         "required": ["error"],
+        "description": "The OpenAI API's error shape",
         "properties": {
             "error": {
                 "type": "object",
-                "required": ["code", "message", "details"],
+                "required": ["message", "type", "code", "details"],
                 "properties": {
-                    "code": {"type": "string", "description": "stable machine-readable reason, as in gRPC ErrorInfo.reason"},
                     "message": {"type": "string"},
-                    "details": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["field", "description"],
-                            "properties": {"field": {"type": "string"}, "description": {"type": "string"}},
-                        },
-                    },
+                    "type": {"type": "string"},
+                    "code": {"type": "string"},
+                    "param": {"type": "string", "nullable": True},
+                    "details": _DETAILS,
                 },
             }
         },

@@ -262,7 +262,7 @@ class GetLineageResponse(_message.Message):
     def __init__(self, chain: _Optional[_Iterable[_Union[ModelVersionInfo, _Mapping]]] = ...) -> None: ...
 
 class ServingOptions(_message.Message):
-    __slots__ = ("instances", "max_batch", "queue_delay_us", "has_max_batch", "has_queue_delay_us", "cache", "has_cache")
+    __slots__ = ("instances", "max_batch", "queue_delay_us", "has_max_batch", "has_queue_delay_us", "cache", "has_cache", "threads", "coalesce", "coalesce_max_inflight", "coalesce_window_us")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DELAY_US_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,10 @@ class ServingOptions(_message.Message):
     HAS_QUEUE_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     HAS_CACHE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_WINDOW_US_FIELD_NUMBER: _ClassVar[int]
     instances: int
     max_batch: int
     queue_delay_us: int
@@ -277,7 +281,11 @@ class ServingOptions(_message.Message):
     has_queue_delay_us: bool
     cache: bool
     has_cache: bool
-    def __init__(self, instances: _Optional[int] = ..., max_batch: _Optional[int] = ..., queue_delay_us: _Optional[int] = ..., has_max_batch: _Optional[bool] = ..., has_queue_delay_us: _Optional[bool] = ..., cache: _Optional[bool] = ..., has_cache: _Optional[bool] = ...) -> None: ...
+    threads: int
+    coalesce: bool
+    coalesce_max_inflight: int
+    coalesce_window_us: int
+    def __init__(self, instances: _Optional[int] = ..., max_batch: _Optional[int] = ..., queue_delay_us: _Optional[int] = ..., has_max_batch: _Optional[bool] = ..., has_queue_delay_us: _Optional[bool] = ..., cache: _Optional[bool] = ..., has_cache: _Optional[bool] = ..., threads: _Optional[int] = ..., coalesce: _Optional[bool] = ..., coalesce_max_inflight: _Optional[int] = ..., coalesce_window_us: _Optional[int] = ...) -> None: ...
 
 class DeployResult(_message.Message):
     __slots__ = ("endpoint", "version", "previous", "switch_ms", "total_ms", "loaded_versions", "reloaded", "message")
