@@ -124,6 +124,7 @@ class Member:
         self.last_success = -1e18  # on the set's clock
         self.rejoining: asyncio.Task | None = None
         self.probing = False
+        self.changes = 0  # loads and unloads through the set: a probe that overlapped one is stale
 
     @property
     def target(self) -> str:
@@ -364,7 +365,11 @@ class ReplicaSet:
                 raise
             other = self._choose(model, exclude=member)
             if other is None:
-                raise
+                if not _refused(err):
+                    raise
+                # the only replica said it does not serve the model (any more): hold the request for
+                # one that does (a wake, a rejoin), as for a model no replica serves
+                other = await self._wait_for_member(model, deadline, None)
             self.retries += 1
             if isinstance(err, ConnectionLost):
                 self.retried_lost += 1
@@ -405,10 +410,7 @@ class ReplicaSet:
 
     def _failed(self, member: Member, model: str, err: InferplaneError) -> None:
         member.errors += 1
-        refused = (isinstance(err, NotSent) and not _connection_refused(err)) or (
-            isinstance(err, ModelNotFound) and err.message.startswith(_UNKNOWN_MODEL)
-        )
-        if refused:
+        if _refused(err):
             if model in member.models:  # Triton says it does not serve it (any more): stop sending it there
                 member.models.discard(model)
                 self._notify({model})
@@ -547,11 +549,13 @@ class ReplicaSet:
         """Load ``name`` on one member; it takes requests for the model once Triton says ready."""
         member = self.member(member_id)
         member.wanted.add(name)
+        member.changes += 1
         if config is None:
             await member.client.load_model(name, timeout)
         else:
             await member.client.load_model(name, timeout, config=config)
         member.draining_models.discard(name)
+        member.changes += 1
         if name not in member.models:
             member.models.add(name)
         self._notify({name})
@@ -580,6 +584,7 @@ class ReplicaSet:
             if member.state != DOWN:
                 await member.client.unload_model(name, timeout)
         finally:
+            member.changes += 1
             member.models.discard(name)
             member.draining_models.discard(name)
             self._notify({name})
@@ -662,15 +667,14 @@ class ReplicaSet:
                 self.mark_down(member.id)
             return
         member.failed_probes = 0
-        before, state = set(member.models), member.state
+        state, changes = member.state, member.changes
         try:
             entries = await client.repository_index(True)
         except InferplaneError:
             return
-        if member.state != state:  # marked down (or drained) while we asked
+        if member.state != state or member.changes != changes:  # marked down, or a load/unload meanwhile: stale
             return
-        # what Triton has ready, and what a load finished while we asked
-        ready = {e.name for e in entries if e.state == "READY"} | (member.models - before)
+        ready = {e.name for e in entries if e.state == "READY"}
         if member.state == DOWN:
             if member.rejoining is not None:
                 return
@@ -939,6 +943,13 @@ def merge_statistics(answers: list) -> pb.ModelStatisticsResponse:
                     getattr(target, name).count += getattr(b, name).count
                     getattr(target, name).ns += getattr(b, name).ns
     return pb.ModelStatisticsResponse(model_stats=[merged[k] for k in sorted(merged)])
+
+
+def _refused(err: InferplaneError) -> bool:
+    """Triton itself said the model is not there or not ready (it did not start the request)."""
+    return (isinstance(err, NotSent) and not _connection_refused(err)) or (
+        isinstance(err, ModelNotFound) and err.message.startswith(_UNKNOWN_MODEL)
+    )
 
 
 def _connection_refused(err: InferplaneError) -> bool:

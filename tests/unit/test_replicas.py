@@ -457,3 +457,39 @@ def test_a_stream_whose_member_cannot_be_reached_goes_to_another():
 
 async def _collect(stream):
     return [raw async for raw in stream]
+
+
+def test_a_refusal_from_the_only_replica_holds_the_request_until_one_serves_the_model():
+    async def main():
+        rs, (a,) = make("a", clock=time.monotonic)
+        a.fail.append(ModelNotFound("Request for unknown model: 'fraud' has no available versions"))
+        answer = asyncio.create_task(rs.infer_raw(request()))
+        await asyncio.sleep(0.05)
+        assert not answer.done() and MODEL not in rs.member("a").models  # held, not failed
+        await rs.load_on("a", MODEL)
+        assert await answer == b"a"
+
+    run(main())
+
+
+def test_a_probe_that_overlapped_an_unload_does_not_bring_the_model_back():
+    async def main():
+        rs, (a,) = make("a")
+        started, release = asyncio.Event(), asyncio.Event()
+        real = a.repository_index
+
+        async def slow_index(ready_only=False):
+            answer = await real(ready_only)  # read while the model is still ready
+            started.set()
+            await release.wait()
+            return answer
+
+        a.repository_index = slow_index
+        probe = asyncio.create_task(rs.check_health())
+        await started.wait()
+        await rs.unload_from("a", MODEL, drain=False)
+        release.set()
+        await probe
+        assert MODEL not in rs.member("a").models
+
+    run(main())
