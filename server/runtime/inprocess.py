@@ -454,7 +454,7 @@ class InProcessTriton:
             return await self.infer_tensors(payload.model, payload.tensors, model_version=payload.version, outputs=payload.outputs, timeout=timeout)
         return await self.infer_bytes(request, timeout)
 
-    async def infer_raw(self, request: bytes, timeout: float | None = None) -> bytes:
+    async def infer_raw(self, request: bytes, timeout: float | None = None, *, model: str = "") -> bytes:
         from google.protobuf.message import DecodeError
 
         try:
@@ -739,7 +739,7 @@ class InProcessTriton:
 
     # ---- streams ------------------------------------------------------------------------------
 
-    def stream_raw(self, timeout: float | None = None) -> "InProcessStream":
+    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "") -> "InProcessStream":
         """A ModelStreamInfer call on bytes, like ``TritonClient.stream_raw``: ``await write(raw)``,
         ``await done_writing()``, ``async for response in stream``, ``cancel()``."""
         return InProcessStream(self, timeout)
