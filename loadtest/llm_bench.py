@@ -7,6 +7,12 @@ wait their turn, what a server without batching does) — and starts the stack i
 
     python -m loadtest.llm_bench --start --concurrency 1,4,16 --max-tokens 64 --json out/llm.json
 
+``--start --engines cpu,vllm`` instead builds SmolLM2 once per engine (``smollm2_cpu``: ours,
+``smollm2_vllm``: vLLM's CPU build from ``.venv-vllm``) and reports each engine's tokens/s over the
+first one's, measured with the same client in the same run::
+
+    python -m loadtest.llm_bench --start --engines cpu,vllm --concurrency 1,4,16 --max-tokens 64
+
 Against a running stack: ``--url http://127.0.0.1:8000 --model smollm2 [--serial-model NAME]``.
 Each of C concurrent streams sends requests back to back (closed loop) for ``--requests`` rounds;
 every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, with a distinct prompt.
@@ -106,6 +112,27 @@ def prepare_repository(out: Path, dtype: str | None = None) -> list[str]:
     return [SMOLLM2_NAME, serial]
 
 
+def prepare_engines_repository(out: Path, engines: list[str], dtype: str | None = None) -> list[str]:
+    """SmolLM2 once per engine (``smollm2_<engine>``, same weights, hard-linked), ``engine`` forced."""
+    from model_repository.config_writer import read_config, write_config
+    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+
+    build_llm_models(out, tiny=False, smollm2=True)
+    names = []
+    for engine in engines:
+        name = f"{SMOLLM2_NAME}_{engine}"
+        shutil.copytree(out / SMOLLM2_NAME, out / name, copy_function=_link)
+        config = read_config(out / name)
+        config.name = name
+        config.parameters["engine"].string_value = engine
+        if dtype:
+            config.parameters["dtype"].string_value = dtype
+        write_config(config, out / name)
+        names.append(name)
+    shutil.rmtree(out / SMOLLM2_NAME)
+    return names
+
+
 def _link(src, dst):
     """Hard-link the big weight files; copy the rest (the config is rewritten, it must not be shared)."""
     import os
@@ -129,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per stream at each level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="with --start: the engine's dtype (default: the model's, auto)")
+    parser.add_argument("--engines", default=None, help="with --start: compare engines (e.g. cpu,vllm) instead of batching")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -140,21 +168,27 @@ def main(argv: list[str] | None = None) -> int:
 
             workdir = Path(tempfile.mkdtemp(prefix="llm_bench_"))
             repo = workdir / "model_repository"
-            names = prepare_repository(repo, args.dtype)
-            args.serial_model = args.serial_model or names[1]
+            if args.engines:
+                models = prepare_engines_repository(repo, [e.strip() for e in args.engines.split(",") if e.strip()], args.dtype)
+            else:
+                names = prepare_repository(repo, args.dtype)
+                args.serial_model = args.serial_model or names[1]
+                models = [args.model, args.serial_model]
             env = {
                 "INFERPLANE_AUTH": "off",
                 "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
                 "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts"),
             }
-            stack = start_stack(repo, workdir / "stack", env=env)
+            stack = start_stack(repo, workdir / "stack", env=env, timeout=900)  # vLLM warms up for minutes
             args.url = f"http://{stack.http}"
+        else:
+            models = [args.model] + ([args.serial_model] if args.serial_model else [])
         if not args.url:
             parser.error("--url or --start")
         url = args.url.rstrip("/") + "/v1/chat/completions"
         report = {"max_tokens": args.max_tokens, "requests_per_stream": args.requests, "levels": []}
         for c in levels:
-            for model in [args.model] + ([args.serial_model] if args.serial_model else []):
+            for model in models:
                 level = asyncio.run(run_level(url, model, c, args.requests, args.max_tokens))
                 report["levels"].append(level)
                 print(
@@ -163,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"errors={level['error_count']}",
                     flush=True,
                 )
+        if len(models) > 1 and not args.serial_model:
+            by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
+            report["ratio_to_" + models[0]] = {
+                m: {str(c): round(by[(m, c)]["tokens_per_s"] / by[(models[0], c)]["tokens_per_s"], 2) for c in levels if by[(models[0], c)]["tokens_per_s"]}
+                for m in models[1:]
+            }
+            print(f"tokens/s over {models[0]}:", report["ratio_to_" + models[0]])
         if args.serial_model:
             by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
             report["speedup"] = {
