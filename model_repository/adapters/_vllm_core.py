@@ -193,7 +193,7 @@ def server_environment(config: VLLMConfig, base: dict[str, str] | None = None) -
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if config.threads > 0:
         cores = cores[: config.threads]
-    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     env["OMP_NUM_THREADS"] = str(len(cores))  # Triton's model processes run with 1
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_bytes / (1 << 30))))
@@ -204,6 +204,19 @@ def server_environment(config: VLLMConfig, base: dict[str, str] | None = None) -
     env.pop("VIRTUAL_ENV", None)
     env["PATH"] = os.pathsep.join([str(Path(config.python).parent), env.get("PATH", "/usr/bin:/bin")])
     return env
+
+
+def cpu_list(cores: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``: the range form vLLM's documentation gives for its thread binding."""
+    parts, run = [], []
+    for core in sorted(set(cores)):
+        if run and core != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(core)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
 
 
 def _has_cuda() -> bool:

@@ -25,7 +25,7 @@ from model_repository.adapters._llm_common import (  # noqa: E402
     PRIORITY_LAST, PRIORITY_PARAMETER, RequestError, SamplingParams, request_priority,
 )  # fmt: skip
 from model_repository.adapters._vllm_core import (  # noqa: E402
-    EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, find_vllm_python, parse_metrics, request_body,
+    EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, cpu_list, find_vllm_python, parse_metrics, request_body,
     server_command, server_environment, speculative_config, vllm_unavailable,
 )  # fmt: skip
 
@@ -398,7 +398,8 @@ def test_the_server_environment_gives_the_engine_every_core():
     import os
 
     cores = sorted(os.sched_getaffinity(0))
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores)) and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(cores) and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert (cpu_list([0, 1]), cpu_list([3, 0, 1, 2, 7]), cpu_list([4])) == ("0-1", "0-3,7", "4")
     assert env["OMP_NUM_THREADS"] == str(len(cores))  # not Triton's 1
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # GiB, rounded up
     assert env["PATH"].split(os.pathsep)[0] == "/v/bin" and "VIRTUAL_ENV" not in env
