@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -442,6 +443,8 @@ class VLLMEngine:
         if self._sender is not None:
             self._outbox.put(None)
             self._sender.join(timeout=10)
+        if self.log_path is not None and proc is not None:  # its tail is in any start error already
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
     @staticmethod
     def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
