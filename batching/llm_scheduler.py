@@ -7,8 +7,9 @@ Pure and standard-library only (copied beside the LLM engine adapter, imported a
 2. ``finish`` for each sequence that ended (stop, length, cancel, deadline) or left the queue,
 3. ``schedule`` to learn which waiting sequences to prefill and add to the batch now.
 
-Policy: first come, first served, no skipping (a big request at the head of the queue is never
-starved by small ones behind it). A sequence is admitted when the batch has a free slot, its
+Policy: by priority (lower first: the frontend maps the caller's plan, paid tiers first), then first
+come, first served, no skipping (a big request at the head of the queue is never starved by small ones
+behind it, of its priority or a lower one). A sequence is admitted when the batch has a free slot, its
 worst case (``prompt + max_tokens``) fits next to the reservations of the running sequences,
 and the prompt tokens admitted this step stay under ``max_prefill_tokens`` (at least one
 sequence is always admitted when there is room, so a long prompt cannot stall). Reserving the
@@ -45,10 +46,15 @@ class Sequence:
     max_tokens: int
     submitted_step: int = 0
     admitted_step: int | None = None
+    priority: int = 0  # lower is admitted first
 
     @property
     def need(self) -> int:
         return self.prompt_tokens + self.max_tokens
+
+
+def _rank(seq: Sequence) -> int:
+    return seq.priority
 
 
 class QueueFull(RuntimeError):
@@ -89,28 +95,28 @@ class ContinuousBatchScheduler:
                 f"budget of {c.budget_tokens} tokens"
             )
 
-    def submit(self, seq_id: str, prompt_tokens: int, max_tokens: int) -> Sequence:
+    def submit(self, seq_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0) -> Sequence:
         self.check(prompt_tokens, max_tokens)
         if seq_id in self.waiting or seq_id in self.running:
             raise ValueError(f"sequence {seq_id!r} is already scheduled")
         if len(self.waiting) >= self.config.max_waiting:
             self.stats.rejected += 1
             raise QueueFull(f"{len(self.waiting)} sequences are already waiting for the KV budget")
-        seq = Sequence(seq_id, int(prompt_tokens), int(max_tokens), submitted_step=self.step)
+        seq = Sequence(seq_id, int(prompt_tokens), int(max_tokens), submitted_step=self.step, priority=int(priority))
         self.waiting[seq_id] = seq
         self.stats.submitted += 1
         self.stats.max_waiting_seen = max(self.stats.max_waiting_seen, len(self.waiting))
         return seq
 
     def schedule(self) -> list[Sequence]:
-        """The waiting sequences to admit now, in arrival order; they count as running from here on."""
+        """The waiting sequences to admit now, by priority then arrival; they count as running from here on."""
         admitted: list[Sequence] = []
         prefill = 0
         c = self.config
         while self.waiting and len(self.running) < c.max_running:
-            seq = next(iter(self.waiting.values()))
+            seq = min(self.waiting.values(), key=_rank)  # the first of the lowest priority (min is stable)
             if self.reserved + seq.need > c.budget_tokens:
-                break  # FIFO: the head waits for room; nothing behind it jumps ahead
+                break  # the head waits for room; nothing behind it jumps ahead
             if admitted and prefill + seq.prompt_tokens > c.max_prefill_tokens:
                 break
             del self.waiting[seq.id]

@@ -7,6 +7,12 @@ wait their turn, what a server without batching does) — and starts the stack i
 
     python -m loadtest.llm_bench --start --concurrency 1,4,16 --max-tokens 64 --json out/llm.json
 
+``--start --engines cpu,vllm`` instead builds SmolLM2 once per engine (``smollm2_cpu``: ours,
+``smollm2_vllm``: vLLM's CPU build from ``.venv-vllm``) and reports each engine's tokens/s over the
+first one's, measured with the same client in the same run::
+
+    python -m loadtest.llm_bench --start --engines cpu,vllm --concurrency 1,4,16 --max-tokens 64
+
 Against a running stack: ``--url http://127.0.0.1:8000 --model smollm2 [--serial-model NAME]``.
 Each of C concurrent streams sends requests back to back (closed loop) for ``--requests`` rounds;
 every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, with a distinct prompt.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
@@ -106,6 +113,67 @@ def prepare_repository(out: Path, dtype: str | None = None) -> list[str]:
     return [SMOLLM2_NAME, serial]
 
 
+def prepare_engines_repository(out: Path, engines: list[str], dtype: str | None = None) -> list[str]:
+    """SmolLM2 once per engine (``smollm2_<engine>``, same weights, hard-linked), ``engine`` forced."""
+    from model_repository.config_writer import read_config, write_config
+    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+
+    build_llm_models(out, tiny=False, smollm2=True)
+    names = []
+    for engine in engines:
+        name = f"{SMOLLM2_NAME}_{engine}"
+        shutil.copytree(out / SMOLLM2_NAME, out / name, copy_function=_link)
+        config = read_config(out / name)
+        config.name = name
+        config.parameters["engine"].string_value = engine
+        if dtype:
+            config.parameters["dtype"].string_value = dtype
+        write_config(config, out / name)
+        names.append(name)
+    shutil.rmtree(out / SMOLLM2_NAME)
+    return names
+
+
+STANDALONE = "vllm_standalone"
+
+
+def _start_standalone_vllm(model_dir: Path, workdir: Path):
+    """vLLM's OpenAI server on ``model_dir/1/hf`` with the command line and environment the adapter
+    uses for that model's parameters, outside Triton; returns (process, base URL) once it is healthy."""
+    import subprocess
+    import urllib.request
+
+    from model_repository.adapters._vllm_core import VLLMConfig, _free_port, server_command, server_environment
+    from model_repository.adapters._llm_common import native_cpu_dtype
+    from batching.kv_budget import parse_memory
+    from model_repository.config_writer import read_config
+    from server.runtime.triton_install import default_vllm_python
+
+    params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
+    config = VLLMConfig(
+        python=str(default_vllm_python()), served_name=STANDALONE, dtype=native_cpu_dtype(),
+        kv_cache_bytes=parse_memory(params.get("kv_cache_memory") or "1GiB"),
+        max_num_seqs=int(params.get("max_running") or 16), max_num_batched_tokens=int(params.get("max_prefill_tokens") or 4096),
+        max_model_len=int(params.get("max_model_len") or 0),
+    )  # fmt: skip
+    port = _free_port()
+    log = open(workdir / "vllm_standalone.log", "wb")
+    proc = subprocess.Popen(server_command(config, str(model_dir / "1" / "hf"), port), env=server_environment(config),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"standalone vLLM exited: {(workdir / 'vllm_standalone.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2):
+                return proc, base
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError("standalone vLLM did not come up")
+
+
 def _link(src, dst):
     """Hard-link the big weight files; copy the rest (the config is rewritten, it must not be shared)."""
     import os
@@ -129,33 +197,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per stream at each level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="with --start: the engine's dtype (default: the model's, auto)")
+    parser.add_argument("--engines", default=None, help="with --start: compare engines (e.g. cpu,vllm) instead of batching")
+    parser.add_argument("--vllm-standalone", action="store_true",
+                        help="with --engines: also vLLM's own OpenAI server, started as the adapter starts it (the raw engine)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     stack = None
     workdir = None
+    procs: list = []
     try:
         if args.start:
             from loadtest.stack import start_stack
 
             workdir = Path(tempfile.mkdtemp(prefix="llm_bench_"))
             repo = workdir / "model_repository"
-            names = prepare_repository(repo, args.dtype)
-            args.serial_model = args.serial_model or names[1]
+            if args.engines:
+                models = prepare_engines_repository(repo, [e.strip() for e in args.engines.split(",") if e.strip()], args.dtype)
+            else:
+                names = prepare_repository(repo, args.dtype)
+                args.serial_model = args.serial_model or names[1]
+                models = [args.model, args.serial_model]
             env = {
                 "INFERPLANE_AUTH": "off",
                 "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
                 "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts"),
             }
-            stack = start_stack(repo, workdir / "stack", env=env)
+            stack = start_stack(repo, workdir / "stack", env=env, timeout=900)  # vLLM warms up for minutes
             args.url = f"http://{stack.http}"
+        else:
+            models = [args.model] + ([args.serial_model] if args.serial_model else [])
         if not args.url:
             parser.error("--url or --start")
         url = args.url.rstrip("/") + "/v1/chat/completions"
+        urls = {m: url for m in models}
+        if args.vllm_standalone and args.start and args.engines:
+            standalone = _start_standalone_vllm(repo / models[-1], workdir)
+            procs.append(standalone[0])
+            models.append(STANDALONE)
+            urls[STANDALONE] = standalone[1] + "/v1/chat/completions"
         report = {"max_tokens": args.max_tokens, "requests_per_stream": args.requests, "levels": []}
         for c in levels:
-            for model in [args.model] + ([args.serial_model] if args.serial_model else []):
-                level = asyncio.run(run_level(url, model, c, args.requests, args.max_tokens))
+            for model in models:
+                level = asyncio.run(run_level(urls[model], model, c, args.requests, args.max_tokens))
                 report["levels"].append(level)
                 print(
                     f"{model:>16} c={c:<3} tok/s={level['tokens_per_s']:>8} ttft p50={level['ttft_ms']['p50']:.0f}ms "
@@ -163,6 +247,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"errors={level['error_count']}",
                     flush=True,
                 )
+        if len(models) > 1 and not args.serial_model:
+            by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
+            report["ratio_to_" + models[0]] = {
+                m: {str(c): round(by[(m, c)]["tokens_per_s"] / by[(models[0], c)]["tokens_per_s"], 2) for c in levels if by[(models[0], c)]["tokens_per_s"]}
+                for m in models[1:]
+            }
+            print(f"tokens/s over {models[0]}:", report["ratio_to_" + models[0]])
+            if STANDALONE in models and len(models) > 2:
+                platform = models[-2]  # the engine the standalone server mirrors
+                report["platform_over_standalone"] = {
+                    str(c): round(by[(platform, c)]["tokens_per_s"] / by[(STANDALONE, c)]["tokens_per_s"], 2)
+                    for c in levels if by[(STANDALONE, c)]["tokens_per_s"]
+                }  # fmt: skip
+                print(f"tokens/s of {platform} (through the platform) over vLLM standalone:", report["platform_over_standalone"])
         if args.serial_model:
             by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
             report["speedup"] = {
@@ -176,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         return 0
     finally:
+        for proc in procs:
+            import os
+            import signal
+
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
         if stack is not None:
             from loadtest.stack import stop_stack
 

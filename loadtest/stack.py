@@ -42,7 +42,9 @@ class Stack:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_stack(repository: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
+def start_stack(
+    repository: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S
+) -> Stack:
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "frontend.log"
     cmd = [
@@ -67,7 +69,7 @@ def start_stack(repository: Path, workdir: Path, *extra: str, env: dict[str, str
         done.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not done.wait(START_TIMEOUT_S) or "m" not in found:
+    if not done.wait(timeout) or "m" not in found:
         proc.kill()
         raise RuntimeError(f"stack did not become ready:\n{''.join(lines)}\n{log.read_text(errors='replace')[-4000:]}")
     m = found["m"]

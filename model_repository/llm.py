@@ -5,7 +5,7 @@ Each is written as a decoupled Python-backend model running ``adapters/llm_engin
     NAME/config.pbtxt        backend python, decoupled, BYTES text_input/messages/parameters -> text_output/info
     NAME/1/model.py          adapters/llm_engine.py
     NAME/1/_llm_core.py      our engine (continuous batching on CPU), + kv_budget.py, llm_scheduler.py
-    NAME/1/_vllm_core.py     the vLLM engine (GPUs), + _llm_common.py (what both engines share)
+    NAME/1/_vllm_core.py     the vLLM engine (its OpenAI server from .venv-vllm), + _llm_common.py (what both engines share)
     NAME/1/_common.py        the artifact digest check (shared with every adapter)
     NAME/1/hf/               config.json, model.safetensors, tokenizer files, chat template
     NAME/inferplane.json     metadata (format safetensors, sha256, KV bytes per token)
@@ -51,11 +51,14 @@ CACHE_DIR = Path(os.environ.get("INFERPLANE_CACHE", Path.home() / ".cache" / "in
 class EngineSettings:
     """What the engine adapter reads from the config's parameters.
 
-    ``engine``: ``auto`` runs vLLM where it is importable and a CUDA device is visible, our CPU
-    engine otherwise; ``vllm`` or ``cpu`` force one (``vllm`` fails to load without vLLM).
-    ``gpu_memory_utilization`` is vLLM's (the share of the GPU it takes for weights and KV
-    blocks); ``threads``, ``kv_cache_memory``, ``max_running`` and ``max_prefill_tokens`` are the
-    CPU engine's (vLLM schedules and pages its KV itself)."""
+    ``engine``: ``auto`` runs vLLM where its environment exists (``vllm_python`` or
+    ``$INFERPLANE_VLLM_PYTHON``; `make setup` builds ``.venv-vllm``), our CPU engine otherwise;
+    ``vllm`` or ``cpu`` force one (``vllm`` fails to load without vLLM). ``kv_cache_memory``,
+    ``max_running``, ``max_prefill_tokens`` and ``prefix_cache_tokens`` (0: off) apply to both
+    (vLLM: its KV cache, max_num_seqs, max_num_batched_tokens, prefix caching); ``threads`` and
+    ``prefix_block`` are the CPU engine's, ``vllm_*``, ``gpu_memory_utilization``,
+    ``speculative`` (``ngram``: prompt lookup, ``spec_tokens`` per step, off above
+    ``spec_max_batch`` running sequences) and ``max_loras`` (LoRA slots per batch) vLLM's."""
 
     engine: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -67,6 +70,15 @@ class EngineSettings:
     prefix_cache_tokens: int = 4096
     prefix_block: int = 16
     dtype: str = "float32"  # "auto": bfloat16 where the CPU/GPU computes it natively
+    vllm_python: str = ""  # "": $INFERPLANE_VLLM_PYTHON (the frontend sets it for Triton)
+    vllm_threads: int = 0  # cores for vLLM's model (0: all)
+    vllm_enforce_eager: bool = False  # skip torch.compile (start-up in seconds, slower steps)
+    max_model_len: int = 0  # vLLM's context window (0: the model's)
+    speculative: str = ""  # "ngram": prompt-lookup speculation (vLLM)
+    spec_tokens: int = 4
+    spec_max_batch: int = 0  # speculation off above this many running sequences (0: never off)
+    max_loras: int = 0  # LoRA adapters per batch (vLLM; 0: no adapters)
+    max_lora_rank: int = 16
 
     def parameters(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}
@@ -228,9 +240,11 @@ def convert_smollm2(out_dir: Path | None = None) -> Path:
 
 # The tiny model exists to test our engine (its scheduler, KV budget, records): CPU even on a GPU.
 TINY_SETTINGS = EngineSettings(engine="cpu", threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
-# vLLM on a GPU: a 135M model needs little of it, and a third leaves room for another engine there.
+# engine auto: vLLM's CPU build where `make setup` installed it (2.3-2.7x our engine's tokens/s, README);
+# on a GPU a 135M model needs little of it, and a third leaves room for another engine there.
 SMOLLM2_SETTINGS = EngineSettings(
-    threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto", gpu_memory_utilization=0.3
+    threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto", gpu_memory_utilization=0.3,
+    max_model_len=4096,
 )
 
 

@@ -238,11 +238,15 @@ class Frontend:
 
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
+        from server.transports.openai.endpoints import SSEPolicy
         from server.transports.rest.endpoints import create_app
         from server.transports.rest.http_errors import json_parse_errors
 
         s = self.settings
-        app = create_app(self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes)
+        app = create_app(
+            self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes,
+            sse=SSEPolicy(stall_s=s.sse_stall_s, heartbeat_s=s.sse_heartbeat_s),
+        )
         from server.transports.rest.status_page import STATUS
 
         app[STATUS] = self.observability

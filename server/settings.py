@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # models to load at start: names, or ["*"] for every model in the repository
     models: list[str] = ["*"]
     max_request_bytes: int = Field(64 << 20, ge=1024)
+    # OpenAI SSE streams: a client that takes no byte for sse_stall_s is disconnected (its generation cancelled
+    # and metered); a ": heartbeat" comment goes out after sse_heartbeat_s without an event (0: never)
+    sse_stall_s: float = Field(30.0, gt=0)
+    sse_heartbeat_s: float = Field(15.0, ge=0)
     triton_channels: int = Field(2, ge=1, le=64)
     # the embedded Triton (no triton_url): "process" — a supervised tritonserver child reached over
     # loopback gRPC (the default: BENCHMARKS.md §2 compares the two); "in-process" — libtritonserver

@@ -8,6 +8,7 @@ vLLM, and the vLLM path does not depend on the transformers internals the CPU en
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ class RequestError(ValueError):
     """The request cannot be served as asked (bad parameters, too long for the KV budget)."""
 
 
+# The engine's priority of a request (lower runs first and is preempted last) comes only from this
+# Triton request parameter, which the frontend sets from the caller's plan on its generation path and
+# refuses from callers (server/dataplane/validation.py); a request without it (raw OIP) runs last.
+PRIORITY_PARAMETER = "inferplane_priority"
+PRIORITY_LAST = 1000
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # what a generator takes (and the gRPC field holds)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -59,6 +65,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     deadline_ms: float | None = None  # relative to submission
+    priority: int = 0  # lower runs first and is preempted last: see PRIORITY_PARAMETER (not from the JSON)
+    lora: str = ""  # a LoRA adapter's name and folder (vLLM engine); not taken from requests yet
+    lora_path: str = ""
 
     @classmethod
     def parse(cls, doc: dict[str, Any], default_max_tokens: int) -> "SamplingParams":
@@ -96,6 +105,19 @@ class SamplingParams:
         )
 
 
+def request_priority(parameters_json: str) -> int:
+    """The priority the frontend set on a Triton request (its ``parameters()`` JSON), else PRIORITY_LAST."""
+    try:
+        value = json.loads(parameters_json or "{}").get(PRIORITY_PARAMETER)
+    except (ValueError, AttributeError):
+        return PRIORITY_LAST
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= PRIORITY_LAST:
+        return PRIORITY_LAST
+    return value
+
+
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template, ready for the answer."""
     if not isinstance(messages, list) or not messages:
@@ -111,3 +133,20 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer(check_text(prompt, "text_input"))["input_ids"])
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_cpu_dtype(flags: frozenset[str] | None = None) -> str:
+    """bfloat16 on a CPU with native bf16 dot products (AVX512-BF16 / AMX), float32 otherwise."""
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"

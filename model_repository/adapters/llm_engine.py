@@ -1,13 +1,15 @@
 """Triton Python-backend model (decoupled): streaming generation from a continuous-batching engine.
 
-The ``engine`` parameter picks it: ``auto`` (default) runs vLLM (``_vllm_core``) where vLLM is
-importable and a CUDA device is visible, our CPU engine (``_llm_core``) otherwise; ``vllm`` fails
-to load without vLLM; ``cpu`` always runs ours. Both take the same requests and send the same
+The ``engine`` parameter picks it: ``auto`` (default) runs vLLM (``_vllm_core``: vLLM's OpenAI
+server from its own environment, found by the ``vllm_python`` parameter or ``$INFERPLANE_VLLM_PYTHON``)
+where that environment exists, our CPU engine (``_llm_core``) otherwise; ``vllm`` fails to load
+without it; ``cpu`` always runs ours. Both take the same requests and send the same
 responses, so the frontend does not know which one runs.
 
 Inputs (all BYTES ``[1]``, optional): ``text_input`` (a raw prompt), ``messages`` (a JSON list of
 ``{role, content}``, rendered with the model's chat template), ``parameters`` (JSON: max_tokens,
-temperature, top_p, seed, stop, ignore_eos, deadline_ms; or ``{"command": "stats"}``).
+temperature, top_p, seed, stop, ignore_eos, deadline_ms; or ``{"command": "stats"}``). The request
+parameter ``inferplane_priority`` (set by the frontend from the caller's plan) orders the engine's queue.
 Outputs per response: ``text_output`` (the new text) and ``info`` (JSON). Responses stream one per
 token group; the last one carries the FINAL flag and ``info.finish_reason`` (stop | length |
 cancelled | deadline | error) with prompt/completion/cached token counts and the engine's step.
@@ -24,8 +26,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from _common import MAX_ERROR_CHARS, ArtifactMismatch, verify_artifact
-from _llm_common import RequestError, SamplingParams
-from _vllm_core import EngineUnavailable, choose_engine
+from _llm_common import RequestError, SamplingParams, request_priority
+from _vllm_core import EngineUnavailable, choose_engine, find_vllm_python, vllm_unavailable
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger(__name__)
@@ -139,16 +141,35 @@ def _cpu_engine(model_dir, params, hooks):
     return Engine(model_dir, config, hooks=hooks)
 
 
-def _vllm_engine(model_dir, params, hooks):
-    """vLLM schedules and pages its KV itself: of our CPU engine's settings only the defaults,
-    the dtype and whether prefixes are cached carry over (``prefix_cache_tokens`` 0 turns it off)."""
-    from _vllm_core import VLLMConfig, VLLMEngine
+def _vllm_engine(model_dir, params, hooks, name):
+    """vLLM's OpenAI server from its own environment (``_vllm_core``): our scheduler settings map to
+    its own (max_running -> max_num_seqs, max_prefill_tokens -> max_num_batched_tokens,
+    kv_cache_memory -> its CPU KV cache, prefix_cache_tokens 0 -> no prefix caching)."""
+    from kv_budget import parse_memory
+    from _llm_common import native_cpu_dtype
+    from _vllm_core import VLLMConfig, VLLMEngine, find_vllm_python
 
+    dtype = params.get("dtype") or "auto"
+    if dtype == "auto":
+        dtype = "bfloat16" if Path("/dev/nvidiactl").exists() else native_cpu_dtype()
     config = VLLMConfig(
+        python=find_vllm_python(params.get("vllm_python", "")),
+        served_name=name,
         default_max_tokens=int(params.get("default_max_tokens") or 256),
-        gpu_memory_utilization=float(params.get("gpu_memory_utilization") or 0.9),
-        dtype=params.get("dtype") or "auto",
+        dtype=dtype,
         prefix_caching=int(params.get("prefix_cache_tokens") or 4096) > 0,
+        threads=int(params.get("vllm_threads") or 0),
+        kv_cache_bytes=parse_memory(params.get("kv_cache_memory") or "1GiB"),
+        gpu_memory_utilization=float(params.get("gpu_memory_utilization") or 0.9),
+        max_num_seqs=int(params.get("max_running") or 16),
+        max_num_batched_tokens=int(params.get("max_prefill_tokens") or 4096),
+        max_model_len=int(params.get("max_model_len") or 0),
+        enforce_eager=(params.get("vllm_enforce_eager") or "").lower() in ("1", "true", "yes"),
+        speculative=params.get("speculative") or "",
+        spec_tokens=int(params.get("spec_tokens") or 4),
+        spec_max_batch=int(params.get("spec_max_batch") or 0),
+        max_loras=int(params.get("max_loras") or 0),
+        max_lora_rank=int(params.get("max_lora_rank") or 16),
     )
     return VLLMEngine(model_dir, config, hooks=hooks)
 
@@ -169,15 +190,22 @@ class TritonPythonModel:
         except ArtifactMismatch as err:
             raise pb_utils.TritonModelException(str(err)) from None
         try:
-            choice = choose_engine(params.get("engine") or "auto")
+            python = find_vllm_python(params.get("vllm_python", ""))
+            choice = choose_engine(params.get("engine") or "auto", lambda: vllm_unavailable(python))
         except (EngineUnavailable, ValueError) as err:
             raise pb_utils.TritonModelException(str(err)) from None
         try:
             hooks = _Hooks(args["model_name"])
         except Exception:  # noqa: BLE001 - metrics are optional (older stubs)
             hooks = None
-        self.engine = _vllm_engine(model_dir, params, hooks) if choice == "vllm" else _cpu_engine(model_dir, params, hooks)
-        self.engine.start()
+        if choice == "vllm":
+            self.engine = _vllm_engine(model_dir, params, hooks, args["model_name"])
+        else:
+            self.engine = _cpu_engine(model_dir, params, hooks)
+        try:
+            self.engine.start()
+        except Exception as err:  # the model fails to load, saying why (vLLM's log tail included)
+            raise pb_utils.TritonModelException(f"the {choice} engine did not start: {type(err).__name__}: {err}") from None
 
     def execute(self, requests):
         """Each request on its own: one that fails (its own mistake or not) answers only itself."""
@@ -221,6 +249,10 @@ class TritonPythonModel:
         else:
             ids = self.engine.encode_prompt(prompt)
         params = SamplingParams.parse(doc, self.engine.config.default_max_tokens)
+        try:  # the frontend's, from the caller's plan (never the caller's own JSON)
+            params.priority = request_priority(request.parameters())
+        except AttributeError:  # an older stub without request parameters
+            params.priority = request_priority("")
         request_id = request.request_id() or uuid.uuid4().hex
         self.engine.submit(f"{request_id}-{uuid.uuid4().hex[:8]}", ids, params, _Sink(sender))
 

@@ -31,9 +31,10 @@ from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import engine_error
+from server.dataplane.validation import PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.identity import CallContext
+from server.tenancy.identity import CallContext, plan_priority
 
 if TYPE_CHECKING:
     from server.dataplane.dataplane import DataPlane
@@ -181,6 +182,8 @@ class LLMService:
                 else:
                     _bytes_input(request, "text_input", params.prompt)
                 _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
+                principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
+                request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
                 call.request = request
                 # a little slack past the engine's own deadline, so the engine reports it
                 span, metadata = self._trace_call(call)

@@ -34,6 +34,12 @@ RESERVED_PARAMETERS = {
 }
 
 
+# the LLM engine's priority, set by the frontend from the caller's plan (server.dataplane.generation);
+# refused from callers, who would otherwise give themselves the paid tiers' place in the engine's queue
+# (model_repository/adapters/_llm_common.py reads it under the same name)
+PRIORITY_PARAMETER = "inferplane_priority"
+FRONTEND_PARAMETER_PREFIX = "inferplane_"
+
 # any other request parameter goes to the model, and Triton takes only these kinds for it
 CUSTOM_PARAMETER_KINDS = ("int64_param", "bool_param", "string_param")
 # tensor parameters: shared memory is not offered through the frontend (a region is Triton's, not
@@ -53,6 +59,8 @@ def check_parameters(request, violations: list[Violation]) -> None:
         kind = _kind(value)
         if not key:
             violations.append(Violation("parameters", "a parameter needs a name"))
+        elif key.startswith(FRONTEND_PARAMETER_PREFIX):
+            violations.append(Violation(f"parameters.{key}", "is set by the frontend, not by callers"))
         elif kind not in kinds:
             violations.append(Violation(f"parameters.{key}", f"expected {' or '.join(kinds)}, got {kind or 'no value'}"))
         elif key in ("priority", "timeout") and kind == "int64_param" and value.int64_param < 0:

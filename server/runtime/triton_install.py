@@ -88,4 +88,18 @@ class TritonInstallation:
         env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "/usr/bin:/bin")])
         # Model processes: one thread each for the math libraries unless the operator says otherwise.
         env.setdefault("OMP_NUM_THREADS", "1")
+        # The LLM adapter's vLLM engine runs from its own environment (numpy 2): `make setup` builds it
+        # beside this one; INFERPLANE_VLLM_PYTHON (passed through) names another.
+        vllm_python = default_vllm_python()
+        if vllm_python is not None:
+            env.setdefault(VLLM_PYTHON_ENV, str(vllm_python))
         return env
+
+
+VLLM_PYTHON_ENV = "INFERPLANE_VLLM_PYTHON"
+
+
+def default_vllm_python() -> Path | None:
+    """``.venv-vllm/bin/python`` beside this interpreter's environment, where `make setup` put it."""
+    candidate = Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
+    return candidate if candidate.is_file() else None

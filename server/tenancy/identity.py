@@ -34,6 +34,14 @@ PLAN_WEIGHTS: dict[str, float] = {"free": 1.0, "standard": 2.0, "premium": 4.0, 
 DEFAULT_PLAN = "standard"
 
 
+def plan_priority(plan: str) -> int:
+    """The LLM engine's priority of a plan: 0 for the heaviest weight, then 1, 2, ... (lower runs first
+    and, under KV-cache pressure, is preempted last); an unknown plan ranks with the lightest."""
+    ranked = sorted(set(PLAN_WEIGHTS.values()), reverse=True)
+    weight = PLAN_WEIGHTS.get(plan)
+    return ranked.index(weight) if weight is not None else len(ranked) - 1
+
+
 class KeyNotFound(ModelNotFound):
     """No such API key, or none that is still active (NOT_FOUND on both transports)."""
 

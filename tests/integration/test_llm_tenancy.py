@@ -53,6 +53,8 @@ def llm_tenancy(llm_repository, tmp_path_factory):
         "streamer": {},
         "stream_tpm": dict(quota=Quota(tpm=10)),
         "stream_one": dict(model_quotas={MODEL: Quota(concurrency=1)}),
+        "paying": dict(plan="premium"),
+        "freeloader": dict(plan="free"),
     }
     keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=[MODEL, EMBEDDINGS], **fields)[1] for name, fields in tenants.items()}
     env = {
@@ -370,3 +372,31 @@ def test_model_stream_infer_requests_count_against_concurrency_until_they_end(ll
     assert wait_until(answered_on_a_new_stream, timeout=30, interval=0.2)
     row = _usage(llm_tenancy, "stream_one", 2)  # the cancelled generation is metered with what it generated
     assert row["requests"] == 2 and 2 < row["output_tokens"] < 1900 + 2
+
+
+def test_the_callers_plan_is_the_engines_priority(llm_tenancy):
+    """The fair queue's plans reach the engine as priorities (premium 1 before free 3: the CPU engine
+    admits by it, vLLM schedules and preempts by it), from the frontend's request parameter; a caller
+    that names that parameter itself on the raw OIP path is refused."""
+
+    def last_record(tenant: str) -> dict:
+        _client(llm_tenancy, tenant).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+        return asyncio.run(_engine_stats(llm_tenancy, tenant))["records"][-1]
+
+    assert last_record("paying")["priority"] == 1
+    assert last_record("freeloader")["priority"] == 3
+    stream = _Stream(llm_tenancy, "freeloader")
+    try:
+        stream.send("claims-premium", 2, parameters={"inferplane_priority": 0})
+        _, _, final, error = stream.next()
+        assert final and "inferplane_priority" in error and "set by the frontend" in error, error
+    finally:
+        stream.close()
+
+
+async def _engine_stats(stack, tenant: str) -> dict:
+    headers = {"Authorization": f"Bearer {stack.keys[tenant]}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://{stack.http}/v2/models/{MODEL}/engine_stats", headers=headers) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()

@@ -104,3 +104,27 @@ def test_reservations_never_exceed_the_budget_under_churn():
             if rng.random() < 0.2:
                 s.finish(sid)
         s.advance()
+
+
+def test_a_lower_priority_value_is_admitted_first_and_fifo_holds_within_one():
+    s = sched(max_running=2)
+    s.submit("free0", 10, 10, priority=3)
+    s.submit("free1", 10, 10, priority=3)
+    s.submit("premium", 10, 10, priority=1)
+    s.submit("enterprise", 10, 10, priority=0)
+    assert ids(s.schedule()) == ["enterprise", "premium"]  # both arrived last, both go first
+    s.finish("enterprise")
+    s.finish("premium")
+    assert ids(s.schedule()) == ["free0", "free1"]
+    assert s.running["free0"].priority == 3
+
+
+def test_a_high_priority_head_that_does_not_fit_is_not_overtaken():
+    s = sched()
+    s.submit("running", 100, 300, priority=3)
+    assert ids(s.schedule()) == ["running"]
+    s.submit("free", 10, 10, priority=3)
+    s.submit("premium", 200, 600, priority=0)  # 800 does not fit next to 400
+    assert s.schedule() == []  # "free" would fit but must not starve the premium head
+    s.finish("running")
+    assert ids(s.schedule()) == ["premium", "free"]

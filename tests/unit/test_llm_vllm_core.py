@@ -1,16 +1,17 @@
-"""The vLLM engine's own logic without vLLM or a GPU, and the choice between the engines.
+"""The vLLM engine's own logic without vLLM, and the choice between the engines.
 
-vLLM is replaced by a small fake of the surface ``_vllm_core`` uses (``AsyncEngineArgs``,
-``AsyncLLMEngine.from_engine_args``, ``generate`` yielding cumulative ``RequestOutput``s,
-``abort``, ``shutdown``, ``SamplingParams``): what is tested is ours — deltas from cumulative
-text, finish reasons, aborts on cancel and deadline, the parameter mapping, the counts. That vLLM
-itself behaves as the fake does is checked on a GPU only (tests/integration/test_llm_vllm.py).
+``_vllm_core`` talks to vLLM's OpenAI server over HTTP; here that server is a small aiohttp fake of the
+part in use (``/health``, ``/version``, ``/v1/models``, ``/metrics``, ``/v1/completions`` streaming SSE
+with ``continuous_usage_stats``, ``/v1/load_lora_adapter``) that plays a script per request. What is
+tested is ours: deltas and one final response, finish reasons, aborts (a closed stream) on cancel and
+deadline, the request body (priority, LoRA, sampling), the server's command line and environment, the
+counts. That real vLLM behaves as the fake does is tests/integration/test_llm_vllm.py (every run).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import json
 import threading
 import time
 import types
@@ -18,81 +19,114 @@ import types
 import pytest
 
 pytest.importorskip("transformers")
+from aiohttp import web  # noqa: E402
 
-from model_repository.adapters._llm_common import RequestError, SamplingParams  # noqa: E402
+from model_repository.adapters._llm_common import (  # noqa: E402
+    PRIORITY_LAST, PRIORITY_PARAMETER, RequestError, SamplingParams, request_priority,
+)  # fmt: skip
 from model_repository.adapters._vllm_core import (  # noqa: E402
-    EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, vllm_unavailable,
+    EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, cpu_list, find_vllm_python, parse_metrics, request_body,
+    server_command, server_environment, speculative_config, vllm_unavailable,
 )  # fmt: skip
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
 
 
-# ---- a fake of the vLLM surface in use ------------------------------------------------------
+# ---- a fake of vLLM's OpenAI server -------------------------------------------------------------
 
 
-class _Completion:
-    def __init__(self, text, token_ids, finish_reason):
-        self.text, self.token_ids, self.finish_reason = text, token_ids, finish_reason
+class FakeVLLM:
+    """Plays ``script(body)`` per completion: (delta, completion_tokens, finish_reason) chunks, one
+    every ``delay`` s after ``first_delay`` s; ``status``/``error`` refuse the request instead."""
 
-
-class _Output:
-    def __init__(self, request_id, completion, cached):
-        self.request_id, self.outputs, self.finished = request_id, [completion], completion.finish_reason is not None
-        self.num_cached_tokens = cached
-
-
-class _FakeEngine:
-    """Plays ``script(prompt_ids, params)``: an iterable of cumulative (text, tokens, finish_reason),
-    one output every ``delay`` seconds; ``first_delay`` before the first (a queued request)."""
-
-    def __init__(self, args):
-        self.args = args
-        self.script = lambda prompt, params: [("Hi", 1, "stop")]
+    def __init__(self):
+        self.script = lambda body: [("Hi", 1, "stop")]
         self.delay = 0.0
         self.first_delay = 0.0
         self.cached = 0
-        self.calls, self.aborted, self.shut_down = [], [], False
-        self.model_config = types.SimpleNamespace(max_model_len=2048, dtype="torch.bfloat16")
-        self.vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(num_gpu_blocks=100, block_size=16))
+        self.refuse: tuple[int, str] | None = None
+        self.bodies: list[dict] = []
+        self.aborted: list[str] = []  # prompts (as str) whose stream the client closed before the end
+        self.loras: list[dict] = []
+        self.running = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.port = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+        assert self.ready.wait(10)
 
-    async def generate(self, prompt, params, request_id):
-        self.calls.append((prompt, params, request_id))
-        await asyncio.sleep(self.first_delay)
-        for text, tokens, reason in self.script(prompt["prompt_token_ids"], params):
-            if request_id in self.aborted:
-                return
-            await asyncio.sleep(self.delay)
-            yield _Output(request_id, _Completion(text, list(range(tokens)), reason), self.cached)
+    def _serve(self):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
 
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
+    async def _health(self, request):
+        return web.Response(text="")
 
-    def shutdown(self):
-        self.shut_down = True
+    async def _version(self, request):
+        return web.json_response({"version": "0.0-fake"})
 
+    async def _models(self, request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 2048}]})
 
-def _fake_vllm():
-    module = types.ModuleType("vllm")
-    module.__version__ = "0.0-fake"
-    module.engines = []
+    async def _metrics(self, request):
+        text = (
+            "# HELP vllm:num_requests_running x\n"
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+            'vllm:num_requests_waiting{model_name="m"} 0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            'vllm:num_preemptions_total{model_name="m"} 2\n'
+            'vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="m"} 5\n'
+        )
+        return web.Response(text=text)
 
-    class AsyncEngineArgs:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
+    async def _load_lora(self, request):
+        self.loras.append(await request.json())
+        return web.Response(text="ok")
 
-    class AsyncLLMEngine:
-        @classmethod
-        def from_engine_args(cls, args):
-            assert asyncio.get_running_loop()  # built on the engine's loop thread
-            module.engines.append(_FakeEngine(args))
-            return module.engines[-1]
-
-    class SamplingParamsFake:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    module.AsyncEngineArgs, module.AsyncLLMEngine, module.SamplingParams = AsyncEngineArgs, AsyncLLMEngine, SamplingParamsFake
-    return module
+    async def _complete(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        if self.refuse is not None:
+            status, message = self.refuse
+            return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": status}}, status=status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.running += 1
+        tokens = 0
+        try:
+            await asyncio.sleep(self.first_delay)
+            for delta, tokens, reason in self.script(body):
+                await asyncio.sleep(self.delay)
+                if request.transport is None or request.transport.is_closing():
+                    self.aborted.append(str(body["prompt"]))
+                    return resp
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens,
+                         "prompt_tokens_details": {"cached_tokens": self.cached}}  # fmt: skip
+                chunk = {"choices": [{"index": 0, "text": delta, "finish_reason": reason}], "usage": usage}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if reason is not None:
+                    await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.aborted.append(str(body["prompt"]))
+            raise
+        finally:
+            self.running -= 1
+        return resp
 
 
 class _Sink:
@@ -127,60 +161,66 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def engine(tiny_dir):
-    vllm = _fake_vllm()
-    e = VLLMEngine(tiny_dir, VLLMConfig(default_max_tokens=32, gpu_memory_utilization=0.5, dtype="auto"), vllm=vllm)
-    e.start()
-    e.fake = vllm.engines[-1]
+def fake():
+    f = FakeVLLM()
+    yield f
+    f.loop.call_soon_threadsafe(f.loop.stop)
+
+
+@pytest.fixture
+def engine(tiny_dir, fake):
+    e = VLLMEngine(tiny_dir, VLLMConfig(served_name="m", default_max_tokens=32, max_loras=2))
+    e.attach(fake.port)
     yield e
     e.stop()
 
 
-def _cumulative(text: str, reason: str | None = "stop"):
-    """One output per character: cumulative text, one token per character."""
-    steps = [(text[: i + 1], i + 1, None) for i in range(len(text))]
-    steps[-1] = (text, len(text), reason)
-    return steps
+def _wait(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 # ---- streaming -----------------------------------------------------------------------------------
 
 
-def test_cumulative_text_becomes_deltas_and_one_final(engine):
-    engine.fake.script = lambda prompt, params: [("He", 1, None), ("Hello", 2, None), ("Hello wor", 3, None), ("Hello world", 4, "stop")]
-    engine.fake.cached = 3
+def test_deltas_stream_and_one_final_carries_the_rest(engine, fake):
+    fake.script = lambda body: [("He", 1, None), ("llo", 2, None), (" wor", 3, None), ("ld", 4, "stop")]
+    fake.cached = 3
     prompt = engine.encode_chat(MESSAGES)
     sink = _Sink()
-    engine.submit("r1", prompt, SamplingParams(max_tokens=8, temperature=0), sink)
+    engine.submit("r1", prompt, SamplingParams(max_tokens=8, temperature=0, priority=1), sink)
     text, final = sink.wait()
     assert text == "Hello world"
-    assert sink.parts == ["He", "llo", " wor", "ld"]  # the final response carries the rest
+    assert sink.parts == ["He", "llo", " wor", "ld"]  # the last delta goes with the final response
     for info, tokens in zip(sink.infos[:-1], (1, 2, 3)):
-        assert info["prompt_tokens"] == len(prompt) and info["completion_tokens"] == tokens and info["step"] >= 1
-        assert "finish_reason" not in info
-    assert final["finish_reason"] == "stop"
+        assert info["prompt_tokens"] == len(prompt) and info["completion_tokens"] == tokens and "finish_reason" not in info
+    assert final["finish_reason"] == "stop" and final["priority"] == 1
     assert (final["prompt_tokens"], final["completion_tokens"], final["cached_tokens"]) == (len(prompt), 4, 3)
-    assert final["step"] >= sink.infos[-2]["step"]
     snap = engine.snapshot()
     assert snap["engine"] == "vllm" and snap["tokens_generated"] == 4 and snap["running"] == 0
     assert (snap["prefix_prompt_tokens"], snap["prefix_hit_tokens"]) == (len(prompt), 3)
-    assert snap["records"][-1]["id"] == "r1" and snap["records"][-1]["finish_reason"] == "stop"
-    # vLLM got our token ids, not text
-    sent_prompt, _, request_id = engine.fake.calls[-1]
-    assert sent_prompt == {"prompt_token_ids": prompt} and request_id == "r1"
+    assert snap["records"][-1]["id"] == "r1" and snap["vllm_version"] == "0.0-fake" and snap["max_model_len"] == 2048
+    # vLLM's own gauges, summed over labels (histogram buckets left out)
+    assert (snap["kv_utilization"], snap["preemptions"], snap["queue_depth"]) == (0.25, 2, 0)
+    # vLLM got our token ids (not text), the served name and the priority
+    body = fake.bodies[-1]
+    assert body["prompt"] == prompt and body["model"] == "m" and body["priority"] == 1 and body["stream"] is True
 
 
-def test_length_and_an_incomplete_utf8_character(engine):
-    engine.fake.script = lambda prompt, params: [("a\ufffd", 1, None), ("aé", 2, None), ("aéb", 3, "length")]
+def test_length_is_a_length_finish(engine, fake):
+    fake.script = lambda body: [("a", 1, None), ("é", 2, None), ("b", 3, "length")]
     sink = _Sink()
     engine.submit("r", [1, 2, 3], SamplingParams(max_tokens=3), sink)
     text, final = sink.wait()
-    assert sink.parts == ["a", "é", "b"] and text == "aéb"
-    assert final["finish_reason"] == "length" and final["completion_tokens"] == 3
+    assert text == "aéb" and final["finish_reason"] == "length" and final["completion_tokens"] == 3
 
 
-def test_a_finish_vllm_chose_itself_is_an_error(engine):
-    engine.fake.script = lambda prompt, params: [("x", 1, None), ("x", 1, "abort")]
+def test_a_finish_vllm_chose_itself_is_an_error(engine, fake):
+    fake.script = lambda body: [("x", 1, None), ("", 1, "abort")]
     sink = _Sink()
     engine.submit("r", [1, 2], SamplingParams(), sink)
     text, final = sink.wait()
@@ -188,116 +228,99 @@ def test_a_finish_vllm_chose_itself_is_an_error(engine):
     assert text == "x"  # what was streamed stays; no tail after an error
 
 
-def test_vllm_refusing_the_request_is_a_final_error(engine):
-    def script(prompt, params):
-        raise ValueError("prompt too long for this model")
-
-    engine.fake.script = script
+def test_vllm_refusing_the_request_is_an_invalid_request_final(engine, fake):
+    fake.refuse = (400, "This model's maximum context length is 2048 tokens")
     sink = _Sink()
     engine.submit("r", [1], SamplingParams(), sink)
     _, final = sink.wait()
-    assert final["finish_reason"] == "error" and "prompt too long" in final["error"]
-    assert engine.snapshot()["errors"] == 1
+    assert final["finish_reason"] == "error" and final["error"].startswith("invalid request: ")
+    assert "maximum context length" in final["error"]
+    fake.refuse = (500, "engine dead")
+    sink = _Sink()
+    engine.submit("r2", [1], SamplingParams(), sink)
+    _, final = sink.wait()
+    assert final["finish_reason"] == "error" and "vLLM answered 500: engine dead" in final["error"]
+    assert engine.snapshot()["errors"] == 2
 
 
 # ---- the caller gone, the deadline ------------------------------------------------------------
 
 
-def _endless(prompt, params):
-    return (("x" * n, n, None) for n in itertools.count(1))
+def _endless(body):
+    n = 0
+    while True:
+        n += 1
+        yield ("x", n, None)
 
 
-def test_cancel_aborts_in_vllm_and_finishes_cancelled(engine):
-    engine.fake.script, engine.fake.delay = _endless, 0.002
+def test_cancel_closes_the_stream_and_finishes_cancelled(engine, fake):
+    fake.script, fake.delay = _endless, 0.005
     sink = _Sink(cancel_after=5)
     engine.submit("gone", [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True), sink)
     text, final = sink.wait()
-    assert engine.fake.aborted == ["gone"]
-    assert final["finish_reason"] == "cancelled" and 5 <= final["completion_tokens"] < 100
+    assert final["finish_reason"] == "cancelled" and 5 <= final["completion_tokens"] < 1000
     assert text == "x" * len(text) and len(text) >= 5  # no tail after a cancel
+    assert _wait(lambda: fake.aborted == ["[1, 2, 3]"]), "vLLM's stream stayed open (it would keep generating)"
     snap = engine.snapshot()
     assert snap["cancelled"] == 1 and snap["aborted"] == 1 and snap["running"] == 0
 
 
-def test_deadline_aborts_in_vllm_and_finishes_deadline(engine):
-    engine.fake.script, engine.fake.delay = _endless, 0.002
+def test_deadline_closes_the_stream_and_finishes_deadline(engine, fake):
+    fake.script, fake.delay = _endless, 0.005
     sink = _Sink()
-    started = time.monotonic()
-    engine.submit("late", [1, 2, 3], SamplingParams(max_tokens=1000, deadline_ms=80), sink)
+    engine.submit("late", [4, 5], SamplingParams(max_tokens=1000, deadline_ms=80), sink)
     _, final = sink.wait()
-    assert time.monotonic() - started < 2
-    assert engine.fake.aborted == ["late"] and final["finish_reason"] == "deadline"
-    assert engine.snapshot()["deadline_exceeded"] == 1
+    assert final["finish_reason"] == "deadline" and engine.snapshot()["deadline_exceeded"] == 1
+    assert _wait(lambda: fake.aborted == ["[4, 5]"])
 
 
-def test_a_queued_request_without_outputs_still_sees_cancel_and_deadline(engine):
-    engine.fake.script, engine.fake.first_delay = _endless, 60  # vLLM sends nothing for a minute
+def test_a_queued_request_without_outputs_still_sees_cancel_and_deadline(engine, fake):
+    fake.script, fake.first_delay = _endless, 60  # vLLM sends nothing for a minute
     late = _Sink()
     engine.submit("late", [1], SamplingParams(deadline_ms=50), late)
     assert late.wait()[1]["finish_reason"] == "deadline"
     gone = _Sink()
-    engine.submit("gone", [1], SamplingParams(), gone)
+    engine.submit("gone", [2], SamplingParams(), gone)
     gone.cancel = True
     _, final = gone.wait()
     assert final["finish_reason"] == "cancelled" and final["completion_tokens"] == 0 and final["queue_ms"] is None
-    assert sorted(engine.fake.aborted) == ["gone", "late"]
 
 
-def test_stop_ends_requests_in_flight_and_shuts_vllm_down(tiny_dir):
-    vllm = _fake_vllm()
-    e = VLLMEngine(tiny_dir, VLLMConfig(), vllm=vllm)
-    e.start()
-    vllm.engines[-1].script, vllm.engines[-1].delay = _endless, 0.01
+def test_stop_ends_requests_in_flight(tiny_dir, fake):
+    e = VLLMEngine(tiny_dir, VLLMConfig(served_name="m"))
+    e.attach(fake.port)
+    fake.script, fake.delay = _endless, 0.01
     sink = _Sink()
     e.submit("r", [1], SamplingParams(max_tokens=1000), sink)
-    time.sleep(0.05)
+    assert _wait(lambda: len(sink.parts) >= 1)
     e.stop()
     _, final = sink.wait()
     assert final["finish_reason"] == "error" and "stopped" in final["error"]
-    assert vllm.engines[-1].shut_down
 
 
-# ---- parameters, engine arguments, limits --------------------------------------------------------
+# ---- LoRA, limits ----------------------------------------------------------------------------------
 
 
-def test_sampling_parameters_map_to_vllms(engine):
-    greedy = engine.sampling_params(SamplingParams(max_tokens=7, temperature=0, top_p=0.5, seed=3)).kwargs
-    assert greedy["temperature"] == 0 and greedy["top_p"] == 1.0 and greedy["seed"] is None
-    assert greedy["max_tokens"] == 7 and greedy["n"] == 1 and greedy["stop"] is None and greedy["ignore_eos"] is False
-    sampled = engine.sampling_params(
-        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=1234, stop=("\n\n", "END"), ignore_eos=True)
-    ).kwargs
-    assert (sampled["temperature"], sampled["top_p"], sampled["seed"]) == (0.7, 0.9, 1234)
-    assert sampled["stop"] == ["\n\n", "END"] and sampled["ignore_eos"] is True and sampled["max_tokens"] == 9
-    # the same mapping reaches vLLM through submit
-    engine.fake.script = lambda prompt, params: [("ok", 1, "stop")]
-    sink = _Sink()
-    engine.submit("p", [1, 2], SamplingParams.parse({"max_tokens": 5, "temperature": 0.5, "seed": 9, "stop": "x"}, 32), sink)
-    sink.wait()
-    assert engine.fake.calls[-1][1].kwargs == {
-        "n": 1, "max_tokens": 5, "temperature": 0.5, "top_p": 1.0, "seed": 9, "stop": ["x"], "ignore_eos": False,
-        "skip_special_tokens": True,
-    }  # fmt: skip
+def test_an_adapter_is_loaded_once_and_named_in_the_request(engine, fake, tmp_path):
+    fake.script = lambda body: [("ok", 1, "stop")]
+    for i in range(2):
+        sink = _Sink()
+        engine.submit(f"l{i}", [1, 2], SamplingParams(lora="tone", lora_path=str(tmp_path)), sink)
+        assert sink.wait()[1]["adapter"] == "tone"
+    assert fake.loras == [{"lora_name": "tone", "lora_path": str(tmp_path)}]
+    assert [b["model"] for b in fake.bodies] == ["tone", "tone"] and engine.snapshot()["loras"] == ["tone"]
 
 
-def test_engine_arguments_and_what_vllm_reports(engine, tiny_dir):
-    assert engine.fake.args.kwargs == {
-        "model": str(tiny_dir), "dtype": "auto", "gpu_memory_utilization": 0.5, "enable_prefix_caching": True,
-        "disable_log_stats": True,
-    }  # fmt: skip
-    snap = engine.snapshot()
-    assert (snap["max_model_len"], snap["kv_capacity_tokens"], snap["dtype"], snap["vllm_version"]) == (2048, 1600, "bfloat16", "0.0-fake")
-    assert engine.config.default_max_tokens == 32
-
-
-def test_requests_that_could_never_fit_are_refused_at_once(engine):
+def test_requests_that_could_never_fit_are_refused_at_once(engine, fake):
     with pytest.raises(RequestError, match="context window of 2048"):
         engine.submit("big", [1] * 100, SamplingParams(max_tokens=1949), _Sink())
     with pytest.raises(RequestError, match="empty"):
         engine.submit("empty", [], SamplingParams(), _Sink())
+    with pytest.raises(RequestError, match="has no folder"):
+        engine.submit("lora", [1], SamplingParams(lora="x"), _Sink())
     with pytest.raises(RequestError, match="non-empty list"):
         engine.encode_chat([])
-    assert engine.fake.calls == []
+    assert fake.bodies == []
 
 
 def test_chat_encoding_is_the_cpu_engines(engine, tiny_dir):
@@ -308,23 +331,120 @@ def test_chat_encoding_is_the_cpu_engines(engine, tiny_dir):
     assert engine.encode_chat(MESSAGES) == encode_chat(AutoTokenizer.from_pretrained(str(tiny_dir)), MESSAGES)
 
 
+# ---- the request body, the command line, the environment ----------------------------------------
+
+
+def test_sampling_parameters_map_to_vllms_request():
+    greedy = request_body("m", [1, 2], SamplingParams(max_tokens=7, temperature=0, top_p=0.5, seed=3))
+    assert greedy["temperature"] == 0.0 and "top_p" not in greedy and "seed" not in greedy and "stop" not in greedy
+    assert greedy["max_tokens"] == 7 and greedy["prompt"] == [1, 2] and greedy["priority"] == 0
+    parsed = SamplingParams.parse({"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "seed": 12, "stop": ["\n\n", "END"],
+                                   "ignore_eos": True, "priority": 0, "adapter_path": "/etc"}, 32)  # fmt: skip
+    assert (parsed.priority, parsed.lora_path) == (0, "")  # neither comes from the caller's JSON
+    parsed.priority = 3  # the adapter sets it from the frontend's request parameter
+    sampled = request_body("m", [1], parsed)
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"], sampled["priority"]) == (0.7, 0.9, 12, 3)
+    assert sampled["stop"] == ["\n\n", "END"] and sampled["ignore_eos"] is True
+    assert sampled["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_the_priority_comes_from_the_frontends_request_parameter():
+    assert request_priority('{"inferplane_priority": 1}') == 1
+    assert request_priority('{"inferplane_priority": "2"}') == 2
+    for untrusted in ("", "{}", "not json", "[]", '{"inferplane_priority": -1}', '{"inferplane_priority": true}',
+                      '{"inferplane_priority": 5000}', '{"priority": 0}'):  # fmt: skip
+        assert request_priority(untrusted) == PRIORITY_LAST, untrusted
+
+
+def test_the_frontend_and_the_engine_name_the_same_parameter():
+    from server.dataplane.validation import PRIORITY_PARAMETER as FRONTEND
+
+    assert FRONTEND == PRIORITY_PARAMETER
+
+
+def test_the_server_command_line(tmp_path):
+    config = VLLMConfig(python="/x/bin/python", served_name="chat", dtype="bfloat16", max_model_len=2048, enforce_eager=True,
+                        max_num_seqs=8, max_num_batched_tokens=1024, max_loras=4, max_lora_rank=8)  # fmt: skip
+    argv = server_command(config, "/models/chat/hf", 18123)
+    assert argv[:3] == ["/x/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+
+    def value(flag):
+        return argv[argv.index(flag) + 1]
+
+    assert (value("--model"), value("--served-model-name"), value("--port"), value("--host")) == ("/models/chat/hf", "chat", "18123", "127.0.0.1")
+    assert (value("--dtype"), value("--max-model-len"), value("--max-num-seqs"), value("--max-num-batched-tokens")) == ("bfloat16", "2048", "8", "1024")
+    assert value("--scheduling-policy") == "priority"  # the plans' priorities order vLLM's queue and preemption
+    assert "--enforce-eager" in argv and "--enable-prefix-caching" in argv
+    assert (value("--max-loras"), value("--max-lora-rank")) == ("4", "8") and "--enable-lora" in argv
+    assert "--speculative-config" not in argv
+    off = server_command(VLLMConfig(python="p", prefix_caching=False), "d", 1)
+    assert "--no-enable-prefix-caching" in off and "--enable-lora" not in off and "--enforce-eager" not in off
+
+
+def test_ngram_speculation_turns_off_above_the_configured_batch():
+    assert speculative_config(VLLMConfig()) is None
+    spec = speculative_config(VLLMConfig(speculative="ngram", spec_tokens=3, spec_max_batch=4, max_num_seqs=16))
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 16, 0]]
+    assert "num_speculative_tokens_per_batch_size" not in speculative_config(VLLMConfig(speculative="ngram"))
+    argv = server_command(VLLMConfig(python="p", speculative="ngram"), "d", 1)
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "ngram"
+    with pytest.raises(ValueError, match="'' or 'ngram'"):
+        speculative_config(VLLMConfig(speculative="eagle"))
+
+
+def test_the_server_environment_gives_the_engine_every_core():
+    env = server_environment(VLLMConfig(python="/v/bin/python", kv_cache_bytes=3 << 29), {"PATH": "/usr/bin", "VIRTUAL_ENV": "/p", "OMP_NUM_THREADS": "1"})
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(cores) and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert (cpu_list([0, 1]), cpu_list([3, 0, 1, 2, 7]), cpu_list([4])) == ("0-1", "0-3,7", "4")
+    assert env["OMP_NUM_THREADS"] == str(len(cores))  # not Triton's 1
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # GiB, rounded up
+    assert env["PATH"].split(os.pathsep)[0] == "/v/bin" and "VIRTUAL_ENV" not in env
+    one = server_environment(VLLMConfig(python="p", threads=1), {})
+    assert one["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0]) and one["OMP_NUM_THREADS"] == "1"
+
+
+def test_metrics_are_summed_over_labels():
+    text = 'vllm:num_requests_running{model_name="a"} 2\nvllm:num_requests_running{model_name="b"} 1\n' \
+           'vllm:x_bucket{le="1"} 9\nother 5\nvllm:bad{} nan-ish\n'  # fmt: skip
+    assert parse_metrics(text) == {"vllm:num_requests_running": 3.0}
+
+
 # ---- which engine -----------------------------------------------------------------------------------
 
 
-def test_auto_takes_the_cpu_engine_where_vllm_cannot_run():
-    assert vllm_unavailable() is not None  # this machine: no vllm, no CUDA
-    assert choose_engine("auto") == "cpu"
-    assert choose_engine("") == "cpu"
-    assert choose_engine("auto", probe=lambda: "no CUDA device is visible") == "cpu"
+def _fake_env(root):
+    (root / "bin").mkdir(parents=True)
+    python = root / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    return python
+
+
+def test_vllm_is_found_by_its_environment_on_disk(tmp_path, monkeypatch):
+    monkeypatch.delenv("INFERPLANE_VLLM_PYTHON", raising=False)
+    assert "no vLLM environment is configured" in vllm_unavailable("")
+    assert "does not exist" in vllm_unavailable(str(tmp_path / "none" / "python"))
+    python = _fake_env(tmp_path / "env")
+    assert "vllm is not installed" in vllm_unavailable(str(python))
+    package = tmp_path / "env" / "lib" / "python3.11" / "site-packages" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    assert vllm_unavailable(str(python)) is None
+    assert find_vllm_python("", {"INFERPLANE_VLLM_PYTHON": " /e/python "}) == "/e/python"
+    assert find_vllm_python("/mine", {"INFERPLANE_VLLM_PYTHON": "/e/python"}) == "/mine"
+
+
+def test_auto_takes_vllm_where_it_can_run_and_the_cpu_engine_elsewhere():
+    assert choose_engine("auto", probe=lambda: "no vLLM environment") == "cpu"
+    assert choose_engine("", probe=lambda: "no vLLM environment") == "cpu"
     assert choose_engine("auto", probe=lambda: None) == "vllm"
     assert choose_engine("vllm", probe=lambda: None) == "vllm"
-
-
-def test_vllm_asked_for_where_it_cannot_run_is_a_clear_error():
-    with pytest.raises(EngineUnavailable, match="engine 'vllm' was asked for, but vLLM cannot run here: vllm is not installed"):
-        choose_engine("vllm")
-    with pytest.raises(EngineUnavailable, match="no CUDA device"):
-        choose_engine("vllm", probe=lambda: "no CUDA device is visible")
+    with pytest.raises(EngineUnavailable, match="engine 'vllm' was asked for, but vLLM cannot run here: gone"):
+        choose_engine("vllm", probe=lambda: "gone")
 
 
 def test_cpu_never_probes_and_unknown_names_are_refused():
@@ -357,7 +477,6 @@ def _fake_pb_utils():
 def load_adapter(monkeypatch, tmp_path, tiny_dir):
     """Write a model with llm.py, import its model.py as the Python backend would, initialize it."""
     import importlib.util
-    import json
     import sys
 
     from google.protobuf.json_format import MessageToDict
@@ -367,6 +486,7 @@ def load_adapter(monkeypatch, tmp_path, tiny_dir):
 
     before = set(sys.modules)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
+    monkeypatch.delenv("INFERPLANE_VLLM_PYTHON", raising=False)
     loaded = []
 
     def load(**settings):
@@ -391,13 +511,15 @@ def load_adapter(monkeypatch, tmp_path, tiny_dir):
         del sys.modules[name]
 
 
-def test_the_adapter_refuses_to_load_with_vllm_where_it_cannot_run(load_adapter):
-    with pytest.raises(_TritonModelException, match="engine 'vllm' was asked for, but vLLM cannot run here"):
+def test_the_adapter_refuses_to_load_with_vllm_where_it_has_no_environment(load_adapter, tmp_path):
+    with pytest.raises(_TritonModelException, match="engine 'vllm' was asked for, but vLLM cannot run here: no vLLM environment"):
         load_adapter(engine="vllm")
+    with pytest.raises(_TritonModelException, match="does not exist"):
+        load_adapter(engine="vllm", vllm_python=str(tmp_path / "nowhere" / "python"))
     with pytest.raises(_TritonModelException, match="one of auto, vllm, cpu"):
         load_adapter(engine="gpu")
 
 
-def test_the_adapter_runs_the_cpu_engine_for_auto_here(load_adapter):
+def test_the_adapter_runs_the_cpu_engine_for_auto_without_vllms_environment(load_adapter):
     model = load_adapter(engine="auto")
     assert type(model.engine).__name__ == "Engine" and model.engine.snapshot()["engine"] == "cpu"

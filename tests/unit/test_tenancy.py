@@ -6,7 +6,9 @@ import pytest
 
 from server.errors import Unauthenticated
 from server.tenancy.quota_policy import Quota
-from server.tenancy.identity import KeyEntry, KeyRing, Tenant, bearer_token, hash_key, key_id_of, new_key
+from server.tenancy.identity import (
+    PLAN_WEIGHTS, KeyEntry, KeyRing, Tenant, bearer_token, hash_key, key_id_of, new_key, plan_priority,
+)
 from server.tenancy.store import TenancyStore, UsageRecord
 
 PEPPER = b"test-pepper"
@@ -110,3 +112,11 @@ def test_store_usage_sums_by_tenant_team_and_model(tmp_path):
     assert [r["model"] for r in store.usage("model")] == ["m1", "m2"]
     with pytest.raises(ValueError):
         store.usage("colour")
+
+
+def test_plans_map_to_engine_priorities_heaviest_first():
+    """The fair queue's weights order the LLM engine's priorities (0 first, preempted last)."""
+    assert [plan_priority(p) for p in ("enterprise", "premium", "standard", "free")] == [0, 1, 2, 3]
+    assert plan_priority("no-such-plan") == plan_priority("free")  # unknown ranks with the lightest
+    heavier_first = sorted(PLAN_WEIGHTS, key=PLAN_WEIGHTS.get, reverse=True)
+    assert [plan_priority(p) for p in heavier_first] == sorted(plan_priority(p) for p in PLAN_WEIGHTS)

@@ -166,3 +166,16 @@ def test_parameters_triton_would_refuse_are_refused_here_naming_the_parameter():
     violations = []
     check_parameters(good, violations)
     assert violations == []
+
+
+def test_the_engine_priority_parameter_is_the_frontends_not_the_callers():
+    """A caller naming it (raw OIP to an LLM) would give itself the paid tiers' place in the engine's queue."""
+    from server.dataplane.validation import PRIORITY_PARAMETER, check_parameters
+
+    request = pb.ModelInferRequest(model_name="llm")
+    request.parameters[PRIORITY_PARAMETER].int64_param = 0
+    request.parameters["inferplane_anything"].string_param = "x"
+    violations = []
+    check_parameters(request, violations)
+    assert {v.field for v in violations} == {f"parameters.{PRIORITY_PARAMETER}", "parameters.inferplane_anything"}
+    assert all("set by the frontend" in v.description for v in violations)

@@ -9,7 +9,12 @@ Flow control: a relay task reads the engine's stream as fast as it comes (so Tri
 waits on a slow client) into a bounded per-stream buffer; when the buffer is full its pending
 text deltas are merged into one chunk, so memory stays bounded and other streams never block.
 The writer sends what is pending, waiting for the socket to drain; a client that does not
-read for ``STALL_S`` or disconnects cancels the generation (and its Triton stream).
+read for ``SSEPolicy.stall_s`` (30 s) or disconnects cancels the generation (and its Triton stream;
+the tokens generated so far are charged and metered). A stream with nothing to send for
+``SSEPolicy.heartbeat_s`` (15 s) gets an SSE comment (``: heartbeat``), which clients ignore and which
+keeps idle-timing proxies from closing a slow prefill or a long queue wait: when the first chunk is
+that late the response's headers go out first (200), so an error after that travels in the stream.
+Both come from ``Settings`` (``sse_stall_s``, ``sse_heartbeat_s``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -36,7 +42,16 @@ log = logging.getLogger(__name__)
 LLM: web.AppKey[LLMService] = web.AppKey("llm_service", LLMService)
 SSE = "text/event-stream"
 MAX_PENDING_CHUNKS = 64  # per stream, before pending deltas are merged
-STALL_S = 30.0  # a client that reads nothing for this long is treated as gone
+HEARTBEAT = b": heartbeat\n\n"
+
+
+@dataclass(frozen=True)
+class SSEPolicy:
+    stall_s: float = 30.0  # a client that takes no byte for this long is disconnected
+    heartbeat_s: float = 15.0  # a comment after this long without an event (0: never)
+
+
+SSE_POLICY: web.AppKey[SSEPolicy] = web.AppKey("sse_policy", SSEPolicy)
 DISCONNECT_POLL_S = 0.05
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -197,18 +212,58 @@ class _Pending:
         return items
 
 
-async def _stream(request: web.Request, first: Chunk, rest, render, include_usage: bool) -> web.StreamResponse:
-    """Send ``first`` and the rest of the engine's chunks as SSE; ``render(chunk)`` -> list of events."""
+def _policy(request: web.Request) -> SSEPolicy:
+    return request.app.get(SSE_POLICY) or SSEPolicy()
+
+
+async def _open_stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await response.prepare(request)
     if request.transport is not None:
         request.transport.set_write_buffer_limits(high=64 << 10)
+    return response
+
+
+async def _stream_sse(request: web.Request, stream, render, include_usage: bool) -> web.StreamResponse:
+    """The engine's stream as SSE. The first chunk is awaited before any byte is sent (an error
+    there is the error table's HTTP status) for up to ``heartbeat_s``; past that the headers go out,
+    heartbeats keep the connection busy and an error comes as an in-stream event."""
+    policy = _policy(request)
+    first = asyncio.ensure_future(_first(stream))
+    if policy.heartbeat_s <= 0:
+        await first
+    else:
+        await asyncio.wait({first}, timeout=policy.heartbeat_s)
+    if first.done():
+        first.result()  # an error before the first event: an HTTP status
+        return await _stream(request, first, stream, render, include_usage, policy)
+    try:
+        response = await _open_stream(request)
+        await response.write(HEARTBEAT)
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+        raise
+    return await _stream(request, first, stream, render, include_usage, policy, response)
+
+
+async def _stream(
+    request: web.Request, first: asyncio.Future, rest, render, include_usage: bool, policy: SSEPolicy,
+    response: web.StreamResponse | None = None,
+) -> web.StreamResponse:
+    """Send the chunk ``first`` resolves to and the rest of the engine's chunks as SSE; ``render(chunk)``
+    -> list of events."""
+    if response is None:
+        response = await _open_stream(request)
     pending = _Pending()
-    pending.put(first)
 
     async def relay() -> None:
         try:
-            if first.finish_reason is None:
+            head = await first
+            pending.put(head)
+            if head.finish_reason is None:
                 async for chunk in rest:
                     pending.put(chunk)
         except InferplaneError as err:
@@ -224,7 +279,14 @@ async def _stream(request: web.Request, first: Chunk, rest, render, include_usag
     async def write() -> None:
         last: Chunk | None = None
         while True:
-            items = await pending.take()
+            if policy.heartbeat_s > 0:
+                try:
+                    items = await asyncio.wait_for(pending.take(), policy.heartbeat_s)
+                except asyncio.TimeoutError:
+                    await asyncio.wait_for(response.write(HEARTBEAT), policy.stall_s)
+                    continue
+            else:
+                items = await pending.take()
             if not items and pending.closed:
                 break
             parts = []
@@ -235,7 +297,7 @@ async def _stream(request: web.Request, first: Chunk, rest, render, include_usag
                 else:
                     parts.append(item)
             data = b"".join(b"data: " + json.dumps(p, separators=(",", ":")).encode() + b"\n\n" for p in parts)
-            await asyncio.wait_for(response.write(data), STALL_S)
+            await asyncio.wait_for(response.write(data), policy.stall_s)
         if include_usage and last is not None and last.finish_reason is not None:
             await response.write(b"data: " + json.dumps(render.usage(last)).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -249,9 +311,9 @@ async def _stream(request: web.Request, first: Chunk, rest, render, include_usag
             with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
                 write_task.result()
     finally:
-        for task in (relay_task, write_task, watch_task):
+        for task in (relay_task, write_task, watch_task, first):
             task.cancel()
-        await asyncio.gather(relay_task, write_task, watch_task, return_exceptions=True)
+        await asyncio.gather(relay_task, write_task, watch_task, first, return_exceptions=True)
         with contextlib.suppress(Exception):
             await rest.aclose()
     with contextlib.suppress(ConnectionError):
@@ -368,9 +430,8 @@ async def _generate(request: web.Request, doc: dict, model: str, params: Generat
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     stream = svc.generate(model, params, ctx=ctx)
     if stream_mode:
-        first = await _first(stream)
         render_cls = _ChatRender if chat else _CompletionRender
-        return await _stream(request, first, stream, render_cls(cid, model, created, include_usage), include_usage)
+        return await _stream_sse(request, stream, render_cls(cid, model, created, include_usage), include_usage)
     text, last = await _whole(request, stream)
     finish = _FINISH.get(last.finish_reason, last.finish_reason)
     if chat:

@@ -21,7 +21,7 @@ from server.transports.rest import codec as rest_codec
 from server.dataplane.dataplane import DataPlane
 from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, error_body, http_error
 from server.dataplane.metrics import Metrics
-from server.transports.openai.endpoints import LLM
+from server.transports.openai.endpoints import LLM, SSE_POLICY, SSEPolicy
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
 from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
 from server.transports.rest.appkeys import DATAPLANE, MAX_BODY, METRICS, OPENAPI
@@ -289,8 +289,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return _error(InferplaneError(f"internal error ({type(exc).__name__})"), request)
 
 
-def create_app(dataplane: DataPlane, metrics: Metrics, *, max_body_bytes: int) -> web.Application:
+def create_app(dataplane: DataPlane, metrics: Metrics, *, max_body_bytes: int, sse: SSEPolicy | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app[SSE_POLICY] = sse or SSEPolicy()
     app[DATAPLANE] = dataplane
     app[METRICS] = metrics
     app[MAX_BODY] = max_body_bytes
