@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
+from server.errors import InferplaneError
 from server.dataplane.dataplane import DataPlane
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
@@ -164,6 +165,14 @@ class Frontend:
             else:
                 await self.dataplane.load_model(name)
                 log.info("model %s ready", name)
+        from server.dataplane.composite import read_plan_files
+
+        for plan in read_plan_files(self.settings.model_repository):  # composite endpoints (their parts loaded above)
+            try:
+                self.dataplane.composites.install(plan)
+                log.info("composite %s:%s ready (%s)", plan.name, plan.version, plan.mode)
+            except InferplaneError as err:
+                log.error("composite %s:%s not installed: %s", plan.name, plan.version, err.message)
 
     async def _start_grpc(self) -> None:
         s = self.settings

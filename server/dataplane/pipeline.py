@@ -157,7 +157,7 @@ class Pipeline:
             if ctx is not None:
                 ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
-            if not principal.tenant.may_use(call.name):
+            if not granted(principal, call.name, ctx):
                 raise ModelNotFound(f"unknown model '{call.name}'")
             if trace is not None:
                 trace.hop("auth")
@@ -331,6 +331,12 @@ class _Admitted:
         if exc is None and exc_type is not None:
             exc = exc_type()
         await self.pipeline.exit(self.call, exc)
+
+
+def granted(principal: Principal, name: str, ctx: CallContext | None) -> bool:
+    """May this principal call ``name``? A composite's node call is covered by the composite's grant."""
+    tenant = principal.tenant
+    return tenant.may_use(name) or (ctx is not None and bool(ctx.via) and ctx.preauthenticated and tenant.may_use(ctx.via))
 
 
 def model_slots(signature: ModelSignature) -> int:
