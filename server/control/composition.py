@@ -313,6 +313,7 @@ def check_graph(spec: CompositeSpec) -> list[str]:
                 raise _bad(f"nodes.{i}.router.routes.{label}", f"{target!r} is a router; a branch is a model, op or endpoint node")
             if gated.get(target) != n.name:
                 raise _bad(f"nodes.{i}.router.routes.{label}", f"{target!r} is a branch of two routers")
+    order = topological_order(spec)
     used: set[str] = set()
     for n in spec.nodes:
         for where, ref in node_refs(spec, n):
@@ -338,7 +339,7 @@ def check_graph(spec: CompositeSpec) -> list[str]:
     for t in spec.inputs:
         if t.name not in read_inputs:
             raise _bad("inputs", f"no node reads the input {t.name!r}")
-    return topological_order(spec)
+    return order
 
 
 def topological_order(spec: CompositeSpec) -> list[str]:
