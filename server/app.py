@@ -68,6 +68,7 @@ class Frontend:
         self.deployer = None
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
         self.observability = None  # server.control.observability.Observability (issue 19)
+        self.batches = None  # server.control.batches.BatchStore (issue 20), with the registry
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -107,6 +108,7 @@ class Frontend:
 
             self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
             await self.traffic.start()
+            self._start_batches()
         self.metrics.triton_up.set(1)
         self._start_observability()
         if not s.worker:
@@ -127,6 +129,16 @@ class Frontend:
         if s.gc_freeze:
             gc_pauses.settle()
         await self._set_serving(True)
+
+    def _start_batches(self) -> None:
+        """Batch jobs (server.control.batches): the store over the registry's database and artifacts, one worker."""
+        from server.control.batches import BatchStore, BatchWorker
+        from server.transports.openai.batches import row_runner
+
+        s = self.settings
+        self.batches = BatchStore(self.registry.engine, self.registry.store)
+        worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency, poll_s=s.batch_poll_s)
+        self._tasks.append(asyncio.create_task(worker.run(), name="batch-worker"))
 
     def _start_observability(self) -> None:
         """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.observability)."""
@@ -228,6 +240,10 @@ class Frontend:
         from server.transports.rest.status_page import STATUS
 
         app[STATUS] = self.observability
+        if self.batches is not None:
+            from server.transports.openai.batches import BATCHES
+
+            app[BATCHES] = self.batches
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()

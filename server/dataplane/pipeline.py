@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
+from batching.fair_queue import BATCH, AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
 from server.dataplane.circuit_breaker import BreakerSet, CircuitBreaker
 from server.dataplane.metrics import UNKNOWN_MODEL_LABEL, Metrics
 from server.dataplane.routing import Router
@@ -51,7 +51,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
-        "trace", "answer",
+        "trace", "answer", "batch",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -84,6 +84,7 @@ class AdmittedCall:
         self.closed = False
         self.trace = None  # server.dataplane.tracing.RequestTrace when this request is sampled
         self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
+        self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
 
     @property
     def tenant(self) -> Tenant:
@@ -190,7 +191,9 @@ class Pipeline:
             breaker = call.breaker = self.breakers[f"{self.replica}/{call.name}/{call.version}"]
             breaker.before()  # an open circuit refuses before the request waits anywhere
             try:
-                if queue.try_acquire():
+                if call.batch:  # only capacity real-time traffic leaves (batching.fair_queue)
+                    await self._wait_batch(call, queue, tenant)
+                elif queue.try_acquire():
                     self.metrics.admitted(call.name, "direct")
                 else:
                     await self._wait(call, queue, tenant, timeout)
@@ -218,7 +221,7 @@ class Pipeline:
         try:
             now = time.perf_counter()
             if call.admitted:
-                call.queue.release(now - call.dispatched_at)
+                call.queue.release(now - call.dispatched_at, batch=call.batch)
             if call.breaker is not None:
                 self._breaker_outcome(call, err)
             if call.inflight is not None:
@@ -235,6 +238,7 @@ class Pipeline:
                 self.meter.record(
                     tenant.name, tenant.team, call.name, call.version,
                     input_tokens=call.tokens_in, output_tokens=call.tokens_out, compute_us=int(compute_s * 1e6),
+                    **({"traffic_class": BATCH} if call.batch else {}),
                 )  # fmt: skip
         finally:
             resolved = call.label != UNKNOWN_MODEL_LABEL
@@ -278,6 +282,17 @@ class Pipeline:
         self.metrics.waited(call.name, time.perf_counter() - waited)
         if timeout is not None:
             call.timeout = max(0.0, timeout - (time.perf_counter() - waited))
+
+    async def _wait_batch(self, call: AdmittedCall, queue: FairQueue, tenant: Tenant) -> None:
+        """A batch row: a slot no real-time request is waiting for, within the batch class's share."""
+        if queue.try_acquire_batch():
+            return
+        try:
+            await queue.acquire_batch(tenant.name, tenant.weight, call.timeout)
+        except QueueFull as refused:
+            raise Overloaded(refused.message, retry_after_s=refused.retry_after_s) from None
+        except DeadlineUnmeetable as refused:
+            raise DeadlineExceeded(refused.message) from None
 
     def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
         queue = self.queues.get(name)

@@ -241,7 +241,7 @@ class Gatekeeper:
         return self.keyring is not None
 
     def authenticate(self, ctx: CallContext | None) -> Principal:
-        if ctx is not None and ctx.preauthenticated and ctx.principal is not None:
+        if ctx is not None and getattr(ctx, "preauthenticated", False) and ctx.principal is not None:
             return ctx.principal  # an in-process call for a principal authenticated before (see CallContext)
         if self.keyring is None:
             principal = self._anonymous

@@ -10,14 +10,14 @@
 * ``tenancy_usage.traffic_class``: ``realtime`` or ``batch`` (a batch job's rows are metered
   apart); rows written before read ``realtime``.
 
-Revision ID: 0007
+Revision ID: 0008
 Revises: 0006
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
+revision = "0008"
 down_revision = "0006"
 branch_labels = None
 depends_on = None
@@ -83,8 +83,9 @@ def upgrade() -> None:
         sa.UniqueConstraint("job_id", "custom_id", name="uq_batch_rows_custom_id"),
     )
     op.create_index("ix_batch_rows_state", "batch_rows", ["job_id", "state", "row_index"])
-    with op.batch_alter_table("tenancy_usage") as batch:
-        batch.add_column(sa.Column("traffic_class", sa.String(16), nullable=False, server_default="realtime"))
+    if "traffic_class" not in {c["name"] for c in sa.inspect(op.get_bind()).get_columns("tenancy_usage")}:
+        with op.batch_alter_table("tenancy_usage") as batch:  # absent unless an earlier build's create_all made it
+            batch.add_column(sa.Column("traffic_class", sa.String(16), nullable=False, server_default="realtime"))
 
 
 def downgrade() -> None:
