@@ -189,3 +189,34 @@ def test_a_killed_frontend_resumes_the_job_and_every_row_is_there_once(compose_r
             time.sleep(0.2)
     finally:
         stop_stack(stack)
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "server.cli.main", "batch", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_cli_submits_waits_with_progress_and_downloads(compose_stack, features, tmp_path):
+    url = f"http://{compose_stack.http}"
+    bodies = [_oip_body(r) for r in features[:20]]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(_jsonl(OIP, bodies))
+    done = _cli("submit", str(path), "--endpoint", OIP, "--wait", "--poll-s", "0.1", "--metadata", "run=cli", "--json", "--url", url)
+    assert done.returncode == 0, done.stderr
+    job = json.loads(done.stdout)
+    assert job["status"] == "completed" and job["request_counts"]["completed"] == 20 and job["metadata"] == {"run": "cli"}
+    assert "rows/s" in done.stderr and "ETA" in done.stderr and "/20 rows" in done.stderr  # the progress line
+    shown = _cli("status", job["id"], "--url", url)
+    assert shown.returncode == 0 and "completed" in shown.stdout and "20/20 done" in shown.stdout
+    assert job["id"] in _cli("list", "--url", url).stdout
+    out = tmp_path / "out.jsonl"
+    got = _cli("download", job["id"], "--out", str(out), "--url", url)
+    assert got.returncode == 0 and "20 rows" in got.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in rows] == [f"row-{i}" for i in range(20)]
+    missing = _cli("status", "batch_nope", "--url", url)
+    assert missing.returncode == 1 and "HTTP 404" in missing.stderr and "batch_nope" in missing.stderr
+    no_errors = _cli("download", job["id"], "--errors", "--url", url)
+    assert no_errors.returncode == 1 and "no error file" in no_errors.stderr

@@ -170,3 +170,11 @@ async def test_a_row_refused_for_load_stays_pending_and_runs_later(store):
     doc = store.retrieve("acme", job)
     assert doc["status"] == "completed" and doc["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert [o["custom_id"] for o in _lines(store, "acme", doc["output_file_id"])] == ["r0", "r1", "r2"]
+
+
+def test_the_cli_progress_line_says_rows_rate_and_eta():
+    from server.cli.batch import progress
+
+    assert progress(0, 100, 0.0) == "[" + "." * 30 + "] 0/100 rows  0.0 rows/s  ETA ?"
+    assert progress(50, 100, 10.0) == "[" + "#" * 15 + "." * 15 + "] 50/100 rows  5.0 rows/s  ETA 10s"
+    assert progress(100, 100, 20.0).endswith("100/100 rows  5.0 rows/s  ETA 0s")
