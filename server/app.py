@@ -137,7 +137,8 @@ class Frontend:
 
         s = self.settings
         self.batches = BatchStore(self.registry.engine, self.registry.store)
-        worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency, poll_s=s.batch_poll_s)
+        worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
+                             row_batch=s.batch_row_batch, poll_s=s.batch_poll_s)  # fmt: skip
         self._tasks.append(asyncio.create_task(worker.run(), name="batch-worker"))
 
     def _start_observability(self) -> None:

@@ -6,7 +6,7 @@
   ``custom_id``, ``method`` POST, ``url`` equal to the job's endpoint, a ``body`` object), in one
   transaction, so a job either has all its rows or does not exist.
 * **Exactly once per row.** A worker holds a lease on the job (``lease_owner``, ``lease_until``),
-  works on up to ``concurrency`` pending rows at a time and commits their results in one
+  works on a row batch of pending rows (``concurrency`` in flight at once) and commits their results in one
   transaction that first renews the lease (no lease: nothing is committed) and sets each row
   ``pending -> done | failed`` only where it is still pending. A worker killed mid-job leaves its
   rows pending; when the lease lapses another worker (the restarted process) takes the job over and
@@ -429,15 +429,18 @@ RunRow = Callable[[str, dict, str], Awaitable[tuple[int, dict]]]
 
 
 class BatchWorker:
-    """Runs active jobs one at a time in this process: ``concurrency`` rows in flight, committed per row batch."""
+    """Runs active jobs one at a time in this process: ``concurrency`` rows in flight, ``row_batch``
+    rows committed together (cancellation and expiry are checked between row batches)."""
 
     def __init__(self, store: BatchStore, run_row: RunRow, *, owner: str | None = None, lease_s: float = 30.0,
-                 concurrency: int = 8, poll_s: float = 0.5):  # fmt: skip
+                 concurrency: int = 8, row_batch: int | None = None, poll_s: float = 0.5):  # fmt: skip
         self.store = store
         self.run_row = run_row
         self.owner = owner or f"worker-{uuid.uuid4().hex[:12]}"
         self.lease_s = lease_s
-        self.concurrency = concurrency
+        self.concurrency = concurrency  # rows in flight at once
+        self.row_batch = row_batch or 4 * concurrency  # rows read, run and committed together (one transaction)
+        self._slots = asyncio.Semaphore(concurrency)
         self.poll_s = poll_s
         self.rows_done = 0
 
@@ -458,7 +461,7 @@ class BatchWorker:
     async def work(self, job: Job) -> None:
         store = self.store
         while True:
-            got = await asyncio.to_thread(store.next_rows, job.id, self.owner, self.lease_s, self.concurrency)
+            got = await asyncio.to_thread(store.next_rows, job.id, self.owner, self.lease_s, self.row_batch)
             if got is None:
                 log.warning("batch %s: lease lost; another worker has it", job.id)
                 return
@@ -483,7 +486,8 @@ class BatchWorker:
 
     async def _one(self, job: Job, row: Row) -> tuple[int, str, int, str] | None:
         try:
-            code, body = await self.run_row(job.endpoint, json.loads(row.body), job.tenant)
+            async with self._slots:
+                code, body = await self.run_row(job.endpoint, json.loads(row.body), job.tenant)
         except Overloaded:
             return None  # stays pending: tried again after a back-off
         except asyncio.CancelledError:

@@ -285,14 +285,14 @@ class Pipeline:
 
     async def _wait_batch(self, call: AdmittedCall, queue: FairQueue, tenant: Tenant) -> None:
         """A batch row: a slot no real-time request is waiting for, within the batch class's share."""
-        if queue.try_acquire_batch():
-            return
-        try:
-            await queue.acquire_batch(tenant.name, tenant.weight, call.timeout)
-        except QueueFull as refused:
-            raise Overloaded(refused.message, retry_after_s=refused.retry_after_s) from None
-        except DeadlineUnmeetable as refused:
-            raise DeadlineExceeded(refused.message) from None
+        if not queue.try_acquire_batch():
+            try:
+                await queue.acquire_batch(tenant.name, tenant.weight, call.timeout)
+            except QueueFull as refused:
+                raise Overloaded(refused.message, retry_after_s=refused.retry_after_s) from None
+            except DeadlineUnmeetable as refused:
+                raise DeadlineExceeded(refused.message) from None
+        self.metrics.admitted(call.name, "batch")
 
     def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
         queue = self.queues.get(name)

@@ -94,6 +94,9 @@ def test_a_tabular_batch_equals_the_rows_called_live(compose_stack, features):
     assert err["custom_id"] == "row-7" and err["response"]["status_code"] == 400 and "features" in err["error"]["message"]
     assert batch.id in [b.id for b in client.batches.list(limit=100).data]
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    metrics = urllib.request.urlopen(f"http://{compose_stack.metrics}/metrics", timeout=10).read().decode()
+    (line,) = [m for m in metrics.splitlines() if m.startswith("inferplane_admissions_total{") and f'model="{TABULAR}"' in m and 'path="batch"' in m]
+    assert float(line.rsplit(" ", 1)[1]) >= 30  # every valid row went through the fair queue's batch class (the bad one stopped at validation)
 
 
 def test_an_embeddings_batch_equals_the_live_endpoint(compose_stack):
@@ -146,7 +149,7 @@ def test_a_killed_frontend_resumes_the_job_and_every_row_is_there_once(compose_r
     acme = store.create_key("acme", PEPPER.encode(), team="risk", models=[TABULAR])[1]
     globex = store.create_key("globex", PEPPER.encode(), team="other", models=[TABULAR])[1]
     store.close()
-    env = {"INFERPLANE_MODELS": json.dumps([TABULAR]), "INFERPLANE_BATCH_LEASE_S": "2", "INFERPLANE_BATCH_CONCURRENCY": "2",
+    env = {"INFERPLANE_MODELS": json.dumps([TABULAR]), "INFERPLANE_BATCH_LEASE_S": "2", "INFERPLANE_BATCH_CONCURRENCY": "2", "INFERPLANE_BATCH_ROW_BATCH": "2",
            "INFERPLANE_USAGE_FLUSH_S": "0.3", "INFERPLANE_AUTH": "on", "INFERPLANE_KEY_PEPPER": PEPPER}  # fmt: skip
     stack = start_stack(compose_repository, tmp_path, env=env)
     n = 600

@@ -106,7 +106,7 @@ async def test_the_worker_resumes_a_job_another_worker_left_and_equals_a_one_sho
     _, rows = store.next_rows(job, "dead", 5, 4)
     store.commit_rows(job, "dead", 5, [(r.index, "done", 200, json.dumps({"y": int(r.custom_id[1:]) * 2, "tenant": "acme"})) for r in rows])
     store.clock.now += 6
-    worker = BatchWorker(store, run_row, owner="alive", lease_s=5, concurrency=3)
+    worker = BatchWorker(store, run_row, owner="alive", lease_s=5, concurrency=2, row_batch=3)
     await worker.work(store.claim("alive", 5))
     assert worker.rows_done == 6  # only the rows the dead worker left
     doc = store.retrieve("acme", job)
@@ -129,7 +129,7 @@ async def test_cancel_stops_within_one_row_batch_and_expiry_keeps_completed_rows
             store.cancel("acme", job)  # arrives while the first row batch runs
         return 200, {"y": body["x"]}
 
-    await BatchWorker(store, run_row, owner="w", concurrency=3).work(store.claim("w", 30))
+    await BatchWorker(store, run_row, owner="w", concurrency=3, row_batch=3).work(store.claim("w", 30))
     doc = store.retrieve("acme", job)
     assert doc["status"] == "cancelled" and calls == [0, 1, 2] and doc["request_counts"]["completed"] == 3
     assert [e["error"]["code"] for e in _lines(store, "acme", doc["error_file_id"])] == ["batch_cancelled"] * 6
@@ -142,7 +142,7 @@ async def test_cancel_stops_within_one_row_batch_and_expiry_keeps_completed_rows
         store.clock.now += 25  # each row batch (2 rows) takes 50 s of the 60 s window
         return 200, {"y": body["x"]}
 
-    await BatchWorker(store, slow, owner="w", concurrency=2).work(store.claim("w", 300))
+    await BatchWorker(store, slow, owner="w", concurrency=2, row_batch=2).work(store.claim("w", 300))
     doc = store.retrieve("acme", job)
     assert doc["status"] == "expired" and doc["request_counts"]["completed"] == 4
     assert [o["custom_id"] for o in _lines(store, "acme", doc["output_file_id"])] == ["r0", "r1", "r2", "r3"]
