@@ -223,3 +223,25 @@ def test_the_cli_submits_waits_with_progress_and_downloads(compose_stack, featur
     assert missing.returncode == 1 and "HTTP 404" in missing.stderr and "batch_nope" in missing.stderr
     no_errors = _cli("download", job["id"], "--errors", "--url", url)
     assert no_errors.returncode == 1 and "no error file" in no_errors.stderr
+
+
+def test_chat_and_completion_batches_equal_the_live_endpoints(llm_stack):
+    from model_repository.llm import TINY_NAME
+
+    client = _client(llm_stack)
+    greedy = {"model": TINY_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chats = [{**greedy, "messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(3)]
+    done = _wait(client, _submit(client, "/v1/chat/completions", chats).id)
+    assert done.status == "completed" and done.request_counts.completed == 3
+    for o, body in zip(_lines(client, done.output_file_id), chats, strict=True):
+        live = client.chat.completions.create(model=TINY_NAME, messages=body["messages"], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        answer = o["response"]["body"]
+        assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"] == live.choices[0].message.content
+        assert answer["usage"]["completion_tokens"] == 8
+    prompts = [{**greedy, "prompt": "The capital of"}, {**greedy, "prompt": "Once upon", "stream": True}]  # a row cannot stream
+    done = _wait(client, _submit(client, "/v1/completions", prompts).id)
+    live = client.completions.create(model=TINY_NAME, prompt="The capital of", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    (ok,) = _lines(client, done.output_file_id)
+    assert ok["response"]["body"]["choices"][0]["text"] == live.choices[0].text
+    (bad,) = _lines(client, done.error_file_id)
+    assert bad["custom_id"] == "row-1" and bad["response"]["status_code"] == 400 and bad["response"]["body"]["error"]["param"] == "stream"
