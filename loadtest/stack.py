@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-READY = re.compile(r"inferplane ready grpc=(\S+) metrics=(\S+)(?: http=(\S+))? triton=embedded@(\S+)")
+READY = re.compile(r"inferplane ready grpc=(\S+) metrics=(\S+)(?: http=(\S+))? triton=(?:embedded@)?(\S+)")
 START_TIMEOUT_S = 180
 
 
@@ -24,7 +24,7 @@ class Stack:
     grpc: str  # host:port of the frontend's gRPC
     metrics: str  # host:port of /metrics
     http: str | None  # host:port of the REST bridge, when it runs
-    triton: str  # host:port of the embedded Triton's gRPC (for direct comparisons)
+    triton: str  # host:port of the embedded Triton's gRPC (for direct comparisons); "in-process": none
     process: subprocess.Popen
     log: Path
     repository: Path

@@ -16,13 +16,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from server.control.fleet import PRIMARY, Fleet
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
 from server.errors import InferplaneError
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.fleet_hooks import FleetHooks
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
-from server.dataplane.triton_client import TritonClient
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
@@ -30,6 +31,8 @@ from server.runtime.supervisor import TritonSupervisor
 from server.settings import Settings
 from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
 from server.transports.grpc.admin import AdminService
+from server.transports.grpc.autoscale import AutoscaleService
+from server.transports.grpc.autoscale import add_to_server as add_autoscale
 from server.transports.grpc.context import DomainErrorInterceptor
 from server.transports.grpc.generation import add_to_server as add_generation
 from server.transports.grpc.inference import SERVICE, InferenceService
@@ -52,7 +55,7 @@ class Frontend:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics(multiprocess=settings.metrics_dir is not None)
-        gc_pauses.watch(self.metrics.gc_pause)
+        self.gc_watch = gc_pauses.PauseWatch(self.metrics.gc_pause)
         self.supervisor: TritonSupervisor | None = None
         self.tenancy: Tenancy | None = None
         self.dataplane: DataPlane | None = None
@@ -69,6 +72,7 @@ class Frontend:
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
         self.observability = None  # server.control.observability.Observability (issue 19)
         self.batches = None  # server.control.batches.BatchStore (issue 20), with the registry
+        self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -80,6 +84,8 @@ class Frontend:
             )
         if s.triton_url:
             target = s.triton_url
+        elif s.triton_mode == "in-process":
+            target = "in-process"
         else:
             self.supervisor = TritonSupervisor(
                 s.model_repository,
@@ -92,13 +98,21 @@ class Frontend:
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
-        backend = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
-        backend.connect()
+        inprocess = await self._inprocess() if target == "in-process" else None
+        self.fleet = fleet = Fleet.build(s, self.supervisor, inprocess=inprocess)
+        await fleet.start_replicas()
         # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
-        self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter)
-        await self._load_models()
+        self._tasks.append(asyncio.create_task(self.gc_watch.run(), name="gc-pauses"))
+        hooks = FleetHooks()
+        self.dataplane = build_dataplane(s, fleet.replicas, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, hooks=hooks)
+        fleet.attach_dataplane(self.dataplane, hooks, self.metrics)
+        if fleet.has_replicas():
+            await self._load_models()
+        else:  # model groups with no replica yet (scaled to zero): their models load when replicas appear
+            log.warning("no Triton replica is up yet; requests for the model groups' models are held until one is")
+        fleet.hold_group_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
 
@@ -108,7 +122,10 @@ class Frontend:
 
             self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
             await self.traffic.start()
+            await fleet.read_memory_needs(self.registry)
+            fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
             self._start_batches()
+        await fleet.start()
         self.metrics.triton_up.set(1)
         self._start_observability()
         if not s.worker:
@@ -140,6 +157,15 @@ class Frontend:
         worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
                              row_batch=s.batch_row_batch, poll_s=s.batch_poll_s)  # fmt: skip
         self._tasks.append(asyncio.create_task(worker.run(), name="batch-worker"))
+
+    async def _inprocess(self):
+        """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""
+        from server.runtime.inprocess import InProcessTriton
+
+        s = self.settings
+        return await InProcessTriton.start(
+            s.model_repository, s.workdir, response_cache_bytes=s.response_cache_bytes, startup_timeout=s.triton_startup_timeout_s
+        )
 
     def _start_observability(self) -> None:
         """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.observability)."""
@@ -203,12 +229,13 @@ class Frontend:
         tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
         generation_name = add_generation(self.dataplane.llm, server)
         traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
+        autoscale_name = add_autoscale(AutoscaleService(self.dataplane, self.fleet.autoscaler, self.fleet.sampler), server)
         typed = add_typed_services(server, self.dataplane, registry=self.registry, deployer=self.deployer, repository=s.model_repository)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
         admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
         typed.enable_reflection(  # grpc_reflection's, plus the typed services that come and go at deploy
-            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, autoscale_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
             pool=_pool.POOL,
         )
@@ -245,6 +272,10 @@ class Frontend:
             from server.transports.openai.batches import BATCHES
 
             app[BATCHES] = self.batches
+        if self.fleet.provisioner is not None:
+            from server.transports.rest.deploy import PROVISIONER
+
+            app[PROVISIONER] = self.fleet.provisioner
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
@@ -268,16 +299,30 @@ class Frontend:
             await self.health.set(name, status)
 
     def _on_triton_down(self) -> None:
+        """The embedded Triton died: with other replicas up only it leaves the rotation; alone, the
+        whole backend is down (callers get UNAVAILABLE with a retry hint until it is back)."""
+        self.fleet.replicas.mark_down(PRIMARY)
+        if self.fleet.others_up(PRIMARY):
+            return
         self.dataplane.mark_backend_down()
         asyncio.get_running_loop().create_task(self._set_serving(False))
 
     async def _on_triton_restart(self) -> None:
+        if self.dataplane.backend_up:  # other replicas kept serving: it rejoins with its models
+            await self.fleet.replicas.rejoin(PRIMARY)
+            return
+        self.fleet.replicas.revive(PRIMARY)
         await self.dataplane.reload_all()
         await self._set_serving(True)
 
     def ready_line(self) -> str:
         s = self.settings
-        triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
+        if self.settings.triton_url:
+            triton = self.settings.triton_url
+        elif self.supervisor is None:
+            triton = "in-process"
+        else:
+            triton = f"embedded@{self.supervisor.grpc_target}"
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
             f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
@@ -289,6 +334,8 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self.traffic is not None:
             await self.traffic.stop()
         if self.deployer is not None:
@@ -305,8 +352,11 @@ class Frontend:
             await self.observability.stop()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
+        if self.fleet is not None:
+            await self.fleet.stop_replicas()
         if self.supervisor is not None:
             await self.supervisor.stop()
+        self.gc_watch.close()
         self._stopped.set()
 
 

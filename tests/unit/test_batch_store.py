@@ -178,3 +178,16 @@ def test_the_cli_progress_line_says_rows_rate_and_eta():
     assert progress(0, 100, 0.0) == "[" + "." * 30 + "] 0/100 rows  0.0 rows/s  ETA ?"
     assert progress(50, 100, 10.0) == "[" + "#" * 15 + "." * 15 + "] 50/100 rows  5.0 rows/s  ETA 10s"
     assert progress(100, 100, 20.0).endswith("100/100 rows  5.0 rows/s  ETA 0s")
+
+
+def test_batch_rows_are_metered_apart_from_realtime_through_the_fleet_tap():
+    from server.dataplane.fleet_hooks import UsageTap
+    from server.tenancy.metering import Meter
+
+    meter = Meter(lambda records: len(records), 60.0)
+    tap = UsageTap(meter)
+    tap.record("acme", "risk", "m", "1", compute_us=5)
+    tap.record("acme", "risk", "m", "1", compute_us=7, traffic_class="batch")
+    tap.record("acme", "risk", "m", "1", compute_us=9, traffic_class="batch")
+    by_class = {r.traffic_class: (r.requests, r.compute_us) for r in meter.drain()}
+    assert by_class == {"realtime": (1, 5), "batch": (2, 16)} and tap.requests["m"] == 3
