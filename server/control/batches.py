@@ -413,6 +413,11 @@ class BatchStore:
             conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(**values))
         return True
 
+    def release(self, job_id: str, owner: str) -> None:
+        """Give the lease back (a worker stopping): the next worker takes the job over at once."""
+        with self.engine.begin() as conn:
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.lease_owner == owner).values(lease_owner=None, lease_until=None))
+
     def fail(self, job_id: str, owner: str, code: str, message: str) -> None:
         with self.engine.begin() as conn:
             conn.execute(update(jobs_table).where(jobs_table.c.id == job_id, jobs_table.c.lease_owner == owner)
@@ -451,7 +456,14 @@ class BatchWorker:
                 if job is None:
                     await asyncio.sleep(self.poll_s)
                     continue
-                await self.work(job)
+                try:
+                    await self.work(job)
+                except asyncio.CancelledError:  # the process stops: rows in flight stay pending, the lease goes back
+                    try:
+                        self.store.release(job.id, self.owner)
+                    except Exception:  # the lease then lapses by itself
+                        log.exception("batch %s: giving the lease back failed", job.id)
+                    raise
             except asyncio.CancelledError:
                 raise
             except Exception:  # the database away a moment: try again (the lease keeps others off meanwhile)

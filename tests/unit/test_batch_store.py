@@ -1,9 +1,10 @@
-"""Batch jobs' store and worker over a real (SQLite) database: validation, tenant scoping, leases,
+"""Batch jobs' store and worker over a real database (SQLite; PostgreSQL where one is configured): validation, tenant scoping, leases,
 each row committed once, resume after a lost worker, cancel and expiry (the row runner is a
 function here; the real stack runs rows through the data plane: tests/integration/test_batches.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from server.control.artifacts import ArtifactStore
 from server.control.batches import BatchStore, BatchWorker
 from server.db import make_engine
 from server.errors import Conflict, InvalidRequest, ModelNotFound, Overloaded
+from tests.unit.test_registry import db_url  # noqa: F401 - the fixture: SQLite, and PostgreSQL where CI has one
 
 EP = "/v2/models/m/infer"
 
@@ -26,8 +28,8 @@ class Clock:
 
 
 @pytest.fixture
-def store(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path}/b.db")
+def store(db_url, tmp_path):
+    engine = make_engine(db_url)
     migrations.upgrade(engine)
     yield BatchStore(engine, ArtifactStore(tmp_path / "artifacts"), clock=Clock())
     engine.dispose()
@@ -191,3 +193,22 @@ def test_batch_rows_are_metered_apart_from_realtime_through_the_fleet_tap():
     tap.record("acme", "risk", "m", "1", compute_us=9, traffic_class="batch")
     by_class = {r.traffic_class: (r.requests, r.compute_us) for r in meter.drain()}
     assert by_class == {"realtime": (1, 5), "batch": (2, 16)} and tap.requests["m"] == 3
+
+
+async def test_a_stopping_worker_gives_its_lease_back_and_leaves_rows_in_flight_pending(store):
+    job = _job(store, 6)
+    started, never = asyncio.Event(), asyncio.Event()
+
+    async def run_row(endpoint, body, tenant):
+        started.set()
+        await never.wait()  # in flight when the worker stops
+        return 200, {}
+
+    task = asyncio.create_task(BatchWorker(store, run_row, owner="stopping", concurrency=2, poll_s=0.001).run())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert store.claim("next", 30).id == job  # at once: no lease to wait out
+    _, rows = store.next_rows(job, "next", 30, 10)
+    assert [r.index for r in rows] == list(range(6))  # nothing in flight was committed
