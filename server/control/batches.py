@@ -16,8 +16,10 @@
   rest in the error file as ``batch_expired``); a cancelled one ends ``cancelled`` the same way.
   Both are checked between row batches, so cancellation stops within one row batch.
 * Rows are sent through the data plane like any call, as their tenant, at the ``batch`` traffic
-  class (``batching.fair_queue``: only capacity real-time traffic leaves). A row refused for
-  overload or quota stays pending and is tried again after the retry hint; it is never failed for it.
+  class (``batching.fair_queue``: only capacity real-time traffic leaves), charged to the tenant's
+  limits in a quota scope of their own (``server.dataplane.pipeline.BATCH_SCOPE``: a batch never
+  spends what the tenant's live callers need) and metered as ``traffic_class=batch``. A row refused
+  for overload or quota stays pending and is tried again after a back-off; it is never failed for it.
 
 Synchronous SQLAlchemy Core over the tables of migration ``0008_composites_batches``; the async
 worker calls the store with ``asyncio.to_thread``.

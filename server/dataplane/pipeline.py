@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # kinds of work (a label on nothing yet; they decide the metering and the queue's slot sizing)
 INFER, STREAM, GENERATE = "infer", "stream", "generate"
 CANCELLED = Cancelled("").reason
+BATCH_SCOPE = "#batch"  # appended to a tenant's name: the quota scope of its batch jobs' rows
 
 
 class AdmittedCall:
@@ -174,7 +175,10 @@ class Pipeline:
             tenant = principal.tenant
             if trace is not None:
                 trace.hop("route")
-            call.ticket = await self.quotas.admit(tenant.name, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
+            # a batch job's rows have their own charge (the tenant's limits, a bucket of their own): a
+            # batch never spends the quota the tenant's real-time callers need
+            scope = tenant.name + BATCH_SCOPE if call.batch else tenant.name
+            call.ticket = await self.quotas.admit(scope, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
             if trace is not None:
                 trace.hop("quota")
             if validate is not None:
