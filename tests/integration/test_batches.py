@@ -11,6 +11,7 @@ import os
 import signal
 import sqlite3
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -122,6 +123,18 @@ def test_bad_requests_are_named_and_cancel_stops_the_job(compose_stack, features
     assert bad.value.body["param"] == "line 1.url"
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
+    for method, path, body, ctype, status, code in (
+        ("POST", "/v1/files", b'{"purpose": "batch"}', "application/json", 415, "UNSUPPORTED_MEDIA_TYPE"),
+        ("POST", "/v1/batches", b"not json", "application/json", 400, "INVALID_ARGUMENT"),
+        ("POST", "/v1/batches", json.dumps({"input_file_id": f.id, "endpoint": "/v1/embeddings", "completion_window": "soon"}).encode(), "application/json", 400, "INVALID_ARGUMENT"),
+        ("GET", "/v1/batches?limit=0", None, None, 400, "INVALID_ARGUMENT"),
+        ("GET", "/v1/files/file-nope/content", None, None, 404, "NOT_FOUND"),
+    ):  # fmt: skip
+        request = urllib.request.Request(f"http://{compose_stack.http}{path}", body, {"Content-Type": ctype} if ctype else {}, method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == status, (path, refused.value.code)
+        assert json.loads(refused.value.read())["error"]["code"] == code  # the OpenAI error shape, naming the reason
     big = _submit(client, OIP, [_oip_body(features[i % len(features)]) for i in range(600)])
     cancelling = client.batches.cancel(big.id)
     assert cancelling.status in ("cancelling", "cancelled")
