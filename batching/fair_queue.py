@@ -21,6 +21,14 @@ queue's estimated drain time). A request whose deadline cannot be met — its es
 service time exceeds what is left — is shed at admission with ``DeadlineUnmeetable``, never after
 it waited; one whose deadline passes while queued leaves the queue then.
 
+Two traffic classes. ``realtime`` (every caller's request) is everything above. ``batch`` (the
+rows of a batch job) only takes capacity real-time traffic leaves: a batch request gets a slot
+only while no real-time request is waiting for one, and batch requests hold at most
+``batch_share`` of the slots at once, so a real-time arrival finds a free slot. Waiting batch
+requests are granted after every waiting real-time one, in weighted fair order among batch
+tenants; they are never counted in the real-time bound nor pushed out, and never shed for a
+deadline they did not give.
+
 Pure asyncio policy: an injectable clock, no I/O, nothing about transports.
 """
 
@@ -62,6 +70,14 @@ class AdmissionPolicy:
     max_queue: int = 4096
     initial_service_s: float | None = None  # prior for the EWMA (None: no deadline shedding until measured)
     ewma_alpha: float = 0.05
+    batch_share: float = 0.5  # of ``slots`` the batch class may hold at once (at least one slot)
+
+    @property
+    def batch_slots(self) -> int:
+        return max(1, int(self.slots * self.batch_share))
+
+
+REALTIME, BATCH = "realtime", "batch"
 
 
 @dataclass(eq=False)
@@ -97,6 +113,13 @@ class FairQueue:
         self.rejected = 0
         self.shed = 0
         self.pushed_out = 0
+        # the batch class: its own waiters, tags and virtual time (granted only when no real-time request waits)
+        self.batch_inflight = 0
+        self.batch_size = 0
+        self._batch_heap: list[tuple[float, int, _Waiter]] = []
+        self._batch_tags: dict[str, float] = {}
+        self._batch_vtime = 0.0
+        self.batch_admitted = 0
 
     # ---- measured capacity ----------------------------------------------------------------
 
@@ -127,6 +150,60 @@ class FairQueue:
             self.admitted += 1
             return True
         return False
+
+    def try_acquire_batch(self) -> bool:
+        """The batch class's fast path: a free slot, no request of either class waiting, batch under its share."""
+        if self.inflight < self.policy.slots and not self.size and not self.batch_size and self.batch_inflight < self.policy.batch_slots:
+            self.inflight += 1
+            self.batch_inflight += 1
+            self.batch_admitted += 1
+            return True
+        return False
+
+    async def acquire_batch(self, tenant: str, weight: float = 1.0, timeout: float | None = None) -> None:
+        """Wait for a slot real-time traffic leaves; ``release(batch=True)`` it when done."""
+        if self.try_acquire_batch():
+            return
+        if self.batch_size >= self.policy.max_queue:
+            raise QueueFull(f"model '{self.name}' has {self.batch_size} batch requests waiting", retry_after_s=max(0.001, self._drain_s(self.size + self.batch_size)))
+        tag = max(self._batch_vtime, self._batch_tags.get(tenant, 0.0)) + 1.0 / weight
+        self._batch_tags[tenant] = tag
+        waiter = _Waiter(tag, tenant, None, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._batch_heap, (tag, next(self._seq), waiter))
+        self.batch_size += 1
+        try:
+            if timeout is None:
+                await waiter.future
+            else:
+                await asyncio.wait_for(waiter.future, timeout)
+        except asyncio.TimeoutError:
+            self._forget_batch(waiter)
+            raise DeadlineUnmeetable(f"deadline exceeded waiting for model '{self.name}' (batch)") from None
+        except BaseException:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(None, batch=True)
+            self._forget_batch(waiter)
+            raise
+
+    def _forget_batch(self, waiter: _Waiter) -> None:
+        if not waiter.done:
+            waiter.done = True
+            self.batch_size -= 1
+
+    def _grant_batch(self) -> None:
+        p = self.policy
+        while self._batch_heap and not self.size and self.inflight < p.slots and self.batch_inflight < p.batch_slots:
+            tag, _, waiter = heapq.heappop(self._batch_heap)
+            if waiter.done or waiter.future.done():
+                continue
+            self._batch_vtime = tag
+            self._forget_batch(waiter)
+            self.inflight += 1
+            self.batch_inflight += 1
+            self.batch_admitted += 1
+            waiter.future.set_result(None)
+        if not self._batch_heap:
+            self._batch_tags = {t: tag for t, tag in self._batch_tags.items() if tag > self._batch_vtime}
 
     async def acquire(self, tenant: str, weight: float = 1.0, timeout: float | None = None) -> None:
         """Wait for a slot (weighted fair across tenants); ``release()`` it when done."""
@@ -175,9 +252,12 @@ class FairQueue:
             self._forget(waiter)
             raise
 
-    def release(self, service_s: float | None = None) -> None:
-        """A request past the gate finished; ``service_s``: how long it held its slot."""
+    def release(self, service_s: float | None = None, batch: bool = False) -> None:
+        """A request past the gate finished; ``service_s``: how long it held its slot; ``batch``:
+        it was admitted by :meth:`acquire_batch` / :meth:`try_acquire_batch`."""
         self.inflight -= 1
+        if batch:
+            self.batch_inflight -= 1
         if service_s is not None:
             a = self.policy.ewma_alpha
             self.service_s = service_s if self.service_s is None else (1 - a) * self.service_s + a * service_s
@@ -190,6 +270,8 @@ class FairQueue:
             self.inflight += 1
             self.admitted += 1
             waiter.future.set_result(None)
+        if self._batch_heap:
+            self._grant_batch()  # only what real-time traffic left
 
     def resize(self, slots: int) -> None:
         """Another slot count (the model's replicas or instances changed); more slots admit
@@ -253,4 +335,7 @@ class FairQueue:
             "rejected": self.rejected,
             "shed": self.shed,
             "pushed_out": self.pushed_out,
+            "batch_inflight": self.batch_inflight,
+            "batch_waiting": self.batch_size,
+            "batch_admitted": self.batch_admitted,
         }

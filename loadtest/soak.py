@@ -43,6 +43,7 @@ TABULAR = {"mlp_classifier": 64, "fraud_xgboost": 32, "lightgbm_regressor": 16}
 EMBEDDINGS = "minilm_embeddings"
 LLM = "tiny_llama"
 MIB = 1 << 20
+DRIFT_FAMILIES = ("inferplane_drift_psi", "inferplane_drift_ks")
 TOLERANCE = {"rss": (0.05, 16.0), "fds": (0.0, 8), "metric_series": (0.0, 50)}  # (relative to mean, absolute; memory in MiB)
 FAULTS = {"INTERNAL", "UNKNOWN", "DATA_LOSS", "UNAVAILABLE"}
 
@@ -280,9 +281,12 @@ def sample(stack) -> dict:
     s_rss, s_fds = _rss_fds(stubs)
     series = _metrics(stack)
     restarts = sum(v for name, v in series if name == "inferplane_triton_restarts_total")
+    # drift gauges are one series per (model, declared feature), each appearing once the model's
+    # drift window has its minimum rows: bounded by the signatures, counted apart from the trend
+    drift = sum(1 for name, _ in series if name.startswith(DRIFT_FAMILIES))
     return {
         "frontend_rss": f_rss, "frontend_fds": f_fds, "triton_rss": t_rss, "triton_fds": t_fds,
-        "stubs_rss": s_rss, "stubs_fds": s_fds, "metric_series": len(series),
+        "stubs_rss": s_rss, "stubs_fds": s_fds, "metric_series": len(series) - drift, "drift_series": drift,
         "triton_pid": triton.pid, "triton_restarts": restarts,
     }  # fmt: skip
 

@@ -102,3 +102,70 @@ def read_config(path_or_dir: Path) -> ModelConfig:
     if path.is_dir():
         path = path / CONFIG_FILE
     return text_format.Parse(path.read_text(encoding="utf-8"), ModelConfig())
+
+
+# ---- composite endpoints (server/control/composition_compiler.py) ---------------------------
+
+ENSEMBLE_PLATFORM = "ensemble"
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    """One step of a Triton ensemble: which model (and version; -1 the latest) and how its
+    tensors map to the ensemble's (``input_map``: model input -> ensemble tensor, ``output_map``:
+    model output -> ensemble tensor)."""
+
+    model_name: str
+    model_version: int
+    input_map: Mapping[str, str]
+    output_map: Mapping[str, str]
+
+
+def ensemble_config(
+    name: str,
+    max_batch_size: int,
+    inputs: Sequence[tuple[str, int, Sequence[int]]],
+    outputs: Sequence[tuple[str, int, Sequence[int]]],
+    steps: Sequence[EnsembleStep],
+    parameters: Mapping[str, str] | None = None,
+) -> ModelConfig:
+    """A Triton ensemble (``platform: "ensemble"``, ``ensemble_scheduling``): tensors are
+    ``(name, config data type, dims without the batch dim)``."""
+    config = ModelConfig(name=name, platform=ENSEMBLE_PLATFORM, max_batch_size=max_batch_size)
+    for tensor, data_type, dims in inputs:
+        config.input.add(name=tensor, data_type=data_type, dims=list(dims))
+    for tensor, data_type, dims in outputs:
+        config.output.add(name=tensor, data_type=data_type, dims=list(dims))
+    scheduling = config.ensemble_scheduling
+    for step in steps:
+        entry = scheduling.step.add(model_name=step.model_name, model_version=step.model_version)
+        for key, value in step.input_map.items():
+            entry.input_map[key] = value
+        for key, value in step.output_map.items():
+            entry.output_map[key] = value
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = str(value)
+    return config
+
+
+def operator_config(
+    name: str,
+    max_batch_size: int,
+    inputs: Sequence[tuple[str, int, Sequence[int], bool]],
+    output: tuple[str, int, Sequence[int]],
+    parameters: Mapping[str, str],
+    max_queue_delay_us: int = 100,
+) -> ModelConfig:
+    """A built-in operator (``adapters/composite_operator.py``) as a Python-backend model:
+    inputs ``(name, data type, dims, optional)``, one output, its parameters (``op``, ``params``)."""
+    config = ModelConfig(name=name, backend="python", max_batch_size=max_batch_size)
+    for tensor, data_type, dims, optional in inputs:
+        config.input.add(name=tensor, data_type=data_type, dims=list(dims), optional=optional)
+    tensor, data_type, dims = output
+    config.output.add(name=tensor, data_type=data_type, dims=list(dims))
+    config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_CPU, count=1)
+    if max_batch_size > 0:
+        config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+    for key, value in parameters.items():
+        config.parameters[key].string_value = str(value)
+    return config

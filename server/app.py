@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from server.control.fleet import PRIMARY, Fleet
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
+from server.errors import InferplaneError
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.fleet_hooks import FleetHooks
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
@@ -70,6 +71,7 @@ class Frontend:
         self.deployer = None
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
         self.observability = None  # server.control.observability.Observability (issue 19)
+        self.batches = None  # server.control.batches.BatchStore (issue 20), with the registry
         self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
         self._stopped = asyncio.Event()
 
@@ -122,6 +124,7 @@ class Frontend:
             await self.traffic.start()
             await fleet.read_memory_needs(self.registry)
             fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
+            self._start_batches()
         await fleet.start()
         self.metrics.triton_up.set(1)
         self._start_observability()
@@ -143,6 +146,17 @@ class Frontend:
         if s.gc_freeze:
             gc_pauses.settle()
         await self._set_serving(True)
+
+    def _start_batches(self) -> None:
+        """Batch jobs (server.control.batches): the store over the registry's database and artifacts, one worker."""
+        from server.control.batches import BatchStore, BatchWorker
+        from server.transports.openai.batches import row_runner
+
+        s = self.settings
+        self.batches = BatchStore(self.registry.engine, self.registry.store)
+        worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
+                             row_batch=s.batch_row_batch, poll_s=s.batch_poll_s)  # fmt: skip
+        self._tasks.append(asyncio.create_task(worker.run(), name="batch-worker"))
 
     async def _inprocess(self):
         """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""
@@ -190,6 +204,14 @@ class Frontend:
             else:
                 await self.dataplane.load_model(name)
                 log.info("model %s ready", name)
+        from server.dataplane.composite import read_plan_files
+
+        for plan in read_plan_files(self.settings.model_repository):  # composite endpoints (their parts loaded above)
+            try:
+                self.dataplane.composites.install(plan)
+                log.info("composite %s:%s ready (%s)", plan.name, plan.version, plan.mode)
+            except InferplaneError as err:
+                log.error("composite %s:%s not installed: %s", plan.name, plan.version, err.message)
 
     async def _start_grpc(self) -> None:
         s = self.settings
@@ -250,6 +272,10 @@ class Frontend:
         from server.transports.rest.status_page import STATUS
 
         app[STATUS] = self.observability
+        if self.batches is not None:
+            from server.transports.openai.batches import BATCHES
+
+            app[BATCHES] = self.batches
         if self.fleet.provisioner is not None:
             from server.transports.rest.deploy import PROVISIONER
 

@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     rollback_grace_s: float = Field(300.0, ge=0)
     # load + readiness + warm-up budget of one deploy
     deploy_timeout_s: float = Field(120.0, gt=0)
+    # batch jobs (/v1/batches): a worker's lease on a job (a restarted process takes the job over
+    # once it lapses), rows in flight per job, how often an idle worker looks for work
+    batch_lease_s: float = Field(30.0, gt=0)
+    batch_concurrency: int = Field(8, ge=1, le=256)
+    batch_row_batch: int = Field(32, ge=1, le=4096)  # rows committed together; cancel/expiry checked between
+    batch_poll_s: float = Field(0.5, gt=0)
     # Triton's local response cache (used by models whose config enables it); 0 turns it off
     response_cache_bytes: int = Field(64 << 20, ge=0)
     # how often Triton's per-model statistics (cache hits, queue time) are read into /metrics

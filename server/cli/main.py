@@ -17,9 +17,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import autoscale, llm, observe, plan, registry, tenancy, traffic, typed
+    from server.cli import autoscale, batch, compose, llm, observe, plan, registry, tenancy, traffic, typed
 
-    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale):
+    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale, compose, batch):
         module.mount(app)
 
 
@@ -123,13 +123,20 @@ def demo_build(
         from server.cli.llm import build_llm_repository, smollm2_available
 
         names += build_llm_repository(out, tiny=llm, smollm2=smollm2 and smollm2_available(), embeddings=llm)
-    typer.echo(f"built {', '.join(names)} into {out} in {time.perf_counter() - started:.1f}s")
+    from server.cli.compose import build_demo_composites
+
+    members, composites = build_demo_composites(out, text=llm)  # composite endpoints and their members
+    names += members
+    typer.echo(f"built {', '.join(names + composites)} into {out} in {time.perf_counter() - started:.1f}s")
     if register:
         from server.cli.registry import actor_name, open_registry, register_model_dirs
 
         registry = open_registry(database_url, None)
         try:
             records = register_model_dirs(registry, Path(out), names, actor_name(None))
+            from server.cli.compose import register_demo_composites
+
+            records += register_demo_composites(registry, Path(out), composites, actor_name(None))
         finally:
             registry.close()
         typer.echo(f"registered {', '.join(r.ref for r in records)} in {registry.url_for_display()}")

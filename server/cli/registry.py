@@ -105,6 +105,8 @@ def register_model_dirs(registry, repository: Path, names: list[str], actor: str
         model_dir = repository / name
         if not (model_dir / "inferplane.json").is_file():
             continue
+        if "signature" not in json.loads((model_dir / "inferplane.json").read_text()):
+            continue  # an LLM or embedding model folder: not a registrable artifact + signature
         meta = model_dir_metadata(model_dir)
         tags = {k: str(v) for k, v in meta["training"].items() if isinstance(v, (str, int, float))}
         record, _ = registry.register(

@@ -43,6 +43,7 @@ from server.control import safe_formats
 from server.errors import Conflict, DeployFailed, InferplaneError, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
+from server.control.composites import COMPOSITE_FORMAT  # a composite version deploys through CompositeDeployer
 from server.control.registry import Registry, VersionRecord, parse_ref
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,9 @@ class Deployer:
         self._locks: dict[str, asyncio.Lock] = {}
         self._state: dict[str, _EndpointState] = {}
         self.schemas = None  # server.control.typed_catalog.SchemaCatalog (typed APIs), set when they are served
+        from server.control.composite_deployer import CompositeDeployer
+
+        self.composites = CompositeDeployer(self)  # composite endpoints deploy as one unit (server.control.composite_deployer)
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -275,6 +279,8 @@ class Deployer:
 
     async def _deploy(self, name: str, version: int | None, options, actor: str, started: float) -> DeployResult:
         record = await asyncio.to_thread(self.registry.get, name, version)
+        if record.format == COMPOSITE_FORMAT:
+            return await self.composites.deploy(record, options, actor, started)
         if record.format not in ADAPTERS:
             raise Conflict(
                 f"{record.ref} is {record.format}; this Triton runs {', '.join(sorted(ADAPTERS))} through its "
@@ -471,6 +477,8 @@ class Deployer:
         return result
 
     async def _rollback(self, name: str, actor: str, started: float) -> DeployResult:
+        if self.composites.owns(name):
+            return await self.composites.rollback(name, actor, started)
         ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
         if ep.previous is None:
             raise Conflict(f"endpoint '{name}' has no previous version to roll back to")
@@ -512,6 +520,8 @@ class Deployer:
 
     async def expire(self, name: str) -> None:
         """Unload every version of the endpoint but the live one (the grace period ended)."""
+        if self.composites.owns(name):
+            return await self.composites.expire(name)
         st = self._st(name)
         live = self.dp.live_version(name)
         if live is None or st.loaded == {int(live)}:

@@ -35,7 +35,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, Table, insert, select, update
 
-from server.control.deployer import ADAPTERS, build_config, same_tensors, serving_from
+from server.control.deployer import ADAPTERS, COMPOSITE_FORMAT, build_config, same_tensors, serving_from
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound
 from server.control.stats_tests import compare_outcomes, two_proportion_z
 from server.dataplane.traffic_policy import (
@@ -211,6 +211,8 @@ class TrafficController:
         d = self.deployer
         async with d._lock(name):
             record = await asyncio.to_thread(self.registry.get, name, version)
+            if record.format == COMPOSITE_FORMAT:  # composite versions stage as one unit
+                return await d.composites.stage(name, record)
             if record.format not in ADAPTERS:
                 raise Conflict(f"{record.ref} is {record.format}; this Triton runs {', '.join(sorted(ADAPTERS))}")
             await asyncio.to_thread(self.registry.verify_signed, name, record.version)

@@ -22,7 +22,8 @@ from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
-from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline
+from server.dataplane.composite import Composites
+from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline, granted
 from server.dataplane.routing import Router
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import StreamLedger
@@ -71,6 +72,7 @@ class DataPlane:
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
         self._stat_readings: dict = {}
         self.llm = LLMService(self, pipeline, backend)
+        self.composites = Composites(self, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
 
     # ---- collaborators others may read ----------------------------------------------------
 
@@ -151,6 +153,8 @@ class DataPlane:
 
     async def unload_model(self, name: str, *, missing_ok: bool = False) -> None:
         t = self._table
+        if self.composites.serves(name):
+            raise InvalidRequest(f"'{name}' is a composite endpoint: its versions come and go with deploy and rollback")
         if name not in t.signatures and name not in t.loaded and not missing_ok:
             raise ModelNotFound(f"model '{name}' is not loaded")
         t.loaded.discard(name)
@@ -234,7 +238,7 @@ class DataPlane:
     def authorize(self, ctx: CallContext | None, name: str) -> Principal:
         """Who is calling, and may they see ``name``? An ungranted model is an unknown one."""
         principal = self.gate.authenticate(ctx)
-        if not principal.tenant.may_use(name):
+        if not granted(principal, name, ctx):
             raise ModelNotFound(f"unknown model '{name}'")
         return principal
 
@@ -254,6 +258,11 @@ class DataPlane:
         """ModelMetadata / ModelConfig / ModelStatistics for the caller: Triton's answer for a model
         they may see; statistics of every model filtered to those they may see."""
         request = parse_message(_DESCRIBE[method], raw)
+        if self.composites.serves(request.name):
+            self.resolve_for(ctx, request.name, request.version)
+            if method == "ModelStatistics":  # Triton counts the composite's parts, under their own names
+                return pb.ModelStatisticsResponse().SerializeToString()
+            return self.composites.describe(method, request)
         if request.name or method != "ModelStatistics":
             self.resolve_for(ctx, request.name, request.version)
             return await self._backend.unary_raw(method, raw, timeout=timeout)
@@ -282,6 +291,9 @@ class DataPlane:
         idempotency key. ``count_tokens`` reads from Triton's answer how many input tokens it
         covered (embedding models report them): metered and charged to the token quota.
         """
+        if self.composites.serves(request.model_name):
+            return await self.composites.infer(request, raw, timeout, ctx)
+
         def validate(signature: ModelSignature) -> None:
             if signature.decoupled:  # Triton answers UNIMPLEMENTED; it is the caller's choice of call
                 raise InvalidRequest(

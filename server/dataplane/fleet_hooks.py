@@ -19,13 +19,19 @@ class UsageTap:
         self.requests: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
 
-    def record(self, tenant: str, team: str, model: str, version: str, *, input_tokens: int = 0, output_tokens: int = 0, compute_us: int = 0) -> None:
+    def record(
+        self, tenant: str, team: str, model: str, version: str, *, input_tokens: int = 0, output_tokens: int = 0, compute_us: int = 0,
+        traffic_class: str = "realtime",
+    ) -> None:
         self.requests[model] = self.requests.get(model, 0) + 1
         tokens = input_tokens + output_tokens
         if tokens:
             self.tokens[model] = self.tokens.get(model, 0) + tokens
         if self.meter is not None:
-            self.meter.record(tenant, team, model, version, input_tokens=input_tokens, output_tokens=output_tokens, compute_us=compute_us)
+            self.meter.record(
+                tenant, team, model, version, input_tokens=input_tokens, output_tokens=output_tokens, compute_us=compute_us,
+                traffic_class=traffic_class,  # a batch job's rows are metered apart (server.control.batches)
+            )  # fmt: skip
 
     async def stop(self) -> None:
         if self.meter is not None:

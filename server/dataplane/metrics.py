@@ -95,7 +95,8 @@ class Metrics:
         self.admissions = Counter(
             "inferplane_admissions",
             "Requests past the quota, by model and how the model's fair queue took them: direct (a free "
-            "slot), queued (waited for one), refused (queue full), shed (deadline could not be met).",
+            "slot), queued (waited for one), refused (queue full), shed (deadline could not be met), "
+            "batch (a batch job's row, given a slot real-time traffic left).",
             ("model", "path"),
             registry=self.registry,
         )

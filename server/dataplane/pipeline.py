@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
+from batching.fair_queue import BATCH, AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
 from server.dataplane.circuit_breaker import BreakerSet, CircuitBreaker
 from server.dataplane.metrics import UNKNOWN_MODEL_LABEL, Metrics
 from server.dataplane.models import Asleep
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # kinds of work (a label on nothing yet; they decide the metering and the queue's slot sizing)
 INFER, STREAM, GENERATE = "infer", "stream", "generate"
 CANCELLED = Cancelled("").reason
+BATCH_SCOPE = "#batch"  # appended to a tenant's name: the quota scope of its batch jobs' rows
 
 
 class AdmittedCall:
@@ -52,7 +53,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
-        "trace", "answer",
+        "trace", "answer", "batch",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -85,6 +86,7 @@ class AdmittedCall:
         self.closed = False
         self.trace = None  # server.dataplane.tracing.RequestTrace when this request is sampled
         self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
+        self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
 
     @property
     def tenant(self) -> Tenant:
@@ -159,7 +161,7 @@ class Pipeline:
             if ctx is not None:
                 ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
-            if not principal.tenant.may_use(call.name):
+            if not granted(principal, call.name, ctx):
                 raise ModelNotFound(f"unknown model '{call.name}'")
             if trace is not None:
                 trace.hop("auth")
@@ -173,7 +175,10 @@ class Pipeline:
             tenant = principal.tenant
             if trace is not None:
                 trace.hop("route")
-            call.ticket = await self.quotas.admit(tenant.name, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
+            # a batch job's rows have their own charge (the tenant's limits, a bucket of their own): a
+            # batch never spends the quota the tenant's real-time callers need
+            scope = tenant.name + BATCH_SCOPE if call.batch else tenant.name
+            call.ticket = await self.quotas.admit(scope, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
             if trace is not None:
                 trace.hop("quota")
             if validate is not None:
@@ -192,7 +197,9 @@ class Pipeline:
             breaker = call.breaker = self.breakers[f"{self.replica}/{call.name}/{call.version}"]
             breaker.before()  # an open circuit refuses before the request waits anywhere
             try:
-                if queue.try_acquire():
+                if call.batch:  # only capacity real-time traffic leaves (batching.fair_queue)
+                    await self._wait_batch(call, queue, tenant)
+                elif queue.try_acquire():
                     self.metrics.admitted(call.name, "direct")
                 else:
                     await self._wait(call, queue, tenant, timeout)
@@ -220,7 +227,7 @@ class Pipeline:
         try:
             now = time.perf_counter()
             if call.admitted:
-                call.queue.release(now - call.dispatched_at)
+                call.queue.release(now - call.dispatched_at, batch=call.batch)
             if call.breaker is not None:
                 self._breaker_outcome(call, err)
             if call.inflight is not None:
@@ -237,6 +244,7 @@ class Pipeline:
                 self.meter.record(
                     tenant.name, tenant.team, call.name, call.version,
                     input_tokens=call.tokens_in, output_tokens=call.tokens_out, compute_us=int(compute_s * 1e6),
+                    **({"traffic_class": BATCH} if call.batch else {}),
                 )  # fmt: skip
         finally:
             resolved = call.label != UNKNOWN_MODEL_LABEL
@@ -291,6 +299,17 @@ class Pipeline:
         self.metrics.waited(call.name, time.perf_counter() - waited)
         if timeout is not None:
             call.timeout = max(0.0, timeout - (time.perf_counter() - waited))
+
+    async def _wait_batch(self, call: AdmittedCall, queue: FairQueue, tenant: Tenant) -> None:
+        """A batch row: a slot no real-time request is waiting for, within the batch class's share."""
+        if not queue.try_acquire_batch():
+            try:
+                await queue.acquire_batch(tenant.name, tenant.weight, call.timeout)
+            except QueueFull as refused:
+                raise Overloaded(refused.message, retry_after_s=refused.retry_after_s) from None
+            except DeadlineUnmeetable as refused:
+                raise DeadlineExceeded(refused.message) from None
+        self.metrics.admitted(call.name, "batch")
 
     def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
         queue = self.queues.get(name)
@@ -355,6 +374,12 @@ class _Admitted:
         if exc is None and exc_type is not None:
             exc = exc_type()
         await self.pipeline.exit(self.call, exc)
+
+
+def granted(principal: Principal, name: str, ctx: CallContext | None) -> bool:
+    """May this principal call ``name``? A composite's node call is covered by the composite's grant."""
+    tenant = principal.tenant
+    return tenant.may_use(name) or (ctx is not None and bool(ctx.via) and ctx.preauthenticated and tenant.may_use(ctx.via))
 
 
 def model_slots(signature: ModelSignature) -> int:

@@ -139,6 +139,13 @@ class CallContext:
     headers: object = None
     version: str = ""
     arm: str = ""
+    # set only inside the frontend, never from a caller's headers: a call made on behalf of an
+    # already authenticated principal (a composite's node, a batch job's row), the composite
+    # whose grant covers it, and the traffic class (``batch`` waits for capacity real-time
+    # traffic leaves: batching.fair_queue)
+    preauthenticated: bool = False
+    via: str = ""
+    priority: str = "realtime"
 
     @classmethod
     def from_headers(cls, headers, max_timeout_s: float | None = None) -> "CallContext":
@@ -242,6 +249,8 @@ class Gatekeeper:
         return self.keyring is not None
 
     def authenticate(self, ctx: CallContext | None) -> Principal:
+        if ctx is not None and getattr(ctx, "preauthenticated", False) and ctx.principal is not None:
+            return ctx.principal  # an in-process call for a principal authenticated before (see CallContext)
         if self.keyring is None:
             principal = self._anonymous
         else:
@@ -249,6 +258,16 @@ class Gatekeeper:
         if ctx is not None:
             ctx.principal = principal
         return principal
+
+    def principal_of(self, tenant: str) -> Principal:
+        """The principal a batch job runs as: its tenant as the key ring knows it now (grants and
+        quotas as they are today); UNAUTHENTICATED when the tenant is gone."""
+        if self.keyring is None:
+            return self._anonymous
+        found = self.keyring.tenants.get(tenant)
+        if found is None:
+            raise Unauthenticated(f"tenant '{tenant}' no longer exists")
+        return Principal("", found)
 
     def is_admin(self, principal: Principal) -> bool:
         """Admin tenants manage keys, tenants and deployments; with auth off the open tenant may."""

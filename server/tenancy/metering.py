@@ -53,9 +53,10 @@ class Meter:
     # ---- hot path -------------------------------------------------------------------------
 
     def record(
-        self, tenant: str, team: str, model: str, version: str, *, input_tokens: int = 0, output_tokens: int = 0, compute_us: int = 0
+        self, tenant: str, team: str, model: str, version: str, *, input_tokens: int = 0, output_tokens: int = 0, compute_us: int = 0,
+        traffic_class: str = "realtime",
     ) -> None:
-        key = (tenant, team, model, version)
+        key = (tenant, team, model, version, traffic_class)  # a batch job's rows are metered apart
         sums = self._sums.get(key)
         if sums is None:
             self._sums[key] = [1, input_tokens, output_tokens, compute_us]
@@ -71,13 +72,13 @@ class Meter:
         sums, self._sums = self._sums, {}
         ts, self._period_start = self._period_start, self._clock()
         return [
-            UsageRecord(ts, t, team, m, v, r, inp + out, us, input_tokens=inp, output_tokens=out)
-            for (t, team, m, v), (r, inp, out, us) in sums.items()
+            UsageRecord(ts, t, team, m, v, r, inp + out, us, input_tokens=inp, output_tokens=out, traffic_class=c)
+            for (t, team, m, v, c), (r, inp, out, us) in sums.items()
         ]
 
     def _restore(self, records: list[UsageRecord]) -> None:
         for r in records:
-            sums = self._sums.setdefault((r.tenant, r.team, r.model, r.version), [0, 0, 0, 0])
+            sums = self._sums.setdefault((r.tenant, r.team, r.model, r.version, r.traffic_class), [0, 0, 0, 0])
             sums[0] += r.requests
             sums[1] += r.input_tokens
             sums[2] += r.output_tokens

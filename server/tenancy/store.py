@@ -62,7 +62,9 @@ class UsageRow(Base):
     compute_us: Mapped[int] = mapped_column(BigInteger, default=0)
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # 0005
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    traffic_class: Mapped[str] = mapped_column(String(16), server_default="realtime")  # 0008: realtime | batch
     __table_args__ = (Index("ix_tenancy_usage_ts", "ts"),)
+    __mapper_args__ = {"eager_defaults": False}  # never RETURNING traffic_class (a database before 0008 lacks it)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,16 @@ class UsageRecord:
     compute_us: int
     input_tokens: int = 0  # LLM prompt / embedding input
     output_tokens: int = 0  # LLM completion
+    traffic_class: str = "realtime"  # or "batch": a batch job's rows (server.control.batches)
+
+
+def _usage_columns(record: UsageRecord) -> dict:
+    """A record's columns; ``traffic_class`` only when not the server default (a writer against a
+    database before 0008 keeps working for real-time usage)."""
+    columns = dict(record.__dict__)
+    if columns.get("traffic_class") == "realtime":
+        del columns["traffic_class"]
+    return columns
 
 
 class TenancyStore:
@@ -214,7 +226,7 @@ class TenancyStore:
     # ---- usage ----------------------------------------------------------------------------
 
     def write_usage(self, records: Iterable[UsageRecord]) -> int:
-        rows = [UsageRow(**r.__dict__) for r in records]
+        rows = [UsageRow(**_usage_columns(r)) for r in records]
         if rows:
             with Session(self.engine) as s, s.begin():
                 s.add_all(rows)

@@ -347,7 +347,7 @@ def test_error_counting_by_code(dummy_factory):
     total = r["requests"] + r["errors_total"]
     assert total > 30
     assert set(r["errors"]) == {"INVALID_ARGUMENT"}
-    assert r["errors"]["INVALID_ARGUMENT"]["count"] == total // 3
+    assert abs(r["errors"]["INVALID_ARGUMENT"]["count"] - total / 3) <= 1  # a call in flight at the window's end may or may not count
     assert "rejected by dummy server" in r["errors"]["INVALID_ARGUMENT"]["first_message"]
     assert r["latency_ms"]["p50"] > 0  # failed requests stay out of the histogram but ok ones count
     # the same over a bidi stream: errors travel inside the stream

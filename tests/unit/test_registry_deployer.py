@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ class FakeDataPlane:
     def __init__(self, repository):
         self.repository = repository
         self.models, self.routes, self.loaded = {}, {}, set()
+        self.composites = SimpleNamespace(serves=lambda name: False, plans={})  # no composite endpoints here
         self.triton = FakeTriton()
         self.loads = 0
 

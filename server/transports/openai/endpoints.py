@@ -35,6 +35,7 @@ from server.errors import Cancelled, InferplaneError, InvalidRequest, Unsupporte
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
 from server.tenancy.identity import CallContext
 from server.transports import limits
+from server.transports.openai.batches import ROUTES as BATCH_ROUTES
 from server.transports.rest.openapi import JSON, Body, Route, error_body, error_responses, error_statuses, json_body
 
 log = logging.getLogger(__name__)
@@ -402,22 +403,13 @@ class _CompletionRender(_ChatRender):
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     doc = await _body(request)
-    model = _model_name(doc)
-    params = _sampling(doc)
-    params.messages = _messages(doc)
+    model, params = parse_generation(doc, chat=True)
     return await _generate(request, doc, model, params, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     doc = await _body(request)
-    model = _model_name(doc)
-    params = _sampling(doc)
-    prompt = doc.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise _bad("prompt", "must be a string (or a list of one string)")
-    params.prompt = prompt
+    model, params = parse_generation(doc, chat=False)
     return await _generate(request, doc, model, params, chat=False)
 
 
@@ -433,6 +425,41 @@ async def _generate(request: web.Request, doc: dict, model: str, params: Generat
         render_cls = _ChatRender if chat else _CompletionRender
         return await _stream_sse(request, stream, render_cls(cid, model, created, include_usage), include_usage)
     text, last = await _whole(request, stream)
+    return web.json_response(_completion_doc(cid, model, created, chat, text, last))
+
+
+def parse_generation(doc: dict, chat: bool) -> tuple[str, GenerateParams]:
+    """A chat completion's or completion's body as (model, parameters), as the handlers read it."""
+    model = _model_name(doc)
+    params = _sampling(doc)
+    if chat:
+        params.messages = _messages(doc)
+        return model, params
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "must be a string (or a list of one string)")
+    params.prompt = prompt
+    return model, params
+
+
+async def completion_answer(svc: LLMService, doc: dict, ctx: CallContext, chat: bool) -> dict:
+    """The non-streaming answer of a chat completion or completion (a batch job's row)."""
+    if doc.get("stream"):
+        raise _bad("stream", "a batch request cannot stream")
+    model, params = parse_generation(doc, chat)
+    cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    parts, last = [], None
+    async for chunk in svc.generate(model, params, ctx=ctx):
+        parts.append(chunk.text)
+        last = chunk
+    if last is None:
+        raise InferplaneError("the model sent no response")
+    return _completion_doc(cid, model, int(time.time()), chat, "".join(parts), last)
+
+
+def _completion_doc(cid: str, model: str, created: int, chat: bool, text: str, last: Chunk) -> dict:
     finish = _FINISH.get(last.finish_reason, last.finish_reason)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
@@ -441,11 +468,16 @@ async def _generate(request: web.Request, doc: dict, model: str, params: Generat
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         body = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     body["usage"] = _usage(last)
-    return web.json_response(body)
+    return body
 
 
 async def embeddings(request: web.Request) -> web.Response:
     doc = await _body(request)
+    return web.json_response(await embeddings_answer(service(request), doc, _ctx(request)))
+
+
+async def embeddings_answer(svc: LLMService, doc: dict, ctx: CallContext) -> dict:
+    """An embeddings request's answer (the handler's and a batch job's row)."""
     model = _model_name(doc)
     texts = doc.get("input")
     if isinstance(texts, str):
@@ -458,15 +490,14 @@ async def embeddings(request: web.Request) -> web.Response:
     if encoding not in ("float", "base64"):
         raise _bad("encoding_format", "must be float or base64")
     dimensions = _number(doc, "dimensions", int, *limits.DIMENSIONS)
-    vectors, tokens = await service(request).embed(model, texts, ctx=_ctx(request))
+    vectors, tokens = await svc.embed(model, texts, ctx=ctx)
     if dimensions is not None and dimensions != vectors.shape[1]:
         raise _bad("dimensions", f"model '{model}' produces {vectors.shape[1]} dimensions")
     data = []
     for i, vector in enumerate(vectors):
         value = base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
-    body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    return web.json_response(body)
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -526,6 +557,7 @@ ROUTES: list[Route] = [
               "encoding_format": {"type": "string", "enum": ["float", "base64"]},
               "dimensions": {"type": "integer", "minimum": 1},
           })),
+    *BATCH_ROUTES,
     Route("GET", "/v1/models", list_models, "openai_models", "Served LLM and embedding models (OpenAI list shape)", "openai",
           {200: json_body("Model list", _OBJ)} | error_responses(schema="OpenAIError")),
     Route("GET", "/v2/models/{name}/engine_stats", engine_stats, "llm_engine_stats",

@@ -1,0 +1,192 @@
+"""OpenAI batch API over HTTP: ``/v1/files`` (JSONL upload, content) and ``/v1/batches``
+(create, retrieve, list, cancel), in the shapes the ``openai`` SDK reads; and the row runner the
+batch worker sends each row through (``server.control.batches``).
+
+A row runs as its job's tenant (authenticated when the job was created, its grants as they are
+now), at the ``batch`` traffic class, through the same code as a live call of its endpoint:
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` or ``/v2/models/NAME/infer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from server.control.batches import OIP_ENDPOINT, BatchStore
+from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Overloaded, UnsupportedMediaType, Violation, http_error
+from server.tenancy.identity import CallContext
+from server.transports import limits
+from server.transports.rest.openapi import JSON, Body, Route, error_body, error_responses, json_body
+
+BATCHES: web.AppKey[BatchStore] = web.AppKey("batch_store", BatchStore)
+ROW_TIMEOUT_S = 300.0  # one row's deadline once admitted (it waits for capacity without one)
+MULTIPART = "multipart/form-data"
+
+
+def _store(request: web.Request) -> BatchStore:
+    store = request.app.get(BATCHES)
+    if store is None:
+        raise BackendUnavailable("batch jobs are served by a single-process frontend with a registry (--workers 1)")
+    return store
+
+
+def _tenant(request: web.Request) -> tuple[str, str]:
+    from server.transports.rest.endpoints import DATAPLANE
+
+    principal = request.app[DATAPLANE].gate.authenticate(CallContext.from_headers(request.headers))
+    return principal.tenant.name, principal.tenant.team
+
+
+async def _json_body(request: web.Request) -> dict:
+    header = request.headers.get("Content-Type", JSON).split(";", 1)[0].strip().lower()
+    if header not in (JSON, ""):
+        raise UnsupportedMediaType(f"Content-Type {header!r} is not accepted here; send {JSON}")
+    raw = await request.read()
+    try:
+        doc = json.loads(raw or b"null")
+    except (ValueError, RecursionError):
+        raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    limits.check_json(raw, doc)
+    return doc
+
+
+def _thread(fn, *args):
+    return asyncio.to_thread(fn, *args)
+
+
+# ---- files --------------------------------------------------------------------------------------
+
+
+async def create_file(request: web.Request) -> web.Response:
+    tenant, _team = _tenant(request)
+    store = _store(request)
+    if not request.content_type.startswith(MULTIPART):
+        raise UnsupportedMediaType(f"upload a file as {MULTIPART} with fields 'purpose' and 'file'")
+    purpose, filename, data = None, "", None
+    reader = await request.multipart()
+    async for part in reader:
+        if part.name == "purpose":
+            purpose = (await part.text()).strip()
+        elif part.name == "file":
+            filename = part.filename or ""
+            data = bytes(await part.read())
+    if data is None:
+        raise InvalidRequest("the upload has no 'file' field", [Violation("file", "required")])
+    if purpose is None:
+        raise InvalidRequest("the upload has no 'purpose' field", [Violation("purpose", "required")])
+    return web.json_response(await _thread(store.create_file, tenant, filename, purpose, data))
+
+
+async def get_file(request: web.Request) -> web.Response:
+    tenant, _ = _tenant(request)
+    return web.json_response(await _thread(_store(request).get_file, tenant, request.match_info["file_id"]))
+
+
+async def file_content(request: web.Request) -> web.Response:
+    tenant, _ = _tenant(request)
+    data = await _thread(_store(request).file_content, tenant, request.match_info["file_id"])
+    return web.Response(body=data, content_type="application/jsonl")
+
+
+# ---- batches ------------------------------------------------------------------------------------
+
+
+async def create_batch(request: web.Request) -> web.Response:
+    tenant, team = _tenant(request)
+    store = _store(request)
+    doc = await _json_body(request)
+    job = await _thread(
+        store.create_batch, tenant, team, doc.get("input_file_id"), doc.get("endpoint"), doc.get("completion_window", "24h"), doc.get("metadata")
+    )  # fmt: skip
+    return web.json_response(job)
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    tenant, _ = _tenant(request)
+    return web.json_response(await _thread(_store(request).retrieve, tenant, request.match_info["batch_id"]))
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    tenant, _ = _tenant(request)
+    return web.json_response(await _thread(_store(request).cancel, tenant, request.match_info["batch_id"]))
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    tenant, _ = _tenant(request)
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise InvalidRequest("limit must be an integer", [Violation("limit", "not an integer")]) from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("limit must be between 1 and 100", [Violation("limit", "out of range")])
+    return web.json_response(await _thread(_store(request).list, tenant, request.query.get("after"), limit))
+
+
+# ---- the row runner -------------------------------------------------------------------------------
+
+
+def row_runner(dataplane):
+    """``(endpoint, body, tenant) -> (status, body)`` for the batch worker: each row through the
+    data plane as its tenant at the batch traffic class; an overload or quota refusal is raised
+    (the row stays pending and is tried again), any other error is the row's answer."""
+    from server.transports.openai.endpoints import completion_answer, embeddings_answer
+    from server.transports.rest import codec as rest_codec
+
+    async def run(endpoint: str, body: dict, tenant: str) -> tuple[int, dict]:
+        try:
+            principal = dataplane.gate.principal_of(tenant)
+            ctx = CallContext(principal=principal, preauthenticated=True, priority="batch", timeout=ROW_TIMEOUT_S)
+            if endpoint == "/v1/embeddings":
+                return 200, await embeddings_answer(dataplane.llm, body, ctx)
+            if endpoint in ("/v1/chat/completions", "/v1/completions"):
+                return 200, await completion_answer(dataplane.llm, body, ctx, chat=endpoint == "/v1/chat/completions")
+            if OIP_ENDPOINT.match(endpoint):
+                parts = endpoint.split("/")  # ['', 'v2', 'models', NAME, ('versions', V,) 'infer']
+                name, version = parts[3], parts[5] if len(parts) == 7 else ""
+                raw_body = json.dumps(body).encode()
+                infer_request, plan = rest_codec.decode_infer_request(raw_body, None, name, version)
+                raw = await dataplane.infer(infer_request, None, ctx.timeout, ctx)
+                payload, header_len = rest_codec.encode_infer_response(raw, plan)
+                if header_len is not None:
+                    payload = payload[:header_len]
+                return 200, json.loads(payload)
+            raise InvalidRequest(f"endpoint {endpoint} is not a batch endpoint")
+        except Overloaded:
+            raise
+        except InferplaneError as err:
+            status, doc, _headers = http_error(err, openai=True)
+            return status, doc
+
+    return run
+
+
+# ---- routes (mounted into the OpenAI routes) ----------------------------------------------------
+
+_OBJ = {"type": "object", "additionalProperties": True}
+_ERRORS = error_responses(400, 404, 503, schema="OpenAIError") | {409: error_body("The batch already ended", "OpenAIError")}
+
+ROUTES: list[Route] = [
+    Route("POST", "/v1/files", create_file, "files_create", "Upload a JSONL file (multipart: purpose=batch, file)", "openai",
+          {200: json_body("The file object", _OBJ)} | _ERRORS,
+          request=Body("purpose and file", {MULTIPART: {"schema": {"type": "object", "required": ["purpose", "file"], "properties": {
+              "purpose": {"type": "string", "enum": ["batch"]}, "file": {"type": "string", "format": "binary"}}}}})),
+    Route("GET", "/v1/files/{file_id}", get_file, "files_retrieve", "A file object of the caller's tenant", "openai",
+          {200: json_body("The file object", _OBJ)} | _ERRORS),
+    Route("GET", "/v1/files/{file_id}/content", file_content, "files_content", "A file's bytes (an input, output or error JSONL)", "openai",
+          {200: Body("JSONL", {"application/jsonl": {"schema": {"type": "string"}}})} | _ERRORS),
+    Route("POST", "/v1/batches", create_batch, "batches_create", "Start a batch job over an uploaded JSONL file", "openai",
+          {200: json_body("The batch object", _OBJ)} | _ERRORS,
+          request=json_body("OpenAI batch request", {"type": "object", "required": ["input_file_id", "endpoint"], "properties": {
+              "input_file_id": {"type": "string"}, "endpoint": {"type": "string"}, "completion_window": {"type": "string"},
+              "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}})),
+    Route("GET", "/v1/batches", list_batches, "batches_list", "The caller's batch jobs, newest first (after, limit)", "openai",
+          {200: json_body("A page of batch objects", _OBJ)} | _ERRORS),
+    Route("GET", "/v1/batches/{batch_id}", get_batch, "batches_retrieve", "A batch job: status, request counts, files", "openai",
+          {200: json_body("The batch object", _OBJ)} | _ERRORS),
+    Route("POST", "/v1/batches/{batch_id}/cancel", cancel_batch, "batches_cancel", "Cancel a batch job (stops within one row batch)", "openai",
+          {200: json_body("The batch object", _OBJ)} | _ERRORS),
+]  # fmt: skip
