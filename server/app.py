@@ -62,6 +62,9 @@ class Frontend:
         self.http_port = 0
         self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
+        self.tls = None  # server.tenancy.tls.CertificateFiles when --tls-cert is given (issue 23)
+        self.audit = None  # server.control.audit_buffer.AuditBuffer: safety decisions, retention passes
+        self.retention = None  # server.control.retention.RetentionJob (the process that runs the control plane)
         self._tasks: list[asyncio.Task] = []
         self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
@@ -71,6 +74,7 @@ class Frontend:
 
     async def start(self) -> None:
         s = self.settings
+        self._start_tls()
         if s.triton_url is None and not s.model_repository.is_dir():
             raise StartupError(
                 f"model repository {s.model_repository} is not a directory: build the demo models with "
@@ -90,12 +94,15 @@ class Frontend:
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
-        backend = TritonClient(target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20))
+        backend = TritonClient(
+            target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20), **self._triton_tls(),
+        )  # fmt: skip
         backend.connect()
+        self._watch_triton_tls(backend)
         # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
-        self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter)
+        self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, audit=self._audit_buffer())
         await self._load_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
@@ -190,7 +197,7 @@ class Frontend:
             server,
             pool=_pool.POOL,
         )
-        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self.grpc_port = self._bind_grpc(server, f"{s.host}:{s.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind gRPC to {s.host}:{s.grpc_port}")
         await server.start()
@@ -204,7 +211,7 @@ class Frontend:
         app.router.add_get("/metrics", metrics)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.settings.host, self.settings.metrics_port)
+        site = web.TCPSite(runner, self.settings.host, self.settings.metrics_port, ssl_context=self._ssl_context())
         await site.start()
         self._runners.append(runner)
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
@@ -219,14 +226,84 @@ class Frontend:
         from server.transports.rest.status_page import STATUS
 
         app[STATUS] = self.observability
+        if self.tls is not None and self.tls.mutual:
+            from server.transports.rest.tls import peer_certificate
+
+            app.middlewares.insert(0, peer_certificate)  # the client certificate, for calls without an API key
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
         json_parse_errors(runner)  # aiohttp's own 400s (bad request line, headers) in the JSON error shape
         self._runners.append(runner)
-        site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
+        site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker, ssl_context=self._ssl_context())
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
+
+    # ---- TLS (issue 23: server.tenancy.tls) ----------------------------------------------------
+
+    def _start_tls(self) -> None:
+        """The certificate files every port serves, watched for changes; a file that cannot be used stops the start."""
+        from server.tenancy.tls import CertificateFiles, TLSConfigError
+
+        s = self.settings
+        if s.triton_tls and s.triton_url is None and not s.worker:
+            raise StartupError("triton_tls_* settings are for a remote Triton: give --triton-url (the embedded one listens on loopback only)")
+        try:
+            self.tls = CertificateFiles.from_settings(s)
+        except TLSConfigError as err:
+            raise StartupError(str(err)) from None
+        if self.tls is not None:
+            self._tasks.append(asyncio.create_task(self.tls.watch(s.tls_reload_s), name="tls-reload"))
+
+    def _audit_buffer(self):
+        """Safety-filter decisions go to the audit log in batches (``server.control.audit_buffer``)."""
+        from server.control.audit_buffer import AuditBuffer, AuditWriter
+
+        self._audit_writer = AuditWriter(self.settings.database_url)
+        self.audit = AuditBuffer(self._audit_writer.write_many, self.settings.safety_audit_flush_s)
+        self._tasks.append(asyncio.create_task(self.audit.run(), name="audit-flush"))
+        return self.audit.add
+
+    def _ssl_context(self):
+        return self.tls.ssl_context() if self.tls is not None else None
+
+    def _bind_grpc(self, server: grpc.aio.Server, address: str) -> int:
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.tls.grpc_credentials())
+
+    def _triton_tls(self) -> dict:
+        """TLS (and a client certificate) on the channel to a remote Triton."""
+        from server.tenancy.tls import TLSConfigError, channel_credentials
+
+        s = self.settings
+        if not s.triton_tls:
+            return {}
+        try:
+            return {"credentials": channel_credentials(s), "server_name": s.triton_tls_server_name or None}
+        except TLSConfigError as err:
+            raise StartupError(str(err)) from None
+
+    def _watch_triton_tls(self, backend: TritonClient) -> None:
+        """A renewed client certificate (or CA) for the remote Triton: new channels, without a restart."""
+        from server.tenancy.tls import FileStamp, TLSConfigError, channel_credentials, triton_files
+
+        s = self.settings
+        if not s.triton_tls:
+            return
+        stamp = FileStamp(triton_files(s))
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(s.tls_reload_s)
+                if await asyncio.to_thread(stamp.changed):
+                    try:
+                        await backend.reconnect(channel_credentials(s))
+                        log.info("Triton channel TLS files reloaded")
+                    except TLSConfigError as err:
+                        log.warning("Triton channel TLS reload refused: %s", err)
+
+        self._tasks.append(asyncio.create_task(watch(), name="triton-tls-reload"))
 
     async def _poll_statistics(self) -> None:
         while True:
@@ -255,6 +332,7 @@ class Frontend:
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
             f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
+            + (f" tls={'mtls' if self.tls.mutual else 'on'}" if self.tls is not None else "")
         )
 
     async def wait(self) -> None:
@@ -277,6 +355,9 @@ class Frontend:
             await runner.cleanup()
         if self.observability is not None:
             await self.observability.stop()
+        if self.audit is not None:
+            await self.audit.flush()  # the last decisions
+            self._audit_writer.close()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
         if self.supervisor is not None:

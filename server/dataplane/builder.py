@@ -19,9 +19,9 @@ from server.tenancy.identity import Gatekeeper
 from server.tenancy.quota_policy import QuotaPolicy
 
 
-def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None) -> DataPlane:
+def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None, audit=None) -> DataPlane:
     """``backend``: the Triton this process talks to (``TritonClient``); ``gate`` and ``meter`` from
-    ``server.tenancy.builder``."""
+    ``server.tenancy.builder``; ``audit(record)``: where safety decisions go (``server.control.audit_buffer``)."""
     s = settings
     if s.redis_url:  # one set of buckets and keys for every frontend process
         from server.tenancy.redis_quotas import RedisQuotaPolicy
@@ -32,6 +32,8 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
     table = ModelTable()
     router = Router({})
     observer = build_observer(s, metrics, backend.target)
+    late: list[DataPlane] = []  # the safety classifier calls the data plane, which is built after the pipeline
+    safety = build_safety(s, metrics, table, lambda *a, **k: late[0].infer(*a, **k), audit)
     pipeline = Pipeline(
         gate=gate,
         quotas=quotas,
@@ -44,9 +46,20 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         admission_slots=s.admission_slots,
         meter=meter,
         observer=observer,
+        safety=safety,
     )
     coalescer = Coalescer(lambda raw, timeout, request: backend.infer_raw(raw, timeout), CODEC, on_call=observer.on_batch)
-    return DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    late.append(dataplane)
+    return dataplane
+
+
+def build_safety(settings: Settings, metrics: Metrics, table: ModelTable, infer, audit=None):
+    """The safety stage (``server.dataplane.safety``): always built, so an endpoint's own policy
+    parameter works without settings; it costs one cached lookup per request of an endpoint without one."""
+    from server.dataplane.safety import SafetyStage, policy_source
+
+    return SafetyStage(policy_source(settings.safety), metrics, infer=infer, resolve=table.resolve, audit=audit)
 
 
 def build_observer(settings: Settings, metrics: Metrics, replica: str) -> Observer:

@@ -22,6 +22,7 @@ V2_TABLES = V1_TABLES | {"trusted_keys", "team_policies", "deployments"}
 HEAD_TABLES = V2_TABLES | {"tenancy_tenants", "tenancy_keys", "tenancy_usage"}  # 0003: tests/unit/test_tenancy_migrations.py
 HEAD_TABLES |= {"traffic_policies"}  # 0004: server/traffic.py
 HEAD_TABLES |= {"typed_schemas"}  # 0006: server/control/typed_store.py
+HEAD_TABLES |= {"tenancy_identities"}  # 0007: server/tenancy/store.py (mTLS certificate bindings)
 
 
 def _tables(engine) -> set[str]:
