@@ -65,6 +65,8 @@ class Frontend:
         self.tls = None  # server.tenancy.tls.CertificateFiles when --tls-cert is given (issue 23)
         self.audit = None  # server.control.audit_buffer.AuditBuffer: safety decisions, retention passes
         self.retention = None  # server.control.retention.RetentionJob (the process that runs the control plane)
+        self.shadow_records = None  # server.control.shadow_records.ShadowRecords (with the traffic controller)
+        self.keys = None  # server.control.envelope.KeyRing: encryption at rest, when a key is set
         self._tasks: list[asyncio.Task] = []
         self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
@@ -74,7 +76,7 @@ class Frontend:
 
     async def start(self) -> None:
         s = self.settings
-        self._start_tls()
+        self._check_security()
         if s.triton_url is None and not s.model_repository.is_dir():
             raise StartupError(
                 f"model repository {s.model_repository} is not a directory: build the demo models with "
@@ -111,10 +113,12 @@ class Frontend:
             await self.deployer.start()
             from server.control.traffic import TrafficController
 
-            self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
+            self.traffic = TrafficController(self.dataplane, self.registry, self.deployer, shadow_records=self._shadow_records())
             await self.traffic.start()
         self.metrics.triton_up.set(1)
         self._start_observability()
+        if not s.worker:
+            self._start_retention()
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
@@ -241,6 +245,34 @@ class Frontend:
 
     # ---- TLS (issue 23: server.tenancy.tls) ----------------------------------------------------
 
+    def _check_security(self) -> None:
+        """TLS files, encryption keys and safety policies are checked before anything starts."""
+        from server.control.envelope import EncryptionError, KeyRing
+        from server.dataplane.safety import PolicyError, policy_source
+
+        s = self.settings
+        try:
+            self.keys = KeyRing.from_settings(s)
+            policy_source(s.safety)
+        except (EncryptionError, PolicyError) as err:
+            raise StartupError(str(err)) from None
+        self._start_tls()
+
+    def _shadow_records(self):
+        from server.control.shadow_records import ShadowRecords
+
+        s = self.settings
+        self.shadow_records = ShadowRecords(s.shadow_record_destination, self.keys, s.shadow_record_max)
+        self.shadow_records.start()
+        return self.shadow_records
+
+    def _start_retention(self) -> None:
+        """Per-kind retention (``server.control.retention``), audited, in the process that runs the control plane."""
+        from server.control.retention import RetentionJob
+
+        self.retention = RetentionJob(self.settings, self.audit.add if self.audit is not None else None)
+        self.retention.start()
+
     def _start_tls(self) -> None:
         """The certificate files every port serves, watched for changes; a file that cannot be used stops the start."""
         from server.tenancy.tls import CertificateFiles, TLSConfigError
@@ -341,8 +373,12 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.retention is not None:
+            await self.retention.stop()
         if self.traffic is not None:
             await self.traffic.stop()
+        if self.shadow_records is not None:
+            await self.shadow_records.stop()
         if self.deployer is not None:
             await self.deployer.stop()
             self.registry.close()
