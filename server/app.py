@@ -213,6 +213,7 @@ class Frontend:
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        self._require_client_certificate(app)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.settings.host, self.settings.metrics_port, ssl_context=self._ssl_context())
@@ -230,10 +231,7 @@ class Frontend:
         from server.transports.rest.status_page import STATUS
 
         app[STATUS] = self.observability
-        if self.tls is not None and self.tls.mutual:
-            from server.transports.rest.tls import peer_certificate
-
-            app.middlewares.insert(0, peer_certificate)  # the client certificate, for calls without an API key
+        self._require_client_certificate(app)  # and the client certificate, for calls without an API key
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
@@ -295,6 +293,13 @@ class Frontend:
         self.audit = AuditBuffer(self._audit_writer.write_many, self.settings.safety_audit_flush_s)
         self._tasks.append(asyncio.create_task(self.audit.run(), name="audit-flush"))
         return self.audit.add
+
+    def _require_client_certificate(self, app: web.Application) -> None:
+        """mTLS on an aiohttp port: a request whose connection presented no certificate is a 401."""
+        if self.tls is not None and self.tls.mutual:
+            from server.transports.rest.tls import peer_certificate
+
+            app.middlewares.insert(0, peer_certificate)
 
     def _ssl_context(self):
         return self.tls.ssl_context() if self.tls is not None else None

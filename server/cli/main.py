@@ -17,9 +17,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import llm, observe, plan, registry, tenancy, traffic, typed
+    from server.cli import llm, observe, plan, registry, security, tenancy, traffic, typed
 
-    for module in (tenancy, registry, traffic, llm, plan, typed, observe):
+    for module in (tenancy, registry, traffic, llm, plan, typed, observe, security):
         module.mount(app)
 
 

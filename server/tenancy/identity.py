@@ -289,7 +289,7 @@ class Gatekeeper:
         if cert:
             ids = peer_identities(bytes(cert))
             raise Unauthenticated(
-                f"missing API key, and the client certificate ({ids[-1] if ids else 'unreadable'}) is bound to no tenant: "
+                f"missing API key, and the client certificate ({'; '.join(ids) if ids else 'unreadable'}) is bound to no tenant: "
                 "send 'authorization: Bearer <key>' or bind the certificate (inferplane tenants bind)"
             )
         raise Unauthenticated("missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'")

@@ -176,14 +176,16 @@ class CertificateFiles:
             context.load_verify_locations(cadata=self.material.client_ca.decode("ascii", "replace"))
 
     def ssl_context(self) -> ssl.SSLContext:
-        """A server context for aiohttp (TLS 1.2+; client certificates required with a client CA);
+        """A server context for aiohttp (TLS 1.2+; client certificates asked for and verified with a client CA);
         reloaded in place by :meth:`check`."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.set_alpn_protocols(["http/1.1"])
         self._apply(context)
         if self.mutual:
-            context.verify_mode = ssl.CERT_REQUIRED
+            # a presented certificate is verified in the handshake (expired, another CA: refused); a
+            # connection without one is answered 401 by every request (server.transports.rest.tls)
+            context.verify_mode = ssl.CERT_OPTIONAL
         self._contexts.append(context)
         return context
 
