@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-READY = re.compile(r"inferplane ready grpc=(\S+) metrics=(\S+)(?: http=(\S+))? triton=embedded@(\S+)")
+READY = re.compile(r"inferplane ready grpc=(\S+) metrics=(\S+)(?: http=(\S+))? triton=(?:embedded@)?(\S+)")
 START_TIMEOUT_S = 180
 
 

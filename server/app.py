@@ -105,7 +105,7 @@ class Frontend:
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
         self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, audit=self._audit_buffer())
-        await self._load_models()
+        await self._load_models_from_triton()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
 
@@ -240,6 +240,23 @@ class Frontend:
         site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker, ssl_context=self._ssl_context())
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
+
+    async def _load_models_from_triton(self) -> None:
+        """The first call to a remote Triton: one it cannot reach (a TLS mismatch, most often) stops the start, saying so."""
+        from server.errors import BackendUnavailable
+
+        s = self.settings
+        try:
+            await self._load_models()
+        except BackendUnavailable as err:
+            if not s.triton_url:
+                raise
+            hint = (
+                "check triton_tls_ca, triton_tls_cert/key and triton_tls_server_name against Triton's certificates"
+                if s.triton_tls
+                else "if it serves TLS, set INFERPLANE_TRITON_TLS_CA (and _CERT/_KEY when it requires client certificates)"
+            )
+            raise StartupError(f"cannot reach the Triton at {s.triton_url} ({err}); {hint}") from None
 
     # ---- TLS (issue 23: server.tenancy.tls) ----------------------------------------------------
 

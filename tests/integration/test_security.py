@@ -465,3 +465,76 @@ def test_no_secret_appears_in_any_output(secure):
     assert len(text) > 1000  # there was something to look through
     for what, secret in secrets.items():
         assert secret not in text, f"the {what} appears in an output"
+
+
+# ---- the frontend -> remote Triton channel over mutual TLS ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_triton(secure, tmp_path_factory):
+    """A tritonserver of its own that speaks only mutual TLS on gRPC (its own certificates, its own CA)."""
+    from server.runtime.supervisor import free_port
+    from server.runtime.triton_install import TritonInstallation
+
+    workdir = tmp_path_factory.mktemp("tls_triton")
+    ca = make_ca("triton CA")
+    (workdir / "triton-ca.crt").write_bytes(ca.cert_pem)
+    cert, key = issue(ca, "triton.internal", server=True, hosts=("triton.internal",)).write(workdir, "triton")
+    frontend = issue(ca, "inferplane-frontend").write(workdir, "frontend")
+    install = TritonInstallation.find()
+    port = free_port()
+    args = [
+        str(install.binary), f"--model-repository={secure.repository}", "--model-control-mode=explicit", "--disable-auto-complete-config",
+        f"--backend-directory={install.prepare_backends(workdir)}", f"--cache-directory={install.caches}",
+        "--allow-http=false", "--allow-metrics=false", "--grpc-address=127.0.0.1", f"--grpc-port={port}",
+        "--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", f"--grpc-server-cert={cert}", f"--grpc-server-key={key}",
+        f"--grpc-root-cert={workdir / 'triton-ca.crt'}", f"--load-model={EMBED}",
+    ]  # fmt: skip
+    log = open(workdir / "triton.log", "wb")  # noqa: SIM115 - the child's
+    proc = subprocess.Popen(args, env=install.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    creds = dict(root_certificates=str(workdir / "triton-ca.crt"), private_key=str(frontend[1]), certificate_chain=str(frontend[0]))
+
+    def live():
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}", ssl=True, channel_args=[("grpc.ssl_target_name_override", "triton.internal")], **creds)
+        try:
+            return client.is_model_ready(EMBED)
+        except Exception:  # noqa: BLE001 - still starting
+            return False
+        finally:
+            client.close()
+
+    try:
+        assert wait_until(live, timeout=120, interval=0.5), (workdir / "triton.log").read_text(errors="replace")[-3000:]
+        yield {"url": f"127.0.0.1:{port}", "ca": workdir / "triton-ca.crt", "cert": frontend[0], "key": frontend[1], "workdir": workdir}
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+        log.close()
+
+
+def test_the_frontend_talks_to_a_remote_triton_over_mutual_tls(secure, tls_triton):
+    from loadtest.stack import start_stack as raw_start
+
+    workdir = tls_triton["workdir"]
+    env = {
+        "INFERPLANE_AUTH": "off", "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/frontend.db", "INFERPLANE_DATA_DIR": str(workdir / "data"),
+        "INFERPLANE_TRITON_TLS_CA": str(tls_triton["ca"]), "INFERPLANE_TRITON_TLS_CERT": str(tls_triton["cert"]),
+        "INFERPLANE_TRITON_TLS_KEY": str(tls_triton["key"]), "INFERPLANE_TRITON_TLS_SERVER_NAME": "triton.internal",
+    }  # fmt: skip
+    stack = raw_start(secure.repository, workdir / "frontend", "--triton-url", tls_triton["url"], env=env)
+    try:
+        client = grpcclient.InferenceServerClient(stack.grpc)  # the frontend's own port: plaintext here
+        try:
+            result = client.infer(EMBED, [_text_input("through a TLS channel to Triton")])
+            assert result.as_numpy("embedding").shape == (1, 384)
+        finally:
+            client.close()
+    finally:
+        stop_stack(stack)
+    # without the client certificate Triton refuses the channel, and the frontend says so
+    plain = {k: v for k, v in env.items() if not k.startswith("INFERPLANE_TRITON_TLS_")}
+    with pytest.raises(RuntimeError) as refused:
+        raw_start(secure.repository, workdir / "plain", "--triton-url", tls_triton["url"], env=plain)
+    secure.outputs.append(str(refused.value))
+    assert f"cannot reach the Triton at {tls_triton['url']}" in str(refused.value) and "INFERPLANE_TRITON_TLS_CA" in str(refused.value)
+    assert "Traceback" not in str(refused.value)
