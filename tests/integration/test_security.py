@@ -43,7 +43,12 @@ SAFETY = {
         "input": {"rules": [{"name": "deny", "kind": "keywords", "words": ["project zeus"], "action": "block"}]},
         "output": {"rules": [{"name": "no-e", "kind": "regex", "pattern": BLOCKED_LETTER, "action": "block"}]},
     },
-    EMBED: {"input": {"rules": [{"name": "pii", "kind": "pii", "types": ["email"], "action": "redact"}]}},
+    EMBED: {
+        "input": {
+            "rules": [{"name": "pii", "kind": "pii", "types": ["email"], "action": "redact"}],
+            "classifier": {"model": "safety_classifier", "label": "unsafe", "threshold": 0.8, "action": "block"},
+        }
+    },
 }
 MARKER = "zebra-quartz-marker"  # a request text that must never be readable on disk
 
@@ -85,6 +90,9 @@ def secure(llm_repository, tmp_path_factory):
     for name in (LLM, UNFILTERED, EMBED):  # hard links: the same weights, a config of our own
         shutil.copytree(llm_repository / name, repository / name, copy_function=os.link)
     from model_repository.config_writer import read_config, write_config
+    from model_repository.safety_classifier import build_safety_classifier
+
+    build_safety_classifier(repository)  # a model on the platform like any other (cached after the first build)
 
     config = read_config(repository / EMBED)
     config.parameters["inferplane.payload_log_sample"].string_value = "1.0"
@@ -100,7 +108,7 @@ def secure(llm_repository, tmp_path_factory):
     }  # fmt: skip
     stack_env = {
         **env, "INFERPLANE_AUTH": "on", "INFERPLANE_AUTH_REFRESH_S": "0.3", "INFERPLANE_TLS_RELOAD_S": "0.3",
-        "INFERPLANE_SAFETY": json.dumps(SAFETY), "INFERPLANE_SAFETY_AUDIT_FLUSH_S": "0.3",
+        "INFERPLANE_SAFETY": json.dumps(SAFETY), "INFERPLANE_SAFETY_AUDIT_FLUSH_S": "0.3", "INFERPLANE_USAGE_FLUSH_S": "0.3",
     }  # fmt: skip
     stack = start_stack(
         repository, workdir, "--auth", "on", "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
@@ -365,6 +373,36 @@ def test_a_redacted_input_is_what_the_model_sees(secure):
         grpc_client.close()
     assert np.allclose(redacted, expected, atol=1e-5)  # the model saw the redacted text
     assert not np.allclose(unredacted, expected, atol=1e-3)  # (a different text is a different vector)
+
+
+def test_the_classifier_is_a_deployed_model_called_on_the_callers_behalf(secure):
+    _wait_bound(secure)
+    client = _grpc_client(secure, secure.pki.acme)
+    try:
+        assert client.is_model_ready("safety_classifier")
+        direct = client.infer("safety_classifier", [_text_input("I will kill you tonight")]).as_numpy("probabilities")
+        assert direct.reshape(-1)[1] > 0.8  # the deployed model itself calls it unsafe
+        with pytest.raises(Exception) as blocked:
+            client.infer(EMBED, [_text_input("I will kill you tonight")])
+        secure.outputs.append(str(blocked.value))
+        assert "INVALID_ARGUMENT" in str(blocked.value) and "safety_classifier" in str(blocked.value)
+        ok = client.infer(EMBED, [_text_input("how do I kill the process that hangs my build")])  # a hard negative
+        assert ok.as_numpy("embedding").shape == (1, 384)
+    finally:
+        client.close()
+
+    def classifier_usage():  # metered like any request, to the caller's tenant
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(secure.cli_env["INFERPLANE_DATABASE_URL"])
+        try:
+            with engine.connect() as conn:
+                q = sa.text("select tenant, sum(requests) from tenancy_usage where model = 'safety_classifier' group by tenant")
+                return dict(conn.execute(q).all())
+        finally:
+            engine.dispose()
+
+    assert wait_until(lambda: classifier_usage().get("acme", 0) >= 3, timeout=30), classifier_usage()
 
 
 def test_decisions_are_metered_and_audited(secure):
