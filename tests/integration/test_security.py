@@ -353,6 +353,39 @@ def test_a_blocked_stream_ends_with_content_filter_and_leaks_nothing(secure):
         client.close()
 
 
+def test_grpc_generate_ends_a_blocked_stream_with_content_filter_and_refuses_raw_streams(secure):
+    from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
+
+    pki = secure.pki
+    read = lambda p: Path(p).read_bytes()  # noqa: E731
+    credentials = grpc.ssl_channel_credentials(read(pki.ca_path), read(pki.acme[1]), read(pki.acme[0]))
+    with grpc.secure_channel(secure.grpc, credentials, options=[("grpc.ssl_target_name_override", "localhost")]) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+
+        def generate(model):
+            request = generate_pb2.GenerateRequest(model=model, max_tokens=48, temperature=1.0, seed=7)
+            request.messages.add(role="user", content="tell me a story")
+            responses = list(stub.Generate(request, timeout=60))
+            return "".join(r.text for r in responses), [r.finish_reason for r in responses if r.finish_reason]
+
+        unfiltered, _ = generate(UNFILTERED)
+        text, reasons = generate(LLM)
+        assert reasons == ["content_filter"] and BLOCKED_LETTER not in text and unfiltered.startswith(text)
+        # ModelStreamInfer passes Triton's bytes through unscreened: an endpoint with output filters refuses it
+        client = _grpc_client(secure, pki.acme)
+        errors = []
+        client.start_stream(callback=lambda result, error: errors.append(error))
+        try:
+            prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+            prompt.set_data_from_numpy(np.array([b"hello"], dtype=object))
+            client.async_stream_infer(LLM, [prompt])
+            assert wait_until(lambda: errors, timeout=30)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert errors[0] is not None and "filters its outputs" in str(errors[0]), errors
+
+
 def test_a_blocked_prompt_is_a_400_naming_the_rule(secure):
     client = _openai(secure, secure.pki.acme)
     try:
