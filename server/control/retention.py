@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 DAY_S = 86400.0
 _FACTORIES: dict[str, Callable] = {}
 # modules that register targets of their own (imported, when present, before the targets are built)
-PROVIDERS: tuple[str, ...] = ("server.control.batch",)
+PROVIDERS: tuple[str, ...] = ("server.control.batches",)
 
 
 def register(name: str, factory: Callable) -> None:
