@@ -32,7 +32,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 
@@ -190,6 +190,13 @@ class FairQueue:
             self.inflight += 1
             self.admitted += 1
             waiter.future.set_result(None)
+
+    def resize(self, slots: int) -> None:
+        """Another slot count (the model's replicas or instances changed); more slots admit
+        waiting requests at once, fewer let the ones past the gate finish."""
+        self.policy = replace(self.policy, slots=max(1, slots))
+        self.inflight += 1  # grant through release()'s loop, which hands free slots to waiters in fair order
+        self.release(None)
 
     # ---- internals ------------------------------------------------------------------------
 

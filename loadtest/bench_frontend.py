@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="", help="open-loop sweep rates (default: from the c=32 direct throughput)")
     ap.add_argument("--no-coalesce", action="store_true", help="turn request coalescing off in every model's config")
     ap.add_argument("--quick", action="store_true", help="1 round, 1 s runs, one model (a smoke run)")
+    ap.add_argument(
+        "--triton-mode", choices=("process", "in-process"), default="process",
+        help="the frontend under test: its Triton a child over gRPC, or in its process (the direct baseline stays a tritonserver child)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.duration, args.warmup, args.models = 1, 1.0, 0.5, MODELS[0]
@@ -94,17 +98,23 @@ def main(argv: list[str] | None = None) -> int:
 
         extra += ["--grpc-port", str(free_port()), "--http-port", str(free_port())]
     stack = start_stack(repo, args.out / "stack", *extra)
+    tested = stack
+    if args.triton_mode == "in-process":  # a second stack: the frontend under test, Triton inside it
+        tested = start_stack(repo, args.out / "stack-inprocess", *extra, "--triton-mode", "in-process")
     results: dict = {
         "command": command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "workers": args.workers,
         "coalesce": not args.no_coalesce,
+        "triton_mode": args.triton_mode,
         "models": {},
     }
     try:
         triton_pid, frontend_pid = stack.triton_pid(), stack.process.pid
-        direct, front = f"grpc://{stack.triton}", f"grpc://{stack.grpc}"
+        direct, front = f"grpc://{stack.triton}", f"grpc://{tested.grpc}"
+        # the frontend's CPU: its tree minus Triton's; in process, Triton's work is the frontend's own
+        front_pids = (frontend_pid, triton_pid) if tested is stack else (tested.process.pid,)
         for model in args.models.split(","):
             pool_a = prepare_pool(direct, model, data="validation", repository=str(repo), size=256)
             pool_b = prepare_pool(front, model, data="validation", repository=str(repo), size=256)
@@ -112,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             for conc in [int(c) for c in args.concurrency.split(",")]:
                 spec = LoadSpec(concurrency=conc, warmup=args.warmup, duration=args.duration)
                 cfg_a = RunConfig(direct, model, spec, pids=(triton_pid,), label="triton")
-                cfg_b = RunConfig(front, model, spec, pids=(frontend_pid, triton_pid), label="frontend")
+                cfg_b = RunConfig(front, model, spec, pids=front_pids, label="frontend")
                 outcome = compare(cfg_a, cfg_b, pool_a, pool_b, rounds=args.rounds)
                 outcome["frontend_cpu_ms_per_request"] = _median(
                     [_frontend_cpu_ms(r, frontend_pid, triton_pid) for r in outcome["runs_b"]]
+                    if tested is stack
+                    else [((r.get("cpu") or {}).get("total_cpu_ms_per_request")) for r in outcome["runs_b"]]
                 )
                 outcome["triton_cpu_ms_per_request_direct"] = _median(
                     [((r.get("cpu") or {}).get("total_cpu_ms_per_request")) for r in outcome["runs_a"]]
@@ -150,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             "frontend": run_perf_analyzer(front, pa_model, concurrency_range="8", measurement_interval_ms=3000, extra_args=pa_args),
         }
     finally:
+        if tested is not stack:
+            stop_stack(tested)
         stop_stack(stack)
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     report = render(results)
@@ -161,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 def render(results: dict) -> str:
     lines = [f"Command: `{results['command']}` ({results['date']}, {results['machine']['cpus']} CPUs, "
              f"{results['machine']['platform']}, frontend workers: {results['workers']}, "
-             f"coalescing: {'on' if results.get('coalesce', True) else 'off'})", ""]
+             f"coalescing: {'on' if results.get('coalesce', True) else 'off'}, "
+             f"frontend's Triton: {results.get('triton_mode', 'process')})", ""]
     lines += [
         "| model | c | Triton rps | frontend rps | ratio (min–max) | p50 Triton / frontend ms | p99 Triton / frontend ms | frontend CPU ms/req | Triton CPU ms/req (direct) |",
         "|---|---|---|---|---|---|---|---|---|",

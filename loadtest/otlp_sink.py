@@ -80,6 +80,10 @@ def start_receiver() -> Receiver:
     holder: dict = {}
 
     class Handler(BaseHTTPRequestHandler):
+        # HTTP/1.1 keep-alive: opentelemetry-cpp (Triton) reuses its connection; an HTTP/1.0 server closes
+        # each one after the reply, and an export sent on a connection that is being closed is lost
+        protocol_version = "HTTP/1.1"
+
         def log_message(self, *args):  # quiet
             pass
 
@@ -111,6 +115,7 @@ def start_receiver() -> Receiver:
             receiver: Receiver = holder["r"]
             if self.path != "/v1/traces":
                 self.send_response(404)
+                self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
             try:
@@ -121,6 +126,7 @@ def start_receiver() -> Receiver:
             except Exception:
                 receiver.bad.append((dict(self.headers), body[:200]))
                 self.send_response(400)
+                self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
             spans = []

@@ -24,7 +24,7 @@ class Stack:
     grpc: str  # host:port of the frontend's gRPC
     metrics: str  # host:port of /metrics
     http: str | None  # host:port of the REST bridge, when it runs
-    triton: str  # host:port of the embedded Triton's gRPC (for direct comparisons)
+    triton: str  # host:port of the embedded Triton's gRPC (for direct comparisons); "in-process": none
     process: subprocess.Popen
     log: Path
     repository: Path

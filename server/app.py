@@ -16,12 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from server.control.fleet import PRIMARY, Fleet
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.fleet_hooks import FleetHooks
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
-from server.dataplane.triton_client import TritonClient
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
@@ -29,6 +30,8 @@ from server.runtime.supervisor import TritonSupervisor
 from server.settings import Settings
 from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
 from server.transports.grpc.admin import AdminService
+from server.transports.grpc.autoscale import AutoscaleService
+from server.transports.grpc.autoscale import add_to_server as add_autoscale
 from server.transports.grpc.context import DomainErrorInterceptor
 from server.transports.grpc.generation import add_to_server as add_generation
 from server.transports.grpc.inference import SERVICE, InferenceService
@@ -51,7 +54,7 @@ class Frontend:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics(multiprocess=settings.metrics_dir is not None)
-        gc_pauses.watch(self.metrics.gc_pause)
+        self.gc_watch = gc_pauses.PauseWatch(self.metrics.gc_pause)
         self.supervisor: TritonSupervisor | None = None
         self.tenancy: Tenancy | None = None
         self.dataplane: DataPlane | None = None
@@ -72,6 +75,7 @@ class Frontend:
         self.deployer = None
         self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
         self.observability = None  # server.control.observability.Observability (issue 19)
+        self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -84,6 +88,8 @@ class Frontend:
             )
         if s.triton_url:
             target = s.triton_url
+        elif s.triton_mode == "in-process":
+            target = "in-process"
         else:
             self.supervisor = TritonSupervisor(
                 s.model_repository,
@@ -96,16 +102,25 @@ class Frontend:
             )
             await self.supervisor.start()
             target = self.supervisor.grpc_target
-        backend = TritonClient(
-            target, channels=s.triton_channels, max_message_bytes=s.max_request_bytes + (1 << 20), **self._triton_tls(),
-        )  # fmt: skip
-        backend.connect()
-        self._watch_triton_tls(backend)
+        inprocess = await self._inprocess() if target == "in-process" else None
+        self._triton_tls()  # the remote replicas' TLS files load (server.control.fleet.client uses them)
+        self.fleet = fleet = Fleet.build(s, self.supervisor, inprocess=inprocess)
+        await fleet.start_replicas()
+        self._watch_triton_tls(fleet.replicas)
         # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
-        self.dataplane = build_dataplane(s, backend, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, audit=self._audit_buffer())
-        await self._load_models_from_triton()
+        self._tasks.append(asyncio.create_task(self.gc_watch.run(), name="gc-pauses"))
+        hooks = FleetHooks()
+        self.dataplane = build_dataplane(
+            s, fleet.replicas, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, hooks=hooks, audit=self._audit_buffer(),
+        )  # fmt: skip
+        fleet.attach_dataplane(self.dataplane, hooks, self.metrics)
+        if fleet.has_replicas():
+            await self._load_models_or_say_why()
+        else:  # model groups with no replica yet (scaled to zero): their models load when replicas appear
+            log.warning("no Triton replica is up yet; requests for the model groups' models are held until one is%s", self._triton_hint())
+        fleet.hold_group_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
 
@@ -115,6 +130,9 @@ class Frontend:
 
             self.traffic = TrafficController(self.dataplane, self.registry, self.deployer, shadow_records=self._shadow_records())
             await self.traffic.start()
+            await fleet.read_memory_needs(self.registry)
+            fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
+        await fleet.start()
         self.metrics.triton_up.set(1)
         self._start_observability()
         if not s.worker:
@@ -137,6 +155,15 @@ class Frontend:
         if s.gc_freeze:
             gc_pauses.settle()
         await self._set_serving(True)
+
+    async def _inprocess(self):
+        """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""
+        from server.runtime.inprocess import InProcessTriton
+
+        s = self.settings
+        return await InProcessTriton.start(
+            s.model_repository, s.workdir, response_cache_bytes=s.response_cache_bytes, startup_timeout=s.triton_startup_timeout_s
+        )
 
     def _start_observability(self) -> None:
         """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.observability)."""
@@ -192,12 +219,13 @@ class Frontend:
         tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
         generation_name = add_generation(self.dataplane.llm, server)
         traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
+        autoscale_name = add_autoscale(AutoscaleService(self.dataplane, self.fleet.autoscaler, self.fleet.sampler), server)
         typed = add_typed_services(server, self.dataplane, registry=self.registry, deployer=self.deployer, repository=s.model_repository)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _add_to_pool(health_pb2.DESCRIPTOR)
         admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
         typed.enable_reflection(  # grpc_reflection's, plus the typed services that come and go at deploy
-            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, autoscale_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
             pool=_pool.POOL,
         )
@@ -232,6 +260,10 @@ class Frontend:
 
         app[STATUS] = self.observability
         self._require_client_certificate(app)  # and the client certificate, for calls without an API key
+        if self.fleet.provisioner is not None:
+            from server.transports.rest.deploy import PROVISIONER
+
+            app[PROVISIONER] = self.fleet.provisioner
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
@@ -241,22 +273,25 @@ class Frontend:
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
 
-    async def _load_models_from_triton(self) -> None:
-        """The first call to a remote Triton: one it cannot reach (a TLS mismatch, most often) stops the start, saying so."""
+    async def _load_models_or_say_why(self) -> None:
+        """A remote Triton that refuses the first calls (a TLS mismatch, most often) stops the start in one line."""
         from server.errors import BackendUnavailable
 
-        s = self.settings
         try:
             await self._load_models()
         except BackendUnavailable as err:
-            if not s.triton_url:
+            if not self.settings.triton_url:
                 raise
-            hint = (
-                "check triton_tls_ca, triton_tls_cert/key and triton_tls_server_name against Triton's certificates"
-                if s.triton_tls
-                else "if it serves TLS, set INFERPLANE_TRITON_TLS_CA (and _CERT/_KEY when it requires client certificates)"
-            )
-            raise StartupError(f"cannot reach the Triton at {s.triton_url} ({err}); {hint}") from None
+            raise StartupError(f"cannot load the models: {err}{self._triton_hint()}") from None
+
+    def _triton_hint(self) -> str:
+        """Why a remote Triton may be unreachable at start: most often a TLS mismatch."""
+        s = self.settings
+        if not s.triton_url:
+            return ""
+        if s.triton_tls:
+            return f" (the Triton at {s.triton_url}: check triton_tls_ca, triton_tls_cert/key and triton_tls_server_name against its certificates)"
+        return f" (the Triton at {s.triton_url}: if it serves TLS, set INFERPLANE_TRITON_TLS_CA, and _CERT/_KEY when it requires client certificates)"
 
     # ---- TLS (issue 23: server.tenancy.tls) ----------------------------------------------------
 
@@ -326,20 +361,19 @@ class Frontend:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.tls.grpc_credentials())
 
-    def _triton_tls(self) -> dict:
-        """TLS (and a client certificate) on the channel to a remote Triton."""
+    def _triton_tls(self) -> None:
+        """The remote Triton channel's TLS files load (``server.control.fleet.client`` reads them for each remote replica)."""
         from server.tenancy.tls import TLSConfigError, channel_credentials
 
-        s = self.settings
-        if not s.triton_tls:
-            return {}
+        if not self.settings.triton_tls:
+            return
         try:
-            return {"credentials": channel_credentials(s), "server_name": s.triton_tls_server_name or None}
+            channel_credentials(self.settings)
         except TLSConfigError as err:
             raise StartupError(str(err)) from None
 
-    def _watch_triton_tls(self, backend: TritonClient) -> None:
-        """A renewed client certificate (or CA) for the remote Triton: new channels, without a restart."""
+    def _watch_triton_tls(self, replicas) -> None:
+        """A renewed client certificate (or CA) for the remote Tritons: new channels to each remote replica, without a restart."""
         from server.tenancy.tls import FileStamp, TLSConfigError, channel_credentials, triton_files
 
         s = self.settings
@@ -352,10 +386,14 @@ class Frontend:
                 await asyncio.sleep(s.tls_reload_s)
                 if await asyncio.to_thread(stamp.changed):
                     try:
-                        await backend.reconnect(channel_credentials(s))
-                        log.info("Triton channel TLS files reloaded")
+                        credentials = channel_credentials(s)
                     except TLSConfigError as err:
                         log.warning("Triton channel TLS reload refused: %s", err)
+                        continue
+                    for member in replicas.members():
+                        if not member.local and hasattr(member.client, "reconnect"):
+                            await member.client.reconnect(credentials)
+                    log.info("Triton channel TLS files reloaded")
 
         self._tasks.append(asyncio.create_task(watch(), name="triton-tls-reload"))
 
@@ -373,16 +411,30 @@ class Frontend:
             await self.health.set(name, status)
 
     def _on_triton_down(self) -> None:
+        """The embedded Triton died: with other replicas up only it leaves the rotation; alone, the
+        whole backend is down (callers get UNAVAILABLE with a retry hint until it is back)."""
+        self.fleet.replicas.mark_down(PRIMARY)
+        if self.fleet.others_up(PRIMARY):
+            return
         self.dataplane.mark_backend_down()
         asyncio.get_running_loop().create_task(self._set_serving(False))
 
     async def _on_triton_restart(self) -> None:
+        if self.dataplane.backend_up:  # other replicas kept serving: it rejoins with its models
+            await self.fleet.replicas.rejoin(PRIMARY)
+            return
+        self.fleet.replicas.revive(PRIMARY)
         await self.dataplane.reload_all()
         await self._set_serving(True)
 
     def ready_line(self) -> str:
         s = self.settings
-        triton = self.settings.triton_url or f"embedded@{self.supervisor.grpc_target}"
+        if self.settings.triton_url:
+            triton = self.settings.triton_url
+        elif self.supervisor is None:
+            triton = "in-process"
+        else:
+            triton = f"embedded@{self.supervisor.grpc_target}"
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
             f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
@@ -397,6 +449,8 @@ class Frontend:
             task.cancel()
         if self.retention is not None:
             await self.retention.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self.traffic is not None:
             await self.traffic.stop()
         if self.shadow_records is not None:
@@ -418,8 +472,11 @@ class Frontend:
             self._audit_writer.close()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
+        if self.fleet is not None:
+            await self.fleet.stop_replicas()
         if self.supervisor is not None:
             await self.supervisor.stop()
+        self.gc_watch.close()
         self._stopped.set()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,10 @@ class Settings(BaseSettings):
     models: list[str] = ["*"]
     max_request_bytes: int = Field(64 << 20, ge=1024)
     triton_channels: int = Field(2, ge=1, le=64)
+    # the embedded Triton (no triton_url): "process" — a supervised tritonserver child reached over
+    # loopback gRPC (the default: BENCHMARKS.md §2 compares the two); "in-process" — libtritonserver
+    # in this process through its C API (server/runtime/inprocess.py; one frontend process)
+    triton_mode: Literal["process", "in-process"] = "process"
     triton_startup_timeout_s: float = Field(120.0, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
     log_level: str = "INFO"
@@ -119,6 +124,31 @@ class Settings(BaseSettings):
     payload_log_max_bytes: int = Field(256 << 20, ge=1024)
     payload_log_file_records: int = Field(10_000, ge=1)  # records per file before the next one starts
     payload_log_buffer: int = Field(1024, ge=1)  # queued records; past it a sampled record is dropped and counted
+    # ---- the fleet: replicas, autoscaling (issue 17) ----
+    # Triton replicas: `triton_url` may list several (a,b,c); `model_groups_file` names the model groups
+    # ({group: {service, grpc_port, models}}), each a headless Service whose addresses are its replicas
+    model_groups_file: Path | None = None
+    local_replicas: int = Field(1, ge=1, le=32)  # embedded: Triton processes at start (more come with autoscaling)
+    replica_memory_mb: int = Field(4096, ge=64)  # what one local replica offers for placement
+    default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
+    replica_health_interval_s: float = Field(1.0, gt=0)
+    replica_eject_failures: int = Field(3, ge=1)
+    replica_eject_s: float = Field(2.0, gt=0)
+    replica_wait_s: float = Field(10.0, ge=0)  # a request waits this long for a replica of its model (per endpoint: its cold-start budget)
+    replica_retry_lost: bool = True  # retry a unary request whose connection broke under it (see server/dataplane/replicas.py)
+    discovery_interval_s: float = Field(5.0, gt=0)  # how often a group's headless Service is resolved again
+    autoscale: bool = True  # run the autoscaler in the frontend process that owns the control plane
+    autoscale_interval_s: float = Field(1.0, gt=0)
+    autoscale_executor: str = Field("local", pattern="^(local|kubernetes|none)$")
+    autoscale_profile_period_s: float = Field(7 * 24 * 3600.0, gt=0)  # the forecast's season (a week) ...
+    autoscale_profile_slot_s: float = Field(3600.0, gt=0)  # ... and its slot (an hour): hour-of-week
+    autoscale_lead_s: float | None = Field(None, ge=0)  # unset: the measured time to a warm replica
+    weight_cache_dir: Path | None = None  # unset: WORKDIR/weight-cache
+    weight_cache_bytes: int = Field(2 << 30, ge=0)
+    scale_to_zero_evict: bool = True  # a scaled-to-zero endpoint's artifacts leave the repository for the weight cache
+    kubernetes_namespace: str | None = None
+    # `inferplane control run`: the Prometheus the KEDA ScaledObjects query (unset: the frontend's own samples)
+    prometheus_url: str | None = None
 
     # ---- security and privacy (issue 23: server.tenancy.tls, server.dataplane.safety, server.control.envelope|retention) ----
     # TLS on every port (gRPC, REST/OpenAI, /metrics) from a PEM certificate chain and its unencrypted key;
@@ -191,8 +221,12 @@ class Settings(BaseSettings):
         ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
         if len(ports) != len(set(ports)):
             raise ValueError("grpc, http and metrics ports must differ")
+        if self.triton_mode == "in-process" and not self.triton_url and self.workers > 1:
+            raise ValueError("triton_mode in-process runs Triton inside the one frontend process: use --workers 1")
         if self.workers > 1 and 0 in (self.grpc_port, self.http_port):
             raise ValueError("with several workers, give fixed --grpc-port and --http-port (they share them)")
+        if self.autoscale_period_slots() is None:
+            raise ValueError("autoscale_profile_period_s must be a whole multiple of autoscale_profile_slot_s")
         return self
 
     def _check_security(self) -> None:
@@ -211,3 +245,11 @@ class Settings(BaseSettings):
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+    def autoscale_period_slots(self) -> int | None:
+        slots = self.autoscale_profile_period_s / self.autoscale_profile_slot_s
+        return round(slots) if abs(slots - round(slots)) < 1e-9 and round(slots) >= 1 else None
+
+    @property
+    def triton_urls(self) -> list[str]:
+        """``triton_url`` as a list (several replicas: ``host1:8001,host2:8001``)."""
+        return [u.strip() for u in (self.triton_url or "").split(",") if u.strip()]

@@ -17,9 +17,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import llm, observe, plan, registry, security, tenancy, traffic, typed
+    from server.cli import autoscale, llm, observe, plan, registry, security, tenancy, traffic, typed
 
-    for module in (tenancy, registry, traffic, llm, plan, typed, observe, security):
+    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale, security):
         module.mount(app)
 
 
@@ -47,6 +47,9 @@ def serve(
     metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics port; 0 picks a free one [default: 8002]."),
     model_repository: Optional[Path] = typer.Option(None, help="Triton model repository [default: var/model_repository]."),
     triton_url: Optional[str] = typer.Option(None, help="HOST:PORT of an external Triton (gRPC); none is started."),
+    triton_mode: Optional[str] = typer.Option(
+        None, help="The embedded Triton: process (a supervised tritonserver child) or in-process (its C API, one worker) [default: process]."
+    ),
     workdir: Optional[Path] = typer.Option(None, help="Where the embedded Triton keeps its backends and log [default: var/run]."),
     database_url: Optional[str] = typer.Option(
         None, help="Registry and tenancy database (SQLAlchemy URL) [default: sqlite:///DATA_DIR/inferplane.db]."
@@ -73,8 +76,8 @@ def serve(
 
     given = {
         "host": host, "grpc_port": grpc_port, "http_port": http_port, "metrics_port": metrics_port,
-        "model_repository": model_repository, "triton_url": triton_url, "workdir": workdir,
-        "database_url": database_url, "data_dir": data_dir, "models": model or None, "workers": workers,
+        "model_repository": model_repository, "triton_url": triton_url, "triton_mode": triton_mode,
+        "workdir": workdir, "database_url": database_url, "data_dir": data_dir, "models": model or None, "workers": workers,
         "log_level": log_level, "auth": None if auth is None else _on_off(auth, "--auth"),
         "tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca,
     }  # fmt: skip

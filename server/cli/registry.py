@@ -364,13 +364,25 @@ def deploy(
     coalesce: Optional[bool] = typer.Option(None, "--coalesce/--no-coalesce", help="The frontend merges concurrent requests into one Triton call."),
     coalesce_max_inflight: Optional[int] = typer.Option(None, help="Merged calls at Triton at once (default: one per instance)."),
     coalesce_window_us: Optional[int] = typer.Option(None, help="Longest a request waits for a free call slot, µs (default 0: until one frees)."),
+    min_replicas: Optional[int] = typer.Option(None, help="Autoscaling: fewest replicas while in use."),
+    max_replicas: Optional[int] = typer.Option(None, help="Autoscaling: most replicas."),
+    target_inflight: Optional[float] = typer.Option(None, help="Autoscaling: requests in flight (queue included) per replica."),
+    scale_to_zero_after: Optional[str] = typer.Option(None, help="Autoscaling: idle time before zero replicas (300s, 5m; never)."),
+    cold_start_budget: Optional[str] = typer.Option(None, help="Autoscaling: how long a request waits for a load from zero (30s)."),
     url: str = _URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
     actor: Optional[str] = _ACTOR,
     api_key: Optional[str] = _API_KEY,
 ) -> None:
-    """Load a registered version, warm it up, then switch the endpoint's traffic to it."""
+    """Load a registered version, warm it up, then switch the endpoint's traffic to it. Autoscaling
+    flags store the endpoint's scaling config first (so the deploy loads --min-replicas copies)."""
+    from server.cli.autoscale import configure, scaling_options
     from server.protogen.inferplane.v1 import admin_pb2
+
+    scaling = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget)
+    if scaling:
+        status = configure(url, ref.partition(":")[0], scaling, actor, api_key)
+        typer.echo(f"autoscaling {status['endpoint']}: {status['min_replicas']}..{status['max_replicas']} replicas, target {status['target']:g} {status['signal']}")
 
     serving = admin_pb2.ServingOptions(instances=instances or 0)
     if max_batch is not None:

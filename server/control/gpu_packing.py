@@ -467,7 +467,7 @@ def overlay_files(packing: Packing, *, template: str = "../../../../base/triton"
             },
         }
         query = (
-            f'sum(inferplane_queue_depth{{model_group="{g.name}"}}) + '
+            f'sum(inferplane_group_queue_depth{{model_group="{g.name}"}}) + '
             f'sum(inferplane_group_inflight_requests{{model_group="{g.name}"}})'
         )
         files[f"{g.name}/kustomization.yaml"] = header + _dump(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from batching.coalescer import Coalescer
 from batching.fair_queue import AdmissionPolicy
-from server.dataplane.batch_codec import CODEC
 from server.dataplane.circuit_breaker import BreakerPolicy
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
@@ -19,9 +19,13 @@ from server.tenancy.identity import Gatekeeper
 from server.tenancy.quota_policy import QuotaPolicy
 
 
-def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None, audit=None) -> DataPlane:
-    """``backend``: the Triton this process talks to (``TritonClient``); ``gate`` and ``meter`` from
-    ``server.tenancy.builder``; ``audit(record)``: where safety decisions go (``server.control.audit_buffer``)."""
+def build_dataplane(
+    settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None, hooks: FleetHooks | None = None, audit=None
+) -> DataPlane:
+    """``backend``: the Triton this process talks to (``TritonClient``, or a ``ReplicaSet`` of them);
+    ``gate`` and ``meter`` from ``server.tenancy.builder``; ``hooks``: what the fleet's control plane
+    reads and sets (``server.dataplane.fleet_hooks``); ``audit(record)``: where safety decisions go
+    (``server.control.audit_buffer``)."""
     s = settings
     if s.redis_url:  # one set of buckets and keys for every frontend process
         from server.tenancy.redis_quotas import RedisQuotaPolicy
@@ -29,7 +33,9 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         quotas, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
     else:
         quotas, idempotency = QuotaPolicy(), MemoryIdempotency(s.idempotency_ttl_s)
-    table = ModelTable()
+    hooks = hooks if hooks is not None else FleetHooks()
+    hooks.usage.meter = meter
+    table = ModelTable(wakers=hooks.wakers)
     router = Router({})
     observer = build_observer(s, metrics, backend.target)
     late: list[DataPlane] = []  # the safety classifier calls the data plane, which is built after the pipeline
@@ -44,11 +50,13 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         breaker_policy=BreakerPolicy(s.breaker_failures, s.breaker_open_s),
         admission_policy=AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue),
         admission_slots=s.admission_slots,
-        meter=meter,
+        meter=hooks.usage,
         observer=observer,
         safety=safety,
     )
-    coalescer = Coalescer(lambda raw, timeout, request: backend.infer_raw(raw, timeout), CODEC, on_call=observer.on_batch)
+    hooks.queues = pipeline.queues
+    # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
+    coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
     late.append(dataplane)
     return dataplane

@@ -395,7 +395,7 @@ class DataPlane:
         def stream_for(model: str):
             stream = streams.get(model)
             if stream is None:
-                stream = streams[model] = self._backend.stream_raw(timeout=timeout)
+                stream = streams[model] = self._backend.stream_raw(timeout=timeout, model=model)
                 relays.append(asyncio.create_task(relay(stream)))
             return stream
 

@@ -187,10 +187,7 @@ class LLMService:
                 # a little slack past the engine's own deadline, so the engine reports it
                 span, metadata = self._trace_call(call)
                 stream_timeout = None if timeout is None else timeout + 5.0
-                if metadata is None:
-                    stream = self._backend.stream_raw(timeout=stream_timeout)
-                else:
-                    stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata)
+                stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name)
                 call.computed = True
                 call.dispatched_at = time.perf_counter()
                 async for outputs in _stream_outputs(stream, request):
@@ -252,7 +249,7 @@ class LLMService:
         self.llm(model, ctx)
         request = pb.ModelInferRequest(model_name=model, id="stats")
         _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
-        stream = self._backend.stream_raw(timeout=10.0)
+        stream = self._backend.stream_raw(timeout=10.0, model=model)
         try:
             async for outputs in _stream_outputs(stream, request):
                 if "info" in outputs:

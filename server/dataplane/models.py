@@ -5,15 +5,27 @@ data plane's control methods keep it in step with Triton.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from server.dataplane.signature import ModelSignature, version_key
 from server.errors import BackendUnavailable, ModelNotFound, ModelNotReady
 
 
+class Asleep(ModelNotReady):
+    """The model is scaled to zero. ``await err.waker.wait(timeout)`` loads it (one load, however
+    many callers wait) or raises ``MODEL_NOT_READY`` with a retry hint past its cold-start budget;
+    the pipeline's resolve step holds the request through it (``Pipeline._resolve_held``)."""
+
+    waker = None
+
+
 class ModelTable:
-    def __init__(self) -> None:
+    def __init__(self, wakers: Mapping[str, object] | None = None) -> None:
         self.signatures: dict[str, ModelSignature] = {}
         self.loaded: set[str] = set()  # what the operator asked for; reloaded after a Triton restart
         self.backend_up = True
+        # scaled-to-zero models: name -> a waker (``server.control.autoscaler``), owned by the caller
+        self.wakers: Mapping[str, object] = wakers if wakers is not None else {}
 
     def resolve(self, name: str, version: str = "") -> ModelSignature:
         """The signature serving (name, version); NOT_FOUND / UNAVAILABLE otherwise."""
@@ -21,6 +33,11 @@ class ModelTable:
             raise BackendUnavailable("Triton is restarting; retry shortly", retry_after_s=1.0)
         signature = self.signatures.get(name)
         if signature is None:
+            waker = self.wakers.get(name)
+            if waker is not None:
+                asleep = Asleep(f"model '{name}' is scaled to zero and loading", retry_after_s=1.0)
+                asleep.waker = waker
+                raise asleep
             if name in self.loaded:
                 raise ModelNotReady(f"model '{name}' is loading or failed to load", retry_after_s=1.0)
             raise ModelNotFound(f"unknown model '{name}'")

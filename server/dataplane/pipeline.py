@@ -34,6 +34,7 @@ from collections.abc import Callable
 from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
 from server.dataplane.circuit_breaker import BreakerSet, CircuitBreaker
 from server.dataplane.metrics import UNKNOWN_MODEL_LABEL, Metrics
+from server.dataplane.models import Asleep
 from server.dataplane.routing import Router
 from server.dataplane.signature import ModelSignature, is_llm
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, ModelNotFound, Overloaded
@@ -126,6 +127,7 @@ class Pipeline:
         self.observer = observer
         self.tracing = observer.tracing if observer is not None else None
         self.safety = safety
+        self._sized: dict[str, ModelSignature] = {}  # the signature each queue was sized for
 
     # ---- the context manager ---------------------------------------------------------------
 
@@ -173,7 +175,7 @@ class Pipeline:
             if not call.version:
                 call.version, call.arm = self.router.choose(call.name, ctx)
                 call.routed = bool(call.version)
-            signature = call.signature = self._resolve(call.name, call.version)
+            signature = call.signature = await self._resolve_held(call)
             call.label = call.name
             if not call.version:
                 call.version = signature.latest_version
@@ -290,6 +292,17 @@ class Pipeline:
             self.observer.exit(call, err, time.perf_counter())
         except Exception:
             log.exception("observing a request to %s failed", call.name)
+    async def _resolve_held(self, call: AdmittedCall) -> ModelSignature:
+        """Resolve; a scaled-to-zero model is loaded while the request waits (every concurrent
+        first request shares the one load), within its deadline and the endpoint's cold-start budget."""
+        try:
+            return self._resolve(call.name, call.version)
+        except Asleep as asleep:
+            held = time.perf_counter()
+            await asleep.waker.wait(call.timeout)
+            if call.timeout is not None:
+                call.timeout = max(0.0, call.timeout - (time.perf_counter() - held))
+            return self._resolve(call.name, call.version)
 
     async def _wait(self, call: AdmittedCall, queue: FairQueue, tenant: Tenant, timeout: float | None) -> None:
         """The slow path: no free slot, wait in the model's queue in weighted fair order."""
@@ -313,10 +326,20 @@ class Pipeline:
 
     def _queue(self, name: str, signature: ModelSignature) -> FairQueue:
         queue = self.queues.get(name)
+        if queue is None or self._sized.get(name) is not signature:
+            queue = self._size_queue(name, signature, queue)
+        return queue
+
+    def _size_queue(self, name: str, signature: ModelSignature, queue: FairQueue | None) -> FairQueue:
+        """The model's queue for this signature: made, or resized in place when the signature
+        changed under load (its replicas or instances scaled), keeping whoever waits in it."""
+        slots = max(1, self.admission_slots or model_slots(signature))
+        self._sized[name] = signature
         if queue is None:
-            slots = self.admission_slots or model_slots(signature)
-            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": max(1, slots)})
+            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": slots})
             queue = self.queues[name] = FairQueue(name, policy)
+        elif queue.policy.slots != slots:
+            queue.resize(slots)
         return queue
 
     def forget(self, name: str) -> None:
@@ -324,6 +347,7 @@ class Pipeline:
         queue = self.queues.get(name)
         if queue is not None and not queue.inflight and not queue.size:
             del self.queues[name]
+            self._sized.pop(name, None)
 
     def _breaker_outcome(self, call: AdmittedCall, err: BaseException | None) -> None:
         """Only what says the backend is sick counts: unreachable, crashed, or timing out on work it

@@ -169,6 +169,11 @@ class Tracing:
 
         def done(err: BaseException | None = None) -> None:
             _OUTGOING.reset(token)
+            served = served_by()  # the call ran in this task: the member the replica set chose
+            if served:
+                span.set_attribute("inferplane.replica", served)
+                for m in members:
+                    m.replica = served
             if err is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(err).__name__}: {err}"))
             span.end()
@@ -201,7 +206,7 @@ def traces_url(endpoint: str) -> str:
 class RequestTrace:
     """One sampled request: its live root span and the hops' timestamps (spans made at the end)."""
 
-    __slots__ = ("tracing", "span", "context", "last_ns", "hops", "submitted_ns", "batch")
+    __slots__ = ("tracing", "span", "context", "last_ns", "hops", "submitted_ns", "batch", "replica")
 
     def __init__(self, tracing: Tracing, kind: str, parent_context):
         trace = tracing._trace
@@ -213,6 +218,7 @@ class RequestTrace:
         self.hops: list[tuple[str, int, int]] = []
         self.submitted_ns = 0
         self.batch: tuple | None = None  # (batch id, when the call started, the call span's context for a link)
+        self.replica = ""  # the Triton that answered the call it rode in (a replica set's member)
 
     def hop(self, name: str) -> None:
         """The hop ``name`` ended now (it started when the previous one ended)."""
@@ -258,10 +264,17 @@ class RequestTrace:
             "inferplane.model": call.name, "inferplane.version": call.version or "", "inferplane.arm": call.arm,
             "inferplane.kind": call.kind, "inferplane.code": call.code,
             "inferplane.tenant": principal.tenant.name if principal is not None else "",
-            "inferplane.replica": replica,
+            "inferplane.replica": self.replica or replica,
         })  # fmt: skip
         if call.code != "OK":
             span.set_status(trace.Status(trace.StatusCode.ERROR, call.code))
         span.end(now)
         if tracing.metrics is not None:
             tracing.metrics.traces_sampled.labels(call.kind).inc()
+
+
+def served_by() -> str:
+    """The Triton that answered this task's last call (a replica set's member), or ""."""
+    from server.dataplane.replicas import SERVED_BY
+
+    return SERVED_BY.get()

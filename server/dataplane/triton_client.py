@@ -77,14 +77,27 @@ class TritonClient:
 
     # ---- data plane --------------------------------------------------------------------
 
-    async def infer_raw(self, request: bytes, timeout: float | None = None) -> bytes:
+    async def infer_raw(self, request: bytes, timeout: float | None = None, *, model: str = "") -> bytes:
+        """``model`` names the request's model for a replica set (``server.dataplane.replicas``); one
+        Triton ignores it."""
         call = self._infer_calls[next(self._rr)]
         try:
             return await call(request, timeout=timeout, metadata=outgoing_metadata())  # a traced call's traceparent
         except grpc.aio.AioRpcError as err:
             raise translate(err) from None
 
-    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None) -> "RawStream":
+    # ---- what the data plane's coalescer calls (batching/coalescer.py) ----------------------
+
+    def batch_codec(self):
+        """Merged batches as one serialized ModelInferRequest (``server.dataplane.batch_codec``)."""
+        from server.dataplane.batch_codec import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload: bytes, timeout: float | None, request=None) -> bytes:
+        return await self.infer_raw(payload, timeout, model=request.model_name if request is not None else "")
+
+    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "") -> "RawStream":
         """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads); its failures
         are domain errors like every other call's. ``metadata``: e.g. a traced generation's traceparent."""
         channel = self._channels[next(self._rr)]
@@ -124,8 +137,13 @@ class TritonClient:
         resp = await self._typed("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready_only), pb.RepositoryIndexResponse)
         return list(resp.models)
 
-    async def load_model(self, name: str, timeout: float = 300.0) -> None:
-        await self._typed("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=name), pb.RepositoryModelLoadResponse, timeout)
+    async def load_model(self, name: str, timeout: float = 300.0, *, config: str | None = None) -> None:
+        """Load (or reload) ``name``; ``config``: a JSON model config that overrides config.pbtxt for
+        this load (Triton's load-with-config, e.g. another ``instance_group`` count)."""
+        request = pb.RepositoryModelLoadRequest(model_name=name)
+        if config is not None:
+            request.parameters["config"].string_param = config
+        await self._typed("RepositoryModelLoad", request, pb.RepositoryModelLoadResponse, timeout)
 
     async def unload_model(self, name: str, timeout: float = 60.0) -> None:
         await self._typed("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name=name), pb.RepositoryModelUnloadResponse, timeout)
@@ -162,10 +180,38 @@ class RawStream:
             raise translate(err) from None
 
 
+class NotSent(BackendUnavailable):
+    """UNAVAILABLE before Triton started the request: no connection could be made (grpc fails the
+    call without writing it), or Triton refused it up front because the model is not there or not
+    ready. Safe to send to another replica."""
+
+
+class ConnectionLost(BackendUnavailable):
+    """UNAVAILABLE because the connection broke after the request was written (socket closed or
+    reset, GOAWAY): Triton may have started it, and its answer is lost with the connection."""
+
+
+# How the two are told apart: grpc's own UNAVAILABLE details. A call on a channel that cannot
+# connect fails before anything is written ("failed to connect to all addresses", "Connection
+# refused", DNS); a connection that drops under a written call reports the transport's end
+# ("Socket closed", "Connection reset", "GOAWAY", "Broken pipe"); anything else came from Triton.
+_NOT_CONNECTED = (
+    "failed to connect", "connection refused", "connections to all backends failing", "dns resolution failed",
+    "no route to host", "network is unreachable", "name resolution", "channel is not ready",
+)  # fmt: skip
+_TRANSPORT_LOST = ("socket closed", "connection reset", "goaway", "broken pipe", "stream removed", "rst_stream", "end of tcp stream", "connection aborted")
+_TRITON_REFUSED = ("unknown model", "is not ready", "has no available versions", "server not ready", "is not found")
+
+
 def translate(err: grpc.aio.AioRpcError) -> InferplaneError:
     code = err.code()
     message = err.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
+        lowered = message.lower()
+        if any(marker in lowered for marker in _NOT_CONNECTED) or any(marker in lowered for marker in _TRITON_REFUSED):
+            return NotSent(f"Triton is unavailable: {message}", retry_after_s=1.0)
+        if any(marker in lowered for marker in _TRANSPORT_LOST):
+            return ConnectionLost(f"Triton is unavailable: {message}", retry_after_s=1.0)
         return BackendUnavailable(f"Triton is unavailable: {message}", retry_after_s=1.0)
     if code == grpc.StatusCode.INTERNAL and _STUB_DOWN in message:
         # the model's Python process died (Triton restarts it): the backend is sick, not the request

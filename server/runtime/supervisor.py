@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -58,8 +59,13 @@ class TritonSupervisor:
         response_cache_bytes: int = 64 << 20,
         otlp_traces_url: str | None = None,
         trace_service_name: str = "triton",
+        tag: str = "",
     ):
         self.repository = Path(repository).resolve()
+        # several Tritons in one process (local replicas) keep their shared-memory regions apart by tag
+        if tag and not tag.replace("-", "").isalnum():
+            raise ValueError(f"a supervisor tag is letters, digits and '-' (got {tag!r})")
+        self.tag = f"{tag}-" if tag else ""
         self.workdir = Path(workdir).resolve()
         self.install = install or TritonInstallation.find()
         self.on_restart = on_restart
@@ -90,7 +96,7 @@ class TritonSupervisor:
         return self._proc.pid if self._proc and self._proc.returncode is None else None
 
     def _shm_prefix(self) -> str:
-        return f"inferplane_{os.getpid()}_{self._generation}_"
+        return f"inferplane_{os.getpid()}_{self.tag}{self._generation}_"
 
     def _args(self) -> list[str]:
         return [
@@ -229,8 +235,10 @@ class TritonSupervisor:
         self._cleanup_shm()
 
     def _cleanup_shm(self) -> None:
-        """Remove the shared-memory regions this process's Tritons created (all generations)."""
-        remove_shm_regions(lambda pid: pid == os.getpid())
+        """Remove the shared-memory regions this supervisor's Tritons created (all generations; not
+        those of another supervisor in this process, told apart by their tag)."""
+        mine = re.compile(rf"^inferplane_{os.getpid()}_{re.escape(self.tag)}\d+_")
+        remove_shm_regions(lambda pid: pid == os.getpid(), match=mine.match)
 
 
 def trace_args(otlp_traces_url: str | None, service_name: str = "triton") -> list[str]:
@@ -251,14 +259,15 @@ def trace_args(otlp_traces_url: str | None, service_name: str = "triton") -> lis
     ]
 
 
-def remove_shm_regions(owned: Callable[[int], bool], shm: Path = Path("/dev/shm")) -> list[str]:
-    """Unlink ``inferplane_<pid>_*`` regions whose owner pid ``owned(pid)`` selects."""
+def remove_shm_regions(owned: Callable[[int], bool], shm: Path = Path("/dev/shm"), match: Callable[[str], object] | None = None) -> list[str]:
+    """Unlink ``inferplane_<pid>_*`` regions whose owner pid ``owned(pid)`` selects (and, when
+    given, whose name ``match`` accepts)."""
     removed = []
     if not shm.is_dir():
         return removed
     for region in shm.glob("inferplane_*_*"):
         pid = region.name.split("_")[1]
-        if pid.isdigit() and owned(int(pid)):
+        if pid.isdigit() and owned(int(pid)) and (match is None or match(region.name)):
             with contextlib.suppress(OSError):
                 region.unlink()
                 removed.append(region.name)

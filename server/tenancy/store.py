@@ -50,7 +50,7 @@ class KeyRow(Base):
 
 
 class IdentityRow(Base):
-    """A client-certificate identity bound to a tenant (mTLS; revision 0007)."""
+    """A client-certificate identity bound to a tenant (mTLS; revision 0009)."""
 
     __tablename__ = "tenancy_identities"
     binding_id: Mapped[str] = mapped_column(String(16), primary_key=True)

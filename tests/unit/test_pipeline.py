@@ -77,10 +77,18 @@ class ScriptedTriton:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    def stream_raw(self, timeout=None):
+    def stream_raw(self, timeout=None, metadata=None, *, model=""):
         return _Stream(self)
 
     async def infer_raw(self, raw, timeout=None):
+        raise AssertionError("not used")
+
+    def batch_codec(self):
+        from server.dataplane.batch_codec import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload, timeout, request=None):
         raise AssertionError("not used")
 
     async def close(self):

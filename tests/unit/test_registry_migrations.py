@@ -13,6 +13,7 @@ from server.control.artifacts import ArtifactStore
 from server.db import make_engine
 from server.control.registry import Base, Registry
 from server.tenancy.store import Base as TenancyBase
+from server.control.scaling_store import metadata as scaling_metadata
 from server.control.traffic import metadata as traffic_metadata
 from server.control.typed_store import metadata as typed_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
@@ -22,7 +23,8 @@ V2_TABLES = V1_TABLES | {"trusted_keys", "team_policies", "deployments"}
 HEAD_TABLES = V2_TABLES | {"tenancy_tenants", "tenancy_keys", "tenancy_usage"}  # 0003: tests/unit/test_tenancy_migrations.py
 HEAD_TABLES |= {"traffic_policies"}  # 0004: server/traffic.py
 HEAD_TABLES |= {"typed_schemas"}  # 0006: server/control/typed_store.py
-HEAD_TABLES |= {"tenancy_identities"}  # 0007: server/tenancy/store.py (mTLS certificate bindings)
+HEAD_TABLES |= {"endpoint_scaling"}  # 0007: server/control/scaling_store.py
+HEAD_TABLES |= {"tenancy_identities"}  # 0009: server/tenancy/store.py (mTLS certificate bindings)
 
 
 def _tables(engine) -> set[str]:
@@ -50,7 +52,7 @@ def test_the_models_match_the_newest_migration(db_url):
     try:
         migrations.upgrade(engine)
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata])
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata])
         assert diff == []
     finally:
         engine.dispose()

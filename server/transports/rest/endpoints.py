@@ -23,6 +23,7 @@ from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, 
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
+from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
 from server.transports.rest.appkeys import DATAPLANE, MAX_BODY, METRICS, OPENAPI
 from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
 from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_responses, error_statuses, json_body
@@ -257,6 +258,7 @@ ROUTES: list[Route] = [
     *OPENAI_ROUTES,
     *TYPED_ROUTES,
     *STATUS_ROUTES,
+    *DEPLOY_ROUTES,
 ]  # fmt: skip
 OPENAI_OPERATIONS = frozenset(r.operation_id for r in OPENAI_ROUTES if r.tag == "openai")
 

@@ -2,15 +2,15 @@
 
 A table an earlier build created with ``create_all`` is adopted, as 0003 does.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0009
+Revises: 0008 (composites and batches; before it 0007, endpoint scaling)
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
-down_revision = "0006"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,278 @@
+"""CLI of the fleet: ``autoscale status|explain|set`` (the running frontend's ``inferplane.v1.Autoscale``
+gRPC) and ``control run`` (the cluster's control-plane loop).
+
+```
+inferplane deploy fraud:3 --min-replicas 1 --max-replicas 4 --target-inflight 8 --scale-to-zero-after 300s
+inferplane autoscale status                # per endpoint: replicas, signal, target, last decisions and why
+inferplane autoscale explain fraud         # the signal history, the forecast beside reality, each decision with its inputs
+inferplane autoscale set fraud --max-replicas 6
+inferplane control run --frontend-url frontend:8001 --executor kubernetes
+```
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import typer
+
+from server.cli.registry import _API_KEY, _URL, call_metadata
+from server.cli.traffic import parse_duration
+
+autoscale_app = typer.Typer(help="Autoscaling of deployed endpoints: status, explain, set.", no_args_is_help=True)
+control_app = typer.Typer(help="The control plane of a cluster (registry, autoscaler, Kubernetes executor).", no_args_is_help=True)
+
+_ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
+
+
+def mount(app: typer.Typer) -> None:
+    app.add_typer(autoscale_app, name="autoscale")
+    app.add_typer(control_app, name="control")
+
+
+# ---- options shared with `inferplane deploy` ------------------------------------------------------
+
+
+def scaling_options(
+    min_replicas: Optional[int] = None,
+    max_replicas: Optional[int] = None,
+    target_inflight: Optional[float] = None,
+    scale_to_zero_after: Optional[str] = None,
+    cold_start_budget: Optional[str] = None,
+    signal: Optional[str] = None,
+    target: Optional[float] = None,
+) -> dict:
+    """The autoscaling fields the flags set (the rest keep the endpoint's or the defaults)."""
+    if target_inflight is not None and target is not None:
+        raise typer.BadParameter("give --target-inflight or --target, not both")
+    out: dict = {}
+    if min_replicas is not None:
+        out["min_replicas"] = min_replicas
+    if max_replicas is not None:
+        out["max_replicas"] = max_replicas
+    if target_inflight is not None:
+        out["target"], out["signal"] = target_inflight, "inflight"
+    if target is not None:
+        out["target"] = target
+    if signal is not None:
+        out["signal"] = signal
+    if scale_to_zero_after is not None:  # "never" (or 0) turns it off
+        out["scale_to_zero_after_s"] = 0.0 if scale_to_zero_after.strip().lower() in ("never", "off") else parse_duration(scale_to_zero_after)
+    if cold_start_budget is not None:
+        out["cold_start_budget_s"] = parse_duration(cold_start_budget)
+    return out
+
+
+def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
+    import grpc
+
+    from server.protogen.inferplane.v1 import autoscale_pb2_grpc
+
+    channel = grpc.insecure_channel(url)
+    return channel, autoscale_pb2_grpc.AutoscaleStub(channel), call_metadata(actor, api_key)
+
+
+def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 60.0):
+    import grpc
+
+    channel, stub, metadata = _stub(url, actor, api_key)
+    with channel:
+        try:
+            return getattr(stub, method)(request, metadata=metadata, timeout=timeout)
+        except grpc.RpcError as err:
+            typer.secho(f"error: {err.code().name}: {err.details()}", err=True, fg="red")
+            raise typer.Exit(1) from None
+
+
+def configure(url: str, endpoint: str, fields: dict, actor: Optional[str] = None, api_key: Optional[str] = None) -> dict:
+    """Set ``fields`` of the endpoint's autoscaling config through the frontend (the fields not
+    given keep the endpoint's current values); returns its status."""
+    from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+
+    answer = _call(url, actor, api_key, "Configure", apb.ConfigureAutoscaleRequest(endpoint=endpoint, config=apb.AutoscaleConfig(**fields)))
+    return json.loads(answer.endpoints_json[0])
+
+
+# ---- autoscale ----------------------------------------------------------------------------------
+
+
+def _when(t) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+
+
+def _decision_line(d: dict | None) -> str:
+    if not d:
+        return "-"
+    moved = f" {d['from']}->{d['to']}" if "from" in d else ""
+    return f"{d.get('action')}{moved}: {d.get('reason', '')} ({_when(d.get('t'))})"
+
+
+@autoscale_app.command("status")
+def status(
+    url: str = _URL,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per endpoint."),
+    api_key: Optional[str] = _API_KEY,
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Per endpoint: replicas, signal, target, last decisions and why."""
+    from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+
+    rows = [json.loads(s) for s in _call(url, actor, api_key, "Status", apb.AutoscaleStatusRequest()).endpoints_json]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo("no autoscaled endpoints (inferplane deploy NAME:VERSION --min-replicas ... --max-replicas ...)")
+        return
+    typer.echo(f"{'ENDPOINT':24} {'STATE':9} {'REPLICAS':>8} {'SERVING':>7} {'SIGNAL':10} {'VALUE':>8} {'TARGET':>7} {'MIN..MAX':>9} {'HELD':>5}  LAST DECISION")
+    for r in rows:
+        bounds = f"{r['min_replicas']}..{r['max_replicas']}"
+        typer.echo(
+            f"{r['endpoint']:24} {r['state']:9} {r['replicas']:>8} {r['serving_replicas']:>7} {r['signal']:10} {r['value']:>8.2f} "
+            f"{r['target']:>7g} {bounds:>9} {r['held']:>5}  {_decision_line((r['last_decisions'] or [None])[-1])}"
+        )
+        for d in r["last_decisions"][:-1][-3:]:
+            typer.echo(f"{'':24} {'':9} {'':>8} {'':>7} {'':10} {'':>8} {'':>7} {'':>9} {'':>5}  {_decision_line(d)}")
+
+
+@autoscale_app.command("explain")
+def explain(
+    endpoint: str = typer.Argument(..., help="Endpoint (model) name."),
+    url: str = _URL,
+    last: int = typer.Option(20, help="How many samples and forecasts to print."),
+    as_json: bool = typer.Option(False, "--json", help="Everything, as JSON."),
+    api_key: Optional[str] = _API_KEY,
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """The signal history, the forecast next to reality, each decision with its inputs."""
+    from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+
+    e = json.loads(_call(url, actor, api_key, "Explain", apb.ExplainAutoscaleRequest(endpoint=endpoint)).explain_json)
+    if as_json:
+        typer.echo(json.dumps(e, indent=2))
+        return
+    c = e["config"]
+    typer.echo(
+        f"{e['endpoint']}: {e['state']}, {e['replicas']} replica(s) ({e['serving_replicas']} serving) — target {c['target']:g} {c['signal']} "
+        f"per replica, {c['min_replicas']}..{c['max_replicas']}, scale to zero after "
+        f"{'never' if c['scale_to_zero_after_s'] is None else format(c['scale_to_zero_after_s'], 'g') + 's'}, cold-start budget {c['cold_start_budget_s']:g}s"
+    )
+    typer.echo(f"  windows: up {c['scale_up_window_s']:g}s / down {c['scale_down_window_s']:g}s; steps +{c['max_step_up']}/-{c['max_step_down']}; "
+               f"cooldowns up {c['up_cooldown_s']:g}s / down {c['down_cooldown_s']:g}s; predictive {'on' if c['predictive'] else 'off'}")
+    typer.echo(f"  executor: {e['executor'].get('executor')}; last provisioning {e['provision_s'] if e['provision_s'] is not None else '-'} s")
+    typer.echo("\nsignals (latest last):")
+    typer.echo(f"  {'TIME':8} {'INFLIGHT':>8} {'QUEUE':>6} {'WAIT_MS':>8} {'QPS':>8} {'TOK/S':>7} {'TRITON_Q_MS':>11} {'REPLICAS':>8}")
+    for s in e["signals"][-last:]:
+        tq = "-" if s.get("triton_queue_ms") is None else f"{s['triton_queue_ms']:.2f}"
+        typer.echo(f"  {_when(s['t']):8} {s['inflight']:>8.1f} {s['queue']:>6.1f} {s['wait_ms']:>8.1f} {s['qps']:>8.1f} {s['tokens_per_s']:>7.1f} {tq:>11} {s['replicas']:>8}")
+    typer.echo("\nforecast (request rate) next to reality:")
+    typer.echo(f"  {'TIME':8} {'PREDICTED':>9} {'ACTUAL':>8} {'AHEAD':>6} {'PREDICTED_AHEAD':>15}")
+    for f in e["forecast"][-last:]:
+        p = "-" if f["predicted_qps"] is None else f"{f['predicted_qps']:.1f}"
+        pa = "-" if f["predicted_qps_ahead"] is None else f"{f['predicted_qps_ahead']:.1f}"
+        typer.echo(f"  {_when(f['t']):8} {p:>9} {f['actual_qps']:>8.1f} {f['ahead_s']:>5.0f}s {pa:>15}")
+    typer.echo("\ndecisions:")
+    for d in e["decisions"]:
+        typer.echo(f"  {_decision_line(d)}")
+        inputs = d.get("inputs")
+        if inputs:
+            shown = {k: v for k, v in inputs.items() if v is not None}
+            typer.echo("      " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    if e["cold_starts"]:
+        typer.echo("\ncold starts:")
+        for c in e["cold_starts"]:
+            typer.echo(f"  {_when(c['t'])} {c['seconds']:.2f}s weight cache: {c['weight_cache']} -> {c['replicas']} replica(s)")
+
+
+@autoscale_app.command("set")
+def set_config(
+    endpoint: str = typer.Argument(..., help="Endpoint (model) name."),
+    min_replicas: Optional[int] = typer.Option(None, help="Fewest replicas while in use."),
+    max_replicas: Optional[int] = typer.Option(None, help="Most replicas."),
+    target_inflight: Optional[float] = typer.Option(None, help="Requests in flight (queue included) per replica to aim at."),
+    target: Optional[float] = typer.Option(None, help="Target per replica of --signal."),
+    signal: Optional[str] = typer.Option(None, help="inflight | queue | qps | tokens_per_s | triton_queue_ms"),
+    scale_to_zero_after: Optional[str] = typer.Option(None, help="Idle time before zero replicas (300s, 5m)."),
+    cold_start_budget: Optional[str] = typer.Option(None, help="How long a request waits for a load from zero (30s)."),
+    unit: Optional[str] = typer.Option(None, help="replicas (processes / pods) | instances (the model's Triton instances, local executor)."),
+    predictive: Optional[bool] = typer.Option(None, "--predictive/--reactive", help="Pre-scale from the forecast, or react only."),
+    url: str = _URL,
+    api_key: Optional[str] = _API_KEY,
+    actor: Optional[str] = _ACTOR,
+) -> None:
+    """Set an endpoint's autoscaling config (stored with the endpoint, audited)."""
+    fields = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, signal, target)
+    if unit is not None:
+        fields["unit"] = unit
+    if predictive is not None:
+        fields["predictive"] = predictive
+    r = configure(url, endpoint, fields, actor, api_key)
+    typer.echo(f"{r['endpoint']}: {r['min_replicas']}..{r['max_replicas']} replicas, target {r['target']:g} {r['signal']}, state {r['state']}")
+
+
+# ---- control run --------------------------------------------------------------------------------
+
+
+@control_app.command("run")
+def control_run(
+    frontend_url: str = typer.Option("127.0.0.1:8001", "--frontend-url", help="A frontend's gRPC address (load signals when no Prometheus is set)."),
+    executor: str = typer.Option("kubernetes", "--executor", help="kubernetes (the only cluster executor)."),
+    interval: str = typer.Option("5s", help="How often to decide."),
+    once: bool = typer.Option(False, "--once", help="One round, print the decisions, exit (a dry look)."),
+) -> None:
+    """The cluster's control loop: stored autoscaling configs, fleet-wide load, the Kubernetes executor.
+
+    Settings from the environment: INFERPLANE_DATABASE_URL (the registry: configs),
+    INFERPLANE_MODEL_GROUPS_FILE (endpoint -> Deployment), INFERPLANE_KUBERNETES_NAMESPACE,
+    INFERPLANE_PROMETHEUS_URL (fleet-wide load; unset: the frontend's own samples)."""
+    import asyncio
+    import logging
+
+    from server.settings import Settings
+
+    if executor != "kubernetes":
+        raise typer.BadParameter("--executor: only 'kubernetes' runs here (the local executor lives in `inferplane serve`)")
+    settings = Settings()
+    if settings.model_groups_file is None:
+        typer.secho("error: INFERPLANE_MODEL_GROUPS_FILE is not set (the model groups: which Deployment serves which model)", err=True, fg="red")
+        raise typer.Exit(2)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_control(settings, frontend_url, parse_duration(interval), once))
+
+
+async def _control(settings, frontend_url: str, interval_s: float, once: bool) -> None:
+    import asyncio
+
+    from server.control.artifacts import ArtifactStore
+    from server.control.cluster import ClusterAutoscaler, FrontendSource, PrometheusSource
+    from server.control.executors import KubernetesGroupExecutor, ModelGroups
+    from server.control.kubernetes_executor import KubernetesExecutor
+    from server.control.registry import Registry
+    from server.control.scaling_store import ScalingStore
+
+    registry = await asyncio.to_thread(Registry, settings.database_url, ArtifactStore(settings.artifact_store))
+    groups = ModelGroups.load(settings.model_groups_file)
+    executor = KubernetesGroupExecutor(KubernetesExecutor.from_settings(settings), groups)
+    api_key = settings.api_key.get_secret_value()
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    source = PrometheusSource(settings.prometheus_url) if settings.prometheus_url else FrontendSource(frontend_url, metadata)
+    loop = ClusterAutoscaler(
+        ScalingStore(registry), executor, source, interval_s=interval_s,
+        profile_period_s=settings.autoscale_profile_period_s, profile_slot_s=settings.autoscale_profile_slot_s,
+        lead_s=settings.autoscale_lead_s if settings.autoscale_lead_s is not None else 60.0,
+    )  # fmt: skip
+    typer.echo(f"inferplane control plane: {len(groups.groups)} model group(s), executor {executor.describe()}, load from "
+               f"{'prometheus ' + settings.prometheus_url if settings.prometheus_url else 'frontend ' + frontend_url}", err=True)
+    try:
+        if once:
+            for change in await loop.tick():
+                typer.echo(json.dumps(change, default=str))
+            for name, ep in sorted(loop.endpoints.items()):
+                typer.echo(f"{name}: {ep.state.replicas} replica(s); {ep.decisions[-1]['reason'] if ep.decisions else 'no reading'}")
+            return
+        await loop.run_forever()
+    finally:
+        await source.close()
+        registry.close()

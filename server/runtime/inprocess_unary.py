@@ -1,0 +1,87 @@
+"""The GRPCInferenceService unary methods the in-process Triton answers (``unary_raw``): each
+takes the parsed request and returns the answer message or its bytes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from server.errors import Unimplemented
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.runtime import capi_codec
+from server.runtime.capi import ffi
+
+if TYPE_CHECKING:
+    from server.runtime.inprocess import InProcessTriton
+
+
+
+async def _live(t: "InProcessTriton", _req, _timeout):
+    return pb.ServerLiveResponse(live=await t.server_live())
+
+
+async def _ready(t: "InProcessTriton", _req, _timeout):
+    return pb.ServerReadyResponse(ready=await t.server_ready())
+
+
+async def _model_ready(t: "InProcessTriton", req: pb.ModelReadyRequest, _timeout):
+    t._check_running()
+    flag = ffi.new("bool*")
+    t._ok(t._lib.TRITONSERVER_ServerModelIsReady(t._server, req.name.encode(), capi_codec.parse_version(req.version), flag))
+    return pb.ModelReadyResponse(ready=bool(flag[0]))
+
+
+async def _server_metadata(t: "InProcessTriton", _req, _timeout):
+    t._check_running()
+    return capi_codec.server_metadata(t._json(lambda out: t._lib.TRITONSERVER_ServerMetadata(t._server, out)))
+
+
+async def _model_metadata(t: "InProcessTriton", req: pb.ModelMetadataRequest, _timeout):
+    t._check_running()
+    v = capi_codec.parse_version(req.version)
+    return capi_codec.model_metadata(t._json(lambda out: t._lib.TRITONSERVER_ServerModelMetadata(t._server, req.name.encode(), v, out)))
+
+
+async def _model_config(t: "InProcessTriton", req: pb.ModelConfigRequest, _timeout):
+    return t._model_config_bytes(req.name, req.version)
+
+
+async def _statistics(t: "InProcessTriton", req: pb.ModelStatisticsRequest, _timeout):
+    return t.statistics(req.name, req.version)
+
+
+async def _index(t: "InProcessTriton", req: pb.RepositoryIndexRequest, _timeout):
+    if req.repository_name:
+        raise Unimplemented("'repository_name' specification is not supported")
+    return t._repository_index(req.ready)
+
+
+async def _load(t: "InProcessTriton", req: pb.RepositoryModelLoadRequest, timeout):
+    config = req.parameters["config"].string_param if "config" in req.parameters else None
+    if any(k != "config" for k in req.parameters):
+        raise Unimplemented("only the 'config' load parameter is supported by the in-process Triton")
+    await t.load_model(req.model_name, timeout or 300.0, config=config)
+    return pb.RepositoryModelLoadResponse()
+
+
+async def _unload(t: "InProcessTriton", req: pb.RepositoryModelUnloadRequest, timeout):
+    await t.unload_model(req.model_name, timeout or 60.0)
+    return pb.RepositoryModelUnloadResponse()
+
+
+async def _infer(t: "InProcessTriton", req: pb.ModelInferRequest, timeout):
+    return (await t._infer_plan(capi_codec.request_plan(req), timeout)).to_bytes()
+
+
+UNARY = {
+    "ServerLive": (pb.ServerLiveRequest, _live),
+    "ServerReady": (pb.ServerReadyRequest, _ready),
+    "ModelReady": (pb.ModelReadyRequest, _model_ready),
+    "ServerMetadata": (pb.ServerMetadataRequest, _server_metadata),
+    "ModelMetadata": (pb.ModelMetadataRequest, _model_metadata),
+    "ModelConfig": (pb.ModelConfigRequest, _model_config),
+    "ModelStatistics": (pb.ModelStatisticsRequest, _statistics),
+    "RepositoryIndex": (pb.RepositoryIndexRequest, _index),
+    "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, _load),
+    "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, _unload),
+    "ModelInfer": (pb.ModelInferRequest, _infer),
+}

@@ -1,0 +1,217 @@
+"""The autoscaling policy (pure, injected clock): target tracking, windows, steps, cooldowns, bounds,
+scale to zero and the seasonal forecast; hypothesis properties for the guarantees the module states."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batching.autoscale_policy import (
+    DOWN,
+    HOLD,
+    UP,
+    WAKE,
+    ZERO,
+    Observation,
+    PolicyState,
+    ScalingConfig,
+    SeasonalProfile,
+    decide,
+)
+
+TICK = 1.0
+
+
+def run(config: ScalingConfig, loads, start: int, t0: float = 0.0, demand=None, forecasts=None):
+    """Feed one load per tick; returns the replica count after each decision and the decisions."""
+    state = PolicyState.start(start, t0)
+    counts, decisions = [], []
+    for i, load in enumerate(loads):
+        obs = Observation(t0 + i * TICK, load, forecasts[i] if forecasts else None, bool(demand and demand[i]))
+        decision, state = decide(config, state, obs)
+        counts.append(state.replicas)
+        decisions.append(decision)
+    return counts, decisions
+
+
+def changes(counts, start):
+    """(tick, +1/-1) of every change of direction-bearing moves."""
+    out, prev = [], start
+    for i, c in enumerate(counts):
+        if c != prev:
+            out.append((i, 1 if c > prev else -1))
+        prev = c
+    return out
+
+
+configs = st.builds(
+    lambda lo, span, target, up_w, down_w, step_up, step_down, up_cd, down_cd, zero: ScalingConfig(
+        min_replicas=lo, max_replicas=max(1, lo) + span, target=target, scale_up_window_s=up_w, scale_down_window_s=down_w,
+        max_step_up=step_up, max_step_down=step_down, up_cooldown_s=up_cd, down_cooldown_s=down_cd,
+        scale_to_zero_after_s=zero, predictive=False,
+    ),
+    st.integers(0, 4), st.integers(0, 8), st.floats(0.5, 50), st.sampled_from([0.0, 2.0, 5.0]), st.sampled_from([3.0, 10.0, 30.0]),
+    st.integers(1, 4), st.integers(1, 3), st.sampled_from([0.0, 3.0]), st.sampled_from([0.0, 5.0, 15.0]),
+    st.one_of(st.none(), st.sampled_from([20.0, 60.0])),
+)  # fmt: skip
+
+
+# ---- examples -----------------------------------------------------------------------------------
+
+
+def test_target_tracking_scales_to_load_over_target():
+    config = ScalingConfig(min_replicas=1, max_replicas=10, target=8, scale_down_window_s=5, down_cooldown_s=0, max_step_up=10)
+    counts, decisions = run(config, [40] * 3, start=1)
+    assert counts[0] == 5 and decisions[0].action == UP  # ceil(40 / 8)
+    assert decisions[0].inputs["load"] == 40 and decisions[0].inputs["reactive"] == 5
+
+
+def test_within_tolerance_nothing_moves():
+    config = ScalingConfig(min_replicas=1, max_replicas=10, target=10, tolerance=0.1)
+    counts, _ = run(config, [31, 29, 32, 28], start=3)
+    assert counts == [3, 3, 3, 3]
+
+
+def test_scale_down_waits_for_its_window_then_steps():
+    config = ScalingConfig(min_replicas=1, max_replicas=10, target=10, scale_down_window_s=5, max_step_down=1, down_cooldown_s=0)
+    counts, _ = run(config, [10] * 12, start=4)
+    assert counts[:6] == [4] * 6  # the count found at start holds for the window (t = 0..5)
+    assert counts[6:9] == [3, 2, 1]  # then one step per decision
+    assert counts[-1] == 1
+
+
+def test_bounds_and_steps():
+    config = ScalingConfig(min_replicas=2, max_replicas=5, target=1, max_step_up=2)
+    counts, decisions = run(config, [100, 100, 100], start=2)
+    assert counts == [4, 5, 5]
+    assert "bounded" in decisions[1].reason
+
+
+def test_scale_to_zero_after_idle_and_wake_on_demand():
+    config = ScalingConfig(min_replicas=1, max_replicas=4, target=5, scale_to_zero_after_s=10, scale_down_window_s=3, down_cooldown_s=0)
+    loads = [3] * 3 + [0] * 15 + [0, 0]
+    demand = [False] * 18 + [True, False]
+    counts, decisions = run(config, loads, start=1, demand=demand)
+    zero_at = next(i for i, d in enumerate(decisions) if d.action == ZERO)
+    assert zero_at == 2 + 10  # last load at t=2, idle 10 s
+    assert counts[zero_at] == 0 and counts[17] == 0
+    assert decisions[18].action == WAKE and counts[18] == 1  # a held request brings one replica back at once
+
+
+def test_predictive_adds_capacity_ahead_and_never_removes_what_load_needs():
+    config = ScalingConfig(min_replicas=1, max_replicas=10, target=10, predictive=True)
+    counts, decisions = run(config, [5, 5], start=1, forecasts=[45, None])
+    assert counts[0] == 5 and decisions[0].inputs["predictive"] == 5
+    off = ScalingConfig(min_replicas=1, max_replicas=10, target=10, predictive=False)
+    assert run(off, [5], start=1, forecasts=[45])[0] == [1]
+    low = run(config, [60], start=6, forecasts=[5])[0]
+    assert low == [6]  # a low forecast never removes capacity the present load needs
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="max_replicas"):
+        ScalingConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="signal"):
+        ScalingConfig(signal="cpu")
+    with pytest.raises(ValueError, match="unknown autoscaling field"):
+        ScalingConfig.from_dict({"min_replicas": 1, "maximum": 3})
+    assert ScalingConfig.from_dict(ScalingConfig(max_replicas=3).as_dict()) == ScalingConfig(max_replicas=3)
+
+
+# ---- properties -----------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, load=st.floats(0, 400), start=st.integers(0, 12), ticks=st.integers(20, 120))
+def test_never_outside_the_bounds(config, load, start, ticks):
+    counts, _ = run(config, [load] * ticks, start=start)
+    for i, c in enumerate(counts):
+        assert c <= config.max_replicas
+        if c < config.min_replicas or (c == 0 and config.min_replicas == 0 and load > 0):
+            # only scale to zero goes below min, and only without load
+            assert c == 0 and load == 0 and (config.scale_to_zero_after_s is not None or config.min_replicas == 0 or i == 0), (i, c)
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, load=st.floats(0.1, 400), start=st.integers(1, 12))
+def test_no_oscillation_under_steady_load(config, load, start):
+    """Constant load: the count moves one way only (toward its target), then stays."""
+    counts, _ = run(config, [load] * 150, start=start)
+    directions = {d for _, d in changes(counts, start)}
+    assert len(directions) <= 1, counts
+    assert counts[-1] == counts[-20]  # settled
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, before=st.floats(0.1, 200), after=st.floats(0.1, 200))
+def test_no_oscillation_after_a_step(config, before, after):
+    """Settled at one load, then a step to another: after the step the count moves one way only."""
+    settle = 200
+    counts, _ = run(config, [before] * settle + [after] * 150, start=config.floor or 1)
+    assert counts[settle - 1] == counts[settle - 30]  # settled before the step
+    tail = counts[settle - 1 :]
+    directions = {d for _, d in changes(tail[1:], tail[0])}
+    assert len(directions) <= 1, tail
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, noise=st.lists(st.floats(0, 300), min_size=60, max_size=200))
+def test_a_scale_down_never_follows_a_scale_up_within_the_down_window(config, noise):
+    """Whatever the load does, the count cannot flap faster than the scale-down window (or the idle
+    time to zero, whichever is shorter)."""
+    counts, decisions = run(config, noise, start=config.floor or 1)
+    window = config.scale_down_window_s
+    if config.scale_to_zero_after_s is not None:
+        window = min(window, config.scale_to_zero_after_s)
+    last_up = -math.inf
+    for i, d in enumerate(decisions):
+        if d.replicas > d.previous:
+            last_up = i * TICK
+        elif d.replicas < d.previous:
+            assert i * TICK - last_up > window - 1e-9 or d.previous > config.max_replicas, (i, last_up, counts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs, base=st.floats(0, 20), spike=st.floats(20, 400))
+def test_reacts_to_a_sustained_spike_within_its_window(config, base, spike):
+    """A spike that lasts reaches the count it needs (or max) within the up window plus the steps it takes."""
+    settle = 100
+    counts, _ = run(config, [base] * settle + [spike] * 200, start=config.floor or 1)
+    before = counts[settle - 1]
+    # the fewest replicas the policy accepts for this load (within its tolerance of the target)
+    need = min(config.max_replicas, max(config.floor, math.ceil(spike / (config.target * (1 + config.tolerance)) - 1e-9)))
+    if need <= before:
+        return
+    full = math.ceil(spike / config.target - 1e-9)
+    steps = math.ceil((min(full, config.max_replicas) - max(before, 1)) / config.max_step_up) + (1 if before == 0 else 0)
+    budget = config.scale_up_window_s + steps * max(TICK, config.up_cooldown_s) + TICK
+    reached = next((i for i, c in enumerate(counts[settle:]) if c >= need), None)
+    assert reached is not None and reached * TICK <= budget, (counts[settle - 1 : settle + 40], need, budget)
+
+
+# ---- the seasonal profile ---------------------------------------------------------------------------
+
+
+def test_profile_learns_a_daily_shape_and_forecasts_ahead():
+    day, slot = 24.0, 1.0  # a compressed "day" of 24 one-second slots
+    profile = SeasonalProfile(period_s=day, slot_s=slot, alpha=0.5)
+    shape = lambda t: 10.0 + 90.0 * (1 <= (t % day) // 6 <= 2)  # noqa: E731 - high from 6 to 18
+    for i in range(int(3 * day * 10)):
+        t = i / 10
+        profile.observe(t, shape(t))
+    assert profile.forecast(3 * day + 0.5) == pytest.approx(10.0)
+    assert profile.forecast(3 * day + 8.5) == pytest.approx(100.0)
+    assert 10 < profile.forecast(3 * day + 6.0) < 100  # between slot centers: interpolated
+
+
+def test_profile_knows_nothing_before_it_saw_a_slot():
+    profile = SeasonalProfile(period_s=10, slot_s=1)
+    assert profile.forecast(3.5) is None
+    profile.seed([(0.2, 4.0), (0.8, 6.0), (1.5, 2.0)])
+    assert profile.forecast(0.5) == pytest.approx(5.0)
+    assert profile.means[1] == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        SeasonalProfile(period_s=10, slot_s=3)

@@ -1,0 +1,79 @@
+"""The autoscaler's pieces that need no Triton: the waker (one load for every held request, the
+cold-start budget, a failed load retried by the next request) and the scaling config's store
+(stored with the endpoint in the registry database, audited, there again after a restart)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batching.autoscale_policy import ScalingConfig
+from server.control.artifacts import ArtifactStore
+from server.control.autoscaler import Waker
+from server.control.registry import Registry
+from server.control.scaling_store import ScalingStore
+from server.errors import BackendUnavailable, DeadlineExceeded, ModelNotReady
+
+
+async def test_concurrent_first_requests_share_one_load():
+    loads = []
+
+    async def load():
+        loads.append(1)
+        await asyncio.sleep(0.05)
+
+    waker = Waker("fraud", load, budget_s=5.0)
+    await asyncio.gather(*(waker.wait(None) for _ in range(20)))
+    assert loads == [1] and waker.loads == 1 and waker.waiting == 0
+
+
+async def test_past_the_cold_start_budget_a_request_is_refused_with_a_retry_hint_and_the_load_goes_on():
+    done = asyncio.Event()
+
+    async def load():
+        await asyncio.sleep(0.3)
+        done.set()
+
+    waker = Waker("fraud", load, budget_s=0.05, estimate_s=3.0)
+    with pytest.raises(ModelNotReady) as refused:
+        await waker.wait(None)
+    assert "cold-start budget" in refused.value.message and refused.value.retry_after_s >= 1.0
+    with pytest.raises(DeadlineExceeded):  # the caller's own deadline, shorter than the budget
+        await Waker("x", load, budget_s=5.0).wait(0.01)
+    await asyncio.wait_for(done.wait(), 2)  # the load was not cancelled with the request
+    await waker.wait(None)  # and the next request finds it done
+
+
+async def test_a_failed_load_fails_its_waiters_and_the_next_request_tries_again():
+    attempts = []
+
+    async def load():
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise BackendUnavailable("no replica is up", retry_after_s=1.0)
+
+    waker = Waker("fraud", load, budget_s=5.0)
+    with pytest.raises(ModelNotReady, match="could not be loaded"):
+        await waker.wait(None)
+    await waker.wait(None)
+    assert len(attempts) == 2
+
+
+def test_the_scaling_config_is_stored_audited_and_survives_a_restart(tmp_path):
+    url = f"sqlite:///{tmp_path}/registry.db"
+    registry = Registry(url, ArtifactStore(tmp_path / "a"))
+    config = ScalingConfig(min_replicas=1, max_replicas=4, target=8, scale_to_zero_after_s=300).as_dict()
+    ScalingStore(registry).put("fraud", config, "alice")
+    ScalingStore(registry).put("fraud", {**config, "max_replicas": 6}, "bob")
+    registry.close()
+    again = Registry(url, ArtifactStore(tmp_path / "a"))
+    try:
+        stored = ScalingStore(again).all()
+        assert stored == {"fraud": {**config, "max_replicas": 6}}
+        assert ScalingConfig.from_dict(stored["fraud"]).max_replicas == 6
+        audit = again.audit_log(target="fraud")
+        assert [(e.action, e.actor) for e in audit] == [("autoscale", "bob"), ("autoscale", "alice")]
+        assert '"max_replicas": 6' in audit[0].detail
+    finally:
+        again.close()

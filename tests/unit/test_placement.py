@@ -1,0 +1,74 @@
+"""Placement of model copies on local replicas: first-fit decreasing on memory, sticky, one copy per replica."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.control.placement import DEFAULT_MEMORY_BYTES, Demand, memory_need, place
+
+MB = 1 << 20
+
+
+def test_first_fit_decreasing_packs_largest_first():
+    demands = {"big": Demand(1, 3000 * MB), "mid": Demand(1, 1500 * MB), "small": Demand(1, 900 * MB), "tiny": Demand(1, 100 * MB)}
+    plan = place(demands, {"local-0": set()}, 4000 * MB)
+    # big (3000) + tiny (100) + ... fill local-0 first-fit in decreasing order: big, then mid does not fit -> local-1
+    assert plan.assignment == {"local-0": {"big", "small", "tiny"}, "local-1": {"mid"}}
+    assert plan.opened == ["local-1"]
+
+
+def test_copies_of_one_model_never_share_a_replica():
+    plan = place({"fraud": Demand(3, 100 * MB)}, {"local-0": set()}, 4000 * MB)
+    assert plan.replicas_of("fraud") == ["local-0", "local-1", "local-2"]
+
+
+def test_placement_is_sticky_when_another_model_scales():
+    current = {"local-0": {"a"}, "local-1": {"a", "b"}}
+    plan = place({"a": Demand(2, 100 * MB), "b": Demand(2, 100 * MB)}, current, 4000 * MB)
+    assert plan.assignment["local-0"] >= {"a"} and plan.assignment["local-1"] == {"a", "b"}
+    assert plan.replicas_of("b") == ["local-0", "local-1"] and not plan.opened
+
+
+def test_scaling_down_keeps_the_first_listed_copies():
+    current = {"local-0": {"a"}, "local-1": {"a"}, "local-2": {"a"}}
+    plan = place({"a": Demand(1, 100 * MB)}, current, 4000 * MB)
+    assert plan.assignment == {"local-0": {"a"}, "local-1": set(), "local-2": set()}
+
+
+def test_an_oversized_model_gets_a_replica_of_its_own():
+    plan = place({"huge": Demand(1, 9000 * MB)}, {"local-0": {"x"}}, 4000 * MB)
+    assert plan.oversized == ["huge"] and plan.replicas_of("huge") == ["local-1"]
+
+
+def test_memory_need_reads_the_registry_hardware_metadata():
+    assert memory_need({"memory_mb": 300}) == 300 * MB
+    assert memory_need({"memory_gb": 2}) == 2 << 30
+    assert memory_need({"gpu": 0}) == DEFAULT_MEMORY_BYTES
+    assert memory_need(None, default=7) == 7
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    demands=st.dictionaries(st.sampled_from("abcdefgh"), st.tuples(st.integers(0, 4), st.integers(1, 3000)), max_size=8),
+    current=st.lists(st.sets(st.sampled_from("abcdefgh"), max_size=4), min_size=1, max_size=4),
+    capacity=st.integers(500, 4000),
+)
+def test_every_copy_is_placed_once_per_replica_without_overcommitting(demands, current, capacity):
+    wanted = {m: Demand(c, mb * MB) for m, (c, mb) in demands.items()}
+    start = {f"local-{i}": set(models) for i, models in enumerate(current)}
+    plan = place(wanted, start, capacity * MB)
+    for model, need in wanted.items():
+        assert len(plan.replicas_of(model)) == need.copies
+    for replica, models in plan.assignment.items():
+        assert models <= set(wanted)
+        used = plan.used(wanted, replica)
+        kept = start.get(replica, set()) & models
+        # only copies that were already there (sticky) or a lone oversized copy may exceed the capacity
+        if used > capacity * MB:
+            assert models == kept or (len(models) == 1 and next(iter(models)) in plan.oversized), (replica, models, used)
+    # copies already placed and still wanted stay where they were
+    for replica, models in start.items():
+        for model in models:
+            if model in wanted and wanted[model].copies >= sum(1 for r in start.values() if model in r):
+                assert model in plan.assignment[replica]
