@@ -167,6 +167,12 @@ class Settings(BaseSettings):
     triton_tls_cert: Path | None = None
     triton_tls_key: Path | None = None
     triton_tls_server_name: str = ""
+    # the CLIs' and the control plane's gRPC channel to a frontend that serves TLS: its CA bundle (setting
+    # it turns TLS on), a client certificate when it requires mTLS, the name its certificate is checked against
+    client_tls_ca: Path | None = None
+    client_tls_cert: Path | None = None
+    client_tls_key: Path | None = None
+    client_tls_server_name: str = ""
     # safety filters: endpoint name (or "*") -> policy JSON (server.dataplane.safety); an endpoint's own
     # inferplane.safety config parameter wins over these
     safety: dict[str, dict] = {}
@@ -236,6 +242,8 @@ class Settings(BaseSettings):
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if (self.triton_tls_cert is None) != (self.triton_tls_key is None):
             raise ValueError("give both triton_tls_cert and triton_tls_key (or neither)")
+        if (self.client_tls_cert is None) != (self.client_tls_key is None):
+            raise ValueError("give both client_tls_cert and client_tls_key (or neither)")
         if self.triton_tls_ca or self.triton_tls_cert:
             self.triton_tls = True
         for kind, days in self.retention_days.items():

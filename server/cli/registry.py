@@ -328,11 +328,10 @@ def call_metadata(actor: Optional[str], api_key: Optional[str]) -> tuple[tuple[s
 
 
 def _admin(url: str, actor: Optional[str], api_key: Optional[str]):
-    import grpc
-
     from server.protogen.inferplane.v1 import admin_pb2_grpc
+    from server.tenancy.tls import frontend_channel
 
-    channel = grpc.insecure_channel(url)
+    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
     return channel, admin_pb2_grpc.AdminStub(channel), call_metadata(actor, api_key)
 
 

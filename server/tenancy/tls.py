@@ -14,7 +14,8 @@ identity a client certificate proves.
 - :func:`peer_identities` reads a client certificate (DER or PEM) into the strings a tenant may be
   bound to: each SAN URI (a SPIFFE ID, ``spiffe://trust-domain/path``) and the subject in a canonical
   form (:func:`canonical_subject`, so ``CN=a,O=b`` and ``O=b, CN=a`` name the same subject).
-- :func:`channel_credentials` is the client side: the frontend's channel to a remote Triton.
+- :func:`channel_credentials` is the client side: the frontend's channel to a remote Triton;
+  :func:`frontend_channel` the CLIs' and the control plane's channel to a frontend (``client_tls_*``).
 
 The private key is read from its file and handed to OpenSSL / grpc; it is never logged or echoed.
 """
@@ -323,3 +324,27 @@ class FileStamp:
             return False
         self._stamp = stamp
         return True
+
+
+# ---- the client side: the CLIs' and the control plane's channel to a frontend ----------------------------
+
+
+def frontend_channel(url: str, settings=None, *, aio: bool = False, options: list | None = None):
+    """A gRPC channel to a frontend: TLS with the settings' ``client_tls_ca`` (and a client certificate
+    from ``client_tls_cert``/``_key`` for mTLS) when it is set, plaintext otherwise."""
+    import grpc
+
+    if settings is None:
+        from server.settings import Settings
+
+        settings = Settings()
+    options = list(options or [])
+    module = grpc.aio if aio else grpc
+    if settings.client_tls_ca is None and settings.client_tls_cert is None:
+        return module.insecure_channel(url, options=options)
+    ca = _read(settings.client_tls_ca, "client CA bundle") if settings.client_tls_ca else None
+    cert = _read(settings.client_tls_cert, "client certificate") if settings.client_tls_cert else None
+    key = _read(settings.client_tls_key, "client key") if settings.client_tls_key else None
+    if settings.client_tls_server_name:
+        options.append(("grpc.ssl_target_name_override", settings.client_tls_server_name))
+    return module.secure_channel(url, grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert), options=options)

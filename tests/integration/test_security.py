@@ -327,6 +327,18 @@ def test_a_renewed_server_certificate_is_served_without_a_restart(secure):
         client.close()
 
 
+def test_the_clis_reach_a_mutual_tls_frontend_with_client_tls_settings(secure):
+    _wait_bound(secure)
+    pki = secure.pki
+    url = secure.grpc.replace("127.0.0.1", "localhost")
+    plain = _cli(secure, "endpoints", "list", "--url", url)
+    assert plain.returncode != 0 and "UNAVAILABLE" in plain.stderr  # a plaintext client to the TLS port
+    tls = {"INFERPLANE_CLIENT_TLS_CA": str(pki.ca_path), "INFERPLANE_CLIENT_TLS_CERT": str(pki.acme[0]), "INFERPLANE_CLIENT_TLS_KEY": str(pki.acme[1])}
+    out = _cli(secure, "endpoints", "list", "--url", url, env=tls)
+    assert out.returncode == 0, out.stderr
+    assert EMBED in out.stdout and LLM in out.stdout  # acme (by its certificate) sees what it was granted
+
+
 # ---- safety filters -------------------------------------------------------------------------------
 
 
