@@ -59,6 +59,8 @@ class Frontend:
         self.tenancy: Tenancy | None = None
         self.dataplane: DataPlane | None = None
         self.grpc_server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None  # the plaintext health-only port (health_port)
+        self.health_port = 0
         self.health = health_aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -234,6 +236,21 @@ class Frontend:
             raise OSError(f"cannot bind gRPC to {s.host}:{s.grpc_port}")
         await server.start()
         self.grpc_server = server
+        await self._start_health_port()
+
+    async def _start_health_port(self) -> None:
+        """``health_port``: grpc.health.v1 alone, in plaintext, for probes that speak no TLS (kubelet's
+        gRPC probes); it answers what the main port's health service answers, and serves nothing else."""
+        s = self.settings
+        if s.health_port is None:
+            return
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.health_port = server.add_insecure_port(f"{s.host}:{s.health_port}")
+        if not self.health_port:
+            raise OSError(f"cannot bind the health port to {s.host}:{s.health_port}")
+        await server.start()
+        self._health_server = server
 
     async def _start_metrics(self) -> None:
         async def metrics(_request: web.Request) -> web.Response:
@@ -439,6 +456,7 @@ class Frontend:
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
             f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
             + (f" tls={'mtls' if self.tls.mutual else 'on'}" if self.tls is not None else "")
+            + (f" health={s.host}:{self.health_port}" if self._health_server is not None else "")
         )
 
     async def wait(self) -> None:
@@ -463,6 +481,8 @@ class Frontend:
         if self.grpc_server is not None:
             await self._set_serving(False)
             await self.grpc_server.stop(self.settings.shutdown_grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         for runner in self._runners:
             await runner.cleanup()
         if self.observability is not None:

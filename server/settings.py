@@ -160,6 +160,8 @@ class Settings(BaseSettings):
     # authenticates like that tenant's API key
     tls_client_ca: Path | None = None
     tls_reload_s: float = Field(5.0, gt=0)  # how often the certificate files are checked for changes
+    # a plaintext gRPC port that serves grpc.health.v1 only (kubelet's gRPC probes speak no TLS); unset: none
+    health_port: int | None = Field(None, ge=0, le=65535)
     # the frontend -> remote Triton channel (--triton-url): TLS with this CA bundle (unset: the system's),
     # a client certificate for Triton's mutual TLS, and the name Triton's certificate is checked against
     triton_tls: bool = False  # implied by any triton_tls_* file
@@ -224,9 +226,9 @@ class Settings(BaseSettings):
         if not self.shadow_record_destination:
             self.shadow_record_destination = str(self.data_dir / "shadow_records")
         self._check_security()
-        ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
+        ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.health_port) if p]
         if len(ports) != len(set(ports)):
-            raise ValueError("grpc, http and metrics ports must differ")
+            raise ValueError("grpc, http, metrics and health ports must differ")
         if self.triton_mode == "in-process" and not self.triton_url and self.workers > 1:
             raise ValueError("triton_mode in-process runs Triton inside the one frontend process: use --workers 1")
         if self.workers > 1 and 0 in (self.grpc_port, self.http_port):

@@ -106,7 +106,11 @@ def secure(llm_repository, tmp_path_factory):
         "INFERPLANE_DATABASE_URL": url, "INFERPLANE_KEY_PEPPER": PEPPER, "INFERPLANE_DATA_DIR": str(workdir / "data"),
         "INFERPLANE_ENCRYPTION_KEY": ENCRYPTION_KEY,
     }  # fmt: skip
+    from server.runtime.supervisor import free_port
+
+    health_port = free_port()
     stack_env = {
+        "INFERPLANE_HEALTH_PORT": str(health_port),
         **env, "INFERPLANE_AUTH": "on", "INFERPLANE_AUTH_REFRESH_S": "0.3", "INFERPLANE_TLS_RELOAD_S": "0.3",
         "INFERPLANE_SAFETY": json.dumps(SAFETY), "INFERPLANE_SAFETY_AUDIT_FLUSH_S": "0.3", "INFERPLANE_USAGE_FLUSH_S": "0.3",
     }  # fmt: skip
@@ -116,6 +120,7 @@ def secure(llm_repository, tmp_path_factory):
     )  # fmt: skip
     stack.pki, stack.key, stack.store, stack.workdir, stack.outputs = pki, key, store, workdir, []
     stack.cli_env = env
+    stack.health = f"127.0.0.1:{health_port}"
     for identity, tenant, models in ((ACME_ID, "acme", "*"), (BILLING_SUBJECT, "billing", EMBED)):
         out = _cli(stack, "tenants", "bind", identity, "--tenant", tenant, "--model", models)
         assert out.returncode == 0, out.stderr
@@ -297,6 +302,17 @@ def _https_get(secure, address: str, path: str, client=None) -> str:
         return body
     finally:
         conn.close()
+
+
+def test_the_plaintext_health_port_answers_probes_and_nothing_else(secure):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(secure.health) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as other:
+            channel.unary_unary("/inference.GRPCInferenceService/ServerReady")(b"", timeout=10)
+        assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def _served_serial(secure, address: str, alpn: str) -> int:
