@@ -37,12 +37,14 @@ ENCRYPTION_KEY = base64.b64encode(b"K" * 16 + os.urandom(16)).decode()
 ACME_ID = "spiffe://inferplane.test/tenant/acme"
 BILLING_SUBJECT = "O=inferplane test,CN=billing-svc"  # bound in another attribute order than the certificate's
 LLM, UNFILTERED, EMBED = "tiny_llama", "tiny_llama_budget", "minilm_embeddings"
+REDACTING = "tiny_llama_redacting"  # the same weights again, its output's letter "a" redacted
 BLOCKED_LETTER = "e"
 SAFETY = {
     LLM: {
         "input": {"rules": [{"name": "deny", "kind": "keywords", "words": ["project zeus"], "action": "block"}]},
         "output": {"rules": [{"name": "no-e", "kind": "regex", "pattern": BLOCKED_LETTER, "action": "block"}]},
     },
+    REDACTING: {"output": {"rules": [{"name": "no-a", "kind": "regex", "pattern": "a", "action": "redact"}]}},
     EMBED: {
         "input": {
             "rules": [{"name": "pii", "kind": "pii", "types": ["email"], "action": "redact"}],
@@ -94,6 +96,11 @@ def secure(llm_repository, tmp_path_factory):
 
     build_safety_classifier(repository)  # a model on the platform like any other (cached after the first build)
 
+    shutil.copytree(llm_repository / UNFILTERED, repository / REDACTING, copy_function=os.link)
+    config = read_config(repository / REDACTING)
+    config.name = REDACTING
+    (repository / REDACTING / "config.pbtxt").unlink()
+    write_config(config, repository / REDACTING)
     config = read_config(repository / EMBED)
     config.parameters["inferplane.payload_log_sample"].string_value = "1.0"
     (repository / EMBED / "config.pbtxt").unlink()  # a hard link: write a new file, not through it
@@ -379,6 +386,20 @@ def test_a_blocked_stream_ends_with_content_filter_and_leaks_nothing(secure):
         assert unfiltered.startswith(filtered)  # what came out is the answer up to the match, nothing after it
     finally:
         client.close()
+
+
+def test_a_redacting_output_filter_rewrites_the_stream_across_chunk_boundaries(secure):
+    import re
+
+    client = _openai(secure, secure.pki.acme)
+    try:
+        unfiltered, reasons = _stream(client, UNFILTERED, "tell me a story", max_tokens=64)
+        assert "a" in unfiltered, f"pick another letter: the model said {unfiltered!r}"
+        redacted, redacted_reasons = _stream(client, REDACTING, "tell me a story", max_tokens=64)
+    finally:
+        client.close()
+    assert redacted == re.sub("a", "[REDACTED:regex]", unfiltered)  # every match, none leaked, nothing else changed
+    assert redacted_reasons == reasons  # redaction does not end the stream
 
 
 def test_grpc_generate_ends_a_blocked_stream_with_content_filter_and_refuses_raw_streams(secure):
