@@ -31,9 +31,12 @@ models: $(REPO)/.built
 serve: models
 	$(BIN)/inferplane serve --model-repository $(REPO) --auth off $(ARGS)
 
-# the suite, then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs both
+# the suite, then the suites of the shared stack again with Triton in the frontend's process
+# (--triton-mode in-process, ~1 min), then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all three
+INPROCESS_SUITES = tests/integration/test_spine.py tests/integration/test_rest_bridge.py tests/integration/test_typed.py
 test: setup
 	$(BIN)/python -m pytest --ignore=tests/fuzz $(ARGS)
+	INFERPLANE_TRITON_MODE=in-process $(BIN)/python -m pytest $(INPROCESS_SUITES)
 	$(BIN)/python -m pytest -m fuzz tests/fuzz $(FUZZ_ARGS)
 
 proto: setup

@@ -494,7 +494,7 @@ def test_run_perf_analyzer_against_dummy_server(dummy_factory):
     srv = dummy_factory()
     r = run_perf_analyzer(
         srv.target, "dummy", concurrency_range="2", measurement_interval_ms=500,
-        extra_args=["--stability-percentage", "100", "--max-trials", "3"], timeout=120,
+        extra_args=["--stability-percentage", "1000", "--max-trials", "6"], timeout=120,
     )
     assert r["concurrency"] == 2 and r["throughput_rps"] > 0
     assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
