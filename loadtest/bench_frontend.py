@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "coalesce": not args.no_coalesce,
         "triton_mode": args.triton_mode,
+        "out": str(args.out),
         "models": {},
     }
     try:
@@ -202,7 +203,7 @@ def render(results: dict) -> str:
                 f"| {model} | {rate:.0f} | {_fmt(a['latency_ms']['p50'])} / {_fmt(a['latency_ms']['p99'])} "
                 f"| {_fmt(b['latency_ms']['p50'])} / {_fmt(b['latency_ms']['p99'])} |"
             )
-        lines.append(f"\n![{model} sweep](benchmarks/frontend/{sw['png']})\n")
+        lines.append(f"\n![{model} sweep]({results.get('out', 'benchmarks/frontend')}/{sw['png']})\n")
     pa = results.get("perf_analyzer")
     if pa:
         lines += ["", f"perf_analyzer vs this tool, {pa['model']}, concurrency {pa['concurrency']}:", "",

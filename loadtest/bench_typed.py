@@ -187,8 +187,11 @@ def handler_cost(model_dir: Path, calls: int = 20000) -> dict:
     answer.raw_output_contents.append(np.zeros(out.dims, np.float32).tobytes())
     answer_bytes = answer.SerializeToString()
 
+    signature = types.SimpleNamespace(max_batch_size=64)
+
     class StandIn:  # the DataPlane surface the two handlers use
-        models = {schema.model: types.SimpleNamespace(max_batch_size=64)}
+        def signature(self, name):
+            return signature
 
         def authorize(self, ctx, name):
             return None

@@ -1,0 +1,1 @@
+/work/main/.venv/lib/python3.11/site-packages/pytriton/tritonserver/backends/python/triton_python_backend_utils.py
