@@ -60,12 +60,19 @@ class Frontend:
         self.tenancy: Tenancy | None = None
         self.dataplane: DataPlane | None = None
         self.grpc_server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None  # the plaintext health-only port (health_port)
+        self.health_port = 0
         self.health = health_aio.HealthServicer()
         self.grpc_port = 0
         self.metrics_port = 0
         self.http_port = 0
         self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
+        self.tls = None  # server.tenancy.tls.CertificateFiles when --tls-cert is given (issue 23)
+        self.audit = None  # server.control.audit_buffer.AuditBuffer: safety decisions, retention passes
+        self.retention = None  # server.control.retention.RetentionJob (the process that runs the control plane)
+        self.shadow_records = None  # server.control.shadow_records.ShadowRecords (with the traffic controller)
+        self.keys = None  # server.control.envelope.KeyRing: encryption at rest, when a key is set
         self._tasks: list[asyncio.Task] = []
         self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
         self.deployer = None
@@ -77,6 +84,7 @@ class Frontend:
 
     async def start(self) -> None:
         s = self.settings
+        self._check_security()
         if s.triton_url is None and not s.model_repository.is_dir():
             raise StartupError(
                 f"model repository {s.model_repository} is not a directory: build the demo models with "
@@ -99,19 +107,23 @@ class Frontend:
             await self.supervisor.start()
             target = self.supervisor.grpc_target
         inprocess = await self._inprocess() if target == "in-process" else None
+        self._triton_tls()  # the remote replicas' TLS files load (server.control.fleet.client uses them)
         self.fleet = fleet = Fleet.build(s, self.supervisor, inprocess=inprocess)
         await fleet.start_replicas()
+        self._watch_triton_tls(fleet.replicas)
         # the processes that serve get tenancy (keys, metering); a parent of workers serves nothing
         self.tenancy = await build_tenancy(s) if s.workers == 1 else open_tenancy(s)
         self._tasks.append(asyncio.create_task(self.tenancy.run(s), name="key-refresh"))
         self._tasks.append(asyncio.create_task(self.gc_watch.run(), name="gc-pauses"))
         hooks = FleetHooks()
-        self.dataplane = build_dataplane(s, fleet.replicas, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, hooks=hooks)
+        self.dataplane = build_dataplane(
+            s, fleet.replicas, metrics=self.metrics, gate=self.tenancy.gate, meter=self.tenancy.meter, hooks=hooks, audit=self._audit_buffer(),
+        )  # fmt: skip
         fleet.attach_dataplane(self.dataplane, hooks, self.metrics)
         if fleet.has_replicas():
-            await self._load_models()
+            await self._load_models_or_say_why()
         else:  # model groups with no replica yet (scaled to zero): their models load when replicas appear
-            log.warning("no Triton replica is up yet; requests for the model groups' models are held until one is")
+            log.warning("no Triton replica is up yet; requests for the model groups' models are held until one is%s", self._triton_hint())
         fleet.hold_group_models()
         if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
             from server.control.deployer import build_control_plane
@@ -120,7 +132,7 @@ class Frontend:
             await self.deployer.start()
             from server.control.traffic import TrafficController
 
-            self.traffic = TrafficController(self.dataplane, self.registry, self.deployer)
+            self.traffic = TrafficController(self.dataplane, self.registry, self.deployer, shadow_records=self._shadow_records())
             await self.traffic.start()
             await fleet.read_memory_needs(self.registry)
             fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
@@ -128,6 +140,8 @@ class Frontend:
         await fleet.start()
         self.metrics.triton_up.set(1)
         self._start_observability()
+        if not s.worker:
+            self._start_retention()
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
@@ -239,11 +253,26 @@ class Frontend:
             server,
             pool=_pool.POOL,
         )
-        self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self.grpc_port = self._bind_grpc(server, f"{s.host}:{s.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind gRPC to {s.host}:{s.grpc_port}")
         await server.start()
         self.grpc_server = server
+        await self._start_health_port()
+
+    async def _start_health_port(self) -> None:
+        """``health_port``: grpc.health.v1 alone, in plaintext, for probes that speak no TLS (kubelet's
+        gRPC probes); it answers what the main port's health service answers, and serves nothing else."""
+        s = self.settings
+        if s.health_port is None:
+            return
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.health_port = server.add_insecure_port(f"{s.host}:{s.health_port}")
+        if not self.health_port:
+            raise OSError(f"cannot bind the health port to {s.host}:{s.health_port}")
+        await server.start()
+        self._health_server = server
 
     async def _start_metrics(self) -> None:
         async def metrics(_request: web.Request) -> web.Response:
@@ -251,9 +280,10 @@ class Frontend:
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        self._require_client_certificate(app)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.settings.host, self.settings.metrics_port)
+        site = web.TCPSite(runner, self.settings.host, self.settings.metrics_port, ssl_context=self._ssl_context())
         await site.start()
         self._runners.append(runner)
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
@@ -276,6 +306,7 @@ class Frontend:
             from server.transports.openai.batches import BATCHES
 
             app[BATCHES] = self.batches
+        self._require_client_certificate(app)  # and the client certificate, for calls without an API key
         if self.fleet.provisioner is not None:
             from server.transports.rest.deploy import PROVISIONER
 
@@ -285,9 +316,133 @@ class Frontend:
         await runner.setup()
         json_parse_errors(runner)  # aiohttp's own 400s (bad request line, headers) in the JSON error shape
         self._runners.append(runner)
-        site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker)
+        site = web.TCPSite(runner, s.host, s.http_port, reuse_port=s.worker, ssl_context=self._ssl_context())
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 read back
+
+    async def _load_models_or_say_why(self) -> None:
+        """A remote Triton that refuses the first calls (a TLS mismatch, most often) stops the start in one line."""
+        from server.errors import BackendUnavailable
+
+        try:
+            await self._load_models()
+        except BackendUnavailable as err:
+            if not self.settings.triton_url:
+                raise
+            raise StartupError(f"cannot load the models: {err}{self._triton_hint()}") from None
+
+    def _triton_hint(self) -> str:
+        """Why a remote Triton may be unreachable at start: most often a TLS mismatch."""
+        s = self.settings
+        if not s.triton_url:
+            return ""
+        if s.triton_tls:
+            return f" (the Triton at {s.triton_url}: check triton_tls_ca, triton_tls_cert/key and triton_tls_server_name against its certificates)"
+        return f" (the Triton at {s.triton_url}: if it serves TLS, set INFERPLANE_TRITON_TLS_CA, and _CERT/_KEY when it requires client certificates)"
+
+    # ---- TLS (issue 23: server.tenancy.tls) ----------------------------------------------------
+
+    def _check_security(self) -> None:
+        """TLS files, encryption keys and safety policies are checked before anything starts."""
+        from server.control.envelope import EncryptionError, KeyRing
+        from server.dataplane.safety import PolicyError, policy_source
+
+        s = self.settings
+        try:
+            self.keys = KeyRing.from_settings(s)
+            policy_source(s.safety)
+        except (EncryptionError, PolicyError) as err:
+            raise StartupError(str(err)) from None
+        self._start_tls()
+
+    def _shadow_records(self):
+        from server.control.shadow_records import ShadowRecords
+
+        s = self.settings
+        self.shadow_records = ShadowRecords(s.shadow_record_destination, self.keys, s.shadow_record_max)
+        self.shadow_records.start()
+        return self.shadow_records
+
+    def _start_retention(self) -> None:
+        """Per-kind retention (``server.control.retention``), audited, in the process that runs the control plane."""
+        from server.control.retention import RetentionJob
+
+        self.retention = RetentionJob(self.settings, self.audit.add if self.audit is not None else None)
+        self.retention.start()
+
+    def _start_tls(self) -> None:
+        """The certificate files every port serves, watched for changes; a file that cannot be used stops the start."""
+        from server.tenancy.tls import CertificateFiles, TLSConfigError
+
+        s = self.settings
+        if s.triton_tls and s.triton_url is None and not s.worker:
+            raise StartupError("triton_tls_* settings are for a remote Triton: give --triton-url (the embedded one listens on loopback only)")
+        try:
+            self.tls = CertificateFiles.from_settings(s)
+        except TLSConfigError as err:
+            raise StartupError(str(err)) from None
+        if self.tls is not None:
+            self._tasks.append(asyncio.create_task(self.tls.watch(s.tls_reload_s), name="tls-reload"))
+
+    def _audit_buffer(self):
+        """Safety-filter decisions go to the audit log in batches (``server.control.audit_buffer``)."""
+        from server.control.audit_buffer import AuditBuffer, AuditWriter
+
+        self._audit_writer = AuditWriter(self.settings.database_url)
+        self.audit = AuditBuffer(self._audit_writer.write_many, self.settings.safety_audit_flush_s)
+        self._tasks.append(asyncio.create_task(self.audit.run(), name="audit-flush"))
+        return self.audit.add
+
+    def _require_client_certificate(self, app: web.Application) -> None:
+        """mTLS on an aiohttp port: a request whose connection presented no certificate is a 401."""
+        if self.tls is not None and self.tls.mutual:
+            from server.transports.rest.tls import peer_certificate
+
+            app.middlewares.insert(0, peer_certificate)
+
+    def _ssl_context(self):
+        return self.tls.ssl_context() if self.tls is not None else None
+
+    def _bind_grpc(self, server: grpc.aio.Server, address: str) -> int:
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.tls.grpc_credentials())
+
+    def _triton_tls(self) -> None:
+        """The remote Triton channel's TLS files load (``server.control.fleet.client`` reads them for each remote replica)."""
+        from server.tenancy.tls import TLSConfigError, channel_credentials
+
+        if not self.settings.triton_tls:
+            return
+        try:
+            channel_credentials(self.settings)
+        except TLSConfigError as err:
+            raise StartupError(str(err)) from None
+
+    def _watch_triton_tls(self, replicas) -> None:
+        """A renewed client certificate (or CA) for the remote Tritons: new channels to each remote replica, without a restart."""
+        from server.tenancy.tls import FileStamp, TLSConfigError, channel_credentials, triton_files
+
+        s = self.settings
+        if not s.triton_tls:
+            return
+        stamp = FileStamp(triton_files(s))
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(s.tls_reload_s)
+                if await asyncio.to_thread(stamp.changed):
+                    try:
+                        credentials = channel_credentials(s)
+                    except TLSConfigError as err:
+                        log.warning("Triton channel TLS reload refused: %s", err)
+                        continue
+                    for member in replicas.members():
+                        if not member.local and hasattr(member.client, "reconnect"):
+                            await member.client.reconnect(credentials)
+                    log.info("Triton channel TLS files reloaded")
+
+        self._tasks.append(asyncio.create_task(watch(), name="triton-tls-reload"))
 
     async def _poll_statistics(self) -> None:
         while True:
@@ -330,6 +485,8 @@ class Frontend:
         return (
             f"inferplane ready grpc={s.host}:{self.grpc_port} metrics={s.host}:{self.metrics_port} "
             f"http={s.host}:{self.http_port} triton={triton} workers={s.workers} registry={display_url(s.database_url)}"
+            + (f" tls={'mtls' if self.tls.mutual else 'on'}" if self.tls is not None else "")
+            + (f" health={s.host}:{self.health_port}" if self._health_server is not None else "")
         )
 
     async def wait(self) -> None:
@@ -338,10 +495,14 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.retention is not None:
+            await self.retention.stop()
         if self.fleet is not None:
             await self.fleet.stop()
         if self.traffic is not None:
             await self.traffic.stop()
+        if self.shadow_records is not None:
+            await self.shadow_records.stop()
         if self.deployer is not None:
             await self.deployer.stop()
             self.registry.close()
@@ -350,10 +511,15 @@ class Frontend:
         if self.grpc_server is not None:
             await self._set_serving(False)
             await self.grpc_server.stop(self.settings.shutdown_grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         for runner in self._runners:
             await runner.cleanup()
         if self.observability is not None:
             await self.observability.stop()
+        if self.audit is not None:
+            await self.audit.flush()  # the last decisions
+            self._audit_writer.close()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
         if self.fleet is not None:

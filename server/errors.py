@@ -44,6 +44,10 @@ class InvalidRequest(InferplaneError):
     """The request is malformed or does not match the model's declared signature."""
 
 
+class ContentFiltered(InvalidRequest):
+    """A safety filter blocked the request (or its answer): ``server.dataplane.safety``."""
+
+
 class ModelNotFound(InferplaneError):
     """No such model or version (or one the caller may not see)."""
 
@@ -113,6 +117,7 @@ class _Entry:
 
 _TABLE: dict[type[InferplaneError], _Entry] = {
     InvalidRequest: _Entry(grpc.StatusCode.INVALID_ARGUMENT, 400, "INVALID_ARGUMENT"),
+    ContentFiltered: _Entry(grpc.StatusCode.INVALID_ARGUMENT, 400, "CONTENT_FILTER"),
     ModelNotFound: _Entry(grpc.StatusCode.NOT_FOUND, 404, "NOT_FOUND"),
     ModelNotReady: _Entry(grpc.StatusCode.UNAVAILABLE, 503, "MODEL_NOT_READY"),
     BackendUnavailable: _Entry(grpc.StatusCode.UNAVAILABLE, 503, "UNAVAILABLE"),

@@ -160,6 +160,50 @@ class Settings(BaseSettings):
     # `inferplane control run`: the Prometheus the KEDA ScaledObjects query (unset: the frontend's own samples)
     prometheus_url: str | None = None
 
+    # ---- security and privacy (issue 23: server.tenancy.tls, server.dataplane.safety, server.control.envelope|retention) ----
+    # TLS on every port (gRPC, REST/OpenAI, /metrics) from a PEM certificate chain and its unencrypted key;
+    # both files are watched and a changed pair is served to new connections without a restart
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # mTLS: client certificates are required on every port and verified against this PEM CA bundle; a
+    # certificate whose SPIFFE ID (SAN URI) or subject is bound to a tenant (`inferplane tenants bind`)
+    # authenticates like that tenant's API key
+    tls_client_ca: Path | None = None
+    tls_reload_s: float = Field(5.0, gt=0)  # how often the certificate files are checked for changes
+    # a plaintext gRPC port that serves grpc.health.v1 only (kubelet's gRPC probes speak no TLS); unset: none
+    health_port: int | None = Field(None, ge=0, le=65535)
+    # the frontend -> remote Triton channel (--triton-url): TLS with this CA bundle (unset: the system's),
+    # a client certificate for Triton's mutual TLS, and the name Triton's certificate is checked against
+    triton_tls: bool = False  # implied by any triton_tls_* file
+    triton_tls_ca: Path | None = None
+    triton_tls_cert: Path | None = None
+    triton_tls_key: Path | None = None
+    triton_tls_server_name: str = ""
+    # the CLIs' and the control plane's gRPC channel to a frontend that serves TLS: its CA bundle (setting
+    # it turns TLS on), a client certificate when it requires mTLS, the name its certificate is checked against
+    client_tls_ca: Path | None = None
+    client_tls_cert: Path | None = None
+    client_tls_key: Path | None = None
+    client_tls_server_name: str = ""
+    # safety filters: endpoint name (or "*") -> policy JSON (server.dataplane.safety); an endpoint's own
+    # inferplane.safety config parameter wins over these
+    safety: dict[str, dict] = {}
+    safety_audit_flush_s: float = Field(2.0, gt=0)  # filter decisions go to the audit log in batches
+    # encryption at rest (payload logs, shadow records, batch files): AES-256-GCM envelopes under a key
+    # encryption key: base64 of 32 bytes, or "id:base64,id2:base64" (the first one encrypts; the others
+    # still decrypt), or a KMS-style key file {"primary": "id", "keys": {"id": "base64", ...}}
+    encryption_key: SecretStr = SecretStr("")
+    encryption_key_file: Path | None = None
+    # artifacts stored sealed too (still named by the sha256 of their plaintext, which signatures sign)
+    encrypt_artifacts: bool = False
+    # retention per kind of stored data, in days (absent: kept until deleted); a background job enforces it
+    retention_days: dict[str, float] = {"payload_logs": 30.0, "shadow_records": 30.0, "batch_files": 30.0}
+    retention_interval_s: float = Field(3600.0, gt=0)
+    # shadow records: the requests, primary and shadow answers of shadow copies that disagreed (a folder or
+    # fsspec URL; unset: DATA_DIR/shadow_records); at most this many per shadow
+    shadow_record_destination: str = ""
+    shadow_record_max: int = Field(1000, ge=0)
+
     # an API key the CLIs send to a running frontend (deploy, rollback, traffic, keys over gRPC)
     api_key: SecretStr = SecretStr("")
     # where the CLIs find the running frontend's gRPC port
@@ -189,9 +233,12 @@ class Settings(BaseSettings):
             self.payload_log_destination = str(self.data_dir / "payloads")
         if not self.artifact_store:
             self.artifact_store = str(self.data_dir / "artifacts")
-        ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
+        if not self.shadow_record_destination:
+            self.shadow_record_destination = str(self.data_dir / "shadow_records")
+        self._check_security()
+        ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.health_port) if p]
         if len(ports) != len(set(ports)):
-            raise ValueError("grpc, http and metrics ports must differ")
+            raise ValueError("grpc, http, metrics and health ports must differ")
         if self.triton_mode == "in-process" and not self.triton_url and self.workers > 1:
             raise ValueError("triton_mode in-process runs Triton inside the one frontend process: use --workers 1")
         if self.workers > 1 and 0 in (self.grpc_port, self.http_port):
@@ -200,6 +247,24 @@ class Settings(BaseSettings):
             raise ValueError("autoscale_profile_period_s must be a whole multiple of autoscale_profile_slot_s")
         return self
 
+    def _check_security(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key (or neither)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if (self.triton_tls_cert is None) != (self.triton_tls_key is None):
+            raise ValueError("give both triton_tls_cert and triton_tls_key (or neither)")
+        if (self.client_tls_cert is None) != (self.client_tls_key is None):
+            raise ValueError("give both client_tls_cert and client_tls_key (or neither)")
+        if self.triton_tls_ca or self.triton_tls_cert:
+            self.triton_tls = True
+        for kind, days in self.retention_days.items():
+            if not days > 0:
+                raise ValueError(f"retention_days[{kind!r}] must be > 0 days, got {days!r}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
     def autoscale_period_slots(self) -> int | None:
         slots = self.autoscale_profile_period_s / self.autoscale_profile_slot_s
         return round(slots) if abs(slots - round(slots)) < 1e-9 and round(slots) >= 1 else None

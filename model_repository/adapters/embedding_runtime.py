@@ -2,6 +2,9 @@
 
 Input ``text`` (BYTES, one string per row); outputs ``embedding`` (FP32 ``[dim]``, already
 mean-pooled and L2-normalized by the graph) and ``tokens`` (INT32 ``[1]``, tokens per row).
+A text model with another head (the safety classifier: ``probabilities`` FP32 ``[labels]``) runs
+here too: the graph's output is the config's first output that is not ``tokens``, and ``tokens``
+is answered only when the config declares it.
 The dynamic batcher hands several requests to ``execute``; their rows are tokenized together
 (padded to the longest row), run in one ``session.run`` and cut back per request. A request
 whose text is not UTF-8 gets its own INVALID_ARG error; the others in the batch still answer
@@ -38,7 +41,9 @@ class TritonPythonModel:
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(artifact), sess_options=options, providers=["CPUExecutionProvider"])
         self.graph_inputs = {i.name for i in self.session.get_inputs()}
-        self.dim = next(int(o["dims"][0]) for o in config["output"] if o["name"] == "embedding")
+        head = next(o for o in config["output"] if o["name"] != "tokens")
+        self.output, self.dim = head["name"], int(head["dims"][0])
+        self.with_tokens = any(o["name"] == "tokens" for o in config["output"])
 
     def execute(self, requests):
         return answer_each(requests, pb_utils, self._texts, self._embed, self._respond)
@@ -72,7 +77,7 @@ class TritonPythonModel:
             "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
         }
         feeds = {k: v for k, v in feeds.items() if k in self.graph_inputs}
-        embedding = self.session.run(["embedding"], feeds)[0].astype(np.float32)
+        embedding = self.session.run([self.output], feeds)[0].astype(np.float32)
         tokens = feeds["attention_mask"].sum(axis=1).astype(np.int32).reshape(-1, 1)
         if embedding.shape[0] != len(texts):
             raise RuntimeError(f"the graph answered {embedding.shape[0]} rows for {len(texts)} texts")
@@ -83,12 +88,12 @@ class TritonPythonModel:
             start += n
         return out
 
-    @staticmethod
-    def _respond(result):
+    def _respond(self, result):
         embedding, tokens = result
-        return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor("embedding", embedding), pb_utils.Tensor("tokens", tokens)]
-        )
+        tensors = [pb_utils.Tensor(self.output, embedding)]
+        if self.with_tokens:
+            tensors.append(pb_utils.Tensor("tokens", tokens))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):
         self.session = None

@@ -66,11 +66,10 @@ def scaling_options(
 
 
 def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
-    import grpc
-
     from server.protogen.inferplane.v1 import autoscale_pb2_grpc
+    from server.tenancy.tls import frontend_channel
 
-    channel = grpc.insecure_channel(url)
+    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
     return channel, autoscale_pb2_grpc.AutoscaleStub(channel), call_metadata(actor, api_key)
 
 

@@ -79,6 +79,10 @@ def build_llm_repository(out: Path, *, tiny: bool = True, smollm2: bool = False,
 
         build_embedding_model(out)
         names.append(NAME)
+        from model_repository.safety_classifier import NAME as CLASSIFIER, build_safety_classifier
+
+        build_safety_classifier(out)  # MiniLM + a logistic head: the safety filters' demo classifier
+        names.append(CLASSIFIER)
     return names
 
 

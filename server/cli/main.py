@@ -17,9 +17,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import autoscale, batch, compose, llm, observe, plan, registry, tenancy, traffic, typed
+    from server.cli import autoscale, batch, compose, llm, observe, plan, registry, security, tenancy, traffic, typed
 
-    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale, compose, batch):
+    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale, compose, batch, security):
         module.mount(app)
 
 
@@ -59,6 +59,9 @@ def serve(
     workers: Optional[int] = typer.Option(None, help="Frontend processes sharing the ports [default: half the cores, at least 1]."),
     auth: Optional[str] = typer.Option(None, help="on: API keys required (the default); off: development mode, one open tenant, no keys."),
     log_level: Optional[str] = typer.Option(None, help="[default: INFO]"),
+    tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate chain: every port serves TLS (reloaded when the file changes)."),
+    tls_key: Optional[Path] = typer.Option(None, help="The certificate's PEM private key (unencrypted)."),
+    tls_client_ca: Optional[Path] = typer.Option(None, help="PEM CA bundle: mutual TLS, client certificates required on every port."),
 ) -> None:
     """Start the frontend and, unless --triton-url is given, an embedded Triton.
 
@@ -76,6 +79,7 @@ def serve(
         "model_repository": model_repository, "triton_url": triton_url, "triton_mode": triton_mode,
         "workdir": workdir, "database_url": database_url, "data_dir": data_dir, "models": model or None, "workers": workers,
         "log_level": log_level, "auth": None if auth is None else _on_off(auth, "--auth"),
+        "tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca,
     }  # fmt: skip
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})

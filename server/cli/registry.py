@@ -44,14 +44,14 @@ def actor_name(actor: Optional[str]) -> str:
 
 
 def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
-    from server.control.artifacts import ArtifactStore
+    from server.control.artifacts import artifact_store_for
     from server.control.registry import Registry
 
     from server.settings import Settings
 
     given = {k: v for k, v in (("database_url", database_url), ("artifact_store", artifact_store)) if v}
     settings = Settings(**given)  # flags > INFERPLANE_* environment > defaults (the data dir)
-    return Registry(settings.database_url, ArtifactStore(settings.artifact_store))
+    return Registry(settings.database_url, artifact_store_for(settings))
 
 
 def fail(err) -> None:
@@ -330,11 +330,10 @@ def call_metadata(actor: Optional[str], api_key: Optional[str]) -> tuple[tuple[s
 
 
 def _admin(url: str, actor: Optional[str], api_key: Optional[str]):
-    import grpc
-
     from server.protogen.inferplane.v1 import admin_pb2_grpc
+    from server.tenancy.tls import frontend_channel
 
-    channel = grpc.insecure_channel(url)
+    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
     return channel, admin_pb2_grpc.AdminStub(channel), call_metadata(actor, api_key)
 
 

@@ -68,11 +68,10 @@ def parse_arm(text: str) -> tuple[str, int, float]:
 
 
 def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
-    import grpc
-
     from server.protogen.inferplane.v1 import traffic_pb2_grpc
+    from server.tenancy.tls import frontend_channel
 
-    channel = grpc.insecure_channel(url)
+    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
     return channel, traffic_pb2_grpc.TrafficStub(channel), call_metadata(actor, api_key)
 
 

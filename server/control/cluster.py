@@ -91,7 +91,9 @@ class FrontendSource:
         if time.monotonic() - self._cache[0] < 0.5:
             return self._cache[1]
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.url)
+            from server.tenancy.tls import frontend_channel
+
+            self._channel = frontend_channel(self.url, aio=True)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_*
         stub = autoscale_pb2_grpc.AutoscaleStub(self._channel)
         try:
             answer = await stub.Signals(apb.AutoscaleSignalsRequest(), metadata=self.metadata, timeout=5.0)

@@ -570,9 +570,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def build_control_plane(settings, dataplane) -> tuple[Registry, Deployer]:
     """The registry (migrated to the newest schema) and the deployer for a running frontend."""
-    from server.control.artifacts import ArtifactStore
+    from server.control.artifacts import artifact_store_for
 
-    registry = Registry(settings.database_url, ArtifactStore(settings.artifact_store))
+    registry = Registry(settings.database_url, artifact_store_for(settings))
     deployer = Deployer(
         registry,
         dataplane,

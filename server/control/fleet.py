@@ -57,7 +57,7 @@ class Fleet:
             wait_for_member_s=s.replica_wait_s, retry_lost=s.replica_retry_lost, discovery_interval_s=s.discovery_interval_s,
         )  # fmt: skip
         codec = inprocess.batch_codec() if inprocess is not None else None
-        replicas = ReplicaSet(name="triton", policy=policy, client_factory=lambda target: client(s, target), codec=codec)
+        replicas = ReplicaSet(name="triton", policy=policy, client_factory=lambda target: client(s, target, remote=True), codec=codec)
         if inprocess is not None:
             replicas._add(Member("in-process", inprocess, group="local"))
         pool = None
@@ -72,7 +72,7 @@ class Fleet:
             pool.adopt(PRIMARY, supervisor)
             replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True))
         for i, url in enumerate(s.triton_urls if not groups else []):
-            replicas._add(Member(f"remote-{i}", client(s, url), group="remote"))
+            replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
         if groups is not None:
             for name, spec in groups.groups.items():
                 replicas.add_source(DnsSource(spec["service"], spec["grpc_port"], group=name))
@@ -245,7 +245,14 @@ class Fleet:
             self._refreshing.discard(model)
 
 
-def client(settings: Settings, target: str) -> TritonClient:
-    c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20))
+def client(settings: Settings, target: str, remote: bool = False) -> TritonClient:
+    """A channel to one Triton; a remote one (``--triton-url``, a model group's pods) over TLS when the
+    settings' ``triton_tls_*`` say so (``server.tenancy.tls``: CA, client certificate, server name)."""
+    tls = {}
+    if remote and settings.triton_tls:
+        from server.tenancy.tls import channel_credentials
+
+        tls = {"credentials": channel_credentials(settings), "server_name": settings.triton_tls_server_name or None}
+    c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)
     c.connect()
     return c

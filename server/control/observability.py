@@ -184,9 +184,12 @@ class Observability:
                 watched = self.drift.watch(self.dataplane.names())
                 log.info("drift: watching %s", ", ".join(watched) or "no model (none has a validation set)")
                 self._tasks.append(loop.create_task(self.drift.run(), name="drift"))
+            from server.control.envelope import KeyRing
+
             self.payloads = PayloadLog(
                 observer, self.metrics, s.payload_log_destination, redaction_for(self.dataplane),
                 max_records=s.payload_log_max_records, max_bytes=s.payload_log_max_bytes, file_records=s.payload_log_file_records,
+                keys=KeyRing.from_settings(s),  # sealed at rest when an encryption key is set (issue 23)
             )  # fmt: skip
             self._tasks.append(loop.create_task(self.payloads.run(), name="payload-log"))
 

@@ -16,7 +16,13 @@ The pipeline queues sampled requests undecoded (``server.dataplane.observe``); t
 queue every ``flush_s``, decodes and redacts in a thread, and writes to ``INFERPLANE_PAYLOAD_LOG_DESTINATION``:
 a local folder (JSONL files appended, a new one every ``file_records``) or any fsspec URL (one file
 per flush: object stores cannot append). Retention: the oldest files are deleted while the folder
-holds more than ``max_records`` records or ``max_bytes`` bytes.
+holds more than ``max_records`` records or ``max_bytes`` bytes, and records older than the retention
+setting (``retention_days["payload_logs"]``) are deleted by ``server.control.retention``.
+
+Encryption at rest (``server.control.envelope``): with an encryption key each line is
+``{"ts", "tenant", "enc"}``, the record sealed with AES-GCM under a fresh data key (``ts`` and ``tenant``
+stay readable so retention and ``inferplane data purge --tenant`` need no key). Read them with
+``inferplane data show payloads``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from server.control.envelope import seal_line
 from server.dataplane import codecs
 from server.protogen.inference import grpc_service_pb2 as pb
 
@@ -195,6 +202,7 @@ class PayloadLog:
     max_bytes: int = 256 << 20
     file_records: int = 10_000
     flush_s: float = 1.0
+    keys: object = None  # server.control.envelope.KeyRing: records sealed at rest
     written: int = 0
     _files: list[_File] = field(default_factory=list)
     _current: _File | None = None
@@ -202,7 +210,10 @@ class PayloadLog:
     def __post_init__(self):
         import fsspec
 
+        from server.control.records import RecordFiles
+
         self.fs, self.root = fsspec.core.url_to_fs(self.destination)
+        self.records = RecordFiles(self.destination, PREFIX, self.keys)  # the lock a purge shares
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self._opened = False  # the destination is touched only once a record is written
 
@@ -229,7 +240,7 @@ class PayloadLog:
         lines = []
         for sample in samples:
             try:
-                lines.append(json.dumps(build_record(sample, self.redaction(sample.model)), separators=(",", ":")))
+                lines.append(seal_line(self.keys, build_record(sample, self.redaction(sample.model))))
             except Exception as err:  # noqa: BLE001 - one unreadable request must not stop the log
                 log.warning("payload log: cannot encode a request to %s: %s", sample.model, err)
                 self.metrics.payload_dropped.labels(sample.model).inc()
@@ -238,6 +249,17 @@ class PayloadLog:
         if not self._opened:
             self._open()
         data = ("\n".join(lines) + "\n").encode()
+        with self.records.locked():  # a purge (inferplane data purge) rewrites files under this lock
+            target = self._append(data)
+        target.records += len(lines)
+        target.bytes += len(data)
+        for sample in samples:
+            self.metrics.payload_logged.labels(sample.model).inc()
+        self.written += len(lines)
+        self._retain()
+        return len(lines)
+
+    def _append(self, data: bytes) -> "_File":
         if self.local:
             if self._current is None or self._current.records >= self.file_records:
                 self._current = self._new_file()
@@ -250,13 +272,7 @@ class PayloadLog:
             with self.fs.open(target.path, "wb") as f:
                 f.write(data)
             self._files.append(target)
-        target.records += len(lines)
-        target.bytes += len(data)
-        for sample in samples:
-            self.metrics.payload_logged.labels(sample.model).inc()
-        self.written += len(lines)
-        self._retain()
-        return len(lines)
+        return target
 
     def _retain(self) -> None:
         """Delete the oldest files while over the record or byte limit (the newest file always stays)."""

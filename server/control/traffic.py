@@ -137,8 +137,9 @@ def _invalid(fn, *args, **kwargs):
 
 
 class TrafficController:
-    def __init__(self, dataplane, registry, deployer, *, tick_s: float = 0.5, shadow_workers: int = 2, clock=time.monotonic):
+    def __init__(self, dataplane, registry, deployer, *, tick_s: float = 0.5, shadow_workers: int = 2, clock=time.monotonic, shadow_records=None):
         self.dp = dataplane
+        self.shadow_records = shadow_records  # server.control.shadow_records.ShadowRecords: disagreements kept
         self.router = dataplane.router
         self.registry = registry
         self.deployer = deployer
@@ -198,7 +199,8 @@ class TrafficController:
             arms = [Arm(a["name"], a["version"], a["weight"]) for a in spec["arms"]]
             self.router.splits[name] = Split("ab", arms, spec.get("key_header", ""), spec.get("experiment") or name, 60.0, self.router.clock)
         elif policy.kind == SHADOW:
-            shadow = Shadow(spec["version"], spec["percent"])
+            record = self.shadow_records.recorder(name, spec["version"]) if self.shadow_records is not None else None
+            shadow = Shadow(spec["version"], spec["percent"], record=record)
             shadow.start(self.dp.backend_infer, self.shadow_workers)
             self.router.shadows[name] = shadow
         self.policies[(name, policy.slot)] = policy

@@ -19,10 +19,13 @@ from server.tenancy.identity import Gatekeeper
 from server.tenancy.quota_policy import QuotaPolicy
 
 
-def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None, hooks: FleetHooks | None = None) -> DataPlane:
+def build_dataplane(
+    settings: Settings, backend, *, metrics: Metrics, gate: Gatekeeper, meter=None, hooks: FleetHooks | None = None, audit=None
+) -> DataPlane:
     """``backend``: the Triton this process talks to (``TritonClient``, or a ``ReplicaSet`` of them);
     ``gate`` and ``meter`` from ``server.tenancy.builder``; ``hooks``: what the fleet's control plane
-    reads and sets (``server.dataplane.fleet_hooks``)."""
+    reads and sets (``server.dataplane.fleet_hooks``); ``audit(record)``: where safety decisions go
+    (``server.control.audit_buffer``)."""
     s = settings
     if s.redis_url:  # one set of buckets and keys for every frontend process
         from server.tenancy.redis_quotas import RedisQuotaPolicy
@@ -35,6 +38,8 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
     table = ModelTable(wakers=hooks.wakers)
     router = Router({})
     observer = build_observer(s, metrics, backend.target)
+    late: list[DataPlane] = []  # the safety classifier calls the data plane, which is built after the pipeline
+    safety = build_safety(s, metrics, table, lambda *a, **k: late[0].infer(*a, **k), audit)
     pipeline = Pipeline(
         gate=gate,
         quotas=quotas,
@@ -47,11 +52,22 @@ def build_dataplane(settings: Settings, backend, *, metrics: Metrics, gate: Gate
         admission_slots=s.admission_slots,
         meter=hooks.usage,
         observer=observer,
+        safety=safety,
     )
     hooks.queues = pipeline.queues
     # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
-    return DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    late.append(dataplane)
+    return dataplane
+
+
+def build_safety(settings: Settings, metrics: Metrics, table: ModelTable, infer, audit=None):
+    """The safety stage (``server.dataplane.safety``): always built, so an endpoint's own policy
+    parameter works without settings; it costs one cached lookup per request of an endpoint without one."""
+    from server.dataplane.safety import SafetyStage, policy_source
+
+    return SafetyStage(policy_source(settings.safety), metrics, infer=infer, resolve=table.resolve, audit=audit)
 
 
 def build_observer(settings: Settings, metrics: Metrics, replica: str) -> Observer:

@@ -25,6 +25,7 @@ from server.dataplane.models import ModelTable
 from server.dataplane.composite import Composites
 from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline, granted
 from server.dataplane.routing import Router
+from server.dataplane.safety import infer_texts, tensor_texts
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import StreamLedger
 from server.dataplane.validation import validate_infer_request
@@ -302,9 +303,11 @@ class DataPlane:
                 )
             validate_infer_request(request, signature)
 
-        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate) as call:
+        rewritten: list = []  # the safety stage redacted an input: the request is serialized again
+        texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
+        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate, texts=texts) as call:
             try:
-                caller_bytes = raw if raw is not None else request.SerializeToString()
+                caller_bytes = raw if raw is not None and not rewritten else request.SerializeToString()
                 data = caller_bytes
                 if call.routed:
                     request.model_version = call.version
@@ -324,6 +327,8 @@ class DataPlane:
                     answer = await self._idempotency.run(key, body_digest(caller_bytes), forward, call.timeout)
                 else:
                     answer = await forward()
+                if call.safety is not None and call.safety.output is not None:
+                    answer = await self._screen_answer(call, answer)
                 if self._router.shadows:
                     call.shadow = (data, answer)
                 call.answer = answer
@@ -333,6 +338,16 @@ class DataPlane:
             except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
                 log.exception("inference on %s failed", request.model_name)
                 raise BackendError(f"inference failed: {err}") from None
+
+    async def _screen_answer(self, call, answer: bytes) -> bytes:
+        """The endpoint's output filters over the answer's text (BYTES) outputs (``server.dataplane.safety``)."""
+        response = pb.ModelInferResponse.FromString(answer)
+        names = {o.name for o in response.outputs if o.datatype == "BYTES"}
+        if not names:
+            return answer
+        if await self._pipeline.screen_output(call, tensor_texts(response.outputs, response.raw_output_contents, names)):
+            return response.SerializeToString()
+        return answer
 
     async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
         """The coalescer's call; a traced request is registered there so its batch's span finds it."""
@@ -344,6 +359,15 @@ class DataPlane:
             return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
         finally:
             trace.submitted(request)
+
+    async def _refuse_unscreened_stream(self, call) -> None:
+        """Triton's stream answers pass through as bytes: an endpoint with output filters is not served here."""
+        err = InvalidRequest(
+            f"model '{call.name}' filters its outputs (safety policy): ModelStreamInfer passes answers through unscreened; "
+            + ("call Generate or /v1/chat/completions" if is_llm(call.signature) else "call ModelInfer")
+        )
+        await self._pipeline.exit(call, err)
+        raise err
 
     async def stream_infer(
         self, raw_requests: AsyncIterator[bytes], timeout: float | None = None, ctx: CallContext | None = None
@@ -394,7 +418,13 @@ class DataPlane:
                     try:
                         request = parse_infer_request(raw)
                         validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
-                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate)
+                        rewritten: list = []
+                        texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
+                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts)
+                        if call.safety is not None and call.safety.output is not None:
+                            await self._refuse_unscreened_stream(call)
+                        if rewritten:
+                            raw = request.SerializeToString()
                     except InferplaneError as err:
                         await out.put(_stream_error(err, request))
                         continue
@@ -428,6 +458,25 @@ class DataPlane:
             for stream in streams.values():
                 stream.cancel()
             await ledger.close()
+
+
+def _screened_texts(request: pb.ModelInferRequest, rewritten: list):
+    """The safety stage's view of a request's declared text inputs; a redaction marks it ``rewritten``."""
+
+    def texts(signature: ModelSignature):
+        if not signature.text_inputs:
+            return None
+        slots = infer_texts(request, signature.text_inputs)
+        put = slots.put
+
+        def put_and_mark(values) -> None:
+            put(values)
+            rewritten.append(True)
+
+        slots.put = put_and_mark
+        return slots
+
+    return texts
 
 
 _DESCRIBE = {

@@ -169,9 +169,11 @@ class LLMService:
             if (params.messages is None) == (params.prompt is None):
                 raise InvalidRequest("send exactly one of messages and prompt")
 
-        async with self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate) as call:
-            stream = span = None
+        texts = _prompt_texts(params) if self._pipeline.safety is not None else None
+        async with self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts) as call:
+            stream = span = screen = None
             try:
+                screen = self._pipeline.output_stream(call)  # the endpoint's output filters (server.dataplane.safety)
                 timeout = call.timeout
                 if timeout is not None and params.deadline_ms is None:
                     params.deadline_ms = max(1.0, timeout * 1000.0)
@@ -207,8 +209,11 @@ class LLMService:
                         raise Cancelled("the generation was cancelled")
                     if reason == "error":
                         raise engine_error(info.get("error", "engine error"))
-                    yield Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
-                    if reason is not None:
+                    chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
+                    if screen is not None:
+                        chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter
+                    yield chunk
+                    if chunk.finish_reason is not None:
                         return
                 raise BackendError("the model ended the stream without a final response")
             except (InferplaneError, asyncio.CancelledError, GeneratorExit):
@@ -216,6 +221,8 @@ class LLMService:
             except Exception as err:
                 raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
             finally:
+                if screen is not None:
+                    screen.close()
                 if stream is not None:
                     stream.cancel()
                     if span is not None:
@@ -280,6 +287,24 @@ class LLMService:
             vectors.append(outputs[EMBEDDING_OUTPUT].reshape(len(batch), -1))
             tokens += _tokens(outputs)
         return np.concatenate(vectors, axis=0), tokens
+
+
+def _prompt_texts(params: GenerateParams):
+    """A generation's prompt or message contents, for the safety stage's input screen (and its redactions)."""
+    from server.dataplane.safety import TextSlots
+
+    def texts(_signature: ModelSignature):
+        if params.messages is not None:
+            def put(values: list[str]) -> None:
+                for message, value in zip(params.messages, values):
+                    message["content"] = value
+
+            return TextSlots(lambda: [m.get("content", "") for m in params.messages], put)
+        if params.prompt is not None:
+            return TextSlots(lambda: [params.prompt], lambda values: setattr(params, "prompt", values[0]))
+        return None
+
+    return texts
 
 
 def _require_llm(name: str, signature: ModelSignature) -> None:

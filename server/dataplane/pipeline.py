@@ -4,7 +4,8 @@
 order and nowhere else:
 
     authenticate -> grant -> route (traffic split or live version) -> resolve (the signature)
-    -> quota -> validate -> deadline check -> circuit breaker -> fair queue
+    -> quota -> validate -> safety (the endpoint's input filters, when it has a policy)
+    -> deadline check -> circuit breaker -> fair queue
 
 and on the way out, however the body ended (answer, error, cancellation, the caller gone):
 
@@ -13,7 +14,8 @@ and on the way out, however the body ended (answer, error, cancellation, the cal
 
 The body gets an :class:`AdmittedCall`: the resolved signature, the version that answers (and the
 split's arm), the tenant, the deadline left after waiting, and fields it fills in for the exit —
-tokens in/out, whether Triton worked on it, a copy for a shadow version. ModelInfer, REST infer,
+tokens in/out, whether Triton worked on it, a copy for a shadow version. Output filters run where the
+answer is made: ``screen_output`` on a unary answer's texts, ``output_stream`` on a generation's chunks. ModelInfer, REST infer,
 embeddings, each ModelStreamInfer message, OpenAI chat/completions and gRPC Generate all enter
 here; a stream message holds its call open until its final response arrives (``enter`` and
 ``exit`` are the two halves of the context manager, usable from different tasks).
@@ -53,7 +55,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
-        "trace", "answer", "batch",
+        "trace", "answer", "batch", "safety",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -87,6 +89,7 @@ class AdmittedCall:
         self.trace = None  # server.dataplane.tracing.RequestTrace when this request is sampled
         self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
         self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
+        self.safety = None  # the endpoint's server.dataplane.safety.SafetyPolicy, when it has one
 
     @property
     def tenant(self) -> Tenant:
@@ -110,6 +113,7 @@ class Pipeline:
         admission_slots: int | None = None,
         meter=None,  # server.tenancy.metering.Meter
         observer=None,  # server.dataplane.observe.Observer: tenant metrics, traces, sampled copies
+        safety=None,  # server.dataplane.safety.SafetyStage: input and output filters of endpoints with a policy
     ):
         self.gate = gate
         self.quotas = quotas
@@ -124,6 +128,7 @@ class Pipeline:
         self.queues: dict[str, FairQueue] = {}
         self.observer = observer
         self.tracing = observer.tracing if observer is not None else None
+        self.safety = safety
         self._sized: dict[str, ModelSignature] = {}  # the signature each queue was sized for
 
     # ---- the context manager ---------------------------------------------------------------
@@ -137,8 +142,11 @@ class Pipeline:
         *,
         timeout: float | None = None,
         validate: Callable[[ModelSignature], None] | None = None,
+        texts: Callable[[ModelSignature], object] | None = None,
     ) -> "_Admitted":
-        return _Admitted(self, AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate)
+        """``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
+        stage's input screen, when the endpoint has a policy."""
+        return _Admitted(self, AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate, texts)
 
     async def open(
         self,
@@ -149,11 +157,12 @@ class Pipeline:
         *,
         timeout: float | None = None,
         validate: Callable[[ModelSignature], None] | None = None,
+        texts: Callable[[ModelSignature], object] | None = None,
     ) -> AdmittedCall:
         """:meth:`enter` a new call that another task will :meth:`exit` (a stream message)."""
-        return await self.enter(AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate)
+        return await self.enter(AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate, texts)
 
-    async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None) -> AdmittedCall:
+    async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
         trace = call.trace = self.tracing.begin(call) if self.tracing is not None else None  # None unless sampled
         try:
@@ -161,7 +170,7 @@ class Pipeline:
             if ctx is not None:
                 ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
-            if not granted(principal, call.name, ctx):
+            if not granted(principal, call.name, ctx) and (ctx is None or ctx.on_behalf is None):
                 raise ModelNotFound(f"unknown model '{call.name}'")
             if trace is not None:
                 trace.hop("auth")
@@ -183,6 +192,8 @@ class Pipeline:
                 trace.hop("quota")
             if validate is not None:
                 validate(signature)
+            if self.safety is not None:
+                await self._screen_input(call, texts)
             if trace is not None:
                 trace.hop("validation")
             call.latency, call.inflight = self.metrics.model(call.name)
@@ -259,6 +270,27 @@ class Pipeline:
                     self.router.observe(call.name, call.arm, call.code, time.perf_counter() - call.started, call.request, sent, answer, call.ctx)
                 except Exception:  # traffic bookkeeping must never change an answer
                     log.exception("traffic bookkeeping for %s failed", call.name)
+
+    # ---- the safety stage (server.dataplane.safety) ------------------------------------------
+
+    async def _screen_input(self, call: AdmittedCall, texts) -> None:
+        policy = call.safety = self.safety.policy(call)
+        if policy is not None and policy.input is not None and texts is not None:
+            slots = texts(call.signature)
+            if slots is not None:
+                await self.safety.screen_input(call, slots)
+
+    async def screen_output(self, call: AdmittedCall, slots) -> bool:
+        """A unary answer's texts through the endpoint's output filters; True when they were rewritten."""
+        if call.safety is None or call.safety.output is None:
+            return False
+        return await self.safety.screen_output(call, slots)
+
+    def output_stream(self, call: AdmittedCall):
+        """The endpoint's output filter for one generation stream (``OutputStream``), or None."""
+        if call.safety is None or call.safety.output is None:
+            return None
+        return self.safety.stream(call)
 
     # ---- pieces ----------------------------------------------------------------------------
 
@@ -362,13 +394,13 @@ class Pipeline:
 class _Admitted:
     """``async with`` over :meth:`Pipeline.enter` / :meth:`Pipeline.exit` (no generator frames)."""
 
-    __slots__ = ("pipeline", "call", "validate")
+    __slots__ = ("pipeline", "call", "validate", "texts")
 
-    def __init__(self, pipeline: Pipeline, call: AdmittedCall, validate):
-        self.pipeline, self.call, self.validate = pipeline, call, validate
+    def __init__(self, pipeline: Pipeline, call: AdmittedCall, validate, texts=None):
+        self.pipeline, self.call, self.validate, self.texts = pipeline, call, validate, texts
 
     async def __aenter__(self) -> AdmittedCall:
-        return await self.pipeline.enter(self.call, self.validate)
+        return await self.pipeline.enter(self.call, self.validate, self.texts)
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         if exc is None and exc_type is not None:

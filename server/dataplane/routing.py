@@ -208,6 +208,8 @@ class Shadow:
     rtol: float = 1e-3
     atol: float = 1e-5
     stats: ShadowStats = field(default_factory=ShadowStats)
+    # shadow records (server.control.shadow_records): called with each copy whose answers disagreed
+    record: Callable[[dict], None] | None = None
     queue: asyncio.Queue = field(init=False)
     tasks: list[asyncio.Task] = field(default_factory=list)
     _credit: float = 0.0
@@ -217,14 +219,14 @@ class Shadow:
             raise InvalidRequest(f"shadow percent must be in (0, 100], got {self.percent}")
         self.queue = asyncio.Queue(maxsize=self.queue_size)
 
-    def offer(self, raw: bytes, answer: bytes, latency_s: float) -> None:
+    def offer(self, raw: bytes, answer: bytes, latency_s: float, tenant: str = "") -> None:
         """Queue a copy (sampled by ``percent``, evenly); never blocks, drops when full."""
         self._credit += self.percent
         if self._credit < 100.0:
             return
         self._credit -= 100.0
         try:
-            self.queue.put_nowait((raw, answer, latency_s))
+            self.queue.put_nowait((raw, answer, latency_s, tenant))
         except asyncio.QueueFull:
             self.stats.dropped += 1
             return
@@ -246,7 +248,7 @@ class Shadow:
         from server.dataplane.dataplane import pin_version  # imported here: the data plane imports this module
 
         while True:
-            raw, answer, primary_s = await self.queue.get()
+            raw, answer, primary_s, tenant = await self.queue.get()
             started = time.perf_counter()
             try:
                 shadow_answer = await send(pin_version(raw, self.version), timeout=timeout_s)
@@ -258,10 +260,25 @@ class Shadow:
                 continue
             elapsed = time.perf_counter() - started
             try:
-                self._compare(answer, shadow_answer, elapsed - primary_s)
+                agreed = self._compare(answer, shadow_answer, elapsed - primary_s)
             except Exception as err:  # an unexpected answer shape: count it as a disagreement
                 log.debug("shadow comparison failed: %s", err)
                 self.stats.compared += 1
+                agreed = False
+            if not agreed and self.record is not None:
+                self._keep(raw, answer, shadow_answer, tenant)
+
+    def _keep(self, raw: bytes, answer: bytes, shadow_answer: bytes, tenant: str) -> None:
+        import base64
+
+        try:
+            self.record({
+                "ts": time.time(), "tenant": tenant, "version": self.version,
+                "request": base64.b64encode(raw).decode(), "primary": base64.b64encode(answer).decode(),
+                "shadow": base64.b64encode(shadow_answer).decode(),
+            })  # fmt: skip
+        except Exception:  # records are bookkeeping: never a reason to stop comparing
+            log.exception("recording a shadow disagreement failed")
 
     def _compare(self, primary: bytes, shadow: bytes, delta_s: float) -> None:
         outputs_a, outputs_b = decode_outputs(primary), decode_outputs(shadow)
@@ -283,6 +300,7 @@ class Shadow:
             else:
                 agreed = agreed and bool(np.array_equal(a, b))
         s.agreed += agreed
+        return agreed
 
 
 def decode_outputs(raw: bytes) -> dict[str, np.ndarray]:
@@ -335,7 +353,8 @@ class Router:
         if answer is not None and raw is not None:
             shadow = self.shadows.get(name)
             if shadow is not None:
-                shadow.offer(raw, answer, latency_s)
+                principal = getattr(ctx, "principal", None)
+                shadow.offer(raw, answer, latency_s, principal.name if principal is not None else "")
 
     def feedback(self, name: str, request_id: str, value: float) -> str:
         """Record an outcome for the request ``request_id`` answered by ``name``; returns its arm."""

@@ -21,9 +21,15 @@ _STUB_DOWN = "Stub process"  # Triton's python backend: "Stub process '…' is n
 
 
 class TritonClient:
-    def __init__(self, target: str, *, channels: int = 1, max_message_bytes: int = 64 << 20):
+    def __init__(
+        self, target: str, *, channels: int = 1, max_message_bytes: int = 64 << 20, credentials=None, server_name: str | None = None,
+    ):  # fmt: skip
         self.target = target
         self._max_message_bytes = max_message_bytes
+        # TLS to a remote Triton (server.tenancy.tls.channel_credentials): CA, client certificate; the name
+        # Triton's certificate is checked against when it is not the target's host
+        self._credentials = credentials
+        self._server_name = server_name
         self._channel_count = max(1, channels)
         self._channels: list[grpc.aio.Channel] = []
         self._infer_calls: list = []
@@ -41,12 +47,28 @@ class TritonClient:
             # distinct subchannels, so N channels are N HTTP/2 connections
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        self._channels = [grpc.aio.insecure_channel(self.target, options=options) for _ in range(self._channel_count)]
+        self._channels = [self._channel(options) for _ in range(self._channel_count)]
         self._infer_calls = [
             ch.unary_unary(_SERVICE + "ModelInfer", request_serializer=None, response_deserializer=None)
             for ch in self._channels
         ]
         self._rr = itertools.cycle(range(len(self._channels)))
+
+    def _channel(self, options: list) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        if self._server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self._server_name)]
+        return grpc.aio.secure_channel(self.target, self._credentials, options=options)
+
+    async def reconnect(self, credentials, grace_s: float = 30.0) -> None:
+        """New channels with new credentials (a renewed client certificate); calls in flight on the old
+        channels finish on them (up to ``grace_s``)."""
+        old = self._channels
+        self._credentials = credentials
+        self.connect()
+        for ch in old:
+            await ch.close(grace_s)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, []

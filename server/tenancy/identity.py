@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from server.errors import InvalidRequest, ModelNotFound, PermissionDenied, Unauthenticated, Violation
 from server.tenancy.quota_policy import Quota
+from server.tenancy.tls import PEER_CERT, peer_identities
 
 KEY_PREFIX = "ipk_"
 ALL_MODELS = "*"
@@ -146,6 +147,12 @@ class CallContext:
     preauthenticated: bool = False
     via: str = ""
     priority: str = "realtime"
+    # mTLS (server.tenancy.tls): a getter of the client certificate (DER or PEM), read only when the
+    # call sends no API key and some tenant is bound to a certificate identity
+    peer: object = None
+    # a call the platform makes on a caller's behalf (a safety classifier): already authenticated, and
+    # not limited to the caller's grants; no transport ever sets it
+    on_behalf: Principal | None = None
 
     @classmethod
     def from_headers(cls, headers, max_timeout_s: float | None = None) -> "CallContext":
@@ -169,7 +176,11 @@ class CallContext:
                 ) from None
             timeout = clamp_timeout(seconds, max_timeout_s)
         key = bearer_token(headers.get("Authorization"), headers.get("x-api-key"))
-        return cls(key, headers.get("Idempotency-Key"), timeout, headers=headers)
+        return cls(key, headers.get("Idempotency-Key"), timeout, headers=headers, peer=_rest_peer())
+
+
+def _rest_peer():
+    return PEER_CERT.get()  # set per request by the REST transport under mTLS (server.transports.rest.tls)
 
 
 # The longest deadline the frontend passes on (a day): a caller's 1e10 s would overflow grpc's
@@ -195,6 +206,7 @@ class KeyEntry:
     key_hash: str
     tenant: str
     expires_at: float | None = None  # unix seconds; a rotated key's grace period
+    identity: str = ""  # a certificate binding instead of a key: a SPIFFE ID / SAN URI or a canonical subject
 
 
 class KeyRing:
@@ -204,18 +216,38 @@ class KeyRing:
         self._pepper = pepper
         self._clock = clock
         self._by_hash: dict[str, tuple[Principal, float | None]] = {}
+        self._by_identity: dict[str, Principal] = {}
         self.tenants: dict[str, Tenant] = {}
         self.loaded_at = 0.0
 
     def load(self, tenants: Iterable[Tenant], keys: Iterable[KeyEntry]) -> None:
         by_name = {t.name: t for t in tenants}
         index: dict[str, tuple[Principal, float | None]] = {}
+        identities: dict[str, Principal] = {}
         for k in keys:
             tenant = by_name.get(k.tenant)
-            if tenant is not None:
+            if tenant is None:
+                continue
+            if k.identity:
+                identities[k.identity] = Principal(k.key_id, tenant)
+            else:
                 index[k.key_hash] = (Principal(k.key_id, tenant), k.expires_at)
-        self._by_hash, self.tenants = index, by_name
+        self._by_hash, self._by_identity, self.tenants = index, identities, by_name
         self.loaded_at = self._clock()
+
+    @property
+    def binds_certificates(self) -> bool:
+        return bool(self._by_identity)
+
+    def authenticate_certificate(self, cert: bytes | None) -> Principal | None:
+        """The tenant a client certificate's SPIFFE ID (SAN URI) or subject is bound to, or None."""
+        if not cert or not self.binds_certificates:
+            return None
+        for identity in peer_identities(bytes(cert)):
+            principal = self._by_identity.get(identity)
+            if principal is not None:
+                return principal
+        return None
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -251,8 +283,14 @@ class Gatekeeper:
     def authenticate(self, ctx: CallContext | None) -> Principal:
         if ctx is not None and getattr(ctx, "preauthenticated", False) and ctx.principal is not None:
             return ctx.principal  # an in-process call for a principal authenticated before (see CallContext)
+        on_behalf = getattr(ctx, "on_behalf", None)
+        if on_behalf is not None:
+            ctx.principal = on_behalf
+            return on_behalf  # the platform's own call for an authenticated caller
         if self.keyring is None:
             principal = self._anonymous
+        elif ctx is not None and not ctx.api_key and getattr(ctx, "peer", None) is not None and self.keyring.binds_certificates:
+            principal = self._by_certificate(ctx)
         else:
             principal = self.keyring.authenticate(ctx.api_key if ctx is not None else None)
         if ctx is not None:
@@ -268,6 +306,19 @@ class Gatekeeper:
         if found is None:
             raise Unauthenticated(f"tenant '{tenant}' no longer exists")
         return Principal("", found)
+    def _by_certificate(self, ctx: CallContext) -> Principal:
+        """mTLS: no API key came, so the client certificate's bound identity is the caller's."""
+        cert = ctx.peer() if callable(ctx.peer) else ctx.peer
+        principal = self.keyring.authenticate_certificate(cert)
+        if principal is not None:
+            return principal
+        if cert:
+            ids = peer_identities(bytes(cert))
+            raise Unauthenticated(
+                f"missing API key, and the client certificate ({'; '.join(ids) if ids else 'unreadable'}) is bound to no tenant: "
+                "send 'authorization: Bearer <key>' or bind the certificate (inferplane tenants bind)"
+            )
+        raise Unauthenticated("missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'")
 
     def is_admin(self, principal: Principal) -> bool:
         """Admin tenants manage keys, tenants and deployments; with auth off the open tenant may."""

@@ -49,6 +49,17 @@ class KeyRow(Base):
     __table_args__ = (UniqueConstraint("key_hash", name="uq_tenancy_keys_key_hash"),)
 
 
+class IdentityRow(Base):
+    """A client-certificate identity bound to a tenant (mTLS; revision 0009)."""
+
+    __tablename__ = "tenancy_identities"
+    binding_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    identity: Mapped[str] = mapped_column(String(1024), index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class UsageRow(Base):
     __tablename__ = "tenancy_usage"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -221,7 +232,50 @@ class TenancyStore:
                 for r in rows
                 if r.expires_at is None or r.expires_at > now
             ]
+            bound = s.scalars(select(IdentityRow).where(IdentityRow.revoked_at.is_(None)))
+            keys += [KeyEntry(r.binding_id, "", r.tenant, identity=r.identity) for r in bound]
         return tenants, keys
+
+    # ---- certificate identities (mTLS) ----------------------------------------------------
+
+    def bind_identity(self, tenant: str, identity: str, **tenant_fields) -> tuple[str, str]:
+        """Bind a client-certificate identity (a SPIFFE ID / SAN URI, or a subject) to ``tenant``
+        (created with ``tenant_fields`` if new); returns ``(binding_id, canonical identity)``. An
+        identity names one tenant: binding it again moves it."""
+        import secrets
+
+        from server.tenancy.tls import canonical_identity
+
+        canonical = canonical_identity(identity)
+        self.put_tenant(tenant, **tenant_fields)
+        binding_id = "x509" + secrets.token_hex(2)
+        now = time.time()
+        with Session(self.engine) as s, s.begin():
+            s.execute(update(IdentityRow).where(IdentityRow.identity == canonical, IdentityRow.revoked_at.is_(None)).values(revoked_at=now))
+            s.add(IdentityRow(binding_id=binding_id, identity=canonical, tenant=tenant, created_at=now))
+        return binding_id, canonical
+
+    def unbind_identity(self, identity_or_id: str) -> bool:
+        from server.tenancy.tls import canonical_identity
+
+        try:
+            canonical = canonical_identity(identity_or_id)
+        except ValueError:
+            canonical = identity_or_id
+        with Session(self.engine) as s, s.begin():
+            result = s.execute(
+                update(IdentityRow)
+                .where((IdentityRow.binding_id == identity_or_id) | (IdentityRow.identity == canonical), IdentityRow.revoked_at.is_(None))
+                .values(revoked_at=time.time())
+            )
+            return result.rowcount > 0
+
+    def identities(self, tenant: str | None = None) -> list[dict]:
+        with Session(self.engine) as s:
+            q = select(IdentityRow).where(IdentityRow.revoked_at.is_(None)).order_by(IdentityRow.tenant, IdentityRow.created_at)
+            if tenant is not None:
+                q = q.where(IdentityRow.tenant == tenant)
+            return [{"binding_id": r.binding_id, "identity": r.identity, "tenant": r.tenant, "created_at": r.created_at} for r in s.scalars(q)]
 
     # ---- usage ----------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 from server.protogen.inferplane.v1 import traffic_pb2_grpc
-from tests.conftest import start_stack, stop_stack
+from tests.conftest import start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -79,12 +79,19 @@ def _register(admin, artifact: bytes, weights: np.ndarray, run: str) -> int:
     return admin.RegisterModel(request, metadata=ACTOR).version.version
 
 
+SHADOW_KEY = "c2hhZG93LXJlY29yZHMta2V5LTMyLWJ5dGVzLWxvbmc="  # base64 of 32 bytes
+
+
 @pytest.fixture(scope="module")
 def traffic_stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("traffic")
     repository = root / "model_repository"
     repository.mkdir()
-    env = {"INFERPLANE_ROLLBACK_GRACE_S": "600", "INFERPLANE_DEPLOY_TIMEOUT_S": "60"}
+    env = {
+        "INFERPLANE_ROLLBACK_GRACE_S": "600", "INFERPLANE_DEPLOY_TIMEOUT_S": "60",
+        # shadow disagreements are kept, sealed at rest (issue 23)
+        "INFERPLANE_SHADOW_RECORD_DESTINATION": str(root / "shadow_records"), "INFERPLANE_ENCRYPTION_KEY": SHADOW_KEY,
+    }  # fmt: skip
     stack = start_stack(repository, root / "stack", env=env)
     stack.env = {**env, "INFERPLANE_DATABASE_URL": f"sqlite:///{root / 'stack'}/registry.db"}
     stack.root = root
@@ -232,7 +239,7 @@ def test_a_failing_canary_is_rolled_back_automatically(traffic_stack, channel, a
     assert rows == [("canary", "promoted"), ("canary", "rolled_back")]
 
 
-def test_shadow_never_changes_answers_and_survives_a_failing_shadow(channel, traffic):
+def test_shadow_never_changes_answers_and_survives_a_failing_shadow(channel, traffic, traffic_stack):
     traffic.SetShadow(tpb.SetShadowRequest(name=NAME, version=1, percent=100), metadata=ACTOR)
     rows = np.arange(40, dtype=np.float32).reshape(10, 4) / 10
     for i in range(30):
@@ -251,6 +258,7 @@ def test_shadow_never_changes_answers_and_survives_a_failing_shadow(channel, tra
     assert (r.version, r.sent, r.dropped, r.errors, r.compared) == ("1", 30, 0, 0, 30)
     assert r.agreement == 0.0 and r.mean_abs_diff == pytest.approx(expected_diff, rel=1e-4)
     assert r.latency_delta_p50_ms != 0.0
+    _check_shadow_records(traffic_stack, rows)
 
     # a failing shadow (v3 raises on these rows): the primary keeps answering, the failures are counted
     traffic.SetShadow(tpb.SetShadowRequest(name=NAME, version=3, percent=50), metadata=ACTOR)
@@ -266,6 +274,23 @@ def test_shadow_never_changes_answers_and_survives_a_failing_shadow(channel, tra
     stopped = traffic.SetShadow(tpb.SetShadowRequest(name=NAME, percent=0), metadata=ACTOR).policy
     assert stopped.shadow_version == ""
     assert report().errors == 20  # the last shadow's report stays readable
+
+
+def _check_shadow_records(stack, rows):
+    """Each disagreement is kept (request, both answers), sealed on disk, readable with the key."""
+    import base64
+
+    from server.control.envelope import KeyRing
+    from server.control.records import RecordFiles
+
+    files = RecordFiles(str(stack.root / "shadow_records"), "shadow-", KeyRing.parse(SHADOW_KEY))
+    assert wait_until(lambda: len(list(files.read())) >= 30, timeout=10)
+    records = list(files.read())
+    assert len(records) == 30 and {r["version"] for r in records} == {"1"}
+    sent = {pb.ModelInferRequest.FromString(base64.b64decode(r["request"])).raw_input_contents[0] for r in records}
+    assert sent <= {rows[i : i + 1].tobytes() for i in range(10)}
+    on_disk = b"".join(p.read_bytes() for p in (stack.root / "shadow_records").glob("shadow-*.jsonl"))
+    assert b'"request"' not in on_disk and b'"enc"' in on_disk
 
 
 def _run_experiment(channel, traffic, experiment, arms, rates, seed, users=300):

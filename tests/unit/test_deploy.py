@@ -158,12 +158,13 @@ def test_every_container_has_requests_and_limits(overlay):
 def test_frontend_is_ready_on_the_grpc_health_service_and_sizes_workers_from_its_cpu_request():
     frontend = next(o for o in objects("cpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "frontend")
     c = frontend["spec"]["template"]["spec"]["containers"][0]
-    assert c["readinessProbe"]["grpc"] == {"port": 8001}
+    assert c["readinessProbe"]["grpc"] == {"port": 8003}  # the plaintext health port: kubelet's probes speak no TLS
+    assert {"name": "INFERPLANE_HEALTH_PORT", "value": "8003"} in c["env"]
     assert "--workers=$(INFERPLANE_WORKERS)" in c["args"]
     workers = next(e for e in c["env"] if e["name"] == "INFERPLANE_WORKERS")
     assert workers["valueFrom"]["resourceFieldRef"] == {"containerName": "frontend", "resource": "requests.cpu", "divisor": "1"}
     secrets = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-    assert {"key-pepper", "redis-url", "tenancy-url"} == secrets  # not the registry's URL
+    assert {"key-pepper", "redis-url", "tenancy-url", "encryption-key"} == secrets  # not the registry's URL
 
 
 def test_pdb_hpa_and_scaledobjects_point_at_deployments_that_exist():
@@ -256,6 +257,22 @@ def test_secrets_hold_the_pepper_the_database_urls_and_tls():
     assert set(secrets["inferplane-keys"]["stringData"]) == {"key-pepper"}
     assert {"registry-url", "tenancy-url", "redis-url"} <= set(secrets["inferplane-databases"]["stringData"])
     assert secrets["inferplane-tls"]["type"] == "kubernetes.io/tls"
+    assert {"tls.crt", "tls.key", "ca.crt"} == set(secrets["inferplane-tls"]["stringData"])
+    assert set(secrets["inferplane-encryption"]["stringData"]) == {"encryption-key"}
+
+
+def test_the_frontends_serve_tls_from_the_secret_and_the_control_plane_trusts_it():
+    objs = objects("cpu")
+    deployments = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in _kind(objs, "Deployment")}
+    frontend = deployments["frontend"]
+    c = frontend["containers"][0]
+    assert {"--tls-cert=/etc/inferplane-tls/tls.crt", "--tls-key=/etc/inferplane-tls/tls.key"} <= set(c["args"])
+    tls_volume = next(v for v in frontend["volumes"] if v.get("secret", {}).get("secretName") == "inferplane-tls")
+    assert {"name": tls_volume["name"], "mountPath": "/etc/inferplane-tls", "readOnly": True} in c["volumeMounts"]
+    control = deployments["control-plane"]
+    env = {e["name"]: e for e in control["containers"][0]["env"]}
+    assert env["INFERPLANE_CLIENT_TLS_CA"]["value"] == "/etc/inferplane-tls/ca.crt"
+    assert any(v.get("secret", {}).get("secretName") == "inferplane-tls" for v in control["volumes"])
 
 
 # ---- NetworkPolicies: a small evaluator of what they allow ---------------------------------------

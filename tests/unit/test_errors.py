@@ -8,6 +8,7 @@ from server import errors as e
 
 EXPECTED = [
     (e.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (e.ContentFiltered, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (e.ModelNotFound, grpc.StatusCode.NOT_FOUND, 404),
     (e.ModelNotReady, grpc.StatusCode.UNAVAILABLE, 503),
     (e.BackendUnavailable, grpc.StatusCode.UNAVAILABLE, 503),

@@ -26,6 +26,7 @@ HEAD_TABLES |= {"traffic_policies"}  # 0004: server/traffic.py
 HEAD_TABLES |= {"typed_schemas"}  # 0006: server/control/typed_store.py
 HEAD_TABLES |= {"endpoint_scaling"}  # 0007: server/control/scaling_store.py
 HEAD_TABLES |= {"composite_members", "batch_files", "batch_jobs", "batch_rows"}  # 0008: server/control/composites.py, batches.py
+HEAD_TABLES |= {"tenancy_identities"}  # 0009: server/tenancy/store.py (mTLS certificate bindings)
 
 
 def _tables(engine) -> set[str]:

@@ -4,6 +4,7 @@ error becomes a status (``DomainErrorInterceptor``, installed on the server; ser
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -11,6 +12,7 @@ import grpc
 
 from server.errors import InferplaneError, grpc_status
 from server.tenancy.identity import CallContext, bearer_token, clamp_timeout
+from server.tenancy.tls import grpc_peer_cert
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,9 @@ def call_context(context: grpc.aio.ServicerContext) -> CallContext:
         elif key == "idempotency-key":
             idempotency_key = value
     timeout = clamp_timeout(context.time_remaining())  # a deadline of years would overflow on the way to Triton
-    return CallContext(bearer_token(authorization, api_key), idempotency_key, timeout, headers=metadata)
+    # the client certificate is read only if the call authenticates by it (mTLS, no API key)
+    peer = functools.partial(grpc_peer_cert, context)
+    return CallContext(bearer_token(authorization, api_key), idempotency_key, timeout, headers=metadata, peer=peer)
 
 
 async def abort(context: grpc.aio.ServicerContext, err: InferplaneError):

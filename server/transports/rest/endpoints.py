@@ -177,7 +177,7 @@ def _instance(ctx: CallContext, index: int) -> CallContext:
     """Each instance of a predict call is its own request; an idempotency key covers each by index."""
     if not ctx.idempotency_key:
         return ctx
-    return CallContext(ctx.api_key, f"{ctx.idempotency_key}#{index}", ctx.timeout, ctx.principal, headers=ctx.headers)
+    return CallContext(ctx.api_key, f"{ctx.idempotency_key}#{index}", ctx.timeout, ctx.principal, headers=ctx.headers, peer=ctx.peer)
 
 
 # ---- operations -----------------------------------------------------------------------------
