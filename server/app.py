@@ -167,7 +167,9 @@ class Frontend:
         from server.transports.openai.batches import row_runner
 
         s = self.settings
-        self.batches = BatchStore(self.registry.engine, self.registry.store)
+        from server.control.batches import file_store
+
+        self.batches = BatchStore(self.registry.engine, file_store(s))  # sealed when an encryption key is set
         worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
                              row_batch=s.batch_row_batch, poll_s=s.batch_poll_s)  # fmt: skip
         self._tasks.append(asyncio.create_task(worker.run(), name="batch-worker"))

@@ -512,3 +512,76 @@ class BatchWorker:
             log.exception("batch %s row %d failed", job.id, row.index)
             code, body = 500, {"error": {"message": f"internal error ({type(err).__name__})", "code": "INTERNAL"}}
         return row.index, "done" if code < 400 else "failed", code, json.dumps(body, separators=(",", ":"))
+
+
+# ---- at rest: sealed files, retention, erasure (server.control.retention) ----------------------------
+
+
+def file_store(settings) -> ArtifactStore:
+    """Where batch files live: the artifact store's folder, each file sealed (envelope encryption,
+    ``server.control.envelope``) whenever an encryption key is set — batch files are customer data,
+    so unlike model artifacts they need no ``encrypt_artifacts`` to be sealed."""
+    from server.control.envelope import KeyRing
+
+    return ArtifactStore(settings.artifact_store, keys=KeyRing.from_settings(settings))
+
+
+class BatchFiles:
+    """The retention target ``batch_files``: jobs (with their rows) and files, by age or by tenant.
+    A blob leaves the store only when no remaining file names it (blobs are content-addressed, so two
+    tenants who uploaded the same bytes share one)."""
+
+    def __init__(self, settings, keys=None):
+        self.settings = settings
+
+    def _open(self):
+        from server import migrations
+        from server.db import make_engine
+
+        engine = make_engine(self.settings.database_url)
+        migrations.upgrade(engine)
+        return engine
+
+    def purge_tenant(self, tenant: str) -> int:
+        return self._purge(files_table.c.tenant == tenant, jobs_table.c.tenant == tenant)
+
+    def purge_before(self, cutoff: float) -> int:
+        # a job still running keeps its files and rows whatever their age
+        old_jobs = and_(jobs_table.c.created_at < cutoff, jobs_table.c.status.in_(TERMINAL))
+        return self._purge(files_table.c.created_at < cutoff, old_jobs, keep_active=True)
+
+    def _purge(self, files_where, jobs_where, keep_active: bool = False) -> int:
+        from sqlalchemy import delete
+
+        engine = self._open()
+        try:
+            with engine.begin() as conn:
+                job_ids = [r.id for r in conn.execute(select(jobs_table.c.id).where(jobs_where))]
+                if job_ids:
+                    conn.execute(delete(rows_table).where(rows_table.c.job_id.in_(job_ids)))
+                    conn.execute(delete(jobs_table).where(jobs_table.c.id.in_(job_ids)))
+                where = files_where
+                if keep_active:
+                    live = select(jobs_table.c.input_file_id).where(jobs_table.c.status.in_(ACTIVE))
+                    where = and_(files_where, files_table.c.id.not_in(live))
+                doomed = conn.execute(select(files_table.c.id, files_table.c.blob).where(where)).all()
+                if doomed:
+                    conn.execute(delete(files_table).where(files_table.c.id.in_([d.id for d in doomed])))
+                still = {r.blob for r in conn.execute(select(files_table.c.blob).where(files_table.c.blob.in_({d.blob for d in doomed})))}
+            store = ArtifactStore(self.settings.artifact_store)
+            for blob in {d.blob for d in doomed} - still:
+                path = store.path(blob)
+                if store.fs.exists(path):
+                    store.fs.rm(path)
+            return len(doomed)
+        finally:
+            engine.dispose()
+
+
+def _register_retention() -> None:
+    from server.control import retention
+
+    retention.register("batch_files", lambda settings, keys: BatchFiles(settings, keys))
+
+
+_register_retention()
