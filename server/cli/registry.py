@@ -432,9 +432,11 @@ def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Opti
             f"{e.name}\tlive={e.live or '-'}\tprevious={e.previous or '-'}\trouted={e.routed or '-'}\t"
             f"loaded={list(e.loaded_versions)}\tserving={e.serving_json}"
         )
+    from server.control.composition_compiler import is_internal
+
     deployed = {e.name for e in response.endpoints}
     for m in served:
-        if m.name not in deployed:  # served from the model repository as it was at start, not deployed from the registry
+        if m.name not in deployed and not is_internal(m.name):  # a composite's ensemble and operators are its own parts  # served from the model repository as it was at start, not deployed from the registry
             typer.echo(f"{m.name}\tlive={','.join(m.versions) or '-'}\tstate={m.state}\t(not deployed: served from the model repository)")
     if not response.endpoints and not served:
         typer.echo("no endpoints: nothing is deployed or served (`inferplane deploy NAME:VERSION`)")

@@ -23,6 +23,7 @@ installs the plans it finds there at start.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import uuid
@@ -56,6 +57,14 @@ def triton_name(composite: str, version: int) -> str:
 
 def operator_name(composite: str, version: int, node: str) -> str:
     return f"{composite}__v{version}__{node}"
+
+
+_INTERNAL = re.compile(r"__v[0-9]+(__|$)")
+
+
+def is_internal(name: str) -> bool:
+    """A Triton model a composite compiled to (its ensemble or an operator), not an endpoint of its own."""
+    return _INTERNAL.search(name) is not None
 
 
 def plan_path(repository: Path, name: str) -> Path:

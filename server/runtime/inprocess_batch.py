@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.dataplane.batch_codec import merge_key
+from server.dataplane.batch_codec import ProtobufBatchCodec
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.runtime.capi_codec import Tensor, raw_output_field
 
@@ -24,14 +24,9 @@ class MergedBatch:
     outputs: tuple[str, ...]
 
 
-class TensorBatchCodec:
-    @staticmethod
-    def key(request: pb.ModelInferRequest) -> tuple | None:
-        return merge_key(request)
-
-    @staticmethod
-    def rows(request: pb.ModelInferRequest) -> int:
-        return int(request.inputs[0].shape[0])
+class TensorBatchCodec(ProtobufBatchCodec):
+    """Which requests merge and how many rows each carries: as the protobuf codec; the merge and the
+    split work on the members' buffers instead of one serialized request."""
 
     @staticmethod
     def merge(requests: list[pb.ModelInferRequest]) -> MergedBatch:

@@ -129,6 +129,10 @@ def test_bad_requests_are_named_and_cancel_stops_the_job(compose_stack, features
         ("POST", "/v1/batches", json.dumps({"input_file_id": f.id, "endpoint": "/v1/embeddings", "completion_window": "soon"}).encode(), "application/json", 400, "INVALID_ARGUMENT"),
         ("GET", "/v1/batches?limit=0", None, None, 400, "INVALID_ARGUMENT"),
         ("GET", "/v1/files/file-nope/content", None, None, 404, "NOT_FOUND"),
+        # a multipart part whose header is not valid (a control character in a field name; schemathesis found it)
+        ("POST", "/v1/files", b'--b\r\nContent-Disposition: form-data; name="\xc1\xf1\x8b"\r\n\r\n1\r\n--b\r\n'
+         b'Content-Disposition: form-data; name="\x12"\r\n\r\n2\r\n--b--\r\n',
+         "multipart/form-data; boundary=b", 400, "INVALID_ARGUMENT"),
     ):  # fmt: skip
         request = urllib.request.Request(f"http://{compose_stack.http}{path}", body, {"Content-Type": ctype} if ctype else {}, method=method)
         with pytest.raises(urllib.error.HTTPError) as refused:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from model_repository.composite_demo import FRAUD_MEMBERS, TABULAR_COMPOSITES
 from loadtest.stack import start_stack, stop_stack
 from server.runtime.supervisor import free_port
 
@@ -82,7 +83,8 @@ def test_demo_build_registers_its_models_where_serve_finds_them(tmp_path, fresh_
     assert {"mlp_classifier:1", "fraud_xgboost:1", "lightgbm_regressor:1"} <= set(re.findall(r"\w+:\d+", registered)), built.stdout
     listed = _cli("models", "list", env=fresh_env, cwd=other)  # another folder: the same registry
     names = {line.split("\t")[0] for line in listed.stdout.splitlines()}
-    assert names == {"mlp_classifier", "fraud_xgboost", "lightgbm_regressor"}, listed.stdout
+    # the tabular demos, and the tabular composites with their members (the text ones need the LLM build)
+    assert names == {"mlp_classifier", "fraud_xgboost", "lightgbm_regressor", *FRAUD_MEMBERS, *TABULAR_COMPOSITES}, listed.stdout
     again = _cli("demo", "build", "--out", str(repo), "--no-llm", "--no-smollm2", env=fresh_env, cwd=tmp_path)
     assert "fraud_xgboost:1," in again.stdout and "fraud_xgboost:2" not in again.stdout  # same bytes: the same version
     # a serving frontend lists the served demo models, marked as not deployed through the registry
@@ -90,7 +92,7 @@ def test_demo_build_registers_its_models_where_serve_finds_them(tmp_path, fresh_
     try:
         listed = _cli("endpoints", "list", "--url", stack.grpc, env=fresh_env)
         lines = {line.split("\t")[0]: line for line in listed.stdout.splitlines()}
-        assert set(lines) == {"mlp_classifier", "fraud_xgboost", "lightgbm_regressor"}, listed.stdout
+        assert set(lines) == {"mlp_classifier", "fraud_xgboost", "lightgbm_regressor", *FRAUD_MEMBERS, *TABULAR_COMPOSITES}, listed.stdout
         assert all("not deployed: served from the model repository" in line for line in lines.values())
     finally:
         stop_stack(stack)

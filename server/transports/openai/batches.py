@@ -13,6 +13,7 @@ import asyncio
 import json
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from server.control.batches import OIP_ENDPOINT, BatchStore
 from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Overloaded, UnsupportedMediaType, Violation, http_error
@@ -66,6 +67,19 @@ async def create_file(request: web.Request) -> web.Response:
     store = _store(request)
     if not request.content_type.startswith(MULTIPART):
         raise UnsupportedMediaType(f"upload a file as {MULTIPART} with fields 'purpose' and 'file'")
+    try:
+        purpose, filename, data = await _read_upload(request)
+    except (HttpProcessingError, ValueError, UnicodeDecodeError) as err:  # a malformed body is the caller's mistake
+        reason = type(err).__name__ if not isinstance(err, HttpProcessingError) else (err.message or type(err).__name__)
+        raise InvalidRequest(f"the upload is not valid {MULTIPART}: {str(reason)[:200]}", [Violation("body", "malformed multipart")]) from None
+    if data is None:
+        raise InvalidRequest("the upload has no 'file' field", [Violation("file", "required")])
+    if purpose is None:
+        raise InvalidRequest("the upload has no 'purpose' field", [Violation("purpose", "required")])
+    return web.json_response(await _thread(store.create_file, tenant, filename, purpose, data))
+
+
+async def _read_upload(request: web.Request) -> tuple[str | None, str, bytes | None]:
     purpose, filename, data = None, "", None
     reader = await request.multipart()
     async for part in reader:
@@ -74,11 +88,7 @@ async def create_file(request: web.Request) -> web.Response:
         elif part.name == "file":
             filename = part.filename or ""
             data = bytes(await part.read())
-    if data is None:
-        raise InvalidRequest("the upload has no 'file' field", [Violation("file", "required")])
-    if purpose is None:
-        raise InvalidRequest("the upload has no 'purpose' field", [Violation("purpose", "required")])
-    return web.json_response(await _thread(store.create_file, tenant, filename, purpose, data))
+    return purpose, filename, data
 
 
 async def get_file(request: web.Request) -> web.Response:
