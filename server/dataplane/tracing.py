@@ -33,6 +33,8 @@ import logging
 import random
 import time
 
+from server.dataplane.routing import header
+
 log = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
@@ -66,19 +68,6 @@ def parse_traceparent(value: str | None) -> tuple[int, int, bool] | None:
 
 def format_traceparent(trace_id: int, span_id: int) -> str:
     return f"00-{trace_id:032x}-{span_id:016x}-01"
-
-
-def _header(ctx, name: str):
-    headers = getattr(ctx, "headers", None)
-    if headers is None:
-        return None
-    get = getattr(headers, "get", None)
-    if get is not None:
-        return get(name)
-    for key, value in headers:
-        if key == name:
-            return value if isinstance(value, str) else None
-    return None
 
 
 class Tracing:
@@ -119,7 +108,7 @@ class Tracing:
 
     def begin(self, call) -> "RequestTrace | None":
         """A trace for this request, or None (the common case: nothing made)."""
-        value = _header(call.ctx, TRACEPARENT) if call.ctx is not None else None
+        value = header(call.ctx, TRACEPARENT) if call.ctx is not None else None
         if value is not None:
             parsed = parse_traceparent(value)
             if parsed is not None:
