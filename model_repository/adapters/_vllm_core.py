@@ -487,15 +487,13 @@ class VLLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the model's "
                 f"context window of {self.max_model_len} tokens"
             )
-        if params.lora and not params.lora_path:
-            raise RequestError(f"adapter {params.lora!r} has no folder")
-        if params.lora and self.config.max_loras <= 0:
-            raise RequestError(f"this model serves no LoRA adapters (asked for {params.lora!r})")
+        if params.adapter is not None and self.config.max_loras <= 0:
+            raise RequestError(f"this model serves no LoRA adapters (max_loras 0; asked for {params.adapter.name!r})")
         now = time.monotonic()
         request = _Request(
             id=request_id, prompt=list(prompt), params=params, sink=sink, submitted=now,
             deadline=None if params.deadline_ms is None else now + params.deadline_ms / 1000.0,
-            model=params.lora or self.config.served_name,
+            model=params.adapter.key if params.adapter is not None else self.config.served_name,
         )  # fmt: skip
         asyncio.run_coroutine_threadsafe(self._drive(request), loop)
 
@@ -552,8 +550,8 @@ class VLLMEngine:
         events: asyncio.Queue = asyncio.Queue()
         pump = None
         try:
-            if req.params.lora:
-                await self._ensure_lora(req.params.lora, req.params.lora_path)
+            if req.params.adapter is not None:  # vLLM's name for it is unique per version
+                await self._ensure_lora(req.params.adapter.key, str(req.params.adapter.folder))
             pump = asyncio.ensure_future(self._pump(req, events))
             while not req.finished:
                 item = await self._next(req, events)
@@ -704,8 +702,8 @@ class VLLMEngine:
             "total_ms": round(now - req.submitted, 6) * 1000,
             "priority": req.params.priority,
         }
-        if req.params.lora:
-            info["adapter"] = req.params.lora
+        if req.params.adapter is not None:
+            info["adapter"] = req.params.adapter.name
         if error:
             info["error"] = error
         with self._lock:  # the record and its counts together: a snapshot sees both or neither

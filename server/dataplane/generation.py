@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import engine_error
-from server.dataplane.validation import PRIORITY_PARAMETER
+from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, plan_priority
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "tokens"
+# model="base:adapter" names a LoRA adapter of an LLM (model_repository/adapters/_lora.py's names)
+_ADAPTER_REF = re.compile(r"^(?P<model>[^:]+):(?P<adapter>[a-z][a-z0-9_-]{0,62})$")
+
+
+def split_adapter(model: str) -> tuple[str, str]:
+    """(model, adapter) of a generation's model name; adapter '' for the base model."""
+    found = _ADAPTER_REF.match(model)
+    return (found["model"], found["adapter"]) if found else (model, "")
 
 
 @dataclass
@@ -163,6 +172,7 @@ class LLMService:
         leaves mid-stream still pays for what was generated.
         """
         ctx = ctx if ctx is not None else CallContext()
+        model, adapter = split_adapter(model)
 
         def validate(signature: ModelSignature) -> None:
             _require_llm(model, signature)
@@ -170,7 +180,8 @@ class LLMService:
                 raise InvalidRequest("send exactly one of messages and prompt")
 
         texts = _prompt_texts(params) if self._pipeline.safety is not None else None
-        async with self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts) as call:
+        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter)
+        async with admitted as call:
             stream = span = screen = None
             try:
                 screen = self._pipeline.output_stream(call)  # the endpoint's output filters (server.dataplane.safety)
@@ -186,6 +197,8 @@ class LLMService:
                 _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
                 principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
                 request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
+                if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
+                    request.parameters[ADAPTER_PARAMETER].string_param = adapter
                 call.request = request
                 # a little slack past the engine's own deadline, so the engine reports it
                 span, metadata = self._trace_call(call)
