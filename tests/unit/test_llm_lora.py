@@ -179,3 +179,22 @@ def test_installed_versions_and_their_digests(tiny, adapters, tmp_path):
     assert remove_adapter(model_dir, "tone") and not remove_adapter(model_dir, "tone")
     with pytest.raises(AdapterNotFound):
         index.lookup("tone")
+
+
+def test_the_cli_adds_lists_and_removes_adapters(tiny, adapters, tmp_path):
+    from typer.testing import CliRunner
+
+    from server.cli.main import app
+
+    repo = tmp_path / "repo"
+    write_llm_model(repo, "m", tiny, TINY_SETTINGS, "test")
+    run = CliRunner().invoke
+    added = run(app, ["llm", "adapter", "add", "m", "tone", str(adapters["beta"]), "--model-repository", str(repo)])
+    assert added.exit_code == 0, added.output
+    assert "m:tone v1 rank 8 on down_proj, k_proj, o_proj" in added.output
+    listed = run(app, ["llm", "adapter", "list", "m", "--model-repository", str(repo), "--json"])
+    assert json.loads(listed.output)["tone"]["version"] == 1
+    refused = run(app, ["llm", "adapter", "add", "m", "bad", str(tmp_path), "--model-repository", str(repo)])
+    assert refused.exit_code == 1 and "no adapter_model.safetensors" in refused.output
+    assert run(app, ["llm", "adapter", "remove", "m", "tone", "--model-repository", str(repo)]).exit_code == 0
+    assert run(app, ["llm", "adapter", "remove", "m", "tone", "--model-repository", str(repo)]).exit_code == 1
