@@ -266,6 +266,8 @@ class TritonPythonModel:
         adapter = request_adapter(parameters)
         if adapter:
             params.adapter = self.adapters.lookup(adapter)
+            if params.adapter.rank > self.engine.config.max_lora_rank:
+                raise RequestError(f"adapter {adapter!r} has rank {params.adapter.rank}; this model serves ranks up to {self.engine.config.max_lora_rank} (max_lora_rank)")
         request_id = request.request_id() or uuid.uuid4().hex
         self.engine.submit(f"{request_id}-{uuid.uuid4().hex[:8]}", ids, params, _Sink(sender))
 
