@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "tokens"
+ADAPTERS_TTL_S = 5.0  # how stale GET /v1/models's adapter list may be
 # model="base:adapter" names a LoRA adapter of an LLM (model_repository/adapters/_lora.py's names)
 _ADAPTER_REF = re.compile(r"^(?P<model>[^:]+):(?P<adapter>[a-z][a-z0-9_-]{0,62})$")
 
@@ -138,6 +139,7 @@ class LLMService:
         self._dp = dataplane
         self._pipeline = pipeline
         self._backend = backend
+        self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
 
     # ---- model lookups ------------------------------------------------------------------
 
@@ -146,18 +148,39 @@ class LLMService:
         _require_llm(name, signature)
         return signature
 
-    def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str]]:
-        """(name, kind) for each served LLM or embedding model the caller may see."""
+    async def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str, str]]:
+        """(name, kind, parent) for each served LLM, embedding model and LoRA adapter (``model:adapter``,
+        kind ``lora``, parent its model) the caller may see."""
         out = []
-        for name in self._dp.visible(ctx, self._dp.names()):
+        llms = []
+        for name in self._dp.names():
             signature = self._dp.signature(name)
             if signature is None:
                 continue
             if is_llm(signature):
-                out.append((name, "llm"))
+                llms.append(name)
+                out.append((name, "llm", ""))
             elif is_embedding(signature):
-                out.append((name, "embedding"))
+                out.append((name, "embedding", ""))
+        visible = set(self._dp.visible(ctx, [n for n, _, _ in out]))
+        out = [entry for entry in out if entry[0] in visible]
+        for name in llms:
+            adapters = [f"{name}:{a}" for a in await self._adapters_of(name)]
+            out.extend((full, "lora", name) for full in self._dp.visible(ctx, adapters))
         return out
+
+    async def _adapters_of(self, model: str) -> list[str]:
+        """The adapters the model's engine holds (its stats; read at most every ADAPTERS_TTL_S)."""
+        now = time.monotonic()
+        cached = self._adapters.get(model)
+        if cached is not None and now - cached[0] < ADAPTERS_TTL_S:
+            return cached[1]
+        try:
+            names = [a for a in (await self._stats(model)).get("adapters", []) if isinstance(a, str)]
+        except (InferplaneError, asyncio.TimeoutError, ValueError):
+            return cached[1] if cached is not None else []  # an engine still starting lists none yet
+        self._adapters[model] = (now, names)
+        return names
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -263,6 +286,9 @@ class LLMService:
         """The engine's counters (steps, queue, prefix-cache hits, recent sequences): an operator's
         read, not a request (outside the pipeline: no quota, no queue)."""
         self.llm(model, ctx)
+        return await self._stats(model)
+
+    async def _stats(self, model: str) -> dict[str, Any]:
         request = pb.ModelInferRequest(model_name=model, id="stats")
         _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
         stream = self._backend.stream_raw(timeout=10.0, model=model)

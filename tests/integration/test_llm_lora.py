@@ -112,6 +112,16 @@ def test_adapters_are_granted_and_metered_as_model_colon_adapter(lora_stack):
     finally:
         base_only.close()
         pirate_only.close()
+    # GET /v1/models lists the adapters each tenant may call, with their parent model
+    listed = {}
+    for tenant in ("all", "pirate_only", "base_only"):
+        client = _client(lora_stack, tenant)
+        try:
+            listed[tenant] = {m.id: getattr(m, "parent", None) for m in client.models.list().data}
+        finally:
+            client.close()
+    assert listed["all"] == {MODEL: None, f"{MODEL}:pirate": MODEL, f"{MODEL}:robot": MODEL}
+    assert listed["pirate_only"] == {f"{MODEL}:pirate": MODEL} and listed["base_only"] == {MODEL: None}
     # an adapter the model does not hold: 404 naming it, over both transports
     everything = _client(lora_stack, "all")
     try:
