@@ -11,7 +11,8 @@ same client and concurrency, to each endpoint in turn (each starts with its own 
 
 The workload: ``--prompts`` distinct long system prompts (~``--system-chars`` characters each, an
 app's instructions), ``--users`` users each with their own question, shuffled with a fixed seed;
-``--concurrency`` closed-loop streams take the next request when theirs ends; ``--max-tokens``
+``--concurrency`` closed-loop streams take the next request when theirs ends (the workload in
+``--rounds`` parts, the policies in ABBA order, so drift on a shared machine hits both alike); ``--max-tokens``
 tokens each (greedy, ``ignore_eos``: short answers, so time to first token is mostly prefill — what
 a prefix-cache hit saves). Per endpoint it prints TTFT p50/p99, aggregate tokens/s, the prefix hit
 rate (cached prompt tokens over prompt tokens, from each answer's ``usage.prompt_tokens_details``)
@@ -87,7 +88,8 @@ def _pct(values, q) -> float | None:
     return None if not values else round(float(np.percentile(np.asarray(values) * 1000.0, q)), 1)
 
 
-async def run_policy(url: str, model: str, requests: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
+async def run_policy(url: str, model: str, requests: list[list[dict]], concurrency: int, max_tokens: int) -> tuple[list[StreamResult], list[str], float]:
+    """The requests through ``concurrency`` closed-loop streams: (results, errors, wall seconds)."""
     results: list[StreamResult] = []
     errors: list[str] = []
     queue = list(reversed(requests))
@@ -109,7 +111,13 @@ async def run_policy(url: str, model: str, requests: list[list[dict]], concurren
         began = time.perf_counter()
         await asyncio.gather(*(caller(session) for _ in range(concurrency)))
         wall = time.perf_counter() - began
+    return results, errors, wall
+
+
+def summarize(model: str, results: list[StreamResult], errors: list[str], wall: float) -> dict:
     ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    hit = [r.ttft_s for r in results if r.ttft_s is not None and r.cached_tokens]
+    miss = [r.ttft_s for r in results if r.ttft_s is not None and not r.cached_tokens]
     prompt = sum(r.prompt_tokens for r in results)
     cached = sum(r.cached_tokens for r in results)
     tokens = sum(r.tokens for r in results)
@@ -121,6 +129,8 @@ async def run_policy(url: str, model: str, requests: list[list[dict]], concurren
         "wall_s": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 2) if wall else None,
         "ttft_ms": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+        "ttft_ms_hit": {"n": len(hit), "p50": _pct(hit, 50)},  # requests the prefix cache served in part
+        "ttft_ms_miss": {"n": len(miss), "p50": _pct(miss, 50)},
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "prefix_hit_rate": round(cached / prompt, 3) if prompt else 0.0,
@@ -194,12 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="http://HOST:PORT of a running stack's REST bridge serving smollm2_rr and smollm2_pa (not with --start)")
     parser.add_argument("--grpc", help="with --url: its gRPC HOST:PORT, for the per-replica engine counts")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=4, help="distinct system prompts")
-    parser.add_argument("--users", type=int, default=8, help="users (questions) per system prompt")
+    parser.add_argument("--prompts", type=int, default=16, help="distinct system prompts (16 x ~280 tokens: more than one replica's 4096-token prefix cache)")
+    parser.add_argument("--users", type=int, default=6, help="users (questions) per system prompt")
     parser.add_argument("--system-chars", type=int, default=1200, help="each system prompt's length (~280 SmolLM2 tokens)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="the workload in this many parts, policies in ABBA order")
     parser.add_argument("--threads", type=int, default=1, help="with --start: the engine's threads per replica")
+    parser.add_argument("--load-factor", type=float, default=None, help="with --start: INFERPLANE_LLM_ROUTE_LOAD_FACTOR")
+    parser.add_argument("--load-slack", type=float, default=None, help="with --start: INFERPLANE_LLM_ROUTE_LOAD_SLACK")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     stack = workdir = None
@@ -217,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                 "INFERPLANE_LOCAL_REPLICAS": str(args.replicas),
                 "INFERPLANE_REPLICA_MEMORY_MB": "16384",
             }
+            if args.load_factor is not None:
+                env["INFERPLANE_LLM_ROUTE_LOAD_FACTOR"] = str(args.load_factor)
+            if args.load_slack is not None:
+                env["INFERPLANE_LLM_ROUTE_LOAD_SLACK"] = str(args.load_slack)
             began = time.perf_counter()
             stack = start_stack(repo, workdir / "stack", env=env, timeout=900)
             print(f"stack with {args.replicas} replicas up in {time.perf_counter() - began:.0f} s", flush=True)
@@ -230,16 +247,25 @@ def main(argv: list[str] | None = None) -> int:
             "replicas": args.replicas, "prompts": args.prompts, "users": args.users, "system_chars": args.system_chars,
             "requests": len(requests), "concurrency": args.concurrency, "max_tokens": args.max_tokens, "policies": {},
         }  # fmt: skip
+        before = {p: [engine_stats(t, ENDPOINTS[p])["submitted"] for t in targets[p]] for p in POLICIES}
+        runs = {p: ([], [], 0.0) for p in POLICIES}
+        parts = max(1, args.rounds)
+        for r in range(parts):  # ABBA: each policy runs first as often as second (drift on a shared machine)
+            chunk = requests[r * len(requests) // parts : (r + 1) * len(requests) // parts]
+            for policy in POLICIES if r % 2 == 0 else tuple(reversed(POLICIES)):
+                results, errors, wall = asyncio.run(run_policy(url, ENDPOINTS[policy], chunk, args.concurrency, args.max_tokens))
+                old = runs[policy]
+                runs[policy] = (old[0] + results, old[1] + errors, old[2] + wall)
         for policy in POLICIES:
             model = ENDPOINTS[policy]
-            before = [engine_stats(t, model)["submitted"] for t in targets[policy]]
-            result = asyncio.run(run_policy(url, model, requests, args.concurrency, args.max_tokens))
-            result["per_replica"] = [engine_stats(t, model)["submitted"] - b for t, b in zip(targets[policy], before)]
+            result = summarize(model, *runs[policy])
+            result["per_replica"] = [engine_stats(t, model)["submitted"] - b for t, b in zip(targets[policy], before[policy])]
             report["policies"][policy] = result
             print(
                 f"{policy:>13}: {result['requests']} requests, errors={result['errors']}, ttft p50={result['ttft_ms']['p50']} ms "
                 f"p99={result['ttft_ms']['p99']} ms, tok/s={result['tokens_per_s']}, prefix hit rate={result['prefix_hit_rate']:.1%}, "
-                f"per replica={result['per_replica']}, wall={result['wall_s']} s",
+                f"per replica={result['per_replica']}, wall={result['wall_s']} s; ttft p50 hit/miss="
+                f"{result['ttft_ms_hit']['p50']}/{result['ttft_ms_miss']['p50']} ms (n={result['ttft_ms_hit']['n']}/{result['ttft_ms_miss']['n']})",
                 flush=True,
             )
             if result["error_samples"]:

@@ -204,3 +204,42 @@ def test_an_endpoint_names_its_own_policy_and_a_bad_name_falls_back_to_the_sets(
         assert not any(m.routed for m in rs.members())
 
     asyncio.run(main())
+
+
+# ---- the frontend computes the key and passes the engine's KV report back ------------------------------
+
+
+def test_a_generation_opens_its_stream_with_the_prompts_key_and_reports_the_engines_kv_use():
+    from server.dataplane.generation import GenerateParams
+    from server.tenancy.identity import CallContext
+    from tests.unit.test_pipeline import ScriptedTriton, _answer, _dataplane, _llm, _Stream
+
+    class KeyedStream(_Stream):
+        async def __aiter__(self):
+            info = {"prompt_tokens": 2, "completion_tokens": 1, "finish_reason": "stop", "kv_utilization": 0.25}
+            yield _answer(self.request, "ok", info)
+
+        def report_kv(self, value):
+            self.backend.kv.append(value)
+
+    class Keyed(ScriptedTriton):
+        def __init__(self):
+            super().__init__()
+            self.affinities, self.kv = [], []
+
+        def stream_raw(self, timeout=None, metadata=None, *, model="", affinity=None):
+            self.affinities.append(affinity)
+            return KeyedStream(self)
+
+    async def main():
+        dp, _ = _dataplane(_llm("llm"), llm_route_prefix_chars=40)
+        backend = Keyed()
+        dp.llm._backend = backend  # noqa: SLF001 - the scripted Triton that records what the generation passed
+        messages = chat(SYSTEM, "Where is my order?")
+        await dp.llm.complete("llm", GenerateParams(messages=messages, max_tokens=1), ctx=CallContext())
+        await dp.llm.complete("llm", GenerateParams(prompt="hello", max_tokens=1), ctx=CallContext())
+        return backend
+
+    backend = asyncio.run(main())
+    assert backend.affinities == [rp.prefix_key(chat(SYSTEM, "Where is my order?"), chars=40), rp.prefix_key(prompt="hello", chars=40)]
+    assert backend.kv == [0.25, 0.25]
