@@ -583,6 +583,7 @@ class Engine:
             "prompt_tokens": len(seq.prompt),
             "completion_tokens": len(seq.generated),
             "cached_tokens": seq.cached_tokens,
+            "kv_utilization": round(self.scheduler.reserved / self.scheduler.config.budget_tokens, 4),  # after it left: routers score it
             "step": self.step,  # the engine's decode step when it finished (noticed a cancel, deadline, stop)
             "submitted_step": seq.submitted_step,
             "admitted_step": seq.admitted_step,

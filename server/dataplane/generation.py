@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from batching.route_policy import prefix_key
 from server.dataplane import codecs
 from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.routing import REQUEST_ID_HEADER, header
@@ -140,6 +141,7 @@ class LLMService:
         self._pipeline = pipeline
         self._backend = backend
         self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
+        self.prefix_chars = 512  # the routing key's leading characters (batching.route_policy.prefix_key; settings)
 
     # ---- model lookups ------------------------------------------------------------------
 
@@ -226,7 +228,10 @@ class LLMService:
                 # a little slack past the engine's own deadline, so the engine reports it
                 span, metadata = self._trace_call(call)
                 stream_timeout = None if timeout is None else timeout + 5.0
-                stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name)
+                affinity = prefix_key(params.messages, params.prompt, self.prefix_chars)  # replicas route by it
+                if affinity and adapter:  # an adapter's KV is its own: its prefix cache is apart from the base model's
+                    affinity = f"{adapter}/{affinity}"
+                stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
                 call.computed = True
                 call.dispatched_at = time.perf_counter()
                 async for outputs in _stream_outputs(stream, request):
@@ -237,6 +242,8 @@ class LLMService:
                     call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
                     call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
                     reason = info.get("finish_reason")
+                    if "kv_utilization" in info and hasattr(stream, "report_kv"):  # the replica set scores members by it
+                        stream.report_kv(info["kv_utilization"])
                     if reason is not None:
                         call.compute_s = time.perf_counter() - call.dispatched_at
                     if reason == "deadline":

@@ -77,7 +77,7 @@ class ScriptedTriton:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    def stream_raw(self, timeout=None, metadata=None, *, model=""):
+    def stream_raw(self, timeout=None, metadata=None, *, model="", affinity=None):
         return _Stream(self)
 
     async def infer_raw(self, raw, timeout=None):
