@@ -248,6 +248,15 @@ def request_body(model: str, prompt: list[int], p: SamplingParams) -> dict[str, 
     return body
 
 
+KV_POLL_S = 1.0
+
+
+def aiohttp_timeout(seconds: float):
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=seconds)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """vLLM's Prometheus text -> {metric name: value summed over its labels} for ``vllm:`` gauges and
     counters (histogram buckets are left out)."""
@@ -326,6 +335,7 @@ class VLLMEngine:
         self._thread: threading.Thread | None = None
         self._session: Any = None
         self._tasks: set[asyncio.Task] = set()
+        self.kv_usage: float | None = None  # vLLM's KV cache use (0..1), polled while requests run
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -462,6 +472,24 @@ class VLLMEngine:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
+        poll = asyncio.ensure_future(self._poll_kv())
+        self._tasks.add(poll)
+
+    async def _poll_kv(self) -> None:
+        """Keep ``kv_usage`` fresh (every KV_POLL_S while requests run): every final ``info`` carries it,
+        so the frontend's replica routing sees how full this engine's KV cache is."""
+        while True:
+            await asyncio.sleep(KV_POLL_S)
+            if self.counters.running <= 0:
+                continue
+            try:
+                async with self._session.get(self.base_url + "/metrics", timeout=aiohttp_timeout(2.0)) as r:
+                    text = await r.text()
+                value = parse_metrics(text).get("vllm:kv_cache_usage_perc")
+            except (OSError, asyncio.TimeoutError, ValueError, RuntimeError):
+                continue
+            if value is not None:
+                self.kv_usage = min(1.0, max(0.0, value))
 
     async def _shutdown(self) -> None:
         tasks = list(self._tasks)
@@ -704,6 +732,8 @@ class VLLMEngine:
         }
         if req.params.adapter is not None:
             info["adapter"] = req.params.adapter.name
+        if self.kv_usage is not None:
+            info["kv_utilization"] = round(self.kv_usage, 4)
         if error:
             info["error"] = error
         with self._lock:  # the record and its counts together: a snapshot sees both or neither

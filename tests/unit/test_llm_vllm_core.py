@@ -315,6 +315,14 @@ def test_an_adapter_is_loaded_once_and_named_in_the_request(engine, fake, tmp_pa
     assert [b["model"] for b in fake.bodies] == ["tone-v3", "tone-v3"] and engine.snapshot()["loras"] == ["tone-v3"]
 
 
+def test_a_long_request_reports_vllms_kv_use_for_replica_routing(engine, fake):
+    fake.first_delay = 1.5  # past one KV_POLL_S: the poll ran while it was running
+    fake.script = lambda body: [("ok", 1, "stop")]
+    sink = _Sink()
+    engine.submit("kv", [1, 2], SamplingParams(), sink)
+    assert sink.wait()[1]["kv_utilization"] == 0.25
+
+
 def test_requests_that_could_never_fit_are_refused_at_once(engine, fake):
     with pytest.raises(RequestError, match="context window of 2048"):
         engine.submit("big", [1] * 100, SamplingParams(max_tokens=1949), _Sink())
