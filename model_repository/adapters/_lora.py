@@ -19,7 +19,6 @@ Standard library only at import: ``torch`` is imported by :class:`LoraBank` alon
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -29,6 +28,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+try:  # beside model.py in the Triton model directory
+    from _common import sha256_file
+except ImportError:  # in the repository (tests, tools)
+    from model_repository.adapters._common import sha256_file
 
 ADAPTERS_DIR = "adapters"
 INDEX_FILE = "index.json"
@@ -50,14 +54,6 @@ class AdapterError(ValueError):
 
 class AdapterNotFound(AdapterError):
     pass
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:

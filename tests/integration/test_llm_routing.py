@@ -9,15 +9,9 @@ Checked with the openai SDK against the frontend and against each replica's own 
 
 from __future__ import annotations
 
-import json
-
-import grpc
 import pytest
 
-from server.protogen.inference import grpc_service_pb2 as pb
-from server.protogen.inference import grpc_service_pb2_grpc as pb_grpc
-from server.protogen.inferplane.v1 import autoscale_pb2 as apb
-from server.protogen.inferplane.v1 import autoscale_pb2_grpc
+from loadtest.llm_routing import engine_stats, replica_targets
 from tests.conftest import start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -56,28 +50,7 @@ def client(routed):
 
 def replicas(stack, model: str) -> list[str]:
     """The targets of the local replicas hosting ``model`` (the executor's view): two, fixed."""
-    with grpc.insecure_channel(stack.grpc) as channel:
-        autoscale = autoscale_pb2_grpc.AutoscaleStub(channel)
-        autoscale.Configure(apb.ConfigureAutoscaleRequest(endpoint=model, config=apb.AutoscaleConfig(min_replicas=2, max_replicas=2)))
-        answer = autoscale.Explain(apb.ExplainAutoscaleRequest(endpoint=model))
-    return sorted(r["target"] for r in json.loads(answer.explain_json)["executor"]["replicas"] if model in r["models"])
-
-
-def engine_stats(target: str, model: str) -> dict:
-    """The engine's counters, asked of one replica's own Triton."""
-    request = pb.ModelInferRequest(model_name=model, id="stats")
-    request.inputs.add(name="parameters", datatype="BYTES", shape=[1])
-    doc = json.dumps({"command": "stats"}).encode()
-    request.raw_input_contents.append(len(doc).to_bytes(4, "little") + doc)
-    with grpc.insecure_channel(target) as channel:
-        for response in pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]), timeout=30):
-            assert not response.error_message, response.error_message
-            out = response.infer_response
-            names = [t.name for t in out.outputs]
-            if "info" in names:
-                raw = out.raw_output_contents[names.index("info")]
-                return json.loads(raw[4:])
-    raise AssertionError("no stats")
+    return replica_targets(stack.grpc, model, 2)
 
 
 def submitted(targets: list[str], model: str) -> list[int]:
