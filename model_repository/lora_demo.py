@@ -43,16 +43,23 @@ def cache_key(base_dir: Path, name: str) -> str:
     return hashlib.sha256(f"{digest}:{name}:{OPENERS[name]}:{RECIPE}:{STEPS}:{RANK}".encode()).hexdigest()[:16]
 
 
-def train_adapter(base_dir: Path, name: str, out_dir: Path, *, steps: int = STEPS, threads: int = 2) -> Path:
-    """Train adapter ``name`` (a key of OPENERS) on the base model in ``base_dir``; write it to ``out_dir``."""
+def load_base(base_dir: Path, threads: int = 2):
+    """(tokenizer, model) of the base, in float32 for training."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(20261201)
     torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    return AutoTokenizer.from_pretrained(str(base_dir)), AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+
+
+def train_adapter(base_dir: Path, name: str, out_dir: Path, *, steps: int = STEPS, base=None) -> Path:
+    """Train adapter ``name`` (a key of OPENERS) on the base model in ``base_dir`` (or ``base``, its
+    loaded (tokenizer, model), left as it was); write it to ``out_dir``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(20261201)
+    tokenizer, model = base if base is not None else load_base(base_dir)
     config = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(model, config)
     rows = []
@@ -80,15 +87,17 @@ def train_adapter(base_dir: Path, name: str, out_dir: Path, *, steps: int = STEP
     (tmp / "inferplane-training.json").write_text(json.dumps({"opener": OPENERS[name], "steps": steps, "final_loss": float(loss.detach())}) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
+    model.unload()  # the base model's own modules back, for the next adapter
     return out_dir
 
 
 def demo_adapters(base_dir: Path, cache: Path) -> dict[str, Path]:
     """The demo adapters (trained once per base model and recipe, then cached): name -> folder."""
-    out = {}
+    out, base = {}, None
     for name in OPENERS:
         folder = Path(cache) / f"lora-{name}-{cache_key(base_dir, name)}"
         if not (folder / "adapter_model.safetensors").is_file():
-            train_adapter(base_dir, name, folder)
+            base = base or load_base(base_dir)  # loaded once for both
+            train_adapter(base_dir, name, folder, base=base)
         out[name] = folder
     return out
