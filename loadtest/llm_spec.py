@@ -179,11 +179,31 @@ async def run_cell(target: Target, workload: str, concurrency: int, requests: in
     return out
 
 
-def ratios(cells: list[dict], baseline_of) -> None:
-    """Each cell's tokens/s, TTFT p50 and time per token p50 over its baseline's (same workload and streams)."""
-    by = {(c["config"], c["workload"], c["concurrency"]): c for c in cells}
+def median_ratios(cells: list[dict]) -> list[dict]:
+    """Over the rounds: each configuration's median ratio to its baseline per workload and streams."""
+    groups: dict[tuple, list[dict]] = {}
     for c in cells:
-        base = by.get((baseline_of(c["config"]), c["workload"], c["concurrency"]))
+        if "vs_baseline" in c:
+            groups.setdefault((c["config"], c["workload"], c["concurrency"]), []).append(c)
+    out = []
+    for (config, workload, concurrency), group in groups.items():
+        row = {"config": config, "baseline": group[0]["vs_baseline"]["baseline"], "workload": workload,
+               "concurrency": concurrency, "rounds": len(group)}  # fmt: skip
+        for key in ("tokens_per_s", "ttft_p50", "tpot_p50"):
+            values = [g["vs_baseline"][key] for g in group if g["vs_baseline"][key] is not None]
+            row[key] = round(float(np.median(values)), 2) if values else None
+        accepted = [g["acceptance"] for g in group if g["acceptance"] is not None]
+        row["acceptance"] = round(float(np.median(accepted)), 3) if accepted else None
+        out.append(row)
+    return out
+
+
+def ratios(cells: list[dict], baseline_of) -> None:
+    """Each cell's tokens/s, TTFT p50 and time per token p50 over its baseline's (same workload, streams
+    and round)."""
+    by = {(c["config"], c["workload"], c["concurrency"], c.get("round", 0)): c for c in cells}
+    for c in cells:
+        base = by.get((baseline_of(c["config"]), c["workload"], c["concurrency"], c.get("round", 0)))
         if base is None or base is c:
             continue
 
@@ -288,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-max-batch", type=int, default=4, help="the per-load copy: n-gram off above this many running")
     parser.add_argument("--eager", action="store_true", help="vLLM --enforce-eager (starts in ~35 s instead of ~2 min; slower steps)")
     parser.add_argument("--draft-layers", type=int, default=0, help="also a draft model: SmolLM2's first K layers (0: none)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of every cell, the configurations in alternating order (a shared machine drifts); medians reported")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -336,29 +358,36 @@ def main(argv: list[str] | None = None) -> int:
         if names:
             baseline.update({n: names[0] for n in names})
         cells = []
-        for workload in workloads:
-            for c in levels:
-                for target in targets:
-                    cell = asyncio.run(run_cell(target, workload, c, max(args.requests, c), args.max_tokens))
-                    cells.append(cell)
-                    print(
-                        f"{target.name:>18} {workload:>10} c={c:<3} tok/s={cell['tokens_per_s']:>7} "
-                        f"ttft p50={cell['ttft_ms']['p50']}ms p99={cell['ttft_ms']['p99']}ms "
-                        f"gap p50={cell['gap_ms']['p50']}ms p99={cell['gap_ms']['p99']}ms "
-                        f"tpot p50={cell['tpot_ms']['p50']}ms p99={cell['tpot_ms']['p99']}ms "
-                        f"tok/req={cell['tokens_per_request']} accept={cell['acceptance']} errors={cell['error_count']}",
-                        flush=True,
-                    )
+        plan = [(r, w, c) for r in range(args.repeat) for w in workloads for c in levels]
+        for round_, workload, c in plan:
+            for target in targets if round_ % 2 == 0 else targets[::-1]:
+                cell = asyncio.run(run_cell(target, workload, c, max(args.requests, c), args.max_tokens))
+                cell["round"] = round_
+                cells.append(cell)
+                print(
+                    f"r{round_} {target.name:>18} {workload:>10} c={c:<3} tok/s={cell['tokens_per_s']:>7} "
+                    f"ttft p50={cell['ttft_ms']['p50']}ms p99={cell['ttft_ms']['p99']}ms "
+                    f"gap p50={cell['gap_ms']['p50']}ms p99={cell['gap_ms']['p99']}ms "
+                    f"tpot p50={cell['tpot_ms']['p50']}ms p99={cell['tpot_ms']['p99']}ms "
+                    f"tok/req={cell['tokens_per_request']} accept={cell['acceptance']} errors={cell['error_count']}",
+                    flush=True,
+                )
         ratios(cells, lambda name: baseline.get(name, OFF))
         print("ratio to the baseline (tokens/s, TTFT p50, time per token p50; >1 tokens/s is faster, <1 latency is faster):")
         for cell in cells:
             if "vs_baseline" in cell:
                 r = cell["vs_baseline"]
-                print(f"  {cell['config']:>18} / {r['baseline']:<15} {cell['workload']:>10} c={cell['concurrency']:<3} "
+                print(f"  r{cell['round']} {cell['config']:>18} / {r['baseline']:<15} {cell['workload']:>10} c={cell['concurrency']:<3} "
                       f"tok/s x{r['tokens_per_s']}  ttft x{r['ttft_p50']}  tpot x{r['tpot_p50']}  accept={cell['acceptance']}")  # fmt: skip
+        medians = median_ratios(cells)
+        if args.repeat > 1:
+            print(f"median over {args.repeat} rounds:")
+            for m in medians:
+                print(f"  {m['config']:>18} / {m['baseline']:<15} {m['workload']:>10} c={m['concurrency']:<3} "
+                      f"tok/s x{m['tokens_per_s']}  ttft x{m['ttft_p50']}  tpot x{m['tpot_p50']}  accept={m['acceptance']}")  # fmt: skip
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}, indent=2) + "\n")
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells, "medians": medians}, indent=2) + "\n")
         return 0
     finally:
         for proc in procs:

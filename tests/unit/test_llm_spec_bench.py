@@ -3,7 +3,7 @@ summaries count tokens per request and per output token, its ratios are to the s
 
 from __future__ import annotations
 
-from loadtest.llm_spec import OFF, code_prompt, extraction_prompt, prompts, ratios, summarize
+from loadtest.llm_spec import OFF, code_prompt, extraction_prompt, median_ratios, prompts, ratios, summarize
 from loadtest.sse import StreamResult
 
 
@@ -31,3 +31,16 @@ def test_ratios_are_to_the_same_workload_and_concurrency_of_the_baseline():
     assert "vs_baseline" not in cells[0]
     assert cells[2]["vs_baseline"]["tokens_per_s"] == 1.5 and cells[3]["vs_baseline"]["tokens_per_s"] == 0.8
     assert cells[3]["vs_baseline"]["baseline"] == OFF and cells[3]["vs_baseline"]["ttft_p50"] == 1.0
+
+
+def test_rounds_are_compared_within_themselves_and_summarized_by_their_median():
+    def cell(config, round_, tps, acceptance=None):
+        return {"config": config, "workload": "repetitive", "concurrency": 1, "round": round_, "tokens_per_s": tps,
+                "ttft_ms": {"p50": 100.0}, "tpot_ms": {"p50": 20.0}, "acceptance": acceptance}  # fmt: skip
+
+    cells = [cell(OFF, 0, 10.0), cell("spec_ngram", 0, 30.0, 0.5), cell(OFF, 1, 20.0), cell("spec_ngram", 1, 30.0, 0.7),
+             cell(OFF, 2, 30.0), cell("spec_ngram", 2, 30.0, 0.6)]  # fmt: skip
+    ratios(cells, lambda name: OFF)
+    assert [c["vs_baseline"]["tokens_per_s"] for c in cells if "vs_baseline" in c] == [3.0, 1.5, 1.0]
+    (row,) = median_ratios(cells)
+    assert row["tokens_per_s"] == 1.5 and row["rounds"] == 3 and row["acceptance"] == 0.6 and row["baseline"] == OFF
