@@ -214,11 +214,12 @@ def _numbers(seed: int, count: int = 75) -> str:
 
 def test_under_kv_pressure_vllm_runs_a_premium_stream_ahead_of_the_waiting_free_flood(vllm_stack):
     """A free tenant floods MODEL's small KV cache with twelve distinct ~450-token prompts: vLLM runs
-    the few that fit and queues the rest. A premium stream of the same size sent while more free
-    requests wait than run is scheduled ahead of them (--scheduling-policy priority orders vLLM's
-    waiting queue by the plan): it ends before every free stream that was waiting when it arrived.
-    By order, not time. With arrival order (fcfs) the first wave of waiting free streams would be
-    admitted, and end, before it."""
+    the few that fit and queues the rest. A premium stream of about the same size sent while more
+    free requests wait than run is scheduled ahead of them (--scheduling-policy priority orders vLLM's
+    waiting queue by the plan; vLLM never skips the head of that queue): it ends before every free
+    stream that was waiting when it arrived, whether it fits at once or at the next turnover. By
+    order, not time. With arrival order (fcfs) it waits behind the queued free streams, and six of
+    them ended first (measured with the policy switched)."""
     floods, free_tokens, premium_tokens = 12, 120, 8
     before = _stats(vllm_stack)
     state: dict[str, str] = {}  # stream -> waiting | started | ended
