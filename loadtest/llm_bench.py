@@ -67,14 +67,16 @@ def summarize(results: list[StreamResult], wall_s: float, concurrency: int) -> d
     }
 
 
-async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def run_level(url: str, model: str | list[str], concurrency: int, requests: int, max_tokens: int) -> dict:
+    """``model``: one name, or a list that the streams take in turn (stream i: ``model[i % len]``)."""
     results: list[StreamResult] = []
     errors: list[str] = []
+    models = [model] if isinstance(model, str) else list(model)
 
     async def stream(index: int, session: aiohttp.ClientSession) -> None:
         for round_ in range(requests):
             prompt = PROMPTS[(index + round_) % len(PROMPTS)] + f" (stream {index}, round {round_})"
-            body = chat_body(model, prompt, max_tokens, temperature=0, ignore_eos=True)
+            body = chat_body(models[index % len(models)], prompt, max_tokens, temperature=0, ignore_eos=True)
             try:
                 results.append(await stream_chat(session, url, body))
             except Exception as err:  # noqa: BLE001 - counted and reported
@@ -82,12 +84,13 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         # warm-up: one request, not measured
-        await stream_chat(session, url, chat_body(model, "Hello!", 4, temperature=0, ignore_eos=True))
+        for name in models:
+            await stream_chat(session, url, chat_body(name, "Hello!", 4, temperature=0, ignore_eos=True))
         started = time.perf_counter()
         await asyncio.gather(*(stream(i, session) for i in range(concurrency)))
         wall = time.perf_counter() - started
     out = summarize(results, wall, concurrency)
-    out["model"] = model
+    out["model"] = model if isinstance(model, str) else ",".join(models)
     out["errors"] = errors[:5]
     out["error_count"] = len(errors)
     return out

@@ -40,6 +40,8 @@ class StreamResult:
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, from the engine's prefix cache (usage.prompt_tokens_details)
     chunks: int = 0
     finished: float = 0.0
     finish_reason: str | None = None
@@ -84,7 +86,10 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict | byt
                 if "error" in event:
                     raise CallError(event["error"].get("code", "STREAM_ERROR"), event["error"].get("message", ""))
                 if event.get("usage"):
-                    result.tokens = event["usage"]["completion_tokens"]
+                    usage = event["usage"]
+                    result.tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
                 for choice in event.get("choices", ()):
                     content = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                     if content:

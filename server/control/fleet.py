@@ -19,6 +19,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from batching.route_policy import RouteBounds
 from server.control.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
 from server.control.placement import memory_need
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
@@ -28,6 +29,7 @@ from server.settings import Settings
 log = logging.getLogger(__name__)
 
 PRIMARY = "local-0"
+ROUTING_PARAMETER = "inferplane.routing"  # an LLM endpoint's own routing policy (batching.route_policy)
 
 
 class Fleet:
@@ -55,6 +57,8 @@ class Fleet:
         policy = ReplicaPolicy(
             health_interval_s=s.replica_health_interval_s, eject_failures=s.replica_eject_failures, eject_s=s.replica_eject_s,
             wait_for_member_s=s.replica_wait_s, retry_lost=s.replica_retry_lost, discovery_interval_s=s.discovery_interval_s,
+            llm_routing=s.llm_routing,
+            route_bounds=RouteBounds(load_factor=s.llm_route_load_factor, load_slack=s.llm_route_load_slack, kv_high=s.llm_route_kv_high),
         )  # fmt: skip
         codec = inprocess.batch_codec() if inprocess is not None else None
         replicas = ReplicaSet(name="triton", policy=policy, client_factory=lambda target: client(s, target, remote=True), codec=codec)
@@ -139,6 +143,7 @@ class Fleet:
         self.dataplane = dataplane
         self.hooks = hooks
         self.replicas.on_change = self._hosting_changed
+        self.replicas.routing_of = self._routing_of
         self.sampler = SignalSampler(hooks, self.replicas, registry=metrics.registry, group_of=self.group_of)
         s = self.settings
         if self.pool is not None and s.autoscale_executor == "local" and not s.worker:
@@ -147,6 +152,11 @@ class Fleet:
                 capacity_bytes=s.replica_memory_mb << 20, memory_of=self.memory_of, primary=PRIMARY, refresh=dataplane.refresh,
                 default_copies=s.local_replicas,
             )  # fmt: skip
+
+    def _routing_of(self, model: str) -> str | None:
+        """An LLM endpoint's own routing policy (its config's ``inferplane.routing``), if it names one."""
+        signature = self.dataplane.signature(model) if self.dataplane is not None else None
+        return signature.params.get(ROUTING_PARAMETER) if signature is not None else None
 
     def memory_of(self, model: str) -> int:
         return self._memory.get(model, self.settings.default_model_memory_mb << 20)

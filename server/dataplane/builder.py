@@ -58,6 +58,7 @@ def build_dataplane(
     # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
     late.append(dataplane)
     return dataplane
 

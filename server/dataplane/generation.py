@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from batching.route_policy import prefix_key
 from server.dataplane import codecs
 from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import engine_error
-from server.dataplane.validation import PRIORITY_PARAMETER
+from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, plan_priority
@@ -42,6 +44,15 @@ if TYPE_CHECKING:
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "tokens"
+ADAPTERS_TTL_S = 5.0  # how stale GET /v1/models's adapter list may be
+# model="base:adapter" names a LoRA adapter of an LLM (model_repository/adapters/_lora.py's names)
+_ADAPTER_REF = re.compile(r"^(?P<model>[^:]+):(?P<adapter>[a-z][a-z0-9_-]{0,62})$")
+
+
+def split_adapter(model: str) -> tuple[str, str]:
+    """(model, adapter) of a generation's model name; adapter '' for the base model."""
+    found = _ADAPTER_REF.match(model)
+    return (found["model"], found["adapter"]) if found else (model, "")
 
 
 @dataclass
@@ -129,6 +140,8 @@ class LLMService:
         self._dp = dataplane
         self._pipeline = pipeline
         self._backend = backend
+        self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
+        self.prefix_chars = 512  # the routing key's leading characters (batching.route_policy.prefix_key; settings)
 
     # ---- model lookups ------------------------------------------------------------------
 
@@ -137,18 +150,39 @@ class LLMService:
         _require_llm(name, signature)
         return signature
 
-    def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str]]:
-        """(name, kind) for each served LLM or embedding model the caller may see."""
+    async def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str, str]]:
+        """(name, kind, parent) for each served LLM, embedding model and LoRA adapter (``model:adapter``,
+        kind ``lora``, parent its model) the caller may see."""
         out = []
-        for name in self._dp.visible(ctx, self._dp.names()):
+        llms = []
+        for name in self._dp.names():
             signature = self._dp.signature(name)
             if signature is None:
                 continue
             if is_llm(signature):
-                out.append((name, "llm"))
+                llms.append(name)
+                out.append((name, "llm", ""))
             elif is_embedding(signature):
-                out.append((name, "embedding"))
+                out.append((name, "embedding", ""))
+        visible = set(self._dp.visible(ctx, [n for n, _, _ in out]))
+        out = [entry for entry in out if entry[0] in visible]
+        for name in llms:
+            adapters = [f"{name}:{a}" for a in await self._adapters_of(name)]
+            out.extend((full, "lora", name) for full in self._dp.visible(ctx, adapters))
         return out
+
+    async def _adapters_of(self, model: str) -> list[str]:
+        """The adapters the model's engine holds (its stats; read at most every ADAPTERS_TTL_S)."""
+        now = time.monotonic()
+        cached = self._adapters.get(model)
+        if cached is not None and now - cached[0] < ADAPTERS_TTL_S:
+            return cached[1]
+        try:
+            names = [a for a in (await self._stats(model)).get("adapters", []) if isinstance(a, str)]
+        except (InferplaneError, asyncio.TimeoutError, ValueError):
+            return cached[1] if cached is not None else []  # an engine still starting lists none yet
+        self._adapters[model] = (now, names)
+        return names
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -163,6 +197,7 @@ class LLMService:
         leaves mid-stream still pays for what was generated.
         """
         ctx = ctx if ctx is not None else CallContext()
+        model, adapter = split_adapter(model)
 
         def validate(signature: ModelSignature) -> None:
             _require_llm(model, signature)
@@ -170,7 +205,8 @@ class LLMService:
                 raise InvalidRequest("send exactly one of messages and prompt")
 
         texts = _prompt_texts(params) if self._pipeline.safety is not None else None
-        async with self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts) as call:
+        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter)
+        async with admitted as call:
             stream = span = screen = None
             try:
                 screen = self._pipeline.output_stream(call)  # the endpoint's output filters (server.dataplane.safety)
@@ -186,11 +222,16 @@ class LLMService:
                 _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
                 principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
                 request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
+                if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
+                    request.parameters[ADAPTER_PARAMETER].string_param = adapter
                 call.request = request
                 # a little slack past the engine's own deadline, so the engine reports it
                 span, metadata = self._trace_call(call)
                 stream_timeout = None if timeout is None else timeout + 5.0
-                stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name)
+                affinity = prefix_key(params.messages, params.prompt, self.prefix_chars)  # replicas route by it
+                if affinity and adapter:  # an adapter's KV is its own: its prefix cache is apart from the base model's
+                    affinity = f"{adapter}/{affinity}"
+                stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
                 call.computed = True
                 call.dispatched_at = time.perf_counter()
                 async for outputs in _stream_outputs(stream, request):
@@ -201,6 +242,8 @@ class LLMService:
                     call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
                     call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
                     reason = info.get("finish_reason")
+                    if "kv_utilization" in info and hasattr(stream, "report_kv"):  # the replica set scores members by it
+                        stream.report_kv(info["kv_utilization"])
                     if reason is not None:
                         call.compute_s = time.perf_counter() - call.dispatched_at
                     if reason == "deadline":
@@ -250,6 +293,9 @@ class LLMService:
         """The engine's counters (steps, queue, prefix-cache hits, recent sequences): an operator's
         read, not a request (outside the pipeline: no quota, no queue)."""
         self.llm(model, ctx)
+        return await self._stats(model)
+
+    async def _stats(self, model: str) -> dict[str, Any]:
         request = pb.ModelInferRequest(model_name=model, id="stats")
         _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
         stream = self._backend.stream_raw(timeout=10.0, model=model)

@@ -55,7 +55,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
-        "trace", "answer", "batch", "safety",
+        "trace", "answer", "batch", "safety", "adapter",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -90,6 +90,12 @@ class AdmittedCall:
         self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
         self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
         self.safety = None  # the endpoint's server.dataplane.safety.SafetyPolicy, when it has one
+        self.adapter = ""  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
+
+    @property
+    def endpoint(self) -> str:
+        """What the caller named: the model, or ``model:adapter``."""
+        return f"{self.name}:{self.adapter}" if self.adapter else self.name
 
     @property
     def tenant(self) -> Tenant:
@@ -143,10 +149,14 @@ class Pipeline:
         timeout: float | None = None,
         validate: Callable[[ModelSignature], None] | None = None,
         texts: Callable[[ModelSignature], object] | None = None,
+        adapter: str = "",
     ) -> "_Admitted":
         """``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
-        stage's input screen, when the endpoint has a policy."""
-        return _Admitted(self, AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate, texts)
+        stage's input screen, when the endpoint has a policy. ``adapter``: a LoRA adapter of model
+        ``name``, granted, quota'd and metered as ``name:adapter``."""
+        call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
+        call.adapter = adapter
+        return _Admitted(self, call, validate, texts)
 
     async def open(
         self,
@@ -170,8 +180,8 @@ class Pipeline:
             if ctx is not None:
                 ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
-            if not granted(principal, call.name, ctx) and (ctx is None or ctx.on_behalf is None):
-                raise ModelNotFound(f"unknown model '{call.name}'")
+            if not granted(principal, call.endpoint, ctx) and (ctx is None or ctx.on_behalf is None):
+                raise ModelNotFound(f"unknown model '{call.endpoint}'")
             if trace is not None:
                 trace.hop("auth")
             if not call.version:
@@ -187,7 +197,9 @@ class Pipeline:
             # a batch job's rows have their own charge (the tenant's limits, a bucket of their own): a
             # batch never spends the quota the tenant's real-time callers need
             scope = tenant.name + BATCH_SCOPE if call.batch else tenant.name
-            call.ticket = await self.quotas.admit(scope, call.name, self.gate.quota(tenant), tenant.model_quota(call.name))
+            # an adapter with a quota of its own is charged there; otherwise to its model's (one bucket for both)
+            quota_key = call.endpoint if call.adapter and tenant.model_quota(call.endpoint) else call.name
+            call.ticket = await self.quotas.admit(scope, quota_key, self.gate.quota(tenant), tenant.model_quota(quota_key))
             if trace is not None:
                 trace.hop("quota")
             if validate is not None:
@@ -253,7 +265,7 @@ class Pipeline:
                 compute_s = call.compute_s if call.compute_s is not None else now - call.dispatched_at
                 tenant = call.tenant
                 self.meter.record(
-                    tenant.name, tenant.team, call.name, call.version,
+                    tenant.name, tenant.team, call.endpoint, call.version,
                     input_tokens=call.tokens_in, output_tokens=call.tokens_out, compute_us=int(compute_s * 1e6),
                     **({"traffic_class": BATCH} if call.batch else {}),
                 )  # fmt: skip

@@ -14,7 +14,14 @@ latency ejection's business), except that an idle member (nothing outstanding) i
 over a busy one: with as few admission slots as replicas (a model of one instance and no batching),
 plain two-choice sends a request to a busy replica while another idles half the time at four
 replicas, which ``python -m loadtest.autoscale`` measured as capacity lost. When every such member is
-ejected, the ejected ones are used rather than none (a panic threshold of zero).
+ejected, the ejected ones are used rather than none (a panic threshold of zero). An LLM generation
+(``stream_raw(..., affinity=key)``, the key a hash of the prompt's first characters) is placed by
+``batching.route_policy`` instead, under the set's ``llm_routing`` or the endpoint's own
+(``routing_of``): ``prefix_aware`` (rendezvous hashing of the key over the members, bounded by
+each member's streams of the model and its engine's KV utilisation, which the generation reports
+from each final ``info`` through :meth:`ReplicaStream.report_kv`), ``round_robin``, or
+``least_outstanding`` (the choice above). ``snapshot()`` shows each member's last KV utilisation
+and why its LLM streams went there (``routed``: affinity, spill, fallback, turn).
 
 **Health.** Every ``health_interval_s`` each member is probed (``ServerLive``) and its ready models
 read (``RepositoryIndex``); a member that does not answer is down until it does, then it
@@ -69,6 +76,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from batching import route_policy
 from server.dataplane.triton_client import ConnectionLost, NotSent
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.protogen.inference import grpc_service_pb2 as pb
@@ -100,6 +108,11 @@ class ReplicaPolicy:
     drain_timeout_s: float = 30.0
     discovery_interval_s: float = 5.0
     ewma_alpha: float = 0.1
+    # LLM generations (streams opened with an ``affinity`` key): batching.route_policy's policy,
+    # unless the endpoint names its own (``routing_of``)
+    llm_routing: str = route_policy.PREFIX_AWARE
+    route_bounds: route_policy.RouteBounds = route_policy.RouteBounds()
+    kv_stale_s: float = 10.0  # a member's last reported KV utilisation counts this long
 
 
 class Member:
@@ -129,6 +142,8 @@ class Member:
         self.rejoining: asyncio.Task | None = None
         self.probing = False
         self.changes = 0  # loads and unloads through the set: a probe that overlapped one is stale
+        self.kv: dict[str, tuple[float, float]] = {}  # model -> (KV utilisation its engine last reported, when)
+        self.routed: dict[str, int] = {}  # LLM streams sent here, by why (route_policy: affinity, spill, ...)
 
     @property
     def target(self) -> str:
@@ -149,6 +164,7 @@ class Member:
             "models": sorted(self.models), "draining": sorted(self.draining_models), "wanted": sorted(self.wanted),
             "outstanding": self.outstanding, "served": self.served, "errors": self.errors,
             "latency_ms": {m: round(v * 1000, 3) for m, v in sorted(self.latency.items())},
+            "kv_utilization": {m: v for m, (v, _at) in sorted(self.kv.items())}, "routed": dict(sorted(self.routed.items())),
         }  # fmt: skip
 
 
@@ -176,6 +192,8 @@ class ReplicaSet:
         self.everywhere: set[str] = set()  # models loaded on every member (joining members get them too)
         self.placer: Callable[[str], list[str] | None] | None = None  # picks members for a model with no placement
         self.wait_budget: Callable[[str], float | None] = lambda model: None
+        self.routing_of: Callable[[str], str | None] = lambda model: None  # an endpoint's own LLM routing policy
+        self._turns: dict[str, int] = {}  # round robin's position, by model
         self.on_missing: Callable[[str], None] | None = None
         self.on_change: Callable[[set[str]], None] | None = None
         self.waiting: dict[str, int] = {}  # requests held for a member, by model
@@ -291,7 +309,8 @@ class ReplicaSet:
 
     # ---- choice -------------------------------------------------------------------------------
 
-    def _choose(self, model: str, exclude: Member | None = None) -> Member | None:
+    def _choose(self, model: str, exclude: Member | None = None, affinity: str | None = None) -> Member | None:
+        """``affinity``: an LLM generation's prefix key (None for every other request)."""
         now = self._clock()
         candidates = [m for m in self._list if m is not exclude and m.serves(model, now)]
         if not candidates:  # everyone serving it is ejected: better them than nobody
@@ -300,6 +319,10 @@ class ReplicaSet:
                 return None
         if len(candidates) == 1:
             return candidates[0]
+        if affinity is not None:
+            chosen = self._route(model, candidates, affinity, now)
+            if chosen is not None:
+                return chosen
         idle = [m for m in candidates if not m.outstanding]
         if idle and len(idle) < len(candidates):  # never a busy replica while one is idle
             return idle[0] if len(idle) == 1 else self._rng.choice(idle)
@@ -308,17 +331,51 @@ class ReplicaSet:
             return a if a.outstanding < b.outstanding else b
         return a  # a tie: the random pick (ordering ties by latency starves whoever measured slower once)
 
-    async def _member_for(self, model: str, deadline: float | None, exclude: Member | None = None) -> Member:
-        member = self._choose(model, exclude)
+    def routing(self, model: str) -> str:
+        """The LLM routing policy for ``model``: the endpoint's own, else the set's."""
+        own = None
+        with contextlib.suppress(Exception):
+            own = self.routing_of(model)
+        if own:
+            with contextlib.suppress(ValueError):
+                return route_policy.parse_policy(own)
+        return self.policy.llm_routing
+
+    def _route(self, model: str, candidates: list[Member], affinity: str, now: float) -> Member | None:
+        """An LLM stream's member by ``batching.route_policy`` (None: the set's own choice)."""
+        policy = self.routing(model)
+        if policy == route_policy.LEAST_OUTSTANDING or (policy == route_policy.PREFIX_AWARE and not affinity):
+            return None
+        loads = []
+        for m in candidates:
+            kv, at = m.kv.get(model, (None, 0.0))
+            loads.append(route_policy.Load(m.id, m.by_model.get(model, 0), kv if kv is not None and now - at <= self.policy.kv_stale_s else None))
+        if policy == route_policy.ROUND_ROBIN:
+            turn = self._turns.get(model, 0)
+            self._turns[model] = turn + 1
+            i, why = route_policy.choose_round_robin(turn, loads)
+        else:
+            i, why = route_policy.choose_prefix_aware(affinity, loads, self.policy.route_bounds)
+        member = candidates[i]
+        member.routed[why] = member.routed.get(why, 0) + 1
+        return member
+
+    def report_kv(self, member: Member, model: str, utilisation: float) -> None:
+        """What ``member``'s engine for ``model`` last said of its KV cache (0..1)."""
+        with contextlib.suppress(TypeError, ValueError):
+            member.kv[model] = (min(1.0, max(0.0, float(utilisation))), self._clock())
+
+    async def _member_for(self, model: str, deadline: float | None, exclude: Member | None = None, affinity: str | None = None) -> Member:
+        member = self._choose(model, exclude, affinity)
         if member is not None:
             return member
-        return await self._wait_for_member(model, deadline, exclude)
+        return await self._wait_for_member(model, deadline, exclude, affinity)
 
     async def wait_for(self, model: str, timeout: float | None = None) -> Member:
         """A member serving ``model``, once there is one (held like a request, within its budget)."""
         return await self._member_for(model, None if timeout is None else self._clock() + timeout)
 
-    async def _wait_for_member(self, model: str, deadline: float | None, exclude: Member | None) -> Member:
+    async def _wait_for_member(self, model: str, deadline: float | None, exclude: Member | None, affinity: str | None = None) -> Member:
         """Hold the request until a member serves ``model`` (a restart, a wake, a scale-up)."""
         budget = self.wait_budget(model)
         budget = self.policy.wait_for_member_s if budget is None else budget
@@ -332,7 +389,7 @@ class ReplicaSet:
         self.waiting[model] = self.waiting.get(model, 0) + 1
         try:
             while True:
-                member = self._choose(model, exclude)
+                member = self._choose(model, exclude, affinity)
                 if member is not None:
                     return member
                 left = until - self._clock()
@@ -459,9 +516,13 @@ class ReplicaSet:
         member.ejected_until = now + span
         log.warning("replica %s (%s) ejected for %.1fs: %s", member.id, member.target, span, why)
 
-    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "") -> "ReplicaStream":
-        """``metadata``: e.g. a traced generation's traceparent, sent on the member's stream."""
-        return ReplicaStream(self, timeout, model, metadata)
+    def stream_raw(
+        self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "", affinity: str | None = None
+    ) -> "ReplicaStream":
+        """``metadata``: e.g. a traced generation's traceparent, sent on the member's stream.
+        ``affinity``: an LLM generation's prefix key (``batching.route_policy.prefix_key``; "" when
+        it has none): the member is chosen by the LLM routing policy (:meth:`routing`)."""
+        return ReplicaStream(self, timeout, model, metadata, affinity)
 
     async def unary_raw(self, method: str, request: bytes, timeout: float | None = 30.0) -> bytes:
         if method == "ModelStatistics":
@@ -805,8 +866,9 @@ class ReplicaStream:
     names the member); outstanding there until the stream ends. Before that first message reached a
     member, an unreachable one is swapped for another."""
 
-    def __init__(self, replicas: ReplicaSet, timeout: float | None, model: str, metadata: tuple | None = None):
+    def __init__(self, replicas: ReplicaSet, timeout: float | None, model: str, metadata: tuple | None = None, affinity: str | None = None):
         self._set = replicas
+        self._affinity = affinity
         self._timeout = timeout
         self._metadata = metadata
         self._model = model
@@ -822,7 +884,7 @@ class ReplicaStream:
         deadline = None if self._timeout is None else rs._clock() + self._timeout
         exclude = None
         for attempt in range(2):
-            member = await rs._member_for(model, deadline, exclude)
+            member = await rs._member_for(model, deadline, exclude, self._affinity)
             left = _left(deadline, rs._clock()) if deadline is not None else None
             stream = member.client.stream_raw(timeout=left, metadata=self._metadata, model=model)
             try:
@@ -853,6 +915,16 @@ class ReplicaStream:
             self._bound.set()
             return
         await self._stream.done_writing()
+
+    @property
+    def member(self) -> Member | None:
+        """The member the stream went to (None before its first message)."""
+        return self._member
+
+    def report_kv(self, utilisation: float) -> None:
+        """The engine's KV utilisation from a response of this stream (its final ``info``)."""
+        if self._member is not None:
+            self._set.report_kv(self._member, self._model, utilisation)
 
     def cancel(self) -> bool:
         self._cancelled = True

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from server.dataplane import codecs
 from server.dataplane.pipeline import AdmittedCall, Pipeline
 from server.dataplane.signature import is_llm
-from server.errors import BackendError, Cancelled, InferplaneError, InvalidRequest
+from server.errors import BackendError, Cancelled, InferplaneError, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 FINAL_PARAMETER = "triton_final_response"
 # the engine adapter prefixes caller mistakes with this (Triton's stream error carries no code)
 INVALID_PREFIX = "invalid request: "
+NOT_FOUND_PREFIX = "not found: "  # model_repository/adapters/_lora.py: an adapter the model does not hold
 _CODED = re.compile(r"^[A-Z][A-Z_]+: ")
 
 
@@ -57,6 +58,8 @@ def engine_error(message: str) -> InferplaneError:
     text = message.split("] ", 1)[-1] if message.startswith("[") else message
     if INVALID_PREFIX in text:
         return InvalidRequest(text.split(INVALID_PREFIX, 1)[1])
+    if text.startswith(NOT_FOUND_PREFIX):  # the engine knows no such LoRA adapter
+        return ModelNotFound(text[len(NOT_FOUND_PREFIX) :])
     return BackendError(f"generation failed: {text}")
 
 

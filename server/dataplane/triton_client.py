@@ -97,9 +97,10 @@ class TritonClient:
     async def send_batch(self, payload: bytes, timeout: float | None, request=None) -> bytes:
         return await self.infer_raw(payload, timeout, model=request.model_name if request is not None else "")
 
-    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "") -> "RawStream":
+    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "", affinity: str | None = None) -> "RawStream":
         """A bidirectional ModelStreamInfer call on bytes (the caller writes and reads); its failures
-        are domain errors like every other call's. ``metadata``: e.g. a traced generation's traceparent."""
+        are domain errors like every other call's. ``metadata``: e.g. a traced generation's traceparent.
+        ``affinity`` (an LLM routing key) is the replica set's business: one Triton ignores it."""
         channel = self._channels[next(self._rr)]
         method = channel.stream_stream(_SERVICE + "ModelStreamInfer", request_serializer=None, response_deserializer=None)
         return RawStream(method(timeout=timeout, metadata=metadata))

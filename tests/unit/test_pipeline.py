@@ -77,7 +77,7 @@ class ScriptedTriton:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    def stream_raw(self, timeout=None, metadata=None, *, model=""):
+    def stream_raw(self, timeout=None, metadata=None, *, model="", affinity=None):
         return _Stream(self)
 
     async def infer_raw(self, raw, timeout=None):
@@ -181,3 +181,20 @@ def test_an_llms_queue_is_sized_by_its_engines_concurrent_sequences():
     assert model_slots(_llm("llm", max_running=7)) == 7
     tabular = ModelSignature("t", 8, {}, {}, coalesce=CoalescePolicy(enabled=False), instances=2)
     assert model_slots(tabular) == 16
+
+
+async def test_a_lora_adapter_goes_to_its_base_model_as_a_frontend_parameter():
+    from server.dataplane.generation import split_adapter
+    from server.dataplane.validation import ADAPTER_PARAMETER
+    from server.errors import ModelNotFound
+
+    assert split_adapter("llm:pirate") == ("llm", "pirate") and split_adapter("llm") == ("llm", "")
+    assert split_adapter("llm:2") == ("llm:2", "") and split_adapter("llm:Pirate") == ("llm:Pirate", "")
+    dp, backend = _dataplane(_llm("llm"))
+    assert (await _generate(dp, "llm:pirate")).text == "ok"
+    sent = backend.sent[-1]
+    assert sent.model_name == "llm" and sent.parameters[ADAPTER_PARAMETER].string_param == "pirate"
+    await _generate(dp, "llm")
+    assert ADAPTER_PARAMETER not in backend.sent[-1].parameters
+    with pytest.raises(ModelNotFound):  # not an adapter name: a model nobody serves
+        await _generate(dp, "llm:Pirate")

@@ -502,8 +502,8 @@ async def embeddings_answer(svc: LLMService, doc: dict, ctx: CallContext) -> dic
 
 async def list_models(request: web.Request) -> web.Response:
     data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "inferplane", "kind": kind}
-        for name, kind in service(request).listed(_ctx(request))
+        {"id": name, "object": "model", "created": 0, "owned_by": "inferplane", "kind": kind, **({"parent": parent} if parent else {})}
+        for name, kind, parent in await service(request).listed(_ctx(request))
     ]
     return web.json_response({"object": "list", "data": data})
 
