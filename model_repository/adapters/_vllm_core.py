@@ -31,7 +31,6 @@ import asyncio
 import glob
 import json
 import logging
-import math
 import os
 import queue
 import shutil
@@ -127,7 +126,7 @@ class VLLMConfig:
     dtype: str = "auto"  # vLLM's: auto is the checkpoint's; the adapter resolves ours (bfloat16 where native)
     prefix_caching: bool = True
     threads: int = 0  # CPU cores for the model (0: all this process may use)
-    kv_cache_bytes: int = 1 << 30  # CPU: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_bytes: int = 1 << 30  # CPU: VLLM_CPU_KVCACHE_SPACE (whole GiB) or --kv-cache-memory-bytes
     gpu_memory_utilization: float = 0.9  # GPU: the share vLLM takes for weights and KV blocks
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
@@ -179,6 +178,8 @@ def server_command(config: VLLMConfig, model_dir: str, port: int) -> list[str]:
         argv.append("--enforce-eager")
     if config.gpu_memory_utilization and _has_cuda():
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    elif config.kv_cache_bytes % (1 << 30):  # CPU, not whole GiB: exact (a small cache puts the scheduler under KV pressure)
+        argv += ["--kv-cache-memory-bytes", str(config.kv_cache_bytes)]
     spec = speculative_config(config)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
@@ -197,7 +198,10 @@ def server_environment(config: VLLMConfig, base: dict[str, str] | None = None) -
     env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(cores)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     env["OMP_NUM_THREADS"] = str(len(cores))  # Triton's model processes run with 1
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_bytes / (1 << 30))))
+    if config.kv_cache_bytes % (1 << 30):  # the command line's exact size (this variable would override it)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, config.kv_cache_bytes >> 30))
     if config.max_loras > 0:  # the adapter loads LoRA adapters into the running server
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_NO_USAGE_STATS"] = "1"

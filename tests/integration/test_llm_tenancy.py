@@ -23,7 +23,7 @@ from google.rpc import error_details_pb2, status_pb2
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
 from server.tenancy.quota_policy import Quota
 from server.tenancy.store import TenancyStore
-from tests.conftest import start_stack, stop_stack, wait_until
+from tests.conftest import LLM_BUDGET_MODEL, LLM_BUDGET_TOKENS, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 openai = pytest.importorskip("openai")
@@ -56,14 +56,15 @@ def llm_tenancy(llm_repository, tmp_path_factory):
         "paying": dict(plan="premium"),
         "freeloader": dict(plan="free"),
     }
-    keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=[MODEL, EMBEDDINGS], **fields)[1] for name, fields in tenants.items()}
+    models = [MODEL, EMBEDDINGS, LLM_BUDGET_MODEL]
+    keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=models, **fields)[1] for name, fields in tenants.items()}
     env = {
         "INFERPLANE_DATABASE_URL": url,
         "INFERPLANE_KEY_PEPPER": PEPPER,
         "INFERPLANE_AUTH_REFRESH_S": "0.3",
         "INFERPLANE_USAGE_FLUSH_S": "0.3",
     }
-    stack = start_stack(llm_repository, workdir, "--auth", "on", "--model", MODEL, "--model", EMBEDDINGS, env={**env, "INFERPLANE_AUTH": "on"})
+    stack = start_stack(llm_repository, workdir, "--auth", "on", "--model", MODEL, "--model", EMBEDDINGS, "--model", LLM_BUDGET_MODEL, env={**env, "INFERPLANE_AUTH": "on"})
     stack.env, stack.keys, stack.store = env, keys, store
     yield stack
     stop_stack(stack)
@@ -396,9 +397,69 @@ def test_the_callers_plan_is_the_engines_priority(llm_tenancy):
         stream.close()
 
 
-async def _engine_stats(stack, tenant: str) -> dict:
+async def _engine_stats(stack, tenant: str, model: str = MODEL) -> dict:
     headers = {"Authorization": f"Bearer {stack.keys[tenant]}"}
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://{stack.http}/v2/models/{MODEL}/engine_stats", headers=headers) as r:
+        async with s.get(f"http://{stack.http}/v2/models/{model}/engine_stats", headers=headers) as r:
             assert r.status == 200, await r.text()
             return await r.json()
+
+
+# ---- priority under KV pressure -------------------------------------------------------------------
+
+
+async def _chat_stream(stack, tenant: str, model: str, content: str, max_tokens: int) -> str:
+    """One streamed chat completion to its end; returns its finish reason."""
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+    headers = {"Authorization": f"Bearer {stack.keys[tenant]}"}
+    reason = None
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://{stack.http}/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        reason = choice.get("finish_reason") or reason
+    return reason
+
+
+def test_a_premium_stream_is_admitted_before_a_waiting_free_flood(llm_tenancy):
+    """Our engine under KV pressure: tiny_llama_budget's 400 KV tokens hold two of a free tenant's
+    streams (each reserves exactly half); the other free streams wait in the engine's queue. A
+    premium stream sent then is admitted at the next turnover, before every free stream that was
+    waiting when it arrived (arrival order would put it behind all of them). By engine steps, not time."""
+    model, premium, free = LLM_BUDGET_MODEL, "paying", "freeloader"
+    asyncio.run(_chat_stream(llm_tenancy, premium, model, "probe", 1))
+    prompt = asyncio.run(_engine_stats(llm_tenancy, premium, model))["records"][-1]["prompt_tokens"]
+    free_tokens = LLM_BUDGET_TOKENS // 2 - prompt  # two free streams fill the budget
+    premium_tokens = 8  # it needs room a running free stream leaves when it ends
+    floods = 6
+    before = {r["id"] for r in asyncio.run(_engine_stats(llm_tenancy, premium, model))["records"]}
+
+    async def scenario() -> tuple[dict, list[str]]:
+        flood = [asyncio.ensure_future(_chat_stream(llm_tenancy, free, model, "probe", free_tokens)) for _ in range(floods)]
+        queued = None
+        for _ in range(600):  # until the engine holds two and queues the rest (bounded, not timed)
+            stats = await _engine_stats(llm_tenancy, premium, model)
+            if stats["running"] == 2 and stats["waiting"] >= floods - 3:
+                queued = stats
+                break
+            await asyncio.sleep(0.02)
+        assert queued, f"the free flood never queued in the engine: {stats}"
+        reasons = [await _chat_stream(llm_tenancy, premium, model, "probe", premium_tokens)]
+        reasons += await asyncio.gather(*flood)
+        return queued, reasons
+
+    queued, reasons = asyncio.run(scenario())
+    assert reasons == ["length"] * (floods + 1)
+    records = [r for r in asyncio.run(_engine_stats(llm_tenancy, premium, model))["records"] if r["id"] not in before]
+    (paid,) = [r for r in records if r["priority"] == 1]
+    frees = [r for r in records if r["priority"] == 3]
+    assert len(frees) == floods and all(r["finish_reason"] == "length" for r in records)
+    # the free streams that were in the engine's queue when the premium one arrived
+    waited = [r for r in frees if r["submitted_step"] <= paid["submitted_step"] < r["admitted_step"]]
+    assert len(waited) >= 2, (paid, frees)
+    assert all(paid["admitted_step"] <= r["admitted_step"] for r in waited), (paid, waited)
+    # its wait is bounded by one batch turnover: a running free stream's max_tokens steps
+    assert 0 <= paid["admitted_step"] - paid["submitted_step"] <= free_tokens + 1, paid

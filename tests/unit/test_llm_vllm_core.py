@@ -411,7 +411,12 @@ def test_the_server_environment_gives_the_engine_every_core():
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(cores) and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert (cpu_list([0, 1]), cpu_list([3, 0, 1, 2, 7]), cpu_list([4])) == ("0-1", "0-3,7", "4")
     assert env["OMP_NUM_THREADS"] == str(len(cores))  # not Triton's 1
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # GiB, rounded up
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # 1.5 GiB: exact, on the command line (the variable would override it)
+    exact = server_command(VLLMConfig(python="p", kv_cache_bytes=3 << 29), "d", 1)
+    if "--gpu-memory-utilization" not in exact:  # CPU
+        assert exact[exact.index("--kv-cache-memory-bytes") + 1] == str(3 << 29)
+    assert server_environment(VLLMConfig(python="p", kv_cache_bytes=2 << 30), {})["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "--kv-cache-memory-bytes" not in server_command(VLLMConfig(python="p", kv_cache_bytes=2 << 30), "d", 1)
     assert env["PATH"].split(os.pathsep)[0] == "/v/bin" and "VIRTUAL_ENV" not in env
     one = server_environment(VLLMConfig(python="p", threads=1), {})
     assert one["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0]) and one["OMP_NUM_THREADS"] == "1"
