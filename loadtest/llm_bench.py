@@ -8,7 +8,7 @@ wait their turn, what a server without batching does) — and starts the stack i
     python -m loadtest.llm_bench --start --concurrency 1,4,16 --max-tokens 64 --json out/llm.json
 
 ``--start --engines cpu,vllm`` instead builds SmolLM2 once per engine (``smollm2_cpu``: ours,
-``smollm2_vllm``: vLLM's CPU build from ``.venv-vllm``) and reports each engine's tokens/s over the
+``smollm2_vllm``: vLLM's CPU build from ``.venv-vllm``; both with LoRA off) and reports each engine's tokens/s over the
 first one's, measured with the same client in the same run::
 
     python -m loadtest.llm_bench --start --engines cpu,vllm --concurrency 1,4,16 --max-tokens 64
@@ -129,6 +129,7 @@ def prepare_engines_repository(out: Path, engines: list[str], dtype: str | None 
         config = read_config(out / name)
         config.name = name
         config.parameters["engine"].string_value = engine
+        config.parameters["max_loras"].string_value = "0"  # base-model traffic: no engine in LoRA mode (loadtest.llm_lora measures that)
         if dtype:
             config.parameters["dtype"].string_value = dtype
         write_config(config, out / name)
@@ -158,6 +159,7 @@ def _start_standalone_vllm(model_dir: Path, workdir: Path):
         kv_cache_bytes=parse_memory(params.get("kv_cache_memory") or "1GiB"),
         max_num_seqs=int(params.get("max_running") or 16), max_num_batched_tokens=int(params.get("max_prefill_tokens") or 4096),
         max_model_len=int(params.get("max_model_len") or 0),
+        max_loras=int(params.get("max_loras") or 0), max_lora_rank=int(params.get("max_lora_rank") or 16),
     )  # fmt: skip
     port = _free_port()
     log = open(workdir / "vllm_standalone.log", "wb")

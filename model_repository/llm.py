@@ -243,8 +243,8 @@ def convert_smollm2(out_dir: Path | None = None) -> Path:
 
 # The tiny model exists to test our engine (its scheduler, KV budget, records): CPU even on a GPU.
 TINY_SETTINGS = EngineSettings(engine="cpu", threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
-# engine auto: vLLM's CPU build where `make setup` installed it (2.3-2.7x our engine's tokens/s, README);
-# on a GPU a 135M model needs little of it, and a third leaves room for another engine there.
+# engine auto: with the demo adapters (max_loras 4) on a CPU, our engine (mixed-adapter traffic measured
+# faster there than vLLM's LoRA mode, README); on a GPU vLLM, and a third of it leaves room for another engine.
 SMOLLM2_SETTINGS = EngineSettings(
     threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto", gpu_memory_utilization=0.3,
     max_model_len=4096, max_loras=4,

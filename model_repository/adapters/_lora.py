@@ -230,11 +230,13 @@ class AdapterIndex:
 class LoraBank:
     """Up to ``slots`` adapters applied inside one forward pass, each row of the batch with its own.
 
-    For every base module some loaded adapter targets, the bank holds ``A`` ``[slots + 1, R, in]`` and
-    ``B`` ``[slots + 1, out, R]`` (slot 0 all zeros: no adapter; ranks below ``R`` are zero-padded,
-    which changes nothing) and a forward hook adds ``scale * (x A_row^T) B_row^T`` to the module's
-    output for each row. ``rows`` (set by the engine before each forward) names each row's slot; with
-    no adapter in the batch it is None and the hooks do nothing. Only the engine thread touches it.
+    For every base module some loaded adapter targets, the bank holds ``A^T`` ``[slots + 1, in, R]`` and
+    ``scale * B^T`` ``[slots + 1, R, out]`` (slot 0 all zeros: no adapter; ranks below ``R`` are
+    zero-padded, which changes nothing, and only the loaded adapters' largest rank is computed) and a
+    forward hook adds ``x A_row^T (scale B_row)^T`` to the module's output for each row, in place:
+    two batched matmuls over the rows' gathered stacks, or two plain ones when every row has the
+    same adapter. ``use`` (called by the engine before each forward) names each row's slot; with no
+    adapter in the batch the hooks do nothing. Only the engine thread touches it.
     """
 
     def __init__(self, model: Any, slots: int = 8, max_rank: int = 16):
@@ -245,10 +247,14 @@ class LoraBank:
         self.slots = max(1, slots)
         self.max_rank = max_rank
         self.rows = None  # LongTensor [batch] of slots, or None
+        self.single = 0  # the one slot of every row, when they share one (plain matmuls, no gather)
+        self._rank = 0  # the largest rank loaded: the stacks' computed width
         self._modules = dict(model.named_modules())
         self._a: dict[str, Any] = {}
         self._b: dict[str, Any] = {}
-        self._scale = torch.zeros(self.slots + 1)
+        self._ranks = [0] * (self.slots + 1)
+        self._has: dict[str, set[int]] = {}  # module -> the slots whose adapter targets it
+        self._in_use: set[int] = set()  # the slots of the next forward pass
         self._slot_of: dict[str, int] = {}  # adapter key -> slot
         self._holders = [0] * (self.slots + 1)  # sequences using each slot
         self._last_used = [0] * (self.slots + 1)
@@ -282,7 +288,10 @@ class LoraBank:
 
     def use(self, slots: list[int]) -> None:
         """The slots of the next forward pass's rows (in order)."""
-        self.rows = self.torch.tensor(slots, dtype=self.torch.long) if any(slots) else None
+        first = slots[0] if slots else 0
+        self.single = first if first and all(s == first for s in slots) else 0
+        self._in_use = set(slots)
+        self.rows = self.torch.tensor(slots, dtype=self.torch.long) if any(slots) and not self.single else None
 
     def _load(self, adapter: Adapter, slot: int) -> None:
         from safetensors.torch import load_file
@@ -300,6 +309,8 @@ class LoraBank:
         for store in (self._a, self._b):  # the slot's previous adapter leaves no trace
             for stack in store.values():
                 stack[slot].zero_()
+        for slots in self._has.values():
+            slots.discard(slot)
         for module_name, parts in spec_modules.items():
             module = self._modules.get(module_name.removeprefix("base_model.model."))
             if module is None or not hasattr(module, "weight"):
@@ -307,26 +318,33 @@ class LoraBank:
             out_features, in_features = module.weight.shape
             if module_name not in self._a:
                 dtype = module.weight.dtype
-                self._a[module_name] = torch.zeros((self.slots + 1, self.max_rank, in_features), dtype=dtype)
-                self._b[module_name] = torch.zeros((self.slots + 1, out_features, self.max_rank), dtype=dtype)
+                self._a[module_name] = torch.zeros((self.slots + 1, in_features, self.max_rank), dtype=dtype)
+                self._b[module_name] = torch.zeros((self.slots + 1, self.max_rank, out_features), dtype=dtype)
                 self._hooks.append(module.register_forward_hook(self._hook(module_name)))
-            a, b = parts["A"], parts["B"]
-            self._a[module_name][slot, : a.shape[0]] = a.to(self._a[module_name].dtype)
-            self._b[module_name][slot, :, : b.shape[1]] = b.to(self._b[module_name].dtype)
-        self._scale[slot] = adapter.scale
+            a, b = parts["A"].float(), parts["B"].float()  # [r, in], [out, r]
+            self._a[module_name][slot, :, : a.shape[0]] = a.t().to(self._a[module_name].dtype)
+            self._b[module_name][slot, : b.shape[1]] = (b.t() * adapter.scale).to(self._b[module_name].dtype)
+            self._has.setdefault(module_name, set()).add(slot)
+        self._ranks[slot] = adapter.rank
+        self._rank = max(self._ranks)
 
     def _hook(self, module_name: str):
         torch = self.torch
 
+        has = self._has.setdefault(module_name, set())
+
         def add_lora(_module, inputs, output):
-            rows = self.rows
-            if rows is None:
+            r = self._rank
+            if not has & self._in_use:  # no row's adapter adapts this module
                 return None
-            x = inputs[0]
-            a = self._a[module_name][rows]  # [batch, R, in]
-            b = self._b[module_name][rows]  # [batch, out, R]
-            delta = torch.bmm(torch.bmm(x.to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2))
-            scale = self._scale[rows].to(delta.dtype).view(-1, 1, 1)
-            return output + (delta * scale).to(output.dtype)
+            if self.single:
+                a = self._a[module_name][self.single, :, :r]  # [in, r]
+                b = self._b[module_name][self.single, :r]  # [r, out]
+                output.add_(torch.matmul(torch.matmul(inputs[0], a), b))
+            elif self.rows is not None:
+                a = self._a[module_name][self.rows, :, :r]  # [batch, in, r]
+                b = self._b[module_name][self.rows, :r]  # [batch, r, out]
+                output.add_(torch.bmm(torch.bmm(inputs[0], a), b))
+            return None
 
         return add_lora

@@ -98,13 +98,19 @@ def vllm_unavailable(python: str = "") -> str | None:
     return None
 
 
-def choose_engine(requested: str, probe: Callable[[], str | None] = vllm_unavailable) -> str:
-    """``auto``: vLLM where it can run, else the CPU engine. ``vllm``: vLLM or EngineUnavailable.
-    ``cpu``: the CPU engine (vLLM is not probed). Returns "vllm" or "cpu"."""
+def choose_engine(requested: str, probe: Callable[[], str | None] = vllm_unavailable, *, lora_on_cpu: bool = False) -> str:
+    """``auto``: vLLM where it can run, else the CPU engine; but the CPU engine for a model that serves
+    LoRA adapters on a machine without a GPU (``lora_on_cpu``: there vLLM's LoRA mode cost its base-model
+    traffic 22-36 % of its tokens/s and mixed-adapter traffic ran at 0.25-0.32x, below our engine's
+    mixed-adapter tokens/s: BENCHMARKS.md §14). ``vllm``: vLLM or EngineUnavailable. ``cpu``: the CPU
+    engine (vLLM is not probed). Returns "vllm" or "cpu"."""
     name = (requested or "auto").strip().lower()
     if name not in ENGINES:
         raise ValueError(f"parameter 'engine' must be one of {', '.join(ENGINES)}; got {requested!r}")
     if name == "cpu":
+        return "cpu"
+    if name == "auto" and lora_on_cpu:
+        log.info("engine auto: the CPU engine (LoRA adapters on a CPU)")
         return "cpu"
     reason = probe()
     if reason is None:

@@ -194,7 +194,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(err)) from None
         try:
             python = find_vllm_python(params.get("vllm_python", ""))
-            choice = choose_engine(params.get("engine") or "auto", lambda: vllm_unavailable(python))
+            lora_on_cpu = int(params.get("max_loras") or 0) > 0 and not Path("/dev/nvidiactl").exists()
+            choice = choose_engine(params.get("engine") or "auto", lambda: vllm_unavailable(python), lora_on_cpu=lora_on_cpu)
         except (EngineUnavailable, ValueError) as err:
             raise pb_utils.TritonModelException(str(err)) from None
         try:

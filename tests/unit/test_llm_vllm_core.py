@@ -458,6 +458,9 @@ def test_auto_takes_vllm_where_it_can_run_and_the_cpu_engine_elsewhere():
     assert choose_engine("", probe=lambda: "no vLLM environment") == "cpu"
     assert choose_engine("auto", probe=lambda: None) == "vllm"
     assert choose_engine("vllm", probe=lambda: None) == "vllm"
+    # a model serving LoRA adapters on a CPU: ours under auto (measured faster there), vLLM when forced
+    assert choose_engine("auto", probe=lambda: None, lora_on_cpu=True) == "cpu"
+    assert choose_engine("vllm", probe=lambda: None, lora_on_cpu=True) == "vllm"
     with pytest.raises(EngineUnavailable, match="engine 'vllm' was asked for, but vLLM cannot run here: gone"):
         choose_engine("vllm", probe=lambda: "gone")
 
