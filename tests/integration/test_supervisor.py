@@ -52,20 +52,28 @@ def test_killed_triton_is_restarted_with_its_models(own_stack):
     while time.monotonic() - killed_at < 10:
         try:
             np.testing.assert_allclose(_infer(client, features), expected, rtol=1e-4, atol=1e-5)
-            if codes:  # an answer after the outage began
+            # an answer after the outage began, or from the new Triton: a request that arrived while Triton
+            # restarted may also have been held for it (server.dataplane.replicas) and never failed at all
+            if codes or _new_triton(own_stack, old_pid):
                 served_again = time.monotonic() - killed_at
                 break
         except grpcclient.InferenceServerException as err:
             codes.append(err.status())
         time.sleep(0.02)
     client.close()
-    assert codes, "the outage was never observed"
-    assert set(codes) == {"StatusCode.UNAVAILABLE"}, codes
+    assert set(codes) <= {"StatusCode.UNAVAILABLE"}, codes  # the outage, if a caller saw it, is only UNAVAILABLE
     assert served_again is not None and served_again < 10, f"not serving again within 10 s: {codes[-3:]}"
     assert own_stack.triton_pid() != old_pid
     assert psutil.Process(own_stack.process.pid).is_running()
     # the dead Triton's model processes went with it
     assert not [pid for pid in old_stubs if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def _new_triton(stack, old_pid: int) -> bool:
+    try:
+        return stack.triton_pid() != old_pid
+    except (RuntimeError, psutil.Error):  # between the old one and the new one
+        return False
 
 
 def test_unavailable_carries_a_retry_hint(own_stack):
