@@ -18,8 +18,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from server.control.batches import OIP_ENDPOINT, BatchStore
 from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Overloaded, UnsupportedMediaType, Violation, http_error
 from server.tenancy.identity import CallContext
-from server.transports import limits
-from server.transports.rest.openapi import JSON, Body, Route, error_body, error_responses, json_body
+from server.transports.openai.body import json_object
+from server.transports.rest.openapi import Body, Route, error_body, error_responses, json_body
 
 BATCHES: web.AppKey[BatchStore] = web.AppKey("batch_store", BatchStore)
 ROW_TIMEOUT_S = 300.0  # one row's deadline once admitted (it waits for capacity without one)
@@ -38,21 +38,6 @@ def _tenant(request: web.Request) -> tuple[str, str]:
 
     principal = request.app[DATAPLANE].gate.authenticate(CallContext.from_headers(request.headers))
     return principal.tenant.name, principal.tenant.team
-
-
-async def _json_body(request: web.Request) -> dict:
-    header = request.headers.get("Content-Type", JSON).split(";", 1)[0].strip().lower()
-    if header not in (JSON, ""):
-        raise UnsupportedMediaType(f"Content-Type {header!r} is not accepted here; send {JSON}")
-    raw = await request.read()
-    try:
-        doc = json.loads(raw or b"null")
-    except (ValueError, RecursionError):
-        raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
-    if not isinstance(doc, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    limits.check_json(raw, doc)
-    return doc
 
 
 def _thread(fn, *args):
@@ -108,7 +93,7 @@ async def file_content(request: web.Request) -> web.Response:
 async def create_batch(request: web.Request) -> web.Response:
     tenant, team = _tenant(request)
     store = _store(request)
-    doc = await _json_body(request)
+    doc = await json_object(request)
     job = await _thread(
         store.create_batch, tenant, team, doc.get("input_file_id"), doc.get("endpoint"), doc.get("completion_window", "24h"), doc.get("metadata")
     )  # fmt: skip

@@ -31,10 +31,11 @@ from typing import Any
 
 from aiohttp import web
 
-from server.errors import Cancelled, InferplaneError, InvalidRequest, UnsupportedMediaType, Violation, http_error
+from server.errors import Cancelled, InferplaneError, InvalidRequest, http_error
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
 from server.tenancy.identity import CallContext
 from server.transports import limits
+from server.transports.openai.body import json_object
 from server.transports.openai.batches import ROUTES as BATCH_ROUTES
 from server.transports.rest.openapi import JSON, Body, Route, error_body, error_responses, error_statuses, json_body
 
@@ -66,21 +67,6 @@ def service(request: web.Request) -> LLMService:
 
 
 # ---- request parsing --------------------------------------------------------------------------
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    header = request.headers.get("Content-Type", JSON).split(";", 1)[0].strip().lower()
-    if header not in (JSON, ""):
-        raise UnsupportedMediaType(f"Content-Type {header!r} is not accepted here; send {JSON}")
-    raw = await request.read()
-    try:
-        doc = json.loads(raw or b"null")
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting too deep is not
-        raise InvalidRequest("the request body is not valid JSON (UTF-8)") from None
-    if not isinstance(doc, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    limits.check_json(raw, doc)  # a lone surrogate ("\ud800") anywhere is the caller's mistake, named here
-    return doc
 
 
 def _bad(field: str, description: str) -> InvalidRequest:
@@ -402,13 +388,13 @@ class _CompletionRender(_ChatRender):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    doc = await _body(request)
+    doc = await json_object(request)
     model, params = parse_generation(doc, chat=True)
     return await _generate(request, doc, model, params, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    doc = await _body(request)
+    doc = await json_object(request)
     model, params = parse_generation(doc, chat=False)
     return await _generate(request, doc, model, params, chat=False)
 
@@ -472,7 +458,7 @@ def _completion_doc(cid: str, model: str, created: int, chat: bool, text: str, l
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    doc = await _body(request)
+    doc = await json_object(request)
     return web.json_response(await embeddings_answer(service(request), doc, _ctx(request)))
 
 
