@@ -171,19 +171,7 @@ class FairQueue:
         waiter = _Waiter(tag, tenant, None, asyncio.get_running_loop().create_future())
         heapq.heappush(self._batch_heap, (tag, next(self._seq), waiter))
         self.batch_size += 1
-        try:
-            if timeout is None:
-                await waiter.future
-            else:
-                await asyncio.wait_for(waiter.future, timeout)
-        except asyncio.TimeoutError:
-            self._forget_batch(waiter)
-            raise DeadlineUnmeetable(f"deadline exceeded waiting for model '{self.name}' (batch)") from None
-        except BaseException:
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(None, batch=True)
-            self._forget_batch(waiter)
-            raise
+        await self._wait(waiter, timeout, batch=True)
 
     def _forget_batch(self, waiter: _Waiter) -> None:
         if not waiter.done:
@@ -237,19 +225,26 @@ class FairQueue:
         heapq.heappush(self._heap, (tag, len(state.waiting), next(self._seq), waiter))
         self.size += 1
         self.queued += 1
+        await self._wait(waiter, timeout, batch=False)
+
+    async def _wait(self, waiter: _Waiter, timeout: float | None, batch: bool) -> None:
+        """Until ``waiter`` is granted its slot. One that times out (DeadlineUnmeetable) or is cancelled
+        leaves its queue; a grant that raced the cancellation is given back."""
+        forget = self._forget_batch if batch else self._forget
         try:
             if timeout is None:
                 await waiter.future
             else:
                 await asyncio.wait_for(waiter.future, timeout)
         except asyncio.TimeoutError:
-            self._forget(waiter)
-            self.shed += 1
-            raise DeadlineUnmeetable(f"deadline exceeded waiting for model '{self.name}'") from None
+            forget(waiter)
+            if not batch:
+                self.shed += 1
+            raise DeadlineUnmeetable(f"deadline exceeded waiting for model '{self.name}'{' (batch)' if batch else ''}") from None
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(None)  # granted a slot in the same tick it was cancelled: give it back
-            self._forget(waiter)
+                self.release(None, batch=batch)  # granted a slot in the same tick it was cancelled: give it back
+            forget(waiter)
             raise
 
     def release(self, service_s: float | None = None, batch: bool = False) -> None:
