@@ -182,7 +182,7 @@ def server_command(config: VLLMConfig, model_dir: str, port: int) -> list[str]:
         argv += ["--max-model-len", str(config.max_model_len)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
-    if config.gpu_memory_utilization and _has_cuda():
+    if config.gpu_memory_utilization and has_cuda():
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     elif config.kv_cache_bytes % (1 << 30):  # CPU, not whole GiB: exact (a small cache puts the scheduler under KV pressure)
         argv += ["--kv-cache-memory-bytes", str(config.kv_cache_bytes)]
@@ -230,7 +230,8 @@ def cpu_list(cores: list[int]) -> str:
     return ",".join(parts)
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
+    """An NVIDIA GPU on this machine (its driver's control device), without importing torch."""
     return Path("/dev/nvidiactl").exists()
 
 

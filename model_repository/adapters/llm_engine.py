@@ -28,7 +28,7 @@ import triton_python_backend_utils as pb_utils
 from _common import MAX_ERROR_CHARS, ArtifactMismatch, verify_artifact
 from _llm_common import RequestError, SamplingParams, request_adapter, request_priority
 from _lora import NOT_FOUND_PREFIX, AdapterError, AdapterIndex, AdapterNotFound
-from _vllm_core import EngineUnavailable, choose_engine, find_vllm_python, vllm_unavailable
+from _vllm_core import EngineUnavailable, choose_engine, find_vllm_python, has_cuda, vllm_unavailable
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _vllm_engine(model_dir, params, hooks, name):
 
     dtype = params.get("dtype") or "auto"
     if dtype == "auto":
-        dtype = "bfloat16" if Path("/dev/nvidiactl").exists() else native_cpu_dtype()
+        dtype = "bfloat16" if has_cuda() else native_cpu_dtype()
     config = VLLMConfig(
         python=find_vllm_python(params.get("vllm_python", "")),
         served_name=name,
@@ -194,7 +194,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(err)) from None
         try:
             python = find_vllm_python(params.get("vllm_python", ""))
-            lora_on_cpu = int(params.get("max_loras") or 0) > 0 and not Path("/dev/nvidiactl").exists()
+            lora_on_cpu = int(params.get("max_loras") or 0) > 0 and not has_cuda()
             choice = choose_engine(params.get("engine") or "auto", lambda: vllm_unavailable(python), lora_on_cpu=lora_on_cpu)
         except (EngineUnavailable, ValueError) as err:
             raise pb_utils.TritonModelException(str(err)) from None
