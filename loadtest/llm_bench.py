@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import shutil
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from loadtest import vllm_server
 from loadtest.sse import StreamResult, chat_body, stream_chat
 
 PROMPTS = [
@@ -144,10 +144,7 @@ STANDALONE = "vllm_standalone"
 def _start_standalone_vllm(model_dir: Path, workdir: Path):
     """vLLM's OpenAI server on ``model_dir/1/hf`` with the command line and environment the adapter
     uses for that model's parameters, outside Triton; returns (process, base URL) once it is healthy."""
-    import subprocess
-    import urllib.request
-
-    from model_repository.adapters._vllm_core import VLLMConfig, _free_port, server_command, server_environment
+    from model_repository.adapters._vllm_core import VLLMConfig
     from model_repository.adapters._llm_common import native_cpu_dtype
     from batching.kv_budget import parse_memory
     from model_repository.config_writer import read_config
@@ -161,22 +158,14 @@ def _start_standalone_vllm(model_dir: Path, workdir: Path):
         max_model_len=int(params.get("max_model_len") or 0),
         max_loras=int(params.get("max_loras") or 0), max_lora_rank=int(params.get("max_lora_rank") or 16),
     )  # fmt: skip
-    port = _free_port()
-    log = open(workdir / "vllm_standalone.log", "wb")
-    proc = subprocess.Popen(server_command(config, str(model_dir / "1" / "hf"), port), env=server_environment(config),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"standalone vLLM exited: {(workdir / 'vllm_standalone.log').read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2):
-                return proc, base
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise RuntimeError("standalone vLLM did not come up")
+    log_path = workdir / "vllm_standalone.log"
+    proc, base = vllm_server.start(config, model_dir / "1" / "hf", log_path)
+    try:
+        vllm_server.wait_healthy(proc, base, log_path)
+    except RuntimeError:
+        vllm_server.stop([proc])
+        raise
+    return proc, base
 
 
 def _link(src, dst):
@@ -279,13 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         return 0
     finally:
-        for proc in procs:
-            import os
-            import signal
-
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        vllm_server.stop(procs)
         if stack is not None:
             from loadtest.stack import stop_stack
 

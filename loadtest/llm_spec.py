@@ -29,13 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +41,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from loadtest import vllm_server
 from loadtest.sse import StreamResult, chat_body, stream_chat
 
 OFF, NGRAM = "spec_off", "spec_ngram"
@@ -270,33 +267,17 @@ def start_vllm(model_dir: Path, name: str, workdir: Path, eager: bool, speculati
     """vLLM's OpenAI server with the adapter's command line and environment (plus ``speculative``)."""
     from batching.kv_budget import parse_memory
     from model_repository.adapters._llm_common import native_cpu_dtype
-    from model_repository.adapters._vllm_core import VLLMConfig, _free_port, server_command, server_environment
+    from model_repository.adapters._vllm_core import VLLMConfig
     from model_repository.llm import SMOLLM2_SETTINGS
     from server.runtime.triton_install import default_vllm_python
 
     config = VLLMConfig(python=str(default_vllm_python()), served_name=name, dtype=native_cpu_dtype(),
                         kv_cache_bytes=parse_memory(SMOLLM2_SETTINGS.kv_cache_memory), max_model_len=2048,
                         enforce_eager=eager)  # fmt: skip
-    argv = server_command(config, str(model_dir), port := _free_port())
-    if speculative is not None:
-        argv += ["--speculative-config", json.dumps(speculative)]
     log_path = workdir / f"{name}.log"
-    proc = subprocess.Popen(argv, env=server_environment(config), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}", log_path
-
-
-def wait_healthy(proc, base: str, log_path: Path, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM ({base}) exited with {proc.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"vLLM ({base}) did not come up in {timeout:.0f} s")
+    extra = ["--speculative-config", json.dumps(speculative)] if speculative is not None else []
+    proc, base = vllm_server.start(config, model_dir, log_path, extra)
+    return proc, base, log_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             targets += [Target(n, base + "/v1/chat/completions", platform_counters(base, n)) for n in names]
         for name, proc, base, log_path in standalone:
             try:
-                wait_healthy(proc, base, log_path)
+                vllm_server.wait_healthy(proc, base, log_path)
                 targets.append(Target(name, base + "/v1/chat/completions", vllm_counters(base)))
             except RuntimeError as err:
                 print(f"{name}: not measured: {err}", flush=True)
@@ -395,11 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells, "medians": medians}, indent=2) + "\n")
         return 0
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=30)
+        vllm_server.stop(procs)
         if stack is not None:
             from loadtest.stack import stop_stack
 
