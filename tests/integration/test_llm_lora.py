@@ -36,6 +36,14 @@ def lora_stack(llm_repository, tmp_path_factory):
     repository = workdir / "model_repository"
     # our own copy (hard links) of the model folder: this module installs adapter versions into it
     shutil.copytree(llm_repository / MODEL, repository / MODEL, copy_function=os.link)
+    # engine auto, as the demo ships it (the shared repository forces cpu): a model serving adapters on a
+    # machine without a GPU runs on our engine even where vLLM's environment exists
+    from model_repository.config_writer import read_config, write_config
+
+    config = read_config(repository / MODEL)
+    config.parameters["engine"].string_value = "auto"
+    (repository / MODEL / "config.pbtxt").unlink()  # a hard link to the shared repository's: not written through
+    write_config(config, repository / MODEL)
     url = f"sqlite:///{workdir}/tenancy.db"
     store = TenancyStore(url)
     tenants = {"all": ["*"], "base_only": [MODEL], "pirate_only": [f"{MODEL}:pirate"]}
@@ -88,6 +96,7 @@ def test_each_request_gets_its_adapters_behaviour_in_one_mixed_batch(lora_stack)
         # same model, same greedy answer: the batch's other rows never leak into a row
         assert texts[:3] == texts[3:]
     stats = _engine_stats(lora_stack)
+    assert stats["engine"] == "cpu"  # engine auto with max_loras > 0 on a CPU (model_repository/adapters/_vllm_core.choose_engine)
     assert sorted(stats["adapters"]) == ["pirate", "robot"] and sorted(stats["loras"]) == ["pirate-v1", "robot-v1"]
     # they ran together: some decode step computed a base row and both adapters' rows
     records = [r for r in stats["records"] if r.get("last_step", -1) >= 0][-len(models) :]

@@ -271,6 +271,7 @@ def test_under_kv_pressure_vllm_runs_a_premium_stream_ahead_of_the_waiting_free_
     assert not [n for n in order[: order.index("premium")] if n in waiting], (order, waiting)
     record = [r for r in after["records"] if r["priority"] == 1][-1]
     assert record["completion_tokens"] == premium_tokens and record["prompt_tokens"] > 400
+    assert 0 < record["kv_utilization"] <= 1, record  # vLLM's KV use, polled from its /metrics: what replica routing bounds by
     print(f"KV pressure: vLLM ran {pressed['engine_running']}, queued {pressed['queue_depth']} at KV use "
           f"{pressed['kv_utilization']:.2f}; preemptions during the test: {after['preemptions'] - before['preemptions']}; end order {order}")
     # the free streams are aborted in vLLM when their callers leave
