@@ -150,10 +150,11 @@ def _text_input(text: str, lib=grpcclient):
 
 
 def _wait_bound(stack):
-    """The frontend refreshes keys and bindings every 0.3 s: wait until acme's certificate authenticates."""
+    """The frontend refreshes keys and bindings every 0.3 s: wait until both bound certificates (acme's,
+    then billing's, bound one CLI call after the other) authenticate."""
 
-    def ok():
-        client = _grpc_client(stack, stack.pki.acme)
+    def ok(identity):
+        client = _grpc_client(stack, identity)
         try:
             return client.is_model_ready(EMBED)
         except Exception:  # noqa: BLE001 - not bound yet
@@ -161,7 +162,8 @@ def _wait_bound(stack):
         finally:
             client.close()
 
-    assert wait_until(ok, timeout=30), stack.log_tail()
+    for identity in (stack.pki.acme, stack.pki.billing):
+        assert wait_until(lambda: ok(identity), timeout=30), stack.log_tail()
 
 
 # ---- TLS and mTLS: the real clients ---------------------------------------------------------------
