@@ -7,9 +7,13 @@ PostgreSQL URLs may name the driver or not (``postgresql://`` uses psycopg 3).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -54,3 +58,30 @@ def display_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # not a URL SQLAlchemy reads: show its scheme only
         return url.split(":", 1)[0] + ":…"
+
+
+@contextlib.contextmanager
+def exclusive(connection: Connection, name: str) -> Iterator[None]:
+    """Hold a lock named ``name`` across processes while the block runs: a PostgreSQL session
+    advisory lock on ``connection``'s server, or for a SQLite file an ``flock`` on ``FILE.NAME.lock``
+    beside it (an in-memory database is one process's: nothing to hold)."""
+    if connection.dialect.name == "postgresql":
+        key = zlib.crc32(f"inferplane:{name}".encode())
+        connection.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        connection.commit()
+        try:
+            yield
+        finally:
+            connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            connection.commit()
+        return
+    database = connection.engine.url.database or ""
+    if connection.dialect.name != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
+        yield
+        return
+    with open(f"{database}.{name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

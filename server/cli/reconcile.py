@@ -1,0 +1,97 @@
+"""CLI of a cluster's database and Tritons: ``control migrate`` (the schema, once; a Kubernetes Job
+runs it before the control plane and the frontends roll out) and ``control reconcile`` (the Triton
+reconciler, ``server.control.reconciler``, on its own: desired placements to every Triton's loaded
+models; ``control run`` runs the same loop under its leader lease).
+
+```
+inferplane control migrate                                   # INFERPLANE_DATABASE_URL to the newest revision
+inferplane control reconcile --triton-service triton-general:8001 --repository s3://models/repository
+inferplane control reconcile --triton-url 127.0.0.1:8001,127.0.0.1:8011 --repository var/model_repository --once
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+import typer
+
+from server.cli.autoscale import control_app
+from server.cli.traffic import parse_duration
+
+
+def mount(app: typer.Typer) -> None:
+    """The commands join ``control`` (mounted by ``server.cli.autoscale``)."""
+
+
+@control_app.command("migrate")
+def control_migrate() -> None:
+    """Bring INFERPLANE_DATABASE_URL's schema to the newest revision, under the database's migration
+    lock: however many run at once, one migrates and the others find the schema at head."""
+    from server import migrations
+    from server.db import display_url, make_engine
+    from server.settings import Settings
+
+    settings = Settings()
+    engine = make_engine(settings.database_url)
+    try:
+        before, after = migrations.upgrade(engine)
+    finally:
+        engine.dispose()
+    where = display_url(settings.database_url)
+    typer.echo(f"migrated {where} from {before or 'empty'} to {after}" if before != after else f"{where} already at {after}")
+
+
+@control_app.command("reconcile")
+def control_reconcile(
+    triton_url: Optional[str] = typer.Option(None, "--triton-url", help="Tritons' gRPC addresses, comma-separated."),
+    triton_service: Optional[str] = typer.Option(None, "--triton-service", help="A headless Service HOST:PORT whose addresses are the Tritons."),
+    repository: str = typer.Option(..., "--repository", help="The model repository every Triton reads (folder or s3:// gs:// URL)."),
+    drain: str = typer.Option("30s", "--drain", help="How long a removed version stays loaded before it is unloaded."),
+    interval: str = typer.Option("2s", "--interval", help="How often to reconcile."),
+    prune: bool = typer.Option(False, "--prune", help="Also unload models no placement names (Tritons owned outright)."),
+    once: bool = typer.Option(False, "--once", help="One round, print what was applied, exit."),
+) -> None:
+    """Load every placed model version on the Tritons it is placed on; unload removed ones after their drain."""
+    from server.settings import Settings
+
+    if bool(triton_url) == bool(triton_service):
+        raise typer.BadParameter("name the Tritons with exactly one of --triton-url or --triton-service")
+    settings = Settings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_reconcile(settings.database_url, triton_url, triton_service, repository, parse_duration(drain), parse_duration(interval), prune, once))
+
+
+async def _reconcile(database_url, triton_url, triton_service, repository, drain_s, interval_s, prune, once) -> None:
+    import signal
+
+    from server import migrations
+    from server.control.placement_store import PlacementStore
+    from server.control.reconciler import StaticSource, TritonReconciler
+    from server.dataplane.replicas import DnsSource
+    from server.db import make_engine
+
+    engine = make_engine(database_url)
+    await asyncio.to_thread(migrations.upgrade, engine)
+    if triton_service:
+        host, _, port = triton_service.rpartition(":")
+        source = DnsSource(host, int(port))
+    else:
+        source = StaticSource(u.strip() for u in triton_url.split(",") if u.strip())
+    reconciler = TritonReconciler(PlacementStore(engine), source, repository=repository, drain_s=drain_s, prune=prune)
+    try:
+        if once:
+            for target, actions in (await reconciler.reconcile_once()).items():
+                state = reconciler.state[target]
+                typer.echo(f"{target}: {', '.join(map(str, actions)) or 'in step'}" + (f" ({state.error})" if state.error else ""))
+            return
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await reconciler.run(stop, interval_s)
+    finally:
+        await reconciler.close()
+        engine.dispose()

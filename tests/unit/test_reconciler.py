@@ -1,0 +1,168 @@
+"""The Triton reconciler's pure planning (desired placements and observed index to actions), the
+placement store on SQLite and PostgreSQL, and the loop against an in-memory Triton stand-in (the
+real Tritons: tests/integration/test_reconciler_tritons.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from server import migrations
+from server.control.placement_store import EVERY_TRITON, Placement, PlacementStore
+from server.control.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, load_config, observed_versions, plan_triton
+from server.db import make_engine
+from server.errors import BackendUnavailable
+from server.protogen.inference import model_config_pb2
+from tests.unit.test_registry import db_url  # noqa: F401 - a fixture (SQLite and PostgreSQL)
+
+
+def entry(name, version, state="READY"):
+    return SimpleNamespace(name=name, version=str(version), state=state)
+
+
+def test_desired_keeps_a_removed_version_through_its_drain_only():
+    placements = [Placement("m", 1, EVERY_TRITON, None, 2, removed_at=100.0), Placement("m", 2, EVERY_TRITON, None, 2, None)]
+    assert desired_on(placements, "t", now=110.0, drain_s=30.0)[0] == {"m": {1, 2}}
+    assert desired_on(placements, "t", now=130.0, drain_s=30.0)[0] == {"m": {2}}
+
+
+def test_desired_applies_a_placement_to_its_triton_or_to_every_one():
+    placements = [Placement("a", 1, "t1", None, 1, None), Placement("b", 1, EVERY_TRITON, None, 1, None)]
+    assert desired_on(placements, "t1", 0.0, 0.0)[0] == {"a": {1}, "b": {1}}
+    assert desired_on(placements, "t2", 0.0, 0.0)[0] == {"b": {1}}
+    assert desired_on(placements, "t2", 0.0, 0.0)[2] == {"b"}
+
+
+def test_observed_reads_ready_versions_and_busy_models():
+    ready, busy = observed_versions([entry("m", 1), entry("m", 2), entry("x", "", "UNAVAILABLE"), entry("y", 1, "LOADING")])
+    assert ready == {"m": {1, 2}} and busy == {"y"}
+
+
+def test_plan_loads_what_differs_and_unloads_what_no_longer_is_desired():
+    actions = plan_triton({"a": {2}, "b": {1}}, {"a": '{"x": 1}'}, {"a", "b", "c"}, {"a": {1}, "b": {1}, "c": {3}, "other": {1}})
+    assert actions == [Action(LOAD, "a", (2,), '{"x": 1}'), Action(UNLOAD, "c")]  # b in step; other: not ours
+
+
+def test_plan_prunes_unnamed_models_only_when_asked_and_waits_for_busy_ones():
+    assert plan_triton({}, {}, set(), {"other": {1}}, prune=True) == [Action(UNLOAD, "other")]
+    assert plan_triton({"a": {1}}, {}, {"a"}, {}, busy={"a"}) == []
+
+
+def test_load_config_names_exactly_the_desired_versions():
+    base = model_config_pb2.ModelConfig(name="m", backend="python")
+    base.version_policy.latest.num_versions = 1
+    doc = json.loads(load_config(base, [3, 1]))
+    assert [int(v) for v in doc["versionPolicy"]["specific"]["versions"]] == [1, 3] and doc["name"] == "m"  # int64: JSON strings
+
+
+def test_store_places_removes_and_revives_with_generations(db_url):
+    engine = make_engine(db_url)
+    clock = iter(range(100, 200)).__next__
+    try:
+        migrations.upgrade(engine)
+        store = PlacementStore(engine, clock=lambda: float(clock()))
+        assert store.place("m", 1) == 1
+        assert store.place("m", 2, config='{"name": "m"}') == 2
+        assert store.remove("m", 1) == 1 and store.remove("m", 1) == 0
+        rows = {(p.version, p.removed_at is not None, p.generation) for p in store.all()}
+        assert rows == {(1, True, 3), (2, False, 2)}
+        store.place("m", 1)
+        assert all(p.removed_at is None for p in store.all())
+        store.remove("m")
+        assert store.forget_removed(before=1e9) == 2 and store.all() == []
+        with pytest.raises(ValueError):
+            store.place("m", 0)
+    finally:
+        engine.dispose()
+
+
+class FakeTriton:
+    """The model-control surface of one Triton, in memory (a down one raises as the real client does)."""
+
+    def __init__(self):
+        self.loaded: dict[str, set[int]] = {}
+        self.down = False
+        self.configs: list[dict] = []
+
+    async def repository_index(self):
+        if self.down:
+            raise BackendUnavailable("connection refused")
+        return [entry(m, v) for m, vs in self.loaded.items() for v in vs]
+
+    async def load_model(self, name, timeout=300.0, *, config=None):
+        doc = json.loads(config)
+        self.configs.append(doc)
+        self.loaded[name] = {int(v) for v in doc["versionPolicy"]["specific"]["versions"]}
+
+    async def unload_model(self, name, timeout=60.0):
+        self.loaded.pop(name, None)
+
+    async def close(self):
+        pass
+
+
+def test_loop_converges_a_late_and_a_returning_triton_and_drains_removed_versions(tmp_path):
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\n')
+    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
+    migrations.upgrade(engine)
+    now = [1000.0]
+    store = PlacementStore(engine, clock=lambda: now[0])
+    tritons = {"a": FakeTriton(), "b": FakeTriton(), "c": FakeTriton()}
+    source = StaticSource(["a", "b"])
+    rec = TritonReconciler(store, source, repository=tmp_path / "repo", drain_s=30.0, client_factory=tritons.__getitem__, clock=lambda: now[0])
+
+    async def scenario():
+        store.place("m", 1)
+        await rec.reconcile_once()
+        assert tritons["a"].loaded == tritons["b"].loaded == {"m": {1}}
+        assert tritons["a"].configs[0]["name"] == "m"  # the repository's config.pbtxt, versions set
+        source.add("c")  # joins late
+        tritons["b"].down = True  # down during the change
+        store.place("m", 2)
+        store.remove("m", 1)
+        await rec.reconcile_once()
+        assert tritons["a"].loaded == tritons["c"].loaded == {"m": {1, 2}}  # 1 still draining
+        assert tritons["b"].loaded == {"m": {1}} and rec.state["b"].error.startswith("unreachable")
+        now[0] += 31.0  # past the drain
+        tritons["b"].down = False
+        await rec.reconcile_once()
+        assert {t: x.loaded for t, x in tritons.items()} == {"a": {"m": {2}}, "b": {"m": {2}}, "c": {"m": {2}}}
+        store.remove("m")
+        now[0] += 31.0
+        await rec.reconcile_once()
+        assert all(x.loaded == {} for x in tritons.values())
+        assert await rec.reconcile_once() == {"a": [], "b": [], "c": []}  # level-triggered: nothing left to do
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.dispose()
+
+
+def test_run_reconciles_until_stopped(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\n')
+    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
+    migrations.upgrade(engine)
+    store = PlacementStore(engine)
+    store.place("m", 1)
+    triton = FakeTriton()
+    rec = TritonReconciler(store, StaticSource(["a"]), repository=tmp_path, client_factory=lambda t: triton)
+
+    async def scenario():
+        stop = asyncio.Event()
+        task = asyncio.create_task(rec.run(stop, interval_s=0.01))
+        while not triton.loaded:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(scenario())
+        assert triton.loaded == {"m": {1}}
+    finally:
+        engine.dispose()
