@@ -5,6 +5,7 @@ models; ``control run`` runs the same loop under its leader lease).
 
 ```
 inferplane control migrate                                   # INFERPLANE_DATABASE_URL to the newest revision
+inferplane control reconcile --repository s3://models/repository   # one loop per group of INFERPLANE_MODEL_GROUPS_FILE
 inferplane control reconcile --triton-service triton-general:8001 --repository s3://models/repository
 inferplane control reconcile --triton-url 127.0.0.1:8001,127.0.0.1:8011 --repository var/model_repository --once
 ```
@@ -54,44 +55,53 @@ def control_reconcile(
     prune: bool = typer.Option(False, "--prune", help="Also unload models no placement names (Tritons owned outright)."),
     once: bool = typer.Option(False, "--once", help="One round, print what was applied, exit."),
 ) -> None:
-    """Load every placed model version on the Tritons it is placed on; unload removed ones after their drain."""
+    """Load every placed model version on the Tritons it is placed on; unload removed ones after their drain.
+    Without --triton-url / --triton-service: one loop per model group of INFERPLANE_MODEL_GROUPS_FILE."""
     from server.settings import Settings
 
-    if bool(triton_url) == bool(triton_service):
-        raise typer.BadParameter("name the Tritons with exactly one of --triton-url or --triton-service")
+    if triton_url and triton_service:
+        raise typer.BadParameter("name the Tritons with one of --triton-url or --triton-service")
     settings = Settings()
+    if not (triton_url or triton_service or settings.model_groups_file):
+        raise typer.BadParameter("name the Tritons: --triton-url, --triton-service or INFERPLANE_MODEL_GROUPS_FILE")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_reconcile(settings.database_url, triton_url, triton_service, repository, parse_duration(drain), parse_duration(interval), prune, once))
+    options = {"repository": repository, "drain_s": parse_duration(drain), "prune": prune}
+    asyncio.run(_reconcile(settings, triton_url, triton_service, options, parse_duration(interval), once))
 
 
-async def _reconcile(database_url, triton_url, triton_service, repository, drain_s, interval_s, prune, once) -> None:
+async def _reconcile(settings, triton_url, triton_service, options: dict, interval_s: float, once: bool) -> None:
     import signal
 
     from server import migrations
+    from server.control.executors import ModelGroups
     from server.control.placement_store import PlacementStore
-    from server.control.reconciler import StaticSource, TritonReconciler
+    from server.control.reconciler import StaticSource, TritonReconciler, for_groups
     from server.dataplane.replicas import DnsSource
     from server.db import make_engine
 
-    engine = make_engine(database_url)
+    engine = make_engine(settings.database_url)
     await asyncio.to_thread(migrations.upgrade, engine)
+    store = PlacementStore(engine)
     if triton_service:
         host, _, port = triton_service.rpartition(":")
-        source = DnsSource(host, int(port))
+        reconcilers = [TritonReconciler(store, DnsSource(host, int(port)), **options)]
+    elif triton_url:
+        reconcilers = [TritonReconciler(store, StaticSource(u.strip() for u in triton_url.split(",") if u.strip()), **options)]
     else:
-        source = StaticSource(u.strip() for u in triton_url.split(",") if u.strip())
-    reconciler = TritonReconciler(PlacementStore(engine), source, repository=repository, drain_s=drain_s, prune=prune)
+        reconcilers = for_groups(ModelGroups.load(settings.model_groups_file), store, **options)
     try:
         if once:
-            for target, actions in (await reconciler.reconcile_once()).items():
-                state = reconciler.state[target]
-                typer.echo(f"{target}: {', '.join(map(str, actions)) or 'in step'}" + (f" ({state.error})" if state.error else ""))
+            for reconciler in reconcilers:
+                for target, actions in (await reconciler.reconcile_once()).items():
+                    state = reconciler.state[target]
+                    typer.echo(f"{target}: {', '.join(map(str, actions)) or 'in step'}" + (f" ({state.error})" if state.error else ""))
             return
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await reconciler.run(stop, interval_s)
+        await asyncio.gather(*(r.run(stop, interval_s) for r in reconcilers))
     finally:
-        await reconciler.close()
+        for reconciler in reconcilers:
+            await reconciler.close()
         engine.dispose()

@@ -14,7 +14,10 @@ headless Service's addresses: ``server.dataplane.replicas.DnsSource``):
   routed to it before the switch finish), then the model is loaded without it, or unloaded when it
   was the last one;
 * a model the placements never named is left alone (``prune=True``: unloaded; for a Triton the
-  reconciler owns outright).
+  reconciler owns outright);
+* ``owns(model)`` limits the reconciler to some models: on a cluster one reconciler per model
+  group (``for_groups``: the group's headless Service, the models the group serves), so a ``*``
+  placement never loads a GPU group's model on the CPU group's pods.
 
 Nothing is remembered between rounds but the Triton clients: a Triton that joins late, restarts
 with nothing loaded, or was unreachable during a change converges on the next round by itself.
@@ -35,6 +38,7 @@ import fsspec
 from google.protobuf import json_format, text_format
 
 from server.control.placement_store import Placement
+from server.dataplane.replicas import DnsSource
 from server.dataplane.triton_client import TritonClient
 from server.errors import InferplaneError
 from server.protogen.inference import model_config_pb2
@@ -146,7 +150,7 @@ class TritonReconciler:
     def __init__(
         self, store, source, *, repository: str | Path, drain_s: float = 30.0, prune: bool = False,
         client_factory: Callable[[str], object] | None = None, clock: Callable[[], float] = time.time,
-        load_timeout_s: float = 300.0,
+        load_timeout_s: float = 300.0, owns: Callable[[str], bool] = lambda model: True,
     ):  # fmt: skip
         self.store = store  # server.control.placement_store.PlacementStore
         self.source = source  # anything with ``async targets() -> set[str]``: StaticSource, DnsSource
@@ -154,6 +158,7 @@ class TritonReconciler:
         self.drain_s = drain_s
         self.prune = prune
         self.load_timeout_s = load_timeout_s
+        self.owns = owns
         self._client_factory = client_factory or _client
         self._clock = clock
         self._clients: dict[str, object] = {}
@@ -193,7 +198,7 @@ class TritonReconciler:
     async def _reconcile(self, target: str, placements: list[Placement], now: float) -> list[Action]:
         state = self.state.setdefault(target, TritonState())
         client = self._client(target)
-        desired, configs, named = desired_on(placements, target, now, self.drain_s)
+        desired, configs, named = desired_on((p for p in placements if self.owns(p.model)), target, now, self.drain_s)
         try:
             ready, busy = observed_versions(await client.repository_index())
         except InferplaneError as err:  # down or restarting: the next round tries again
@@ -234,6 +239,17 @@ class TritonReconciler:
         clients, self._clients = self._clients, {}
         for client in clients.values():
             await client.close()
+
+
+def for_groups(groups, store, *, repository: str | Path, **kwargs) -> list[TritonReconciler]:
+    """One reconciler per model group (``server.control.executors.ModelGroups``): its Tritons are the
+    addresses of the group's headless Service, its models those the group serves (``*``: every model
+    no other group names)."""
+    return [
+        TritonReconciler(store, DnsSource(spec["service"], spec["grpc_port"], group=name), repository=repository,
+                         owns=lambda model, name=name: groups.group_of(model) == name, **kwargs)  # fmt: skip
+        for name, spec in groups.groups.items()
+    ]
 
 
 def _client(target: str) -> TritonClient:

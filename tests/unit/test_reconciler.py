@@ -12,7 +12,8 @@ import pytest
 
 from server import migrations
 from server.control.placement_store import EVERY_TRITON, Placement, PlacementStore
-from server.control.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, load_config, observed_versions, plan_triton
+from server.control.executors import ModelGroups
+from server.control.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
 from server.db import make_engine
 from server.errors import BackendUnavailable
 from server.protogen.inference import model_config_pb2
@@ -164,5 +165,33 @@ def test_run_reconciles_until_stopped(tmp_path):
     try:
         asyncio.run(scenario())
         assert triton.loaded == {"m": {1}}
+    finally:
+        engine.dispose()
+
+
+def test_one_reconciler_per_group_loads_a_star_placement_only_on_the_group_serving_the_model(tmp_path):
+    """The GPU overlay's groups: the general (``*``) group's Tritons never get a GPU group's model."""
+    for name in ("trees", "resnet50_trt"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\n')
+    groups = ModelGroups({"general": {"service": "triton-general", "models": ["*"]}, "gpu-01": {"service": "triton-gpu-01", "models": ["resnet50_trt"]}})
+    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
+    migrations.upgrade(engine)
+    store = PlacementStore(engine)
+    store.place("trees", 1)
+    store.place("resnet50_trt", 1)
+    tritons = {"10.0.0.1:8001": FakeTriton(), "10.0.0.2:8001": FakeTriton()}
+    addresses = {"triton-general": ["10.0.0.1"], "triton-gpu-01": ["10.0.0.2"]}
+    reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
+    for rec in reconcilers:
+        rec.source.resolver = addresses.__getitem__
+
+    async def scenario():
+        for rec in reconcilers:
+            await rec.reconcile_once()
+
+    try:
+        asyncio.run(scenario())
+        assert tritons["10.0.0.1:8001"].loaded == {"trees": {1}} and tritons["10.0.0.2:8001"].loaded == {"resnet50_trt": {1}}
     finally:
         engine.dispose()
