@@ -437,25 +437,20 @@ def overlay_files(packing: Packing, *, template: str = "../../../../base/triton"
     routing: dict[str, dict] = {"general": {"service": "triton-general", "grpc_port": 8001, "models": ["*"]}}
     for g in groups:
         resource, count = g.resource, g.count
-        models = ",".join(g.models)
-        def env():
-            return [{"name": "INFERPLANE_GROUP_MODELS", "value": models}]
-
+        # no `replicas:` (the ScaledObject below holds the group at its packed count) and no model list:
+        # the reconciler loads on this group's pods the models model-groups.json gives it
         patch = {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": {"name": "triton", "annotations": {"inferplane.io/slots": " ".join(g.slots)}},
             "spec": {
-                "replicas": g.replicas,
                 "template": {
                     "spec": {
                         "nodeSelector": {"nvidia.com/gpu.product": GPU_TYPES[g.gpu]["product"], "inferplane.io/gpu-pool": g.pool},
                         "tolerations": [GPU_TOLERATION],
-                        "initContainers": [{"name": "sync-model-repository", "env": env()}],
                         "containers": [
                             {
                                 "name": "triton",
-                                "env": env(),
                                 "resources": {
                                     "requests": {resource: str(count)},
                                     "limits": {resource: str(count)},

@@ -3,7 +3,8 @@
     python -m server.runtime.repository_sync --source s3://bucket/model_repository --dest /models \\
         [--models fraud_xgboost,mlp_classifier | --models '*']
 
-The init container of every Triton pod runs this before Triton starts. ``--source`` is any fsspec
+Triton pods no longer need it (they read the repository URL and the control plane's reconciler loads
+their models: ``server.control.reconciler``); it stays for copying a repository to a machine. ``--source`` is any fsspec
 URL (``s3://``, ``gs://``, ``file://``, a plain path); each model is the folder ``SOURCE/NAME``
 (``config.pbtxt``, version folders, ``inferplane.json``). Files are written to a temporary name and
 renamed, so Triton never sees half a file; a file already present with the same size is kept
@@ -43,6 +44,10 @@ def sync(source: str, dest: Path, models: list[str] | None = None) -> dict:
     fs, root = fsspec.core.url_to_fs(source if "://" in source else str(Path(source).resolve()))
     root = root.rstrip("/")
     if not fs.isdir(root):
+        if models is None or models == ["*"]:  # an empty bucket (a first rollout): nothing to copy yet
+            log.warning("source %s holds no model repository yet: nothing copied", source)
+            dest.mkdir(parents=True, exist_ok=True)
+            return {"models": [], "copied": 0, "kept": 0}
         raise SyncError(f"source {source} is not a folder")
     available = sorted(PurePosixPath(p.rstrip("/")).name for p in fs.ls(root, detail=False) if fs.isdir(p))
     if models is None or models == ["*"]:

@@ -152,7 +152,7 @@ def test_every_container_has_requests_and_limits(overlay):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], where
         assert spec["securityContext"]["runAsNonRoot"] is True
-    assert count >= 4  # frontend, control plane, each Triton group with its sync init container
+    assert count >= 4  # frontend, control plane, its migrate Job, each Triton group
 
 
 def test_frontend_is_ready_on_the_grpc_health_service_and_sizes_workers_from_its_cpu_request():
@@ -201,8 +201,6 @@ def test_every_triton_group_has_a_headless_service_and_a_scaledobject():
             others = [g for g in groups if g is not d]
             assert not any(_matches(svc["spec"]["selector"], g["spec"]["template"]["metadata"]["labels"]) for g in others)
             assert name in scaled
-            init = d["spec"]["template"]["spec"]["initContainers"][0]
-            assert init["command"] == ["python", "-m", "server.runtime.repository_sync"]
 
 
 def test_gpu_overlay_requests_gpus_and_mig_slices_and_the_general_group_none():
@@ -234,15 +232,23 @@ def test_packing_overlay_is_what_plan_gpus_writes():
     assert on_disk == files, "stale: run `inferplane plan gpus deploy/overlays/gpu/inventory.json --out deploy/overlays/gpu/packing`"
 
 
-def test_control_plane_role_grants_deployments_scale_and_nothing_more():
+def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothing_more():
     objs = objects("cpu")
-    (role,) = _kind(objs, "Role")
-    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]}]
-    (binding,) = _kind(objs, "RoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    roles = {r["metadata"]["name"]: r["rules"] for r in _kind(objs, "Role")}
+    assert roles == {
+        "inferplane-scale-deployments": [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]}],
+        "inferplane-leader-lease": [
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["inferplane-control-plane"], "verbs": ["get", "watch", "update", "patch"]},
+        ],
+    }  # fmt: skip
     control = next(o for o in _kind(objs, "Deployment") if o["metadata"]["name"] == "control-plane")
     sa = control["spec"]["template"]["spec"]["serviceAccountName"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "inferplane"}]
+    bindings = _kind(objs, "RoleBinding")
+    assert sorted(b["roleRef"]["name"] for b in bindings) == sorted(roles)
+    for binding in bindings:
+        assert binding["roleRef"]["apiGroup"] == "rbac.authorization.k8s.io" and binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "inferplane"}]
     assert not _kind(objs, "ClusterRole") and not _kind(objs, "ClusterRoleBinding")
     # nobody else gets a token
     for d in _kind(objs, "Deployment"):
@@ -378,13 +384,15 @@ def test_only_frontends_reach_triton_and_only_the_control_plane_reaches_the_regi
     for triton in tritons:
         assert _connects(policies, frontend, triton, 8001)
         assert _connects(policies, frontend, triton, 8000)
-        for intruder in [control, outside, other_namespace, *[t for t in tritons if t is not triton]]:
+        assert _connects(policies, control, triton, 8001)  # the reconciler's model-control calls
+        assert not _connects(policies, control, triton, 8000)
+        for intruder in [outside, other_namespace, *[t for t in tritons if t is not triton]]:
             assert not _connects(policies, intruder, triton, 8001)
         assert _connects(policies, prometheus, triton, 8002)
         assert not _connects(policies, prometheus, triton, 8001)
         assert not _connects(policies, triton, registry_db, 5432) and not _connects(policies, triton, tenancy_db, 5432)
         assert not _connects(policies, triton, redis, 6379)
-        assert _connects(policies, triton, Peer(ip="52.216.0.1"), 443)  # object storage, for the sync
+        assert _connects(policies, triton, Peer(ip="52.216.0.1"), 443)  # object storage: the model repository
 
     assert _connects(policies, control, registry_db, 5432)
     for other in [frontend, *tritons]:
@@ -392,7 +400,8 @@ def test_only_frontends_reach_triton_and_only_the_control_plane_reaches_the_regi
     assert _connects(policies, frontend, tenancy_db, 5432) and _connects(policies, frontend, redis, 6379)
     assert _connects(policies, outside, frontend, 8001) and _connects(policies, outside, frontend, 8000)
     assert not _connects(policies, outside, frontend, 8002) and _connects(policies, prometheus, frontend, 8002)
-    assert not _connects(policies, outside, control, 8002) and not _connects(policies, frontend, control, 8001)
+    assert not _connects(policies, outside, control, 8002) and not _connects(policies, outside, control, 8001)
+    assert _connects(policies, frontend, control, 8001)  # admin writes carried to the leader
     assert _connects(policies, control, frontend, 8001)  # the deployer's admin calls
     # an in-namespace PostgreSQL (labelled as the registry's) admits the control plane only
     in_cluster_db = Peer({"inferplane.io/database": "registry"})
@@ -400,3 +409,122 @@ def test_only_frontends_reach_triton_and_only_the_control_plane_reaches_the_regi
     assert not _connects(policies, frontend, in_cluster_db, 5432)
     assert _allowed(policies, "Ingress", in_cluster_db, control, 5432)
     assert not _allowed(policies, "Ingress", in_cluster_db, frontend, 5432)
+
+
+# ---- issue 27: the walk-through's findings, one test each --------------------------------------
+
+
+def _deployment(objs, name):
+    return next(o for o in _kind(objs, "Deployment") if o["metadata"]["name"] == name)
+
+
+def _quantity(q: str) -> float:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 1e3, "M": 1e6, "G": 1e9}
+    for suffix, scale in units.items():
+        if q.endswith(suffix):
+            return float(q[: -len(suffix)]) * scale
+    return float(q)
+
+
+def test_the_servicemonitor_scrapes_https_as_the_frontends_serve_metrics_over_tls():
+    objs = objects("cpu")
+    args = _deployment(objs, "frontend")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert any(a.startswith("--tls-cert=") for a in args)  # TLS on every port, /metrics included
+    (monitor,) = _kind(objs, "ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"ca": {"secret": {"name": "inferplane-tls", "key": "ca.crt"}}, "serverName": "frontend"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ephemeral_storage_limits_cover_every_disk_volume(overlay):
+    """Disk-backed emptyDirs count against the pod's ephemeral-storage: a limit below them evicts the pod
+    (Triton's was 2Gi beside a 20Gi model volume)."""
+    for obj, template in _pod_specs(objects(overlay)):
+        spec = template["spec"]
+        disk = sum(_quantity(v["emptyDir"]["sizeLimit"]) for v in spec.get("volumes", []) if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
+        limits = sum(_quantity(c["resources"]["limits"].get("ephemeral-storage", "0")) for c in spec["containers"])
+        assert limits > disk, f"{overlay}: {obj['metadata']['name']}: ephemeral-storage {limits / 2**30:.1f}Gi <= volumes {disk / 2**30:.1f}Gi"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tritons_read_the_repository_url_and_load_nothing_at_start(overlay):
+    """No init-container copy (it crash-looped on an empty bucket and never saw a later deploy) and no
+    start-time model list (the general group's `*` loaded the GPU groups' models on the CPU pod): Triton
+    reads the repository URL, the reconciler loads each group's models."""
+    objs = objects(overlay)
+    groups = [d for d in _kind(objs, "Deployment") if d["metadata"]["labels"].get("app.kubernetes.io/component") == "triton"]
+    assert groups
+    for d in groups:
+        spec = d["spec"]["template"]["spec"]
+        assert not spec.get("initContainers"), d["metadata"]["name"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["INFERPLANE_MODEL_REPOSITORY"]["valueFrom"] == {"configMapKeyRef": {"name": "inferplane-config", "key": "model-repository-url"}}
+        assert "INFERPLANE_GROUP_MODELS" not in env and not any("--load-model" in a for a in c.get("args", []))
+        assert {"secretRef": {"name": "inferplane-artifacts"}} in c["envFrom"]  # object-storage credentials
+        assert c["command"] == ["/opt/inferplane/triton-entrypoint.sh"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_autoscaled_deployments_set_no_replicas(overlay):
+    objs = objects(overlay)
+    scaled = {h["spec"]["scaleTargetRef"]["name"] for h in _kind(objs, "HorizontalPodAutoscaler") + _kind(objs, "ScaledObject")}
+    assert {"frontend", "triton-general"} <= scaled
+    for name in scaled:
+        assert "replicas" not in _deployment(objs, name)["spec"], f"{overlay}: {name} sets replicas: its autoscaler owns them"
+
+
+def test_the_control_plane_runs_two_replicas_with_probes_a_pdb_and_zone_spread():
+    objs = objects("cpu")
+    control = _deployment(objs, "control-plane")
+    assert control["spec"]["replicas"] == 2 and control["spec"]["strategy"]["type"] == "RollingUpdate"
+    spec = control["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["args"][:2] == ["control", "run"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"] == {"port": 8003}, probe
+    assert {"name": "INFERPLANE_HEALTH_PORT", "value": "8003"} in c["env"]
+    labels = spec.get("topologySpreadConstraints", [{}])[0]
+    assert labels["topologyKey"] == "topology.kubernetes.io/zone"
+    pdbs = [p for p in _kind(objs, "PodDisruptionBudget") if _matches(p["spec"]["selector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"])]
+    assert [p["spec"].get("minAvailable") for p in pdbs] == [1]
+
+
+def test_a_job_runs_control_migrate_against_the_registry_database():
+    objs = objects("cpu")
+    (job,) = _kind(objs, "Job")
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["inferplane"] and c["args"] == ["control", "migrate"]
+    assert c["env"] == [{"name": "INFERPLANE_DATABASE_URL", "valueFrom": {"secretKeyRef": {"name": "inferplane-databases", "key": "registry-url"}}}]
+    assert job["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    registry_db = Peer(ip="192.0.2.10")
+    assert _connects(_kind(objs, "NetworkPolicy"), Peer(job["spec"]["template"]["metadata"]["labels"]), registry_db, 5432)
+
+
+def test_every_triton_group_has_a_pdb_of_its_own_and_spreads_over_zones():
+    objs = objects("gpu")
+    pdbs = _kind(objs, "PodDisruptionBudget")
+    for d in _kind(objs, "Deployment"):
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") != "triton":
+            continue
+        pods = d["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in pdbs if _matches(p["spec"]["selector"]["matchLabels"], pods)]
+        assert len(mine) == 1 and mine[0]["spec"]["maxUnavailable"] == 1, d["metadata"]["name"]
+        assert mine[0]["spec"]["selector"]["matchLabels"]["inferplane.io/model-group"] == pods["inferplane.io/model-group"]
+        (spread,) = d["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "topology.kubernetes.io/zone" and spread["matchLabelKeys"] == ["inferplane.io/model-group"]
+
+
+def test_lifecycle_handlers_exist_in_the_oldest_kubernetes_the_readme_names():
+    """``preStop.sleep`` needs Kubernetes 1.30; the README promises 1.27+."""
+    import re
+
+    minimum = re.search(r"a cluster \(1\.(\d+)\+\)", (DEPLOY / "README.md").read_text())
+    assert minimum, "deploy/README.md names the oldest Kubernetes it supports"
+    for overlay in OVERLAYS:
+        for obj, template in _pod_specs(objects(overlay)):
+            for c in template["spec"]["containers"]:
+                for handler in c.get("lifecycle", {}).values():
+                    if "sleep" in handler:
+                        assert int(minimum.group(1)) >= 30, f"{overlay}: {obj['metadata']['name']}: preStop.sleep on 1.{minimum.group(1)}"

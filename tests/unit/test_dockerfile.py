@@ -162,7 +162,7 @@ def test_the_parser_catches_what_it_checks():
 
 @pytest.mark.parametrize(
     ("models", "expected"),
-    [("*", ["--load-model=*"]), ("fraud_xgboost,mlp_classifier", ["--load-model=fraud_xgboost", "--load-model=mlp_classifier"])],
+    [("", []), ("*", ["--load-model=*"]), ("fraud_xgboost,mlp_classifier", ["--load-model=fraud_xgboost", "--load-model=mlp_classifier"])],
 )
 def test_triton_entrypoint_loads_the_groups_models_in_explicit_mode(tmp_path, models, expected):
     import os
@@ -176,4 +176,5 @@ def test_triton_entrypoint_loads_the_groups_models_in_explicit_mode(tmp_path, mo
     args = out.stdout.split()
     assert args[:3] == ["--model-repository=/models", "--model-control-mode=explicit", "--disable-auto-complete-config"]
     assert [a for a in args if a.startswith("--load-model")] == expected
+    assert "--exit-on-error=false" in args  # a repository Triton cannot read yet (an empty bucket) does not stop it
     assert os.access(ROOT / "deploy" / "triton-entrypoint.sh", os.X_OK)

@@ -196,4 +196,7 @@ def test_overlay_files_name_groups_and_routing():
     routing = json.loads(files["model-groups.json"])
     assert routing["gpu-01"] == {"grpc_port": 8001, "models": ["x"], "service": "triton-gpu-01"}
     assert routing["general"]["models"] == ["*"]
-    assert "replicas: 2" in files["gpu-01/group.yaml"]  # two identical slots: one group of two replicas
+    # two identical slots: one group of two replicas, held there by its ScaledObject (the Deployment
+    # sets no `replicas:`, which would fight KEDA on every apply)
+    assert '"/spec/minReplicaCount", "value": 2' in files["gpu-01/kustomization.yaml"].replace("\n", " ").replace("    ", "")
+    assert "replicas:" not in files["gpu-01/group.yaml"] and "initContainers" not in files["gpu-01/group.yaml"]

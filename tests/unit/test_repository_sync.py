@@ -63,7 +63,7 @@ def test_missing_model_and_missing_source_are_errors_that_name_them(tmp_path):
     with pytest.raises(SyncError, match="no model nope .*it has: fraud_xgboost, mlp_classifier, tiny_llama"):
         sync(str(src), tmp_path / "models", ["fraud_xgboost", "nope"])
     with pytest.raises(SyncError, match="is not a folder"):
-        sync(str(tmp_path / "absent"), tmp_path / "models")
+        sync(str(tmp_path / "absent"), tmp_path / "models", ["fraud_xgboost"])
     with pytest.raises(SyncError, match="not a plain relative path"):
         sync(str(src), tmp_path / "models", [".."])
 
@@ -85,3 +85,10 @@ def test_runs_as_python_dash_m(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "7 files copied" in out.stderr
     assert _tree(tmp_path / "m") == _tree(src)
+
+
+def test_an_empty_bucket_is_no_error_for_every_model(tmp_path):
+    """The first rollout finds no repository yet: '*' copies nothing (it crash-looped on "is not a folder")."""
+    assert sync(str(tmp_path / "absent"), tmp_path / "models") == {"models": [], "copied": 0, "kept": 0}
+    assert sync(str(tmp_path / "absent"), tmp_path / "models", ["*"])["models"] == []
+    assert (tmp_path / "models").is_dir()
