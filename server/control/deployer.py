@@ -225,6 +225,9 @@ class Deployer:
         self._locks: dict[str, asyncio.Lock] = {}
         self._state: dict[str, _EndpointState] = {}
         self.schemas = None  # server.control.typed_catalog.SchemaCatalog (typed APIs), set when they are served
+        # server.control.placement_store.PlacementStore: the versions loaded here become every Triton's
+        # placements (the reconciler, server.control.reconciler, loads them on the other Tritons)
+        self.placements = None
         from server.control.composite_deployer import CompositeDeployer
 
         self.composites = CompositeDeployer(self)  # composite endpoints deploy as one unit (server.control.composite_deployer)
@@ -370,6 +373,11 @@ class Deployer:
             await self._resync(name)
             raise DeployFailed(f"{record.ref} loaded but is not ready; {self._serving_note(name)}")
         st.loaded = set(versions)
+        await self._place(name)
+
+    async def _place(self, name: str) -> None:
+        if self.placements is not None:
+            await asyncio.to_thread(self.placements.set_versions, name, self._st(name).loaded)
 
     async def _resync(self, name: str) -> None:
         """After a failed load: read which versions Triton still has ready (what a rollback may use)."""
@@ -461,6 +469,7 @@ class Deployer:
         with contextlib.suppress(InferplaneError, asyncio.TimeoutError):
             await asyncio.wait_for(self.dp.load_model(name), timeout=self.load_timeout_s)
         st.loaded = set(keep)
+        await self._place(name)
         await asyncio.to_thread(shutil.rmtree, self.repository / name / str(version), True)
 
     # ---- rollback -----------------------------------------------------------------------
@@ -537,6 +546,7 @@ class Deployer:
             return
         retired = sorted(st.loaded - {int(live)})
         st.loaded = {int(live)}
+        await self._place(name)
         for version in retired:
             await asyncio.to_thread(shutil.rmtree, self.repository / name / str(version), True)
         log.info("endpoint %s: grace period over, unloaded versions %s", name, retired)

@@ -82,6 +82,15 @@ class PlacementStore:
             session.commit()
         return done
 
+    def set_versions(self, model: str, versions, triton: str = EVERY_TRITON) -> None:
+        """Desire exactly ``versions`` of ``model`` on ``triton`` (the others removed: drained, unloaded)."""
+        wanted = set(versions)
+        placed = {p.version for p in self.all() if p.model == model and p.triton == triton and p.removed_at is None}
+        for version in sorted(wanted - placed):
+            self.place(model, version, triton)
+        for version in sorted(placed - wanted):
+            self.remove(model, version, triton)
+
     def all(self) -> list[Placement]:
         with self._session() as session:
             rows = session.execute(select(triton_placements).order_by(triton_placements.c.model, triton_placements.c.version)).all()

@@ -124,6 +124,21 @@ async def test_deploy_rollback_and_grace_expiry(setup, tmp_path):
     await deployer.stop()
 
 
+async def test_the_versions_loaded_become_every_tritons_placements(setup, tmp_path):
+    """What the deployer loads is what the reconciler places on the other Tritons; expiry removes it."""
+    from server.control.placement_store import PlacementStore
+
+    registry, dp, deployer = setup
+    deployer.placements = store = PlacementStore(registry.engine)
+    live = lambda: sorted((p.version, p.triton) for p in store.all() if p.removed_at is None)  # noqa: E731
+    await deployer.deploy("m:1")
+    await deployer.deploy("m:2")
+    assert live() == [(1, "*"), (2, "*")]
+    await deployer.expire("m")
+    assert live() == [(2, "*")] and [p.version for p in store.all() if p.removed_at is not None] == [1]
+    await deployer.stop()
+
+
 async def test_a_failed_load_leaves_the_live_version_serving(setup, tmp_path, monkeypatch):
     registry, dp, deployer = setup
     await deployer.deploy("m:1")
