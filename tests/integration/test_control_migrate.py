@@ -8,19 +8,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from server import migrations
-from server.db import make_engine, normalize_url
+from server.db import make_engine
 from tests.conftest import wait_until
+from tests.unit.test_registry import db_url  # noqa: F401 - a fixture: an empty SQLite file, an empty PostgreSQL database
 
 pytestmark = pytest.mark.integration
 
-POSTGRES_ENV = "INFERPLANE_TEST_POSTGRES_URL"
 RELEASE = """
 import os, sys, time
 from server.cli.main import app
@@ -31,30 +28,9 @@ app(["control", "migrate"])
 """
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def empty_database(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path}/fresh.db"
-        return
-    base = os.environ.get(POSTGRES_ENV)
-    if not base:
-        pytest.skip(f"no PostgreSQL server: set {POSTGRES_ENV} (.ci/run installs and starts one)")
-    base = normalize_url(base)
-    name = f"inferplane_migrate_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-def test_four_processes_starting_together_migrate_once(empty_database, tmp_path):
+def test_four_processes_starting_together_migrate_once(db_url, tmp_path):
     go = tmp_path / "go"
-    env = {**os.environ, "INFERPLANE_DATABASE_URL": empty_database, "INFERPLANE_DATA_DIR": str(tmp_path / "data")}
+    env = {**os.environ, "INFERPLANE_DATABASE_URL": db_url, "INFERPLANE_DATA_DIR": str(tmp_path / "data")}
     ready = [tmp_path / f"ready-{i}" for i in range(4)]
     procs = [subprocess.Popen([sys.executable, "-c", RELEASE, str(go), str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ready]
     try:
@@ -70,7 +46,7 @@ def test_four_processes_starting_together_migrate_once(empty_database, tmp_path)
     head = migrations.head()
     assert sum(line.endswith(f"from empty to {head}") for line in lines) == 1, lines
     assert sum(line.endswith(f"already at {head}") for line in lines) == 3, lines
-    engine = make_engine(empty_database)
+    engine = make_engine(db_url)
     try:
         assert migrations.current(engine) == head
     finally:
