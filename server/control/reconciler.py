@@ -10,9 +10,10 @@ headless Service's addresses: ``server.dataplane.replicas.DnsSource``):
   those versions (load-with-config: the placement's own config, else the repository's
   ``config.pbtxt``, with ``version_policy { specific { versions: [...] } }``) — Triton loads the new
   versions before it drops the old ones, so the model keeps serving through the change;
-* a removed placement stays among the desired versions for ``drain_s`` after its removal (requests
-  routed to it before the switch finish), then the model is loaded without it, or unloaded when it
-  was the last one;
+* a removed placement stays loaded for ``drain_s`` after its removal where it is loaded (requests
+  routed to it before the switch finish) — never loaded afresh: a Triton that returns during the drain
+  gets the placed versions only — then the model is loaded without it, or unloaded when it was the
+  last one;
 * a model the placements never named is left alone (``prune=True``: unloaded; for a Triton the
   reconciler owns outright);
 * ``owns(model)`` limits the reconciler to some models: on a cluster one reconciler per model
@@ -63,10 +64,15 @@ class Action:
 # ---- pure: desired and observed to actions ---------------------------------------------------------
 
 
-def desired_on(placements: Iterable[Placement], triton: str, now: float, drain_s: float) -> tuple[dict[str, set[int]], dict[str, str | None], set[str]]:
+def desired_on(
+    placements: Iterable[Placement], triton: str, now: float, drain_s: float
+) -> tuple[dict[str, set[int]], dict[str, str | None], set[str], dict[str, set[int]]]:
     """For one Triton: model -> versions to keep loaded (placed, or removed less than ``drain_s``
-    ago), model -> its placement config (the newest live one's), and every model placements name."""
+    ago), model -> its placement config (the newest live one's), every model placements name, and
+    model -> the versions among the first that are draining (removed, kept only where loaded)."""
     versions: dict[str, set[int]] = {}
+    draining: dict[str, set[int]] = {}
+    live: dict[str, set[int]] = {}
     configs: dict[str, tuple[int, str | None]] = {}
     named: set[str] = set()
     for p in placements:
@@ -76,9 +82,12 @@ def desired_on(placements: Iterable[Placement], triton: str, now: float, drain_s
         if p.removed_at is not None and now - p.removed_at >= drain_s:
             continue
         versions.setdefault(p.model, set()).add(p.version)
+        (live if p.removed_at is None else draining).setdefault(p.model, set()).add(p.version)
         if p.removed_at is None and p.generation >= configs.get(p.model, (-1, None))[0]:
             configs[p.model] = (p.generation, p.config)
-    return versions, {m: c for m, (_, c) in configs.items()}, named
+    for model, removed in draining.items():
+        removed -= live.get(model, set())  # also placed (on this Triton by name, say): not draining
+    return versions, {m: c for m, (_, c) in configs.items()}, named, draining
 
 
 def observed_versions(index: Iterable) -> tuple[dict[str, set[int]], set[str]]:
@@ -95,9 +104,13 @@ def observed_versions(index: Iterable) -> tuple[dict[str, set[int]], set[str]]:
 
 def plan_triton(
     desired: dict[str, set[int]], configs: dict[str, str | None], named: set[str], ready: dict[str, set[int]], busy: set[str] = frozenset(),
-    *, prune: bool = False,
+    *, prune: bool = False, draining: dict[str, set[int]] | None = None,
 ) -> list[Action]:  # fmt: skip
-    """What one Triton must do to match ``desired`` (sorted, loads first)."""
+    """What one Triton must do to match ``desired`` (sorted, loads first); a ``draining`` version
+    stays only where it is ready."""
+    draining = draining or {}
+    kept = {m: {v for v in vs if v not in draining.get(m, ()) or v in ready.get(m, ())} for m, vs in desired.items()}
+    desired = {m: vs for m, vs in kept.items() if vs}
     actions = []
     for model in sorted(desired):
         if model not in busy and ready.get(model, set()) != desired[model]:
@@ -198,7 +211,7 @@ class TritonReconciler:
     async def _reconcile(self, target: str, placements: list[Placement], now: float) -> list[Action]:
         state = self.state.setdefault(target, TritonState())
         client = self._client(target)
-        desired, configs, named = desired_on((p for p in placements if self.owns(p.model)), target, now, self.drain_s)
+        desired, configs, named, draining = desired_on((p for p in placements if self.owns(p.model)), target, now, self.drain_s)
         try:
             ready, busy = observed_versions(await client.repository_index())
         except InferplaneError as err:  # down or restarting: the next round tries again
@@ -207,7 +220,7 @@ class TritonReconciler:
             return []
         state.ready, state.seen_at, state.error = ready, now, None
         applied = []
-        for action in plan_triton(desired, configs, named, ready, busy, prune=self.prune):
+        for action in plan_triton(desired, configs, named, ready, busy, prune=self.prune, draining=draining):
             try:
                 if action.kind == LOAD:
                     config = await asyncio.to_thread(self._config_for, action)

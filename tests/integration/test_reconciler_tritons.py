@@ -149,9 +149,11 @@ async def test_reconciler_converges_every_triton_late_down_and_drained(tritons, 
         assert await wait_async(lambda: a.ready_versions() == {1, 2} and c.ready_versions() == {1, 2})
         assert rec.state[b.target].error.startswith("unreachable")
 
-        # b returns with nothing loaded: the loop gives it the desired set (version 1 still draining)
+        # b returns with nothing loaded: the loop gives it the placed version only (1 is draining:
+        # kept where it is loaded, never loaded afresh)
         await asyncio.to_thread(b.start)
-        assert await wait_async(lambda: b.ready_versions() == {1, 2})
+        assert await wait_async(lambda: b.ready_versions() == {2})
+        assert a.ready_versions() == {1, 2}
 
         # past the drain: no Triton keeps serving version 1
         now[0] += 31.0

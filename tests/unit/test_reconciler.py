@@ -27,6 +27,7 @@ def entry(name, version, state="READY"):
 def test_desired_keeps_a_removed_version_through_its_drain_only():
     placements = [Placement("m", 1, EVERY_TRITON, None, 2, removed_at=100.0), Placement("m", 2, EVERY_TRITON, None, 2, None)]
     assert desired_on(placements, "t", now=110.0, drain_s=30.0)[0] == {"m": {1, 2}}
+    assert desired_on(placements, "t", now=110.0, drain_s=30.0)[3] == {"m": {1}}
     assert desired_on(placements, "t", now=130.0, drain_s=30.0)[0] == {"m": {2}}
 
 
@@ -45,6 +46,12 @@ def test_observed_reads_ready_versions_and_busy_models():
 def test_plan_loads_what_differs_and_unloads_what_no_longer_is_desired():
     actions = plan_triton({"a": {2}, "b": {1}}, {"a": '{"x": 1}'}, {"a", "b", "c"}, {"a": {1}, "b": {1}, "c": {3}, "other": {1}})
     assert actions == [Action(LOAD, "a", (2,), '{"x": 1}'), Action(UNLOAD, "c")]  # b in step; other: not ours
+
+
+def test_plan_keeps_a_draining_version_where_it_is_loaded_and_never_loads_it_afresh():
+    assert plan_triton({"m": {1, 2}}, {}, {"m"}, {"m": {1, 2}}, draining={"m": {1}}) == []
+    assert plan_triton({"m": {1, 2}}, {}, {"m"}, {}, draining={"m": {1}}) == [Action(LOAD, "m", (2,))]  # a returning Triton
+    assert plan_triton({"m": {1}}, {}, {"m"}, {}, draining={"m": {1}}) == []  # only a draining one: nothing to load
 
 
 def test_plan_prunes_unnamed_models_only_when_asked_and_waits_for_busy_ones():
@@ -126,7 +133,8 @@ def test_loop_converges_a_late_and_a_returning_triton_and_drains_removed_version
         store.place("m", 2)
         store.remove("m", 1)
         await rec.reconcile_once()
-        assert tritons["a"].loaded == tritons["c"].loaded == {"m": {1, 2}}  # 1 still draining
+        assert tritons["a"].loaded == {"m": {1, 2}}  # 1 still draining where it was loaded
+        assert tritons["c"].loaded == {"m": {2}}  # never loaded afresh
         assert tritons["b"].loaded == {"m": {1}} and rec.state["b"].error.startswith("unreachable")
         now[0] += 31.0  # past the drain
         tritons["b"].down = False
