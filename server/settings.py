@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     http_port: int = Field(8000, ge=0, le=65535)
     metrics_port: int = Field(8002, ge=0, le=65535)
     model_repository: Path = Path("var/model_repository")
+    # the repository every Triton reads as the Tritons name it (s3://… on a cluster): what the Triton
+    # reconciler reads configs from (server/control/reconciler.py); empty: model_repository
+    model_repository_url: str = ""
+    reconcile_interval_s: float = Field(2.0, gt=0)  # the Triton reconciler's round
+    reconcile_drain_s: float = Field(30.0, ge=0)  # a removed version stays loaded this long where it is
     # host:port of an external Triton (the production container); unset: start the embedded one
     triton_url: str | None = None
     workdir: Path = Path("var/run")

@@ -47,11 +47,11 @@ def control_migrate() -> None:
 
 @control_app.command("reconcile")
 def control_reconcile(
-    triton_url: Optional[str] = typer.Option(None, "--triton-url", help="Tritons' gRPC addresses, comma-separated."),
+    triton_url: Optional[str] = typer.Option(None, "--triton-url", help="Tritons' gRPC addresses, comma-separated [default: INFERPLANE_TRITON_URL]."),
     triton_service: Optional[str] = typer.Option(None, "--triton-service", help="A headless Service HOST:PORT whose addresses are the Tritons."),
-    repository: str = typer.Option(..., "--repository", help="The model repository every Triton reads (folder or s3:// gs:// URL)."),
-    drain: str = typer.Option("30s", "--drain", help="How long a removed version stays loaded before it is unloaded."),
-    interval: str = typer.Option("2s", "--interval", help="How often to reconcile."),
+    repository: Optional[str] = typer.Option(None, "--repository", help="The model repository every Triton reads (folder or s3:// gs:// URL) [default: INFERPLANE_MODEL_REPOSITORY_URL]."),
+    drain: Optional[str] = typer.Option(None, "--drain", help="How long a removed version stays loaded before it is unloaded [default: 30s]."),
+    interval: Optional[str] = typer.Option(None, "--interval", help="How often to reconcile [default: 2s]."),
     prune: bool = typer.Option(False, "--prune", help="Also unload models no placement names (Tritons owned outright)."),
     once: bool = typer.Option(False, "--once", help="One round, print what was applied, exit."),
 ) -> None:
@@ -61,21 +61,24 @@ def control_reconcile(
 
     if triton_url and triton_service:
         raise typer.BadParameter("name the Tritons with one of --triton-url or --triton-service")
-    settings = Settings()
-    if not (triton_url or triton_service or settings.model_groups_file):
+    given = {"triton_url": triton_url, "model_repository_url": repository}
+    if drain is not None:
+        given["reconcile_drain_s"] = parse_duration(drain)
+    if interval is not None:
+        given["reconcile_interval_s"] = parse_duration(interval)
+    settings = Settings(**{k: v for k, v in given.items() if v is not None})
+    if not (settings.triton_urls or triton_service or settings.model_groups_file):
         raise typer.BadParameter("name the Tritons: --triton-url, --triton-service or INFERPLANE_MODEL_GROUPS_FILE")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = {"repository": repository, "drain_s": parse_duration(drain), "prune": prune}
-    asyncio.run(_reconcile(settings, triton_url, triton_service, options, parse_duration(interval), once))
+    asyncio.run(_reconcile(settings, triton_service, prune, once))
 
 
-async def _reconcile(settings, triton_url, triton_service, options: dict, interval_s: float, once: bool) -> None:
+async def _reconcile(settings, triton_service: str | None, prune: bool, once: bool) -> None:
     import signal
 
     from server import migrations
-    from server.control.executors import ModelGroups
     from server.control.placement_store import PlacementStore
-    from server.control.reconciler import StaticSource, TritonReconciler, for_groups
+    from server.control.reconciler import TritonReconciler, from_settings
     from server.dataplane.replicas import DnsSource
     from server.db import make_engine
 
@@ -84,11 +87,10 @@ async def _reconcile(settings, triton_url, triton_service, options: dict, interv
     store = PlacementStore(engine)
     if triton_service:
         host, _, port = triton_service.rpartition(":")
-        reconcilers = [TritonReconciler(store, DnsSource(host, int(port)), **options)]
-    elif triton_url:
-        reconcilers = [TritonReconciler(store, StaticSource(u.strip() for u in triton_url.split(",") if u.strip()), **options)]
+        repository = settings.model_repository_url or settings.model_repository
+        reconcilers = [TritonReconciler(store, DnsSource(host, int(port)), repository=repository, drain_s=settings.reconcile_drain_s, prune=prune)]
     else:
-        reconcilers = for_groups(ModelGroups.load(settings.model_groups_file), store, **options)
+        reconcilers = from_settings(settings, store, prune=prune)
     try:
         if once:
             for reconciler in reconcilers:
@@ -100,7 +102,7 @@ async def _reconcile(settings, triton_url, triton_service, options: dict, interv
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await asyncio.gather(*(r.run(stop, interval_s) for r in reconcilers))
+        await asyncio.gather(*(r.run(stop, settings.reconcile_interval_s) for r in reconcilers))
     finally:
         for reconciler in reconcilers:
             await reconciler.close()

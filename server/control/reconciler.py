@@ -38,6 +38,7 @@ from pathlib import Path
 import fsspec
 from google.protobuf import json_format, text_format
 
+from server.control.executors import ModelGroups
 from server.control.placement_store import Placement
 from server.dataplane.replicas import DnsSource
 from server.dataplane.triton_client import TritonClient
@@ -263,6 +264,17 @@ def for_groups(groups, store, *, repository: str | Path, **kwargs) -> list[Trito
                          owns=lambda model, name=name: groups.group_of(model) == name, **kwargs)  # fmt: skip
         for name, spec in groups.groups.items()
     ]
+
+
+def from_settings(settings, store, **kwargs) -> list[TritonReconciler]:
+    """The reconcilers of a control plane: one per model group (``model_groups_file``), else one over
+    ``triton_url``'s Tritons; none without remote Tritons (the embedded Triton is the deployer's own)."""
+    kwargs = {"repository": settings.model_repository_url or settings.model_repository, "drain_s": settings.reconcile_drain_s, **kwargs}
+    if settings.model_groups_file:
+        return for_groups(ModelGroups.load(settings.model_groups_file), store, **kwargs)
+    if settings.triton_urls:
+        return [TritonReconciler(store, StaticSource(settings.triton_urls), **kwargs)]
+    return []
 
 
 def _client(target: str) -> TritonClient:

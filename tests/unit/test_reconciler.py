@@ -203,3 +203,40 @@ def test_one_reconciler_per_group_loads_a_star_placement_only_on_the_group_servi
         assert tritons["10.0.0.1:8001"].loaded == {"trees": {1}} and tritons["10.0.0.2:8001"].loaded == {"resnet50_trt": {1}}
     finally:
         engine.dispose()
+
+
+def test_from_settings_builds_one_reconciler_per_group_else_one_over_the_triton_urls(tmp_path):
+    from server.control.reconciler import from_settings
+    from server.settings import Settings
+
+    groups = tmp_path / "groups.json"
+    groups.write_text(json.dumps({"general": {"service": "triton-general", "models": ["*"]}, "gpu": {"service": "triton-gpu", "models": ["big"]}}))
+    store = object()
+    by_group = from_settings(Settings(model_groups_file=groups, model_repository_url="s3://b/repo"), store)
+    assert [r.source.name for r in by_group] == ["triton-general", "triton-gpu"] and by_group[0].repository == "s3://b/repo"
+    assert [r.owns("big") for r in by_group] == [False, True] and [r.owns("trees") for r in by_group] == [True, False]
+    (remote,) = from_settings(Settings(triton_url="10.0.0.1:8001,10.0.0.2:8001", reconcile_drain_s=5), store)
+    assert asyncio.run(remote.source.targets()) == {"10.0.0.1:8001", "10.0.0.2:8001"} and remote.drain_s == 5
+    assert from_settings(Settings(), store) == []  # the embedded Triton is the deployer's own
+
+
+def test_cli_reconcile_once_names_an_unreachable_triton_and_migrates_the_database(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from server.cli.main import app
+    from server.runtime.supervisor import free_port
+
+    monkeypatch.setenv("INFERPLANE_DATABASE_URL", f"sqlite:///{tmp_path}/cli.db")
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    result = CliRunner().invoke(app, ["control", "reconcile", "--triton-url", target, "--repository", str(tmp_path), "--once"])
+    assert result.exit_code == 0, result.output
+    assert f"{target}: in step (unreachable:" in result.output
+    engine = make_engine(f"sqlite:///{tmp_path}/cli.db")
+    try:
+        assert migrations.current(engine) == migrations.head()
+    finally:
+        engine.dispose()
+    monkeypatch.delenv("INFERPLANE_TRITON_URL", raising=False)
+    monkeypatch.delenv("INFERPLANE_MODEL_GROUPS_FILE", raising=False)
+    missing = CliRunner().invoke(app, ["control", "reconcile", "--once"])
+    assert missing.exit_code == 2 and "name the Tritons" in missing.output
