@@ -361,23 +361,27 @@ class Deployer:
                     await asyncio.to_thread(shutil.rmtree, model_dir, True)
                 raise
         _write_atomic(config_path, to_text(config).encode())
+        await self._place(name, versions)  # the desired state first: the other Tritons load it meanwhile
         try:
             await asyncio.wait_for(self.dp.load_model(name), timeout=self.load_timeout_s)
         except (InferplaneError, asyncio.TimeoutError) as err:
             why = f"readiness timeout after {self.load_timeout_s:g}s" if isinstance(err, asyncio.TimeoutError) else err.message
             await self._restore(name, old_config, version_dir if fresh_dir else None, timed_out=isinstance(err, asyncio.TimeoutError))
             await self._resync(name)
+            await self._place(name)
             raise DeployFailed(f"loading {record.ref} failed: {why}; {self._serving_note(name)}") from None
         if str(record.version) not in self.dp.ready_versions(name):
             await self._restore(name, old_config, version_dir if fresh_dir else None, timed_out=False)
             await self._resync(name)
+            await self._place(name)
             raise DeployFailed(f"{record.ref} loaded but is not ready; {self._serving_note(name)}")
         st.loaded = set(versions)
-        await self._place(name)
 
-    async def _place(self, name: str) -> None:
+    async def _place(self, name: str, versions=None) -> None:
+        """Publish ``versions`` (default: those loaded here) as every Triton's placements of ``name``,
+        before this process acts on its own Triton, so no reconciler round sees the two disagree."""
         if self.placements is not None:
-            await asyncio.to_thread(self.placements.set_versions, name, self._st(name).loaded)
+            await asyncio.to_thread(self.placements.set_versions, name, self._st(name).loaded if versions is None else versions)
 
     async def _resync(self, name: str) -> None:
         """After a failed load: read which versions Triton still has ready (what a rollback may use)."""
@@ -466,10 +470,10 @@ class Deployer:
         current = await asyncio.to_thread(self.registry.endpoint, name, 0)
         config = build_config(name, record.signature, serving_from(None, current.serving), keep)
         _write_atomic(self.repository / name / CONFIG_FILE, to_text(config).encode())
+        await self._place(name, keep)
         with contextlib.suppress(InferplaneError, asyncio.TimeoutError):
             await asyncio.wait_for(self.dp.load_model(name), timeout=self.load_timeout_s)
         st.loaded = set(keep)
-        await self._place(name)
         await asyncio.to_thread(shutil.rmtree, self.repository / name / str(version), True)
 
     # ---- rollback -----------------------------------------------------------------------
@@ -540,13 +544,13 @@ class Deployer:
             ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
             config = build_config(name, record.signature, serving_from(None, ep.serving), [int(live)])
             _write_atomic(self.repository / name / CONFIG_FILE, to_text(config).encode())
+            await self._place(name, {int(live)})
             await asyncio.wait_for(self.dp.load_model(name), timeout=self.load_timeout_s)
         except (InferplaneError, asyncio.TimeoutError) as err:
             log.error("endpoint %s: unloading retired versions failed: %s", name, err)
             return
         retired = sorted(st.loaded - {int(live)})
         st.loaded = {int(live)}
-        await self._place(name)
         for version in retired:
             await asyncio.to_thread(shutil.rmtree, self.repository / name / str(version), True)
         log.info("endpoint %s: grace period over, unloaded versions %s", name, retired)

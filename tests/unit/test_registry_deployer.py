@@ -11,7 +11,7 @@ import pytest
 from model_repository.config_writer import read_config
 from server.control.artifacts import ArtifactStore
 from server.control.deployer import Deployer, build_config, check_warmup, same_tensors, serving_from, warmup_request
-from server.errors import Conflict, DeployFailed, InferplaneError
+from server.errors import BackendUnavailable, Conflict, DeployFailed, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.control.registry import Registry
 from tests.unit.test_registry import SIGNATURE, lightgbm
@@ -136,6 +136,28 @@ async def test_the_versions_loaded_become_every_tritons_placements(setup, tmp_pa
     assert live() == [(1, "*"), (2, "*")]
     await deployer.expire("m")
     assert live() == [(2, "*")] and [p.version for p in store.all() if p.removed_at is not None] == [1]
+    await deployer.stop()
+
+
+async def test_a_failed_load_puts_the_placements_back(setup, tmp_path, monkeypatch):
+    """The placements go out before the deployer's own load (the other Tritons load meanwhile); a load
+    that fails takes them back, so the reconciler unloads the failed version everywhere."""
+    from server.control.placement_store import PlacementStore
+
+    registry, dp, deployer = setup
+    deployer.placements = store = PlacementStore(registry.engine)
+    await deployer.deploy("m:1")
+    seen = []
+
+    async def failing_load(name):
+        seen.append(sorted(p.version for p in store.all() if p.removed_at is None))
+        raise BackendUnavailable("triton is restarting")
+
+    monkeypatch.setattr(dp, "load_model", failing_load)
+    with pytest.raises(DeployFailed):
+        await deployer.deploy("m:2")
+    assert seen[0] == [1, 2]  # published before the load
+    assert sorted(p.version for p in store.all() if p.removed_at is None) == [1]
     await deployer.stop()
 
 
