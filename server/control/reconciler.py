@@ -268,7 +268,8 @@ def for_groups(groups, store, *, repository: str | Path, **kwargs) -> list[Trito
 
 def from_settings(settings, store, **kwargs) -> list[TritonReconciler]:
     """The reconcilers of a control plane: one per model group (``model_groups_file``), else one over
-    ``triton_url``'s Tritons; none without remote Tritons (the embedded Triton is the deployer's own)."""
+    ``triton_url``'s Tritons; none without remote Tritons (the embedded Triton is the deployer's own).
+    Set ``Deployer.placements`` to the same store, so what the deployer loads is what is placed."""
     kwargs = {"repository": settings.model_repository_url or settings.model_repository, "drain_s": settings.reconcile_drain_s, **kwargs}
     if settings.model_groups_file:
         return for_groups(ModelGroups.load(settings.model_groups_file), store, **kwargs)
