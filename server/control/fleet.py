@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from batching.route_policy import RouteBounds
+from server.control import isolation
 from server.control.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
 from server.control.placement import memory_need
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
@@ -46,6 +47,8 @@ class Fleet:
         self._refreshing: set[str] = set()
         self._memory: dict[str, int] = {}
         self._group_wakers: set[str] = set()
+        self._isolation: dict[str, str] = {}  # model -> its isolation group (server.control.isolation)
+        self.tiers: dict[str, int] = {}  # endpoint -> tier, where one was given (2 otherwise)
         self.hooks = None
 
     # ---- the replica set (before the data plane) ---------------------------------------------
@@ -57,7 +60,7 @@ class Fleet:
         policy = ReplicaPolicy(
             health_interval_s=s.replica_health_interval_s, eject_failures=s.replica_eject_failures, eject_s=s.replica_eject_s,
             wait_for_member_s=s.replica_wait_s, retry_lost=s.replica_retry_lost, discovery_interval_s=s.discovery_interval_s,
-            llm_routing=s.llm_routing,
+            llm_routing=s.llm_routing, zone=s.zone, zone_spill_outstanding=s.zone_spill_outstanding,
             route_bounds=RouteBounds(load_factor=s.llm_route_load_factor, load_slack=s.llm_route_load_slack, kv_high=s.llm_route_kv_high),
         )  # fmt: skip
         codec = inprocess.batch_codec() if inprocess is not None else None
@@ -74,7 +77,7 @@ class Fleet:
                 response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url,
             )  # fmt: skip
             pool.adopt(PRIMARY, supervisor)
-            replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True))
+            replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0]))
         for i, url in enumerate(s.triton_urls if not groups else []):
             replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
         if groups is not None:
@@ -91,10 +94,12 @@ class Fleet:
         for source in self.replicas._sources:
             await self.replicas.discover(source)
         if self.pool is not None:
-            extra = [f"local-{i}" for i in range(1, self.settings.local_replicas)]
+            s = self.settings
+            extra = [f"local-{i}" for i in range(1, s.local_replicas)]
             targets = await asyncio.gather(*(self.pool.start(r) for r in extra))
-            for replica_id, target in zip(extra, targets):
-                await self.replicas.add_member(Member(replica_id, client(self.settings, target), group="local", local=True), probe=False)
+            for i, (replica_id, target) in enumerate(zip(extra, targets), start=1):
+                zone = s.zones[i % len(s.zones)] if s.zones else ""
+                await self.replicas.add_member(Member(replica_id, client(s, target), group="local", local=True, zone=zone), probe=False)
         self.replicas.start()
 
     async def _local_restarted(self, replica_id: str, target: str) -> None:
@@ -150,8 +155,22 @@ class Fleet:
             self.executor = LocalExecutor(
                 self.replicas, self.pool, lambda target: client(s, target),
                 capacity_bytes=s.replica_memory_mb << 20, memory_of=self.memory_of, primary=PRIMARY, refresh=dataplane.refresh,
-                default_copies=s.local_replicas,
+                default_copies=s.local_replicas, group_of=self.isolation_of, zones=s.zones,
             )  # fmt: skip
+
+    def isolation_of(self, model: str) -> str:
+        """The model's isolation group: its tier, the settings' mode, and whether it streams (its config)."""
+        group = self._isolation.get(model)
+        if group is None:
+            streams = isolation.streams(self.settings.model_repository, model)
+            tier = self.tiers.get(model, isolation.DEFAULT_TIER)
+            group = self._isolation[model] = isolation.isolation_group(model, streams=streams, mode=self.settings.isolation, tier=tier)
+        return group
+
+    async def place_models(self, models: list[str]) -> None:
+        """Before the models of the start load: each isolation group on local replicas of its own."""
+        if isinstance(self.executor, LocalExecutor) and models:
+            await self.executor.place_at_start(models)
 
     def _routing_of(self, model: str) -> str | None:
         """An LLM endpoint's own routing policy (its config's ``inferplane.routing``), if it names one."""

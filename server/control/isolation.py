@@ -1,0 +1,55 @@
+"""Failure domains (issue 29), as pure policy: which isolation group a model's copies belong to, how
+many copies (and zones) a tier asks for. ``server.control.placement`` keeps each group on Triton
+processes of its own, so a crash of one group's Triton never fails another group's endpoints.
+
+Modes of the embedded default (``INFERPLANE_ISOLATION``):
+
+* ``llm`` (the default): the LLMs (decoupled, streaming models) share Triton process(es) apart from
+  the tree/ONNX models, which share the embedded one — a crashed LLM engine reloads alone, and the
+  tabular endpoints never see it;
+* ``each``: every model has a Triton of its own (one process per model: memory and start time in
+  BENCHMARKS.md);
+* ``none``: every model in the embedded Triton (one crash is an outage of all of them).
+
+Tiers: a tier-1 endpoint gets a group of its own whatever the mode (no co-tenants) and at least two
+copies spread over two zones; tiers 2 and 3 share by the mode and pack by memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model_repository.config_writer import read_config
+
+MODES = ("none", "llm", "each")
+TIERS = (1, 2, 3)
+DEFAULT_TIER = 2
+LLM_GROUP = "llm"
+TIER1_MIN_COPIES = 2
+TIER1_MIN_ZONES = 2
+
+
+def isolation_group(model: str, *, streams: bool, mode: str, tier: int = DEFAULT_TIER) -> str:
+    """The group ``model``'s copies share Tritons with ('' is the shared default group)."""
+    if mode not in MODES:
+        raise ValueError(f"isolation mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if tier == 1 or mode == "each":
+        return f"own:{model}"
+    if mode == "llm" and streams:
+        return LLM_GROUP
+    return ""
+
+
+def tier_copies(tier: int, copies: int) -> int:
+    """Copies an endpoint of ``tier`` gets when it asks for ``copies``: tier 1 never fewer than two."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be 1, 2 or 3, got {tier!r}")
+    return max(copies, TIER1_MIN_COPIES) if tier == 1 else copies
+
+
+def streams(repository: Path, model: str) -> bool:
+    """Whether the repository's ``model`` is decoupled (an LLM streaming tokens); False when unknown."""
+    try:
+        return bool(read_config(Path(repository) / model).model_transaction_policy.decoupled)
+    except Exception:  # no config (yet), or one Triton would refuse: the shared group
+        return False
