@@ -47,8 +47,7 @@ class Fleet:
         self._refreshing: set[str] = set()
         self._memory: dict[str, int] = {}
         self._group_wakers: set[str] = set()
-        self._isolation: dict[str, str] = {}  # model -> its isolation group (server.control.isolation)
-        self.tiers: dict[str, int] = {}  # endpoint -> tier, where one was given (2 otherwise)
+        self._streams: dict[str, bool] = {}  # model -> decoupled (its config), read once
         self.hooks = None
 
     # ---- the replica set (before the data plane) ---------------------------------------------
@@ -159,13 +158,13 @@ class Fleet:
             )  # fmt: skip
 
     def isolation_of(self, model: str) -> str:
-        """The model's isolation group: its tier, the settings' mode, and whether it streams (its config)."""
-        group = self._isolation.get(model)
-        if group is None:
-            streams = isolation.streams(self.settings.model_repository, model)
-            tier = self.tiers.get(model, isolation.DEFAULT_TIER)
-            group = self._isolation[model] = isolation.isolation_group(model, streams=streams, mode=self.settings.isolation, tier=tier)
-        return group
+        """The model's isolation group: its tier (its autoscaling config), the settings' mode, and
+        whether it streams (its config)."""
+        if model not in self._streams:
+            self._streams[model] = isolation.streams(self.settings.model_repository, model)
+        scaler = self.autoscaler.endpoints.get(model) if self.autoscaler is not None else None
+        tier = scaler.config.tier if scaler is not None else isolation.DEFAULT_TIER
+        return isolation.isolation_group(model, streams=self._streams[model], mode=self.settings.isolation, tier=tier)
 
     async def place_models(self, models: list[str]) -> None:
         """Before the models of the start load: each isolation group on local replicas of its own."""

@@ -11,8 +11,10 @@ Modes of the embedded default (``INFERPLANE_ISOLATION``):
   BENCHMARKS.md);
 * ``none``: every model in the embedded Triton (one crash is an outage of all of them).
 
-Tiers: a tier-1 endpoint gets a group of its own whatever the mode (no co-tenants) and at least two
-copies spread over two zones; tiers 2 and 3 share by the mode and pack by memory.
+Tiers (``--tier``, stored in the endpoint's scaling config: ``batching.autoscale_policy.ScalingConfig``,
+which also raises a tier-1 endpoint to at least two replicas): a tier-1 endpoint gets a group of its
+own whatever the mode (no co-tenants), and placement spreads its copies over the zones; tiers 2 and
+3 share by the mode and pack by memory.
 """
 
 from __future__ import annotations
@@ -22,11 +24,8 @@ from pathlib import Path
 from model_repository.config_writer import read_config
 
 MODES = ("none", "llm", "each")
-TIERS = (1, 2, 3)
 DEFAULT_TIER = 2
 LLM_GROUP = "llm"
-TIER1_MIN_COPIES = 2
-TIER1_MIN_ZONES = 2
 
 
 def isolation_group(model: str, *, streams: bool, mode: str, tier: int = DEFAULT_TIER) -> str:
@@ -38,13 +37,6 @@ def isolation_group(model: str, *, streams: bool, mode: str, tier: int = DEFAULT
     if mode == "llm" and streams:
         return LLM_GROUP
     return ""
-
-
-def tier_copies(tier: int, copies: int) -> int:
-    """Copies an endpoint of ``tier`` gets when it asks for ``copies``: tier 1 never fewer than two."""
-    if tier not in TIERS:
-        raise ValueError(f"tier must be 1, 2 or 3, got {tier!r}")
-    return max(copies, TIER1_MIN_COPIES) if tier == 1 else copies
 
 
 def streams(repository: Path, model: str) -> bool:

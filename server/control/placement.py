@@ -71,7 +71,8 @@ def place(
     # keep what is still wanted, in the order replicas are listed, up to each model's copies
     kept: dict[str, int] = {}
     for replica, models in current.items():
-        for model in sorted(models):
+        # the shared group's copies first: a model that moved to a group of its own (tier 1) leaves
+        for model in sorted(models, key=lambda m: (m not in demands or demands[m].group != "", m)):
             want = demands.get(model)
             if want is not None and kept.get(model, 0) < want.copies and _fits_group(demands, models & assignment[replica], want.group):
                 assignment[replica].add(model)

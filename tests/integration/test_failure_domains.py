@@ -25,7 +25,7 @@ from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 from tests.conftest import start_stack, stop_stack, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 openai = pytest.importorskip("openai")
 
 FRAUD, LGBM, LLM = "fraud_xgboost", "lightgbm_regressor", "tiny_llama"

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from batching.autoscale_policy import ScalingConfig
 from server.control import isolation
 from server.control.placement import Demand, place
 from server.dataplane.locality_policy import local_first
@@ -62,14 +63,26 @@ def test_new_replicas_open_in_the_zone_with_fewest_copies_then_fewest_replicas()
 
 
 def test_tier_one_gets_a_group_of_its_own_and_two_copies_in_two_zones():
+    config = ScalingConfig(tier=1)  # min/max replicas 1 asked: tier 1 raises both to two
+    assert (config.min_replicas, config.max_replicas) == (2, 2) and ScalingConfig(tier=2).min_replicas == 1
     group = isolation.isolation_group("fraud", streams=False, mode="llm", tier=1)
-    assert group == "own:fraud" and isolation.tier_copies(1, 1) == 2 and isolation.tier_copies(2, 1) == 1
-    demands = {"fraud": Demand(isolation.tier_copies(1, 1), 100 * MB, group), "lgbm": Demand(1, 100 * MB), "mlp": Demand(1, 100 * MB)}
+    assert group == "own:fraud"
+    demands = {"fraud": Demand(config.min_replicas, 100 * MB, group), "lgbm": Demand(1, 100 * MB), "mlp": Demand(1, 100 * MB)}
     plan = place(demands, {"local-0": {"lgbm"}}, 4000 * MB, zone_of={"local-0": "a"}, zones=("a", "b"))
     fraud = plan.replicas_of("fraud")
     assert len(fraud) == 2 and {plan.zones[r] for r in fraud} == {"a", "b"}
     assert all(plan.assignment[r] == {"fraud"} for r in fraud)  # no co-tenants
     assert plan.assignment["local-0"] == {"lgbm", "mlp"}
+
+
+def test_an_endpoint_raised_to_tier_one_moves_out_and_its_co_tenants_stay():
+    """local-0 hosts fraud, lgbm, mlp (all tier 2); fraud becomes tier 1: the shared models keep
+    local-0, fraud's two copies open replicas of their own (zones b then a)."""
+    demands = {"fraud": Demand(2, 100 * MB, "own:fraud"), "lgbm": Demand(1, 100 * MB), "mlp": Demand(1, 100 * MB)}
+    plan = place(demands, {"local-0": {"fraud", "lgbm", "mlp"}}, 4000 * MB, zone_of={"local-0": "a"}, zones=("a", "b"))
+    assert plan.assignment["local-0"] == {"lgbm", "mlp"}
+    assert plan.replicas_of("fraud") == ["local-1", "local-2"] and plan.opened == ["local-1", "local-2"]
+    assert {plan.zones["local-1"], plan.zones["local-2"]} == {"a", "b"}
 
 
 @pytest.mark.parametrize(
@@ -83,8 +96,8 @@ def test_isolation_group_by_mode(mode, streams, want):
 def test_unknown_modes_and_tiers_are_refused():
     with pytest.raises(ValueError):
         isolation.isolation_group("m", streams=False, mode="some")
-    with pytest.raises(ValueError):
-        isolation.tier_copies(4, 1)
+    with pytest.raises(ValueError, match="tier"):
+        ScalingConfig(tier=4)
 
 
 def test_streams_reads_the_decoupled_policy_of_the_config(tmp_path):
