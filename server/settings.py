@@ -146,6 +146,7 @@ class Settings(BaseSettings):
     zone: str = ""  # this frontend's zone: its requests prefer replicas in it (--zone), below ...
     zone_spill_outstanding: int = Field(8, ge=1)  # ... this many in flight each; past it they spill to other zones
     local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
+    warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
     default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
     replica_health_interval_s: float = Field(1.0, gt=0)
     replica_eject_failures: int = Field(3, ge=1)

@@ -73,7 +73,7 @@ class Fleet:
 
             pool = LocalReplicaPool(
                 s.model_repository, s.workdir, install=supervisor.install, startup_timeout=s.triton_startup_timeout_s,
-                response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url,
+                response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url, warm_pool=s.warm_pool,
             )  # fmt: skip
             pool.adopt(PRIMARY, supervisor)
             replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0]))
@@ -99,6 +99,7 @@ class Fleet:
             for i, (replica_id, target) in enumerate(zip(extra, targets), start=1):
                 zone = s.zones[i % len(s.zones)] if s.zones else ""
                 await self.replicas.add_member(Member(replica_id, client(s, target), group="local", local=True, zone=zone), probe=False)
+            await self.pool.fill_warm()
         self.replicas.start()
 
     async def _local_restarted(self, replica_id: str, target: str) -> None:

@@ -1,8 +1,9 @@
 """Zones on local Tritons (issue 29): replicas open in two zones (``INFERPLANE_LOCAL_ZONES=a,b``), the
-frontend is in zone a (``INFERPLANE_ZONE``). A tier-1 endpoint gets two replicas, one per zone, on
-Tritons of its own; its requests stay in zone a while it serves; ``kill -9`` of every Triton of
-zone a under bounded load loses no admitted request (the replica set spills to zone b, and retries
-the requests the dead Triton took with it there).
+frontend is in zone a (``INFERPLANE_ZONE``), one warm Triton waits (``INFERPLANE_WARM_POOL=1``). A
+tier-1 endpoint gets two replicas, one per zone, on Tritons of its own — one of them the warm member
+(its pid existed before the decision), the pool refilled behind it; its requests stay in zone a
+while it serves; ``kill -9`` of every Triton of zone a under bounded load loses no admitted request
+(the replica set spills to zone b, and retries the requests the dead Triton took with it there).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENV = {
     "INFERPLANE_LOCAL_ZONES": "a,b", "INFERPLANE_ZONE": "a", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
-    "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.2", "INFERPLANE_ISOLATION": "llm",
+    "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.2", "INFERPLANE_ISOLATION": "llm", "INFERPLANE_WARM_POOL": "1",
 }  # fmt: skip
 
 
@@ -46,10 +47,14 @@ def _autoscale(stack):
     return channel, autoscale_pb2_grpc.AutoscaleStub(channel)
 
 
-def replicas(stack) -> list[dict]:
+def executor(stack) -> dict:
     channel, stub = _autoscale(stack)
     with channel:
-        return json.loads(stub.Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD)).explain_json)["executor"]["replicas"]
+        return json.loads(stub.Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD)).explain_json)["executor"]
+
+
+def replicas(stack) -> list[dict]:
+    return executor(stack)["replicas"]
 
 
 def serving(stack) -> int:
@@ -69,14 +74,23 @@ def rows(target: str) -> int:
 
 def test_tier_one_gets_two_replicas_in_two_zones_of_its_own(zoned):
     channel, stub = _autoscale(zoned)
+    with channel:  # an autoscaling config first (tier 2, one copy): the executor is explainable
+        stub.Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=apb.AutoscaleConfig(min_replicas=1, max_replicas=1)))
+    assert wait_until(lambda: len(executor(zoned)["warm"]) == 1, 60), executor(zoned)
+    warm = executor(zoned)["warm"]
+    channel, stub = _autoscale(zoned)
     with channel:
         status = json.loads(stub.Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=apb.AutoscaleConfig(tier=1))).endpoints_json[0])
     assert status["min_replicas"] == 2  # tier 1 raised the default one replica to two
-    assert wait_until(lambda: serving(zoned) == 2, 90), replicas(zoned)
+    # the copy on the shared local-0 moves out: loaded on the two new replicas first, then drained and unloaded
+    assert wait_until(lambda: serving(zoned) == 2 and sum(FRAUD in r["models"] for r in replicas(zoned)) == 2, 90), replicas(zoned)
     hosts = [r for r in replicas(zoned) if FRAUD in r["models"]]
     assert sorted(r["zone"] for r in hosts) == ["a", "b"]
     assert all(r["models"] == [FRAUD] for r in hosts)  # no co-tenants: lightgbm is elsewhere
     assert [r["zone"] for r in replicas(zoned) if LGBM in r["models"]] == ["a"]
+    # the scale-up took the warm member (started before the decision, empty) and the pool refilled
+    assert warm[0] in {r["pid"] for r in hosts} and len(executor(zoned)["from_warm"]) == 1
+    assert wait_until(lambda: len(executor(zoned)["warm"]) == 1 and executor(zoned)["warm"] != warm, 60), executor(zoned)
 
 
 def test_requests_stay_in_the_frontends_zone_while_it_serves(zoned):
