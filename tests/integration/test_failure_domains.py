@@ -33,17 +33,23 @@ WIDTH = {FRAUD: 32, LGBM: 16}
 ENV = {"INFERPLANE_ISOLATION": "llm", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2", "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.2"}
 
 
-@pytest.fixture(scope="module")
-def domains(demo_repository, tmp_path_factory):
+def tree_stack(demo_repository, root, env: dict, *, llm: bool = False):
+    """A stack of its own (its repository, registry and workdir under ``root``): the two tree models,
+    and tiny_llama with ``llm``."""
     from model_repository.llm import build_llm_models
 
-    root = tmp_path_factory.mktemp("domains")
     repository = root / "model_repository"
     for name in (FRAUD, LGBM):
         shutil.copytree(demo_repository / name, repository / name)
-    build_llm_models(repository, tiny=True, smollm2=False, work=root)
-    env = {**ENV, "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts")}
-    stack = start_stack(repository, root / "stack", env=env)
+    if llm:
+        build_llm_models(repository, tiny=True, smollm2=False, work=root)
+    env = {**env, "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts")}
+    return start_stack(repository, root / "stack", env=env)
+
+
+@pytest.fixture(scope="module")
+def domains(demo_repository, tmp_path_factory):
+    stack = tree_stack(demo_repository, tmp_path_factory.mktemp("domains"), ENV, llm=True)
     with grpc.insecure_channel(stack.grpc) as channel:  # an autoscaling config (one copy) makes it explainable
         config = apb.AutoscaleConfig(min_replicas=1, max_replicas=1)
         autoscale_pb2_grpc.AutoscaleStub(channel).Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=config))

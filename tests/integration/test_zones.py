@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 
 import grpc
@@ -19,8 +18,8 @@ import tritonclient.grpc as grpcclient
 
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
-from tests.conftest import start_stack, stop_stack, wait_until
-from tests.integration.test_failure_domains import FRAUD, LGBM, Load
+from tests.conftest import stop_stack, wait_until
+from tests.integration.test_failure_domains import FRAUD, LGBM, Load, tree_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -32,12 +31,7 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def zoned(demo_repository, tmp_path_factory):
-    root = tmp_path_factory.mktemp("zones")
-    repository = root / "model_repository"
-    for name in (FRAUD, LGBM):
-        shutil.copytree(demo_repository / name, repository / name)
-    env = {**ENV, "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts")}
-    stack = start_stack(repository, root / "stack", env=env)
+    stack = tree_stack(demo_repository, tmp_path_factory.mktemp("zones"), ENV)
     yield stack
     stop_stack(stack)
 
