@@ -127,7 +127,11 @@ class LocalExecutor:
         ids = [r for r in plan.replicas_of(model) if r in {m.id for m in self._local()}]
         if not ids:
             members = self._local()
-            ids = [min(members, key=lambda m: len(m.wanted)).id] if members else []
+            group = self.group_of(model)
+            same = [m for m in members if all(self.group_of(w) == group for w in m.wanted)]  # its isolation group's (or empty)
+            if members and not same:
+                log.warning("no replica of isolation group %r for %s yet: it shares one until a scale-up opens its own", group, model)
+            ids = [min(same or members, key=lambda m: len(m.wanted)).id] if members else []
         return ids or None
 
     # ---- changes --------------------------------------------------------------------------------

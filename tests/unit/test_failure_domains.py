@@ -160,3 +160,22 @@ def test_local_first_is_pure():
     assert local_first([a, b, c], "a", 8) == [a]
     assert local_first([b, c], "a", 8) == [b, c]  # the only zone-a member is saturated: every candidate
     assert local_first([a, b], "", 8) == [a, b]
+
+
+def test_a_model_loaded_after_start_without_a_replica_of_its_group_prefers_its_groups_replica():
+    """local-1 holds an LLM and has no room for a second (capacity 600 MB, 512 MB each), so the plan
+    would open a replica; until a scale-up does, the new LLM goes to its group's replica, not to the
+    tree models' local-0 (both host one model)."""
+    from server.control.executors import LocalExecutor
+    from tests.unit.test_replicas import Clock, FakeTriton
+
+    members = []
+    for name, wanted in (("local-0", {"fraud"}), ("local-1", {"tiny_llama"})):
+        member = Member(name, FakeTriton(name, models=wanted), local=True)
+        member.models, member.wanted = set(wanted), set(wanted)
+        members.append(member)
+    rs = ReplicaSet(members, clock=Clock(), rng=random.Random(7))
+    groups = {"fraud": "", "tiny_llama": "llm", "smollm2": "llm"}
+    executor = LocalExecutor(rs, pool=None, client_factory=FakeTriton, capacity_bytes=600 << 20, group_of=groups.get)
+    assert executor.plan({"smollm2": 1}).opened  # the plan wants a replica of its own
+    assert executor.place_one("smollm2") == ["local-1"]
