@@ -165,10 +165,16 @@ class Fleet:
             self._streams[model] = isolation.streams(self.settings.model_repository, model)
         scaler = self.autoscaler.endpoints.get(model) if self.autoscaler is not None else None
         tier = scaler.config.tier if scaler is not None else isolation.DEFAULT_TIER
-        return isolation.isolation_group(model, streams=self._streams[model], mode=self.settings.isolation, tier=tier)
+        return isolation.isolation_group(model, streams=self._streams[model], mode=self._isolation_mode(), tier=tier)
+
+    def _isolation_mode(self) -> str:
+        """The settings' mode; none with several workers (they reach the embedded Triton only)."""
+        return self.settings.isolation if self.settings.workers == 1 else "none"
 
     async def place_models(self, models: list[str]) -> None:
         """Before the models of the start load: each isolation group on local replicas of its own."""
+        if self.settings.isolation != "none" and self._isolation_mode() == "none":
+            log.warning("isolation %s needs --workers 1 (workers reach the embedded Triton only): every model shares it", self.settings.isolation)
         if isinstance(self.executor, LocalExecutor) and models:
             await self.executor.place_at_start(models)
 
