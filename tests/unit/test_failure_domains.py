@@ -179,3 +179,17 @@ def test_a_model_loaded_after_start_without_a_replica_of_its_group_prefers_its_g
     executor = LocalExecutor(rs, pool=None, client_factory=FakeTriton, capacity_bytes=600 << 20, group_of=groups.get)
     assert executor.plan({"smollm2": 1}).opened  # the plan wants a replica of its own
     assert executor.place_one("smollm2") == ["local-1"]
+
+
+def test_the_fleet_isolates_the_llms_only_in_a_single_process_frontend(tmp_path):
+    from model_repository.config_writer import ModelConfig, write_config
+    from server.control.fleet import Fleet
+    from server.settings import Settings
+
+    config = ModelConfig(name="gen", backend="python")
+    config.model_transaction_policy.decoupled = True
+    write_config(config, tmp_path / "gen")
+    one = Fleet(Settings(model_repository=tmp_path, workers=1, isolation="llm"), ReplicaSet())
+    several = Fleet(Settings(model_repository=tmp_path, workers=2, isolation="llm"), ReplicaSet())
+    assert one.isolation_of("gen") == isolation.LLM_GROUP and one.isolation_of("missing") == ""
+    assert several.isolation_of("gen") == ""  # workers reach the embedded Triton only
