@@ -48,6 +48,7 @@ class Fleet:
         self._memory: dict[str, int] = {}
         self._group_wakers: set[str] = set()
         self._streams: dict[str, bool] = {}  # model -> decoupled (its config), read once
+        self._ensemble_bound: set[str] | None = None  # ensembles and their steps (one Triton holds them)
         self.hooks = None
 
     # ---- the replica set (before the data plane) ---------------------------------------------
@@ -163,9 +164,13 @@ class Fleet:
         whether it streams (its config)."""
         if model not in self._streams:
             self._streams[model] = isolation.streams(self.settings.model_repository, model)
+        if self._ensemble_bound is None:
+            self._ensemble_bound = isolation.ensemble_bound(self.settings.model_repository)
         scaler = self.autoscaler.endpoints.get(model) if self.autoscaler is not None else None
         tier = scaler.config.tier if scaler is not None else isolation.DEFAULT_TIER
-        return isolation.isolation_group(model, streams=self._streams[model], mode=self._isolation_mode(), tier=tier)
+        return isolation.isolation_group(
+            model, streams=self._streams[model], mode=self._isolation_mode(), tier=tier, ensemble=model in self._ensemble_bound
+        )  # fmt: skip
 
     def _isolation_mode(self) -> str:
         """The settings' mode; none with several workers (they reach the embedded Triton only)."""

@@ -21,18 +21,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model_repository.config_writer import read_config
+from model_repository.config_writer import CONFIG_FILE, ENSEMBLE_PLATFORM, read_config
 
 MODES = ("none", "llm", "each")
 DEFAULT_TIER = 2
 LLM_GROUP = "llm"
 
 
-def isolation_group(model: str, *, streams: bool, mode: str, tier: int = DEFAULT_TIER) -> str:
-    """The group ``model``'s copies share Tritons with ('' is the shared default group)."""
+def isolation_group(model: str, *, streams: bool, mode: str, tier: int = DEFAULT_TIER, ensemble: bool = False) -> str:
+    """The group ``model``'s copies share Tritons with ('' is the shared default group). ``ensemble``:
+    the model is a Triton ensemble or one of its steps — they must share one Triton, so ``each`` keeps
+    them in the shared group."""
     if mode not in MODES:
         raise ValueError(f"isolation mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if tier == 1 or mode == "each":
+    if tier == 1 or (mode == "each" and not ensemble):
         return f"own:{model}"
     if mode == "llm" and streams:
         return LLM_GROUP
@@ -45,3 +47,17 @@ def streams(repository: Path, model: str) -> bool:
         return bool(read_config(Path(repository) / model).model_transaction_policy.decoupled)
     except Exception:  # no config (yet), or one Triton would refuse: the shared group
         return False
+
+
+def ensemble_bound(repository: Path) -> set[str]:
+    """The repository's ensembles and every model their steps name (one Triton must hold them all)."""
+    out: set[str] = set()
+    for path in sorted(Path(repository).glob(f"*/{CONFIG_FILE}")):
+        try:
+            config = read_config(path)
+        except Exception:  # a config Triton would refuse: not an ensemble here
+            continue
+        if config.platform == ENSEMBLE_PLATFORM:
+            out.add(config.name or path.parent.name)
+            out.update(step.model_name for step in config.ensemble_scheduling.step)
+    return out

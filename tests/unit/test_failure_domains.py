@@ -193,3 +193,15 @@ def test_the_fleet_isolates_the_llms_only_in_a_single_process_frontend(tmp_path)
     several = Fleet(Settings(model_repository=tmp_path, workers=2, isolation="llm"), ReplicaSet())
     assert one.isolation_of("gen") == isolation.LLM_GROUP and one.isolation_of("missing") == ""
     assert several.isolation_of("gen") == ""  # workers reach the embedded Triton only
+
+
+def test_each_keeps_an_ensemble_and_its_steps_in_one_triton(tmp_path):
+    from model_repository.config_writer import EnsembleStep, ModelConfig, ensemble_config, write_config
+
+    for name in ("scorer", "lone"):
+        write_config(ModelConfig(name=name, backend="python"), tmp_path / name)
+    step = EnsembleStep("scorer", -1, {"x": "x"}, {"y": "y"})
+    write_config(ensemble_config("pipeline", 8, [("x", 11, (4,))], [("y", 11, (1,))], [step]), tmp_path / "pipeline")
+    assert isolation.ensemble_bound(tmp_path) == {"pipeline", "scorer"}
+    assert isolation.isolation_group("scorer", streams=False, mode="each", ensemble=True) == ""
+    assert isolation.isolation_group("lone", streams=False, mode="each") == "own:lone"
