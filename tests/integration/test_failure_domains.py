@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 
 import grpc
 import numpy as np
@@ -24,6 +23,7 @@ import tritonclient.grpc as grpcclient
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 from tests.conftest import start_stack, stop_stack, wait_until
+from tests.integration.test_fleet import Load as FleetLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 openai = pytest.importorskip("openai")
@@ -80,48 +80,23 @@ def chat(client) -> str:
     return answer.choices[0].message.content
 
 
-class Load:
-    """Closed-loop callers of one endpoint, each failure recorded (no retries in the clients)."""
+class Load(FleetLoad):
+    """Closed-loop callers of one endpoint (test_fleet's), the LLM's through the openai SDK."""
 
     def __init__(self, stack, model: str, threads: int = 2):
-        self.stack, self.model = stack, model
-        self.stop = threading.Event()
-        self.ok, self.errors = 0, []
-        self._lock = threading.Lock()
-        self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        super().__init__(stack, model, threads)
 
     def _client(self):
         if self.model == LLM:
             return openai.OpenAI(base_url=f"http://{self.stack.http}/v1", api_key="unused", max_retries=0, timeout=60)
-        return grpcclient.InferenceServerClient(self.stack.grpc)
+        return super()._client()
 
-    def _run(self):
-        client = self._client()
-        try:
-            while not self.stop.is_set():
-                try:
-                    chat(client) if self.model == LLM else tabular(client, self.model)
-                    with self._lock:
-                        self.ok += 1
-                except Exception as err:  # noqa: BLE001 - every failure counts
-                    with self._lock:
-                        self.errors.append(str(err)[:300])
-        finally:
-            client.close()
+    def _call(self, client) -> None:
+        chat(client) if self.model == LLM else tabular(client, self.model)
 
     def served(self, more: int, timeout: float = 60.0) -> None:
         target = self.ok + more
         assert wait_until(lambda: self.ok >= target, timeout), f"{self.model} stalled at {self.ok} (errors: {self.errors[:3]})"
-
-    def __enter__(self):
-        for w in self._workers:
-            w.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for w in self._workers:
-            w.join(60)
 
 
 def test_the_llm_runs_in_a_triton_of_its_own(domains):

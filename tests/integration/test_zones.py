@@ -14,12 +14,12 @@ import signal
 
 import grpc
 import pytest
-import tritonclient.grpc as grpcclient
 
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 from tests.conftest import stop_stack, wait_until
 from tests.integration.test_failure_domains import FRAUD, LGBM, Load, tree_stack
+from tests.integration.test_fleet import triton_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,12 +58,7 @@ def serving(stack) -> int:
 
 
 def rows(target: str) -> int:
-    client = grpcclient.InferenceServerClient(target)
-    try:
-        stats = client.get_inference_statistics(FRAUD, as_json=True)
-        return sum(int(s.get("inference_count", 0)) for s in stats.get("model_stats", []))
-    finally:
-        client.close()
+    return triton_rows(target, FRAUD)
 
 
 def test_tier_one_gets_two_replicas_in_two_zones_of_its_own(zoned):
