@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, replace
 SIGNALS = ("inflight", "queue", "qps", "tokens_per_s", "triton_queue_ms")
 UNITS = ("replicas", "instances")  # what the count scales: replica processes, or Triton instances of the model
 UP, DOWN, HOLD, ZERO, WAKE = "up", "down", "hold", "zero", "wake"
+TIERS = (1, 2, 3)
+TIER1_MIN_REPLICAS = 2
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,15 @@ class ScalingConfig:
     cold_start_budget_s: float = 30.0  # how long a request waits for a scaled-to-zero endpoint to load
     predictive: bool = True
     unit: str = "replicas"
+    tier: int = 2  # availability tier: 1 gets >= 2 replicas (in 2 zones, on Tritons of its own); 2 and 3 share
 
     def __post_init__(self) -> None:
         problems = []
+        if self.tier not in TIERS:
+            problems.append(f"tier must be 1, 2 or 3 (got {self.tier!r})")
+        elif self.tier == 1:  # never fewer than two replicas (a lost zone leaves one serving)
+            object.__setattr__(self, "min_replicas", max(self.min_replicas, TIER1_MIN_REPLICAS))
+            object.__setattr__(self, "max_replicas", max(self.max_replicas, self.min_replicas))
         if self.min_replicas < 0:
             problems.append(f"min_replicas must be >= 0 (got {self.min_replicas})")
         if self.max_replicas < max(1, self.min_replicas):

@@ -396,8 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
                 from model_repository.llm import build_llm_models
 
                 build_llm_models(repository, tiny=True, smollm2=False)
+        # isolation none: the soak samples the one embedded Triton (its RSS, fds, restarts), as before issue 29
         env = {"INFERPLANE_AUTH": "off", "INFERPLANE_LOG_LEVEL": "WARNING", "INFERPLANE_DATABASE_URL": f"sqlite:///{work}/registry.db",
-               "INFERPLANE_ARTIFACT_STORE": str(work / "artifacts")}  # fmt: skip
+               "INFERPLANE_ARTIFACT_STORE": str(work / "artifacts"), "INFERPLANE_ISOLATION": "none"}  # fmt: skip
         stack = start_stack(repository, work / "stack", "--workers", "1", env=env)
         try:
             result = asyncio.run(soak(stack, args.minutes, args.concurrency, args.invalid, args.sample_s, warmup, args.llm))

@@ -214,6 +214,8 @@ class Frontend:
         index = await self.dataplane.repository_index()
         if names == ["*"]:
             names = sorted({m.name for m in index if not self.settings.worker or m.state == "READY"})
+        if not self.settings.worker:  # failure domains: LLMs (or every model) on Tritons of their own (issue 29)
+            await self.fleet.place_models(names)
         for name in names:
             if self.settings.worker:  # the parent loaded it; a worker only reads its signature
                 await self.dataplane.adopt(name)

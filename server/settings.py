@@ -145,6 +145,13 @@ class Settings(BaseSettings):
     model_groups_file: Path | None = None
     local_replicas: int = Field(1, ge=1, le=32)  # embedded: Triton processes at start (more come with autoscaling)
     replica_memory_mb: int = Field(4096, ge=64)  # what one local replica offers for placement
+    # failure domains (issue 29: server.control.isolation): llm = the LLMs in Triton process(es) apart from
+    # the tree/ONNX models; each = one Triton per model; none = all in the embedded one
+    isolation: str = Field("llm", pattern="^(none|llm|each)$")
+    zone: str = ""  # this frontend's zone: its requests prefer replicas in it (--zone), below ...
+    zone_spill_outstanding: int = Field(8, ge=1)  # ... this many in flight each; past it they spill to other zones
+    local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
+    warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
     default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
     replica_health_interval_s: float = Field(1.0, gt=0)
     replica_eject_failures: int = Field(3, ge=1)
@@ -282,6 +289,10 @@ class Settings(BaseSettings):
     def autoscale_period_slots(self) -> int | None:
         slots = self.autoscale_profile_period_s / self.autoscale_profile_slot_s
         return round(slots) if abs(slots - round(slots)) < 1e-9 and round(slots) >= 1 else None
+
+    @property
+    def zones(self) -> tuple[str, ...]:
+        return tuple(z.strip() for z in self.local_zones.split(",") if z.strip())
 
     @property
     def triton_urls(self) -> list[str]:

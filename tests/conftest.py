@@ -16,7 +16,9 @@ from loadtest.stack import Stack, stop_stack  # noqa: F401 - re-exported for the
 from loadtest.stack import start_stack as _start_stack
 
 MAX_REQUEST_BYTES = 4 << 20  # the test stack's request size limit (the default is 64 MiB)
-TEST_ENV = {"INFERPLANE_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES), "INFERPLANE_STATS_POLL_S": "0.5", "INFERPLANE_AUTH": "off"}
+# isolation none: the suites compare the frontend with the embedded Triton (stack.triton, triton_pid) on
+# one Triton; the failure-domain tests (tests/integration/test_failure_domains.py) run the default, llm
+TEST_ENV = {"INFERPLANE_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES), "INFERPLANE_STATS_POLL_S": "0.5", "INFERPLANE_AUTH": "off", "INFERPLANE_ISOLATION": "none"}
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,7 @@ def scaling_options(
     cold_start_budget: Optional[str] = None,
     signal: Optional[str] = None,
     target: Optional[float] = None,
+    tier: Optional[int] = None,
 ) -> dict:
     """The autoscaling fields the flags set (the rest keep the endpoint's or the defaults)."""
     if target_inflight is not None and target is not None:
@@ -62,7 +63,12 @@ def scaling_options(
         out["scale_to_zero_after_s"] = 0.0 if scale_to_zero_after.strip().lower() in ("never", "off") else parse_duration(scale_to_zero_after)
     if cold_start_budget is not None:
         out["cold_start_budget_s"] = parse_duration(cold_start_budget)
+    if tier is not None:
+        out["tier"] = tier
     return out
+
+
+TIER_HELP = "Availability tier 1|2|3: tier 1 gets >= 2 replicas, spread over zones, on Tritons of its own; 2 and 3 share."
 
 
 def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
@@ -197,12 +203,13 @@ def set_config(
     cold_start_budget: Optional[str] = typer.Option(None, help="How long a request waits for a load from zero (30s)."),
     unit: Optional[str] = typer.Option(None, help="replicas (processes / pods) | instances (the model's Triton instances, local executor)."),
     predictive: Optional[bool] = typer.Option(None, "--predictive/--reactive", help="Pre-scale from the forecast, or react only."),
+    tier: Optional[int] = typer.Option(None, min=1, max=3, help=TIER_HELP),
     url: str = _URL,
     api_key: Optional[str] = _API_KEY,
     actor: Optional[str] = _ACTOR,
 ) -> None:
     """Set an endpoint's autoscaling config (stored with the endpoint, audited)."""
-    fields = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, signal, target)
+    fields = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, signal, target, tier)
     if unit is not None:
         fields["unit"] = unit
     if predictive is not None:

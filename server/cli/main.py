@@ -62,6 +62,10 @@ def serve(
     tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate chain: every port serves TLS (reloaded when the file changes)."),
     tls_key: Optional[Path] = typer.Option(None, help="The certificate's PEM private key (unencrypted)."),
     tls_client_ca: Optional[Path] = typer.Option(None, help="PEM CA bundle: mutual TLS, client certificates required on every port."),
+    zone: Optional[str] = typer.Option(None, help="This frontend's zone: requests prefer replicas in it, spilling over when they are down or saturated."),
+    isolation: Optional[str] = typer.Option(
+        None, help="Embedded Tritons per failure domain: llm (the LLMs apart from the other models), each (one per model), none [default: llm]."
+    ),
 ) -> None:
     """Start the frontend and, unless --triton-url is given, an embedded Triton.
 
@@ -79,7 +83,7 @@ def serve(
         "model_repository": model_repository, "triton_url": triton_url, "triton_mode": triton_mode,
         "workdir": workdir, "database_url": database_url, "data_dir": data_dir, "models": model or None, "workers": workers,
         "log_level": log_level, "auth": None if auth is None else _on_off(auth, "--auth"),
-        "tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca,
+        "tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca, "zone": zone, "isolation": isolation,
     }  # fmt: skip
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})

@@ -35,12 +35,14 @@ def capacity(
     profile: Annotated[Optional[list[Path]], typer.Option("--profile", help="Loadtest JSON results (repeatable); default benchmarks/frontend/results.json.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Size this model's endpoint for --target-rps.")] = None,
     target_rps: Annotated[Optional[float], typer.Option(help="Requests/s the endpoint must serve.")] = None,
-    utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="Share of measured throughput planned per replica (the rest is headroom).")] = 0.6,
+    utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="Share of the throughput measured within the SLO planned per replica.")] = 1.0,
+    zones: Annotated[int, typer.Option(min=1, help="Zones the fleet spreads over, sized N+1: losing one leaves capacity for the SLO.")] = 3,
     cores_per_replica: Annotated[float, typer.Option(min=0.1, help="Cores of the measured replica (the benchmark machine's).")] = 2.0,
-    slo_p99_ms: Annotated[Optional[float], typer.Option(help="Use only measurements whose p99 meets this.")] = None,
+    slo_p99_ms: Annotated[float, typer.Option(help="Use only measurements whose p99 meets this (the requirements' 20 ms).")] = 20.0,
     context: Annotated[int, typer.Option(min=1, help="70b: tokens per sequence (prompt + completion).")] = 4096,
     headroom: Annotated[float, typer.Option(min=0.0, max=0.9, help="70b: share of each GPU kept for activations and the CUDA context.")] = 0.10,
-    gpu_memory_gb: Annotated[float, typer.Option(min=1.0, help="70b: memory of one GPU, GB.")] = 80.0,
+    gpu_memory_gib: Annotated[float, typer.Option(min=1.0, help="70b: memory of one GPU, GiB (an '80 GB' GPU holds 80 GiB = 85.9e9 bytes).")] = 80.0,
+    streams: Annotated[int, typer.Option(min=1, help="70b: concurrent streams to size 4-GPU replicas for.")] = 10_000,
     aggregate_rps: Annotated[float, typer.Option(min=1.0, help="fleet: requests/s across all endpoints.")] = 2_000_000,
     tree_rps: Annotated[float, typer.Option(min=1.0, help="fleet: requests/s of the tree endpoint.")] = 50_000,
     tree_model: Annotated[str, typer.Option(help="fleet: the measured tree model.")] = "fraud_xgboost",
@@ -53,12 +55,14 @@ def capacity(
 
     try:
         if example == "70b":
-            plans = cap.example_70b(context=context, headroom=headroom, gpu_memory_gb=gpu_memory_gb, price_per_gpu_hour=DEFAULT_PRICES["h100"])
+            plans = cap.example_70b(
+                context=context, headroom=headroom, gpu_memory_gib=gpu_memory_gib, price_per_gpu_hour=DEFAULT_PRICES["h100"], streams=streams, zones=zones,
+            )  # fmt: skip
         elif example in ("fleet", None):
             if example is None and (model is None or target_rps is None):
                 raise typer.BadParameter("give --example 70b|fleet, or --model and --target-rps (with --profile)")
             profiles = cap.load_profiles(profile or DEFAULT_PROFILES, slo_p99_ms=slo_p99_ms)
-            kw = dict(utilization=utilization, cores_per_replica=cores_per_replica, price_per_core_hour=DEFAULT_PRICES["cpu"])
+            kw = dict(utilization=utilization, zones=zones, cores_per_replica=cores_per_replica, price_per_core_hour=DEFAULT_PRICES["cpu"])
             if example == "fleet":
                 plans = cap.example_fleet(profiles, aggregate_rps=aggregate_rps, tree_rps=tree_rps, tree_model=tree_model, versions=versions, **kw)
             else:

@@ -370,6 +370,7 @@ def deploy(
     target_inflight: Optional[float] = typer.Option(None, help="Autoscaling: requests in flight (queue included) per replica."),
     scale_to_zero_after: Optional[str] = typer.Option(None, help="Autoscaling: idle time before zero replicas (300s, 5m; never)."),
     cold_start_budget: Optional[str] = typer.Option(None, help="Autoscaling: how long a request waits for a load from zero (30s)."),
+    tier: Optional[int] = typer.Option(None, min=1, max=3, help="Availability tier 1|2|3 (tier 1: >= 2 replicas over zones, Tritons of its own)."),
     url: str = _URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
     actor: Optional[str] = _ACTOR,
@@ -380,7 +381,7 @@ def deploy(
     from server.cli.autoscale import configure, scaling_options
     from server.protogen.inferplane.v1 import admin_pb2
 
-    scaling = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget)
+    scaling = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, tier=tier)
     if scaling:
         status = configure(url, ref.partition(":")[0], scaling, actor, api_key)
         typer.echo(f"autoscaling {status['endpoint']}: {status['min_replicas']}..{status['max_replicas']} replicas, target {status['target']:g} {status['signal']}")

@@ -4,8 +4,14 @@ Pure functions over numbers (and the JSON results the load generator writes); no
 :func:`load_profiles` reading those files. Every function returns a ``Plan``: the figures plus the
 lines of arithmetic that produced them, which ``inferplane plan capacity`` prints.
 
-Units: memory in decimal gigabytes (1 GB = 1e9 bytes, as GPU vendors count), throughput in requests
-per second, money in USD. A month is 730 hours.
+Units: GPU memory, weights and KV cache in GiB (1 GiB = 2**30 bytes: an "80 GB" H100 or A100 holds
+80 GiB = 85.9e9 bytes, so counting it as 80e9 bytes would under-plan every GPU by 7 %); artifact
+storage in decimal GB (1e9 bytes, as object stores bill it); throughput in requests per second;
+money in USD. A month is 730 hours.
+
+Failure domains (issue 29): a fleet spread over ``zones`` zones is sized N+1 — losing any one zone
+leaves the others enough replicas at the throughput measured within the p99 SLO — instead of a flat
+utilization factor.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HOURS_PER_MONTH = 730.0
-GB = 1e9
+GB = 1e9  # storage
+GIB = float(1 << 30)  # GPU memory
 
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
@@ -66,54 +73,54 @@ def llm_memory(
     kv_dtype: str = "fp16",
     context: int = 4096,
     gpus: int = 2,
-    gpu_memory_gb: float = 80.0,
+    gpu_memory_gib: float = 80.0,
     headroom: float = 0.10,
 ) -> Plan:
-    """How many sequences of ``context`` tokens fit on ``gpus`` x ``gpu_memory_gb`` with tensor
+    """How many sequences of ``context`` tokens fit on ``gpus`` x ``gpu_memory_gib`` with tensor
     parallelism across them, keeping ``headroom`` of each GPU for activations, the CUDA context and
     allocator slack (vLLM's ``gpu_memory_utilization = 1 - headroom``)."""
     if dtype not in DTYPE_BYTES or kv_dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}")
     if gpus < 1 or context < 1 or not 0 <= headroom < 1:
         raise ValueError("gpus and context must be >= 1 and headroom in [0, 1)")
-    plan = Plan(f"{shape.name} {dtype.upper()} on {gpus} x {gpu_memory_gb:g} GB, context {context}")
+    plan = Plan(f"{shape.name} {dtype.upper()} on {gpus} x {gpu_memory_gib:g} GiB, context {context}")
     weights = shape.weight_bytes(dtype)
     per_token = shape.kv_bytes_per_token(kv_dtype)
     per_seq = per_token * context
-    usable = gpus * gpu_memory_gb * GB * (1 - headroom)
+    usable = gpus * gpu_memory_gib * GIB * (1 - headroom)
     kv_budget = usable - weights
     sequences = max(0, math.floor(kv_budget / per_seq)) if kv_budget > 0 else 0
     if dtype == "int4":
-        plan.say(f"weights: {shape.params / 1e9:g}e9 params x (0.5 B + 2 B scale / 128) = {weights / GB:.2f} GB")
+        plan.say(f"weights: {shape.params / 1e9:g}e9 params x (0.5 B + 2 B scale / 128) = {weights / GIB:.2f} GiB")
     else:
-        plan.say(f"weights: {shape.params / 1e9:g}e9 params x {DTYPE_BYTES[dtype]:g} B = {weights / GB:.2f} GB")
+        plan.say(f"weights: {shape.params / 1e9:g}e9 params x {DTYPE_BYTES[dtype]:g} B = {weights / GIB:.2f} GiB")
     plan.say(
         f"KV per token: 2 (K,V) x {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} head_dim"
         f" x {DTYPE_BYTES[kv_dtype]:g} B = {per_token:,.0f} B ({per_token / 1024:.0f} KiB)"
     )
-    plan.say(f"KV per sequence at {context} tokens: {per_token:,.0f} B x {context} = {per_seq / GB:.3f} GB")
+    plan.say(f"KV per sequence at {context} tokens: {per_token:,.0f} B x {context} = {per_seq / GIB:.3f} GiB")
     plan.say(
-        f"usable: {gpus} x {gpu_memory_gb:g} GB x (1 - {headroom:g} headroom for activations) = {usable / GB:.1f} GB"
+        f"usable: {gpus} x {gpu_memory_gib:g} GiB x (1 - {headroom:g} headroom for activations) = {usable / GIB:.1f} GiB"
     )
     if gpus > 1:
         kv_heads_per_gpu = shape.kv_heads / gpus
         plan.say(
-            f"tensor parallel {gpus}: {weights / gpus / GB:.2f} GB weights and {kv_heads_per_gpu:g} KV heads per GPU"
+            f"tensor parallel {gpus}: {weights / gpus / GIB:.2f} GiB weights and {kv_heads_per_gpu:g} KV heads per GPU"
             + ("" if shape.kv_heads % gpus == 0 else " (KV heads do not divide: each GPU holds a replicated share)")
         )
     if kv_budget <= 0:
-        plan.say(f"KV budget: {usable / GB:.1f} - {weights / GB:.2f} = {kv_budget / GB:.2f} GB: does not fit")
+        plan.say(f"KV budget: {usable / GIB:.1f} - {weights / GIB:.2f} = {kv_budget / GIB:.2f} GiB: does not fit")
     else:
         plan.say(
-            f"KV budget: {usable / GB:.1f} - {weights / GB:.2f} = {kv_budget / GB:.2f} GB"
-            f" / {per_seq / GB:.3f} GB = {sequences} sequences of {context} tokens at once"
+            f"KV budget: {usable / GIB:.1f} - {weights / GIB:.2f} = {kv_budget / GIB:.2f} GiB"
+            f" / {per_seq / GIB:.3f} GiB = {sequences} sequences of {context} tokens at once"
         )
     plan.figures = {
-        "weights_gb": weights / GB,
+        "weights_gib": weights / GIB,
         "kv_bytes_per_token": per_token,
-        "kv_gb_per_sequence": per_seq / GB,
-        "usable_gb": usable / GB,
-        "kv_budget_gb": kv_budget / GB,
+        "kv_gib_per_sequence": per_seq / GIB,
+        "usable_gib": usable / GIB,
+        "kv_budget_gib": kv_budget / GIB,
         "sequences": sequences,
         "fits": kv_budget > 0 and sequences >= 1,
         "gpus": gpus,
@@ -196,21 +203,35 @@ def load_profiles(paths: list[Path], *, slo_p99_ms: float | None = None) -> dict
 # ---- fleet sizing -----------------------------------------------------------------------------
 
 
+def zone_spread(needed: int, zones: int) -> tuple[int, int]:
+    """(replicas per zone, total) so that any ``zones - 1`` zones hold ``needed``: N+1 over zones
+    (one zone: no spread, ``needed``)."""
+    if needed < 0 or zones < 1:
+        raise ValueError("needed must be >= 0 and zones >= 1")
+    if zones == 1:
+        return needed, needed
+    per_zone = math.ceil(needed / (zones - 1))
+    return per_zone, per_zone * zones
+
+
 def replicas_for(
     target_rps: float,
     profile: Profile,
     *,
-    utilization: float = 0.6,
+    utilization: float = 1.0,
+    zones: int = 1,
     cores_per_replica: float = 2.0,
     price_per_core_hour: float = 0.04,
     name: str | None = None,
 ) -> Plan:
     """Replicas for ``target_rps``: each replica runs at ``utilization`` of its measured throughput
-    (the rest is headroom for spikes and for losing a zone), rounded up."""
+    (measured within the p99 SLO: ``load_profiles(slo_p99_ms=...)``), rounded up; over ``zones``
+    zones, N+1: enough per zone that losing one zone leaves the rest serving ``target_rps``."""
     if not 0 < utilization <= 1 or target_rps <= 0 or profile.throughput_rps <= 0:
         raise ValueError("target_rps and the measured throughput must be > 0 and utilization in (0, 1]")
     per_replica = profile.throughput_rps * utilization
-    replicas = math.ceil(target_rps / per_replica - 1e-9)
+    needed = math.ceil(target_rps / per_replica - 1e-9)
+    per_zone, replicas = zone_spread(needed, zones)
     cores = replicas * cores_per_replica
     monthly = cores * price_per_core_hour * HOURS_PER_MONTH
     plan = Plan(f"{name or profile.model}: {target_rps:,.0f} requests/s")
@@ -220,12 +241,57 @@ def replicas_for(
         + (f" [{profile.source}]" if profile.source else "")
     )
     plan.say(f"planned per replica: {profile.throughput_rps:,.1f} x {utilization:g} utilization = {per_replica:,.1f} requests/s")
-    plan.say(f"replicas: ceil({target_rps:,.0f} / {per_replica:,.1f}) = {replicas}")
+    plan.say(f"replicas: ceil({target_rps:,.0f} / {per_replica:,.1f}) = {needed}")
+    if zones > 1:
+        plan.say(f"{zones} zones, N+1 (any {zones - 1} carry the load): ceil({needed} / {zones - 1}) = {per_zone} per zone x {zones} = {replicas}")
     plan.say(
         f"cores: {replicas} x {cores_per_replica:g} = {cores:,.0f}; monthly: {cores:,.0f} x ${price_per_core_hour:g}/core-h"
         f" x {HOURS_PER_MONTH:g} h = ${monthly:,.0f}"
     )
-    plan.figures = {"per_replica_rps": per_replica, "replicas": replicas, "cores": cores, "monthly_usd": monthly}
+    plan.figures = {"per_replica_rps": per_replica, "needed": needed, "per_zone": per_zone, "zones": zones, "replicas": replicas,
+                    "cores": cores, "monthly_usd": monthly}  # fmt: skip
+    return plan
+
+
+def llm_streams(
+    streams: int,
+    shape: LLMShape = LLMShape(),
+    *,
+    context: int = 4096,
+    gpus_per_replica: int = 4,
+    gpu_memory_gib: float = 80.0,
+    headroom: float = 0.10,
+    dtype: str = "fp16",
+    zones: int = 1,
+    tokens_per_s_per_stream: float | None = None,
+    replica_tokens_per_s: float | None = None,
+    price_per_gpu_hour: float = 6.98,
+) -> Plan:
+    """Replicas (each ``gpus_per_replica`` GPUs, tensor parallel) for ``streams`` concurrent streams of
+    ``context`` tokens: the larger of the KV-cache bound (sequences that fit, ``llm_memory``) and,
+    when given, the decode bound (streams x tokens/s each over one replica's measured tokens/s);
+    then N+1 over ``zones``."""
+    memory = llm_memory(shape, dtype=dtype, context=context, gpus=gpus_per_replica, gpu_memory_gib=gpu_memory_gib, headroom=headroom)
+    per_replica = memory.figures["sequences"]
+    if per_replica < 1:
+        raise ValueError(f"{shape.name} {dtype} does not fit {gpus_per_replica} x {gpu_memory_gib:g} GiB at context {context}")
+    plan = Plan(f"{shape.name}: {streams:,} concurrent streams at {context} tokens")
+    plan.lines += memory.lines
+    by_memory = math.ceil(streams / per_replica)
+    plan.say(f"replicas by KV cache: ceil({streams:,} / {per_replica}) = {by_memory}")
+    needed = by_memory
+    if tokens_per_s_per_stream is not None and replica_tokens_per_s:
+        by_decode = math.ceil(streams * tokens_per_s_per_stream / replica_tokens_per_s - 1e-9)
+        plan.say(f"replicas by decode: ceil({streams:,} x {tokens_per_s_per_stream:g} tokens/s / {replica_tokens_per_s:,.0f} tokens/s) = {by_decode}")
+        needed = max(needed, by_decode)
+    per_zone, replicas = zone_spread(needed, zones)
+    if zones > 1:
+        plan.say(f"{zones} zones, N+1 (any {zones - 1} carry the load): ceil({needed} / {zones - 1}) = {per_zone} per zone x {zones} = {replicas}")
+    gpus = replicas * gpus_per_replica
+    monthly = gpus * price_per_gpu_hour * HOURS_PER_MONTH
+    plan.say(f"GPUs: {replicas} x {gpus_per_replica} = {gpus:,}; monthly: {gpus:,} x ${price_per_gpu_hour:g}/h x {HOURS_PER_MONTH:g} h = ${monthly:,.0f}")
+    plan.figures = {"sequences_per_replica": per_replica, "needed": needed, "per_zone": per_zone, "zones": zones, "replicas": replicas,
+                    "gpus": gpus, "monthly_usd": monthly}  # fmt: skip
     return plan
 
 
@@ -327,19 +393,27 @@ def endpoint_costs(
 # ---- the worked examples ----------------------------------------------------------------------
 
 
-def example_70b(*, context: int = 4096, headroom: float = 0.10, gpu_memory_gb: float = 80.0, price_per_gpu_hour: float = 6.98) -> list[Plan]:
-    """The requirement documents' 70B example: FP16 on 2 and 4 GPUs, INT4 on one."""
+def example_70b(
+    *, context: int = 4096, headroom: float = 0.10, gpu_memory_gib: float = 80.0, price_per_gpu_hour: float = 6.98,
+    streams: int = 10_000, zones: int = 3,
+) -> list[Plan]:  # fmt: skip
+    """The requirement documents' 70B example: FP16 on 2 and 4 GPUs, INT4 on one; then ``streams``
+    concurrent streams of it on 4-GPU FP16 replicas over ``zones`` zones (N+1)."""
     shape = LLMShape()
     plans = [
-        llm_memory(shape, dtype="fp16", context=context, gpus=2, gpu_memory_gb=gpu_memory_gb, headroom=headroom),
-        llm_memory(shape, dtype="fp16", context=context, gpus=4, gpu_memory_gb=gpu_memory_gb, headroom=headroom),
-        llm_memory(shape, dtype="fp16", context=context, gpus=1, gpu_memory_gb=gpu_memory_gb, headroom=headroom),
-        llm_memory(shape, dtype="int4", context=context, gpus=1, gpu_memory_gb=gpu_memory_gb, headroom=headroom),
+        llm_memory(shape, dtype="fp16", context=context, gpus=2, gpu_memory_gib=gpu_memory_gib, headroom=headroom),
+        llm_memory(shape, dtype="fp16", context=context, gpus=4, gpu_memory_gib=gpu_memory_gib, headroom=headroom),
+        llm_memory(shape, dtype="fp16", context=context, gpus=1, gpu_memory_gib=gpu_memory_gib, headroom=headroom),
+        llm_memory(shape, dtype="int4", context=context, gpus=1, gpu_memory_gib=gpu_memory_gib, headroom=headroom),
     ]
     for p in plans:
         monthly = p.figures["gpus"] * price_per_gpu_hour * HOURS_PER_MONTH
         p.figures["monthly_usd"] = monthly
         p.say(f"monthly: {p.figures['gpus']} GPU x ${price_per_gpu_hour:g}/h x {HOURS_PER_MONTH:g} h = ${monthly:,.0f}")
+    plans.append(
+        llm_streams(streams, shape, context=context, gpus_per_replica=4, gpu_memory_gib=gpu_memory_gib, headroom=headroom, zones=zones,
+                    price_per_gpu_hour=price_per_gpu_hour)  # fmt: skip
+    )
     return plans
 
 
@@ -349,16 +423,17 @@ def example_fleet(
     aggregate_rps: float = 2_000_000,
     tree_rps: float = 50_000,
     tree_model: str = "fraud_xgboost",
-    utilization: float = 0.6,
+    utilization: float = 1.0,
+    zones: int = 3,
     cores_per_replica: float = 2.0,
     price_per_core_hour: float = 0.04,
     versions: int = 500,
 ) -> list[Plan]:
     """2,000,000 requests/s across the fleet (an even mix of the measured models), a 50,000
-    requests/s tree endpoint, and storage for 500 model versions."""
+    requests/s tree endpoint, over ``zones`` zones N+1, and storage for 500 model versions."""
     if tree_model not in profiles:
         raise ValueError(f"no measured profile for {tree_model} (have: {', '.join(sorted(profiles)) or 'none'})")
-    kw = dict(utilization=utilization, cores_per_replica=cores_per_replica, price_per_core_hour=price_per_core_hour)
+    kw = dict(utilization=utilization, zones=zones, cores_per_replica=cores_per_replica, price_per_core_hour=price_per_core_hour)
     mix = mix_profile(sorted(profiles.values(), key=lambda p: p.model))
     return [
         replicas_for(aggregate_rps, mix, name="fleet (even mix of the measured models)", **kw),

@@ -58,8 +58,12 @@ class LocalExecutor:
         primary: str = "local-0",
         refresh: Callable[[str], object] | None = None,  # re-read a model's signature (its capacity changed)
         default_copies: int = 1,  # copies of a model nobody autoscales
+        group_of: Callable[[str], str] = lambda model: "",  # its isolation group (server.control.isolation)
+        zones: tuple[str, ...] = (),  # the zones new replicas open in (placement spreads copies over them)
     ):
         self.default_copies = max(1, default_copies)
+        self.group_of = group_of
+        self.zones = tuple(zones)
         self.set = replicas
         self.pool = pool
         self.client_factory = client_factory
@@ -96,10 +100,21 @@ class LocalExecutor:
             copies[model] = self.replicas(model)
         copies.update(self.copies)
         copies.update(overrides or {})
-        return {model: Demand(n, self.memory_of(model)) for model, n in copies.items() if n > 0}
+        return {model: Demand(n, self.memory_of(model), self.group_of(model)) for model, n in copies.items() if n > 0}
 
     def plan(self, overrides: dict[str, int] | None = None) -> Plan:
-        return place(self._demands(overrides), self._current(), self.capacity_bytes, new_id=lambda n: f"local-{n}")
+        zone_of = {m.id: m.zone for m in self._local()}
+        return place(self._demands(overrides), self._current(), self.capacity_bytes, new_id=lambda n: f"local-{n}", zone_of=zone_of, zones=self.zones)
+
+    async def place_at_start(self, models: list[str]) -> None:
+        """Place the models loaded at start all at once (each isolation group on replicas of its own,
+        opened now), so the loads that follow land on them."""
+        async with self._lock:
+            plan = self.plan({m: max(self.default_copies, self.copies.get(m, 0)) for m in models})
+            await self._open(plan)
+            for model in models:
+                self.set.placement[model] = plan.replicas_of(model)
+            self.last_plan = plan
 
     def place_one(self, model: str) -> list[str] | None:
         """Where a model nobody scaled goes when it is loaded (the replica set asks): its copies'
@@ -112,7 +127,11 @@ class LocalExecutor:
         ids = [r for r in plan.replicas_of(model) if r in {m.id for m in self._local()}]
         if not ids:
             members = self._local()
-            ids = [min(members, key=lambda m: len(m.wanted)).id] if members else []
+            group = self.group_of(model)
+            same = [m for m in members if all(self.group_of(w) == group for w in m.wanted)]  # its isolation group's (or empty)
+            if members and not same:
+                log.warning("no replica of isolation group %r for %s yet: it shares one until a scale-up opens its own", group, model)
+            ids = [min(same or members, key=lambda m: len(m.wanted)).id] if members else []
         return ids or None
 
     # ---- changes --------------------------------------------------------------------------------
@@ -169,7 +188,7 @@ class LocalExecutor:
         targets = await asyncio.gather(*(self.pool.start(r) for r in missing))
         for replica_id, target in zip(missing, targets):
             client = self.client_factory(target)
-            await self.set.add_member(Member(replica_id, client, group="local", local=True), probe=False)
+            await self.set.add_member(Member(replica_id, client, group="local", local=True, zone=plan.zones.get(replica_id, "")), probe=False)
 
     async def _close_empty(self, plan: Plan) -> None:
         for member in self._local():
@@ -216,7 +235,9 @@ class LocalExecutor:
         members = self._local()
         return {
             "executor": "local",
-            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted)} for m in members],
+            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone} for m in members],
+            "warm": [pid for pid in self.pool.warm_pids() if pid is not None],  # the warm pool's idle Tritons
+            "from_warm": sorted(self.pool.from_warm),
             "capacity_mb": self.capacity_bytes >> 20,
             "copies": dict(sorted(self.copies.items())),
         }

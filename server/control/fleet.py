@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from batching.route_policy import RouteBounds
+from server.control import isolation
 from server.control.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
 from server.control.placement import memory_need
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
@@ -46,6 +47,8 @@ class Fleet:
         self._refreshing: set[str] = set()
         self._memory: dict[str, int] = {}
         self._group_wakers: set[str] = set()
+        self._streams: dict[str, bool] = {}  # model -> decoupled (its config), read once
+        self._ensemble_bound: set[str] | None = None  # ensembles and their steps (one Triton holds them)
         self.hooks = None
 
     # ---- the replica set (before the data plane) ---------------------------------------------
@@ -57,7 +60,7 @@ class Fleet:
         policy = ReplicaPolicy(
             health_interval_s=s.replica_health_interval_s, eject_failures=s.replica_eject_failures, eject_s=s.replica_eject_s,
             wait_for_member_s=s.replica_wait_s, retry_lost=s.replica_retry_lost, discovery_interval_s=s.discovery_interval_s,
-            llm_routing=s.llm_routing,
+            llm_routing=s.llm_routing, zone=s.zone, zone_spill_outstanding=s.zone_spill_outstanding,
             route_bounds=RouteBounds(load_factor=s.llm_route_load_factor, load_slack=s.llm_route_load_slack, kv_high=s.llm_route_kv_high),
         )  # fmt: skip
         codec = inprocess.batch_codec() if inprocess is not None else None
@@ -71,10 +74,10 @@ class Fleet:
 
             pool = LocalReplicaPool(
                 s.model_repository, s.workdir, install=supervisor.install, startup_timeout=s.triton_startup_timeout_s,
-                response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url,
+                response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url, warm_pool=s.warm_pool,
             )  # fmt: skip
             pool.adopt(PRIMARY, supervisor)
-            replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True))
+            replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0]))
         for i, url in enumerate(s.triton_urls if not groups else []):
             replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
         if groups is not None:
@@ -91,10 +94,13 @@ class Fleet:
         for source in self.replicas._sources:
             await self.replicas.discover(source)
         if self.pool is not None:
-            extra = [f"local-{i}" for i in range(1, self.settings.local_replicas)]
+            s = self.settings
+            extra = [f"local-{i}" for i in range(1, s.local_replicas)]
             targets = await asyncio.gather(*(self.pool.start(r) for r in extra))
-            for replica_id, target in zip(extra, targets):
-                await self.replicas.add_member(Member(replica_id, client(self.settings, target), group="local", local=True), probe=False)
+            for i, (replica_id, target) in enumerate(zip(extra, targets), start=1):
+                zone = s.zones[i % len(s.zones)] if s.zones else ""
+                await self.replicas.add_member(Member(replica_id, client(s, target), group="local", local=True, zone=zone), probe=False)
+            await self.pool.fill_warm()
         self.replicas.start()
 
     async def _local_restarted(self, replica_id: str, target: str) -> None:
@@ -150,8 +156,32 @@ class Fleet:
             self.executor = LocalExecutor(
                 self.replicas, self.pool, lambda target: client(s, target),
                 capacity_bytes=s.replica_memory_mb << 20, memory_of=self.memory_of, primary=PRIMARY, refresh=dataplane.refresh,
-                default_copies=s.local_replicas,
+                default_copies=s.local_replicas, group_of=self.isolation_of, zones=s.zones,
             )  # fmt: skip
+
+    def isolation_of(self, model: str) -> str:
+        """The model's isolation group: its tier (its autoscaling config), the settings' mode, and
+        whether it streams (its config)."""
+        if model not in self._streams:
+            self._streams[model] = isolation.streams(self.settings.model_repository, model)
+        if self._ensemble_bound is None:
+            self._ensemble_bound = isolation.ensemble_bound(self.settings.model_repository)
+        scaler = self.autoscaler.endpoints.get(model) if self.autoscaler is not None else None
+        tier = scaler.config.tier if scaler is not None else isolation.DEFAULT_TIER
+        return isolation.isolation_group(
+            model, streams=self._streams[model], mode=self._isolation_mode(), tier=tier, ensemble=model in self._ensemble_bound
+        )  # fmt: skip
+
+    def _isolation_mode(self) -> str:
+        """The settings' mode; none with several workers (they reach the embedded Triton only)."""
+        return self.settings.isolation if self.settings.workers == 1 else "none"
+
+    async def place_models(self, models: list[str]) -> None:
+        """Before the models of the start load: each isolation group on local replicas of its own."""
+        if self.settings.isolation != "none" and self._isolation_mode() == "none":
+            log.warning("isolation %s needs --workers 1 (workers reach the embedded Triton only): every model shares it", self.settings.isolation)
+        if isinstance(self.executor, LocalExecutor) and models:
+            await self.executor.place_at_start(models)
 
     def _routing_of(self, model: str) -> str | None:
         """An LLM endpoint's own routing policy (its config's ``inferplane.routing``), if it names one."""

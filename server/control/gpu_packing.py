@@ -18,6 +18,13 @@ Placement is *best-fit decreasing*: models largest first; each goes to the open 
 leaves the least memory free; failing that, to the smallest free slot it fits (so a 3 GB model opens
 a 1g.10gb slice, not an H100). Copies of one model (``replicas``) never share a slot. A model that
 fits nowhere is reported unplaceable with the reason; nothing is ever overcommitted.
+
+Zones (issue 29): a node may name its ``zone`` (``topology.kubernetes.io/zone``); each copy of a
+model goes first to the zones holding the fewest of its copies so far, then by best fit within
+them, so a model's replicas spread over zones (three copies over three zones: one each) and losing
+a zone loses at most its share.
+
+Memory is in GiB, as ``nvidia-smi`` reports it: an "80 GB" H100 or A100 holds 80 GiB (85.9e9 bytes).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-# GPU types: memory (GB, decimal) and the MIG profiles each supports: name -> (compute slices, memory GB)
+# GPU types: memory (GiB; the field keeps its historical name) and the MIG profiles each supports:
+# name -> (compute slices, memory as the profile names it)
 GPU_TYPES: dict[str, dict] = {
     "A100-40": {
         "memory_gb": 40.0,
@@ -66,6 +74,7 @@ class Node:
     mode: str = "whole"
     mig: tuple[str, ...] = ()  # the profiles each GPU is cut into (mode "mig")
     mps_replicas: int = 1  # clients sharing each GPU (mode "mps")
+    zone: str = ""  # its failure domain (topology.kubernetes.io/zone)
 
     def __post_init__(self) -> None:
         if self.gpu not in GPU_TYPES:
@@ -96,7 +105,7 @@ class Node:
         try:
             return cls(
                 name=str(d["name"]), gpu=str(d["gpu"]), count=int(d.get("count", 1)), mode=str(d.get("mode", "whole")),
-                mig=tuple(d.get("mig", ())), mps_replicas=int(d.get("mps_replicas", 1)),
+                mig=tuple(d.get("mig", ())), mps_replicas=int(d.get("mps_replicas", 1)), zone=str(d.get("zone", "")),
             )  # fmt: skip
         except KeyError as err:
             raise PackingError(f"inventory node {d!r} lacks {err.args[0]!r}") from None
@@ -147,6 +156,7 @@ class Slot:
     used_gb: float = 0.0
     used_compute: float = 0.0
     dedicated: bool = False  # whole GPU given to one model (alone or tensor parallel)
+    zone: str = ""  # its node's
 
     @property
     def id(self) -> str:
@@ -210,7 +220,7 @@ class Packing:
             "unplaceable": [{"model": m, "reason": r} for m, r in self.unplaceable],
             "slots": [
                 {
-                    "slot": s.id, "node": s.node, "gpu": s.gpu, "gpu_index": s.gpu_index, "kind": s.kind,
+                    "slot": s.id, "node": s.node, "zone": s.zone, "gpu": s.gpu, "gpu_index": s.gpu_index, "kind": s.kind,
                     "profile": s.profile, "resource": s.resource, "memory_gb": s.memory_gb,
                     "used_gb": round(s.used_gb, 3), "compute": round(s.compute, 4),
                     "used_compute": round(s.used_compute, 4), "models": list(s.models),
@@ -229,18 +239,18 @@ def slots_of(nodes: list[Node]) -> list[Slot]:
         spec = GPU_TYPES[node.gpu]
         for i in range(node.count):
             if node.mode == "whole":
-                slots.append(Slot(node.name, node.gpu, i, "whole", "", spec["memory_gb"], 1.0))
+                slots.append(Slot(node.name, node.gpu, i, "whole", "", spec["memory_gb"], 1.0, zone=node.zone))
             elif node.mode == "mig":
                 seen: dict[str, int] = {}
                 for profile in node.mig:
                     slices, memory = spec["mig"][profile]
                     nth = seen.get(profile, 0)
                     seen[profile] = nth + 1
-                    slots.append(Slot(node.name, node.gpu, i, "mig", profile, memory, slices / MIG_COMPUTE_SLICES, nth))
+                    slots.append(Slot(node.name, node.gpu, i, "mig", profile, memory, slices / MIG_COMPUTE_SLICES, nth, zone=node.zone))
             else:
                 n = node.mps_replicas
                 for k in range(n):
-                    slots.append(Slot(node.name, node.gpu, i, "mps", f"mps/{n}", spec["memory_gb"] / n, 1.0 / n, k))
+                    slots.append(Slot(node.name, node.gpu, i, "mps", f"mps/{n}", spec["memory_gb"] / n, 1.0 / n, k, zone=node.zone))
     return slots
 
 
@@ -277,9 +287,10 @@ def pack(nodes: list[Node], models: list[Model], *, reserve_gb: float = 0.5) -> 
         key=lambda mr: (-(mr[0].memory_gb), -(mr[0].compute), mr[0].name, mr[1]),
     )
     for model, replica in copies:
+        spread = _copies_by_zone(slots, model.name)
         shareable_fit = not model.dedicated and model.memory_gb <= largest_slot - reserve_gb + 1e-9 and model.compute <= 1.0
         if shareable_fit:
-            slot = _best_fit(slots, model, reserve_gb)
+            slot = _best_fit(slots, model, reserve_gb, spread)
             if slot is not None:
                 slot.models.append(model.name)
                 slot.used_gb += model.memory_gb
@@ -287,7 +298,7 @@ def pack(nodes: list[Node], models: list[Model], *, reserve_gb: float = 0.5) -> 
                 placements.append(Placement(model.name, replica, [slot.id], False))
                 continue
         # whole GPUs of one node: dedicated, or tensor parallel when it fits no slot
-        chosen = _whole_gpus(whole_by_node, model, reserve_gb)
+        chosen = _whole_gpus(whole_by_node, model, reserve_gb, spread)
         if chosen is None:
             reason = (
                 f"needs {model.memory_gb:g} GB and {model.compute:g} GPU of compute; no free slot fits it"
@@ -323,23 +334,38 @@ def pack(nodes: list[Node], models: list[Model], *, reserve_gb: float = 0.5) -> 
     )
 
 
-def _best_fit(slots: list[Slot], model: Model, reserve_gb: float) -> Slot | None:
-    candidates = [s for s in slots if s.models and s.fits(model, reserve_gb)]
+def _copies_by_zone(slots: list[Slot], model: str) -> dict[str, int]:
+    """Copies of ``model`` placed so far per zone (a tensor-parallel copy counts once)."""
+    out: dict[str, int] = {}
+    for zone, node, gpu in {(s.zone, s.node, s.gpu_index) for s in slots if model in s.models}:
+        out[zone] = out.get(zone, 0) + 1
+    return out
+
+
+def _best_fit(slots: list[Slot], model: Model, reserve_gb: float, spread: dict[str, int]) -> Slot | None:
+    """The emptiest zone first (fewest copies of the model); in it, the open slot the model fills
+    most, else the smallest free slot it fits."""
+    fitting = [s for s in slots if s.fits(model, reserve_gb)]
+    if not fitting:
+        return None
+    least = min(spread.get(s.zone, 0) for s in fitting)
+    fitting = [s for s in fitting if spread.get(s.zone, 0) == least]
+    candidates = [s for s in fitting if s.models]
     if candidates:
         return min(candidates, key=lambda s: (s.free_gb - model.memory_gb, s.id))
-    fresh = [s for s in slots if not s.models and s.fits(model, reserve_gb)]
-    if fresh:
-        return min(fresh, key=lambda s: (s.memory_gb, s.compute, s.id))
-    return None
+    return min(fitting, key=lambda s: (s.memory_gb, s.compute, s.id))
 
 
-def _whole_gpus(whole_by_node: dict[str, list[Slot]], model: Model, reserve_gb: float) -> list[Slot] | None:
+def _whole_gpus(whole_by_node: dict[str, list[Slot]], model: Model, reserve_gb: float, spread: dict[str, int]) -> list[Slot] | None:
     best: list[Slot] | None = None
+    best_key = None
     for node, gpus in sorted(whole_by_node.items()):
         free = [s for s in gpus if not s.models]
         tp = _tp_for(model, gpus[0].memory_gb, reserve_gb)
-        if tp <= len(free) and (best is None or tp * free[0].memory_gb < len(best) * best[0].memory_gb):
-            best = free[:tp]
+        if tp <= len(free):
+            key = (spread.get(gpus[0].zone, 0), tp * free[0].memory_gb)  # the emptiest zone, then the least memory
+            if best_key is None or key < best_key:
+                best, best_key = free[:tp], key
     return best
 
 

@@ -8,11 +8,17 @@ first, to the first replica with room that does not already hold a copy of that 
 has room, a new replica is opened. Two copies of one model never share a replica (a copy is a
 failure domain). A copy larger than an empty replica still gets a replica of its own (and is
 reported as ``oversized``): refusing would leave the model unserved.
+
+Failure domains (issue 29): a model's ``group`` is its isolation group — a replica hosts models of
+one group only, so a crash of the Triton serving one group (the LLMs, a tier-1 endpoint's own
+group) never touches another's. Replicas carry a zone (``zone_of``); a copy goes to the replica
+with room whose zone holds the fewest copies of that model, and a new replica opens in the zone
+(of ``zones``) with the fewest, so an endpoint's copies spread over zones before any zone gets two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_MEMORY_BYTES = 512 << 20
@@ -22,6 +28,7 @@ DEFAULT_MEMORY_BYTES = 512 << 20
 class Demand:
     copies: int
     memory: int  # bytes per copy
+    group: str = ""  # isolation group: shares a replica only with models of the same group
 
 
 @dataclass
@@ -29,6 +36,7 @@ class Plan:
     assignment: dict[str, set[str]]  # replica id -> models
     opened: list[str] = field(default_factory=list)  # replica ids the plan needs that do not exist yet
     oversized: list[str] = field(default_factory=list)
+    zones: dict[str, str] = field(default_factory=dict)  # replica id -> zone ('' where none is known)
 
     def replicas_of(self, model: str) -> list[str]:
         return sorted(r for r, models in self.assignment.items() if model in models)
@@ -53,37 +61,66 @@ def place(
     capacity: int,
     *,
     new_id=lambda n: f"local-{n}",
+    zone_of: Mapping[str, str] | None = None,
+    zones: Sequence[str] = (),
 ) -> Plan:
     """The assignment of model copies to replicas for ``demands``, starting from ``current``
-    (replica id -> models it hosts now; ids in order of preference, the first is the primary)."""
+    (replica id -> models it hosts now; ids in order of preference, the first is the primary);
+    ``zone_of``: the zone of each existing replica, ``zones``: the zones a new replica may open in."""
     assignment = {r: set() for r in current}
     # keep what is still wanted, in the order replicas are listed, up to each model's copies
     kept: dict[str, int] = {}
     for replica, models in current.items():
-        for model in sorted(models):
+        # the shared group's copies first: a model that moved to a group of its own (tier 1) leaves
+        for model in sorted(models, key=lambda m: (m not in demands or demands[m].group != "", m)):
             want = demands.get(model)
-            if want is not None and kept.get(model, 0) < want.copies:
+            if want is not None and kept.get(model, 0) < want.copies and _fits_group(demands, models & assignment[replica], want.group):
                 assignment[replica].add(model)
                 kept[model] = kept.get(model, 0) + 1
-    plan = Plan(assignment)
-    order = sorted(demands, key=lambda m: (-demands[m].memory, m))
+    plan = Plan(assignment, zones={r: (zone_of or {}).get(r, "") for r in current})
+    order = sorted(demands, key=lambda m: (demands[m].group != "", -demands[m].memory, m))  # the shared group first: the primary
     counter = len(current)
     for model in order:
         need = demands[model]
         for _ in range(need.copies - kept.get(model, 0)):
-            target = None
-            for replica, models in plan.assignment.items():
-                if model not in models and plan.used(demands, replica) + need.memory <= capacity:
-                    target = replica
-                    break
+            spread = _copies_by_zone(plan, model)
+            fits = [
+                r for r, models in plan.assignment.items()
+                if model not in models and _fits_group(demands, models, need.group) and plan.used(demands, r) + need.memory <= capacity
+            ]  # fmt: skip
+            target = min(fits, key=lambda r: spread.get(plan.zones[r], 0)) if fits else None  # min keeps list order on ties
+            if target is not None and zones and spread.get(plan.zones[target], 0) > min(spread.get(z, 0) for z in zones):
+                target = None  # a zone with fewer copies has no room: a replica opens there
             if target is None:
                 while new_id(counter) in plan.assignment:
                     counter += 1
                 target = new_id(counter)
                 counter += 1
                 plan.assignment[target] = set()
+                plan.zones[target] = _emptiest_zone(plan, zones, spread)
                 plan.opened.append(target)
                 if need.memory > capacity:
                     plan.oversized.append(model)
             plan.assignment[target].add(model)
     return plan
+
+
+def _fits_group(demands: Mapping[str, Demand], models: set[str], group: str) -> bool:
+    """A replica takes a model only when every model it hosts is of the model's isolation group."""
+    return all(demands[m].group == group for m in models if m in demands)
+
+
+def _copies_by_zone(plan: Plan, model: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for replica, models in plan.assignment.items():
+        if model in models:
+            out[plan.zones[replica]] = out.get(plan.zones[replica], 0) + 1
+    return out
+
+
+def _emptiest_zone(plan: Plan, zones: Sequence[str], spread: Mapping[str, int]) -> str:
+    """Where a new replica opens: the zone with the fewest copies of the model, then the fewest replicas."""
+    if not zones:
+        return ""
+    replicas = {z: sum(1 for r in plan.assignment if plan.zones.get(r) == z) for z in zones}
+    return min(zones, key=lambda z: (spread.get(z, 0), replicas[z]))

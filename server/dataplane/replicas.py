@@ -77,6 +77,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from batching import route_policy
+from server.dataplane.locality_policy import local_first
 from server.dataplane.triton_client import ConnectionLost, NotSent
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.protogen.inference import grpc_service_pb2 as pb
@@ -113,15 +114,18 @@ class ReplicaPolicy:
     llm_routing: str = route_policy.PREFIX_AWARE
     route_bounds: route_policy.RouteBounds = route_policy.RouteBounds()
     kv_stale_s: float = 10.0  # a member's last reported KV utilisation counts this long
+    zone: str = ""  # the frontend's zone: its requests prefer members there (server.dataplane.locality_policy)
+    zone_spill_outstanding: int = 8  # ... while one of them has fewer in flight than this
 
 
 class Member:
     """One Triton of the set and what the set knows about it."""
 
-    def __init__(self, member_id: str, client, *, group: str = "", source: str = "", local: bool = False):
+    def __init__(self, member_id: str, client, *, group: str = "", source: str = "", local: bool = False, zone: str = ""):
         self.id = member_id
         self.client = client
         self.group = group
+        self.zone = zone  # its failure domain (--zone; topology.kubernetes.io/zone on Kubernetes); '' unknown
         self.source = source  # the discovery source that found it ('' for members added by hand)
         self.local = local
         self.state = UP
@@ -159,7 +163,7 @@ class Member:
 
     def snapshot(self, now: float) -> dict:
         return {
-            "id": self.id, "target": self.target, "group": self.group, "local": self.local, "state": self.state,
+            "id": self.id, "target": self.target, "group": self.group, "zone": self.zone, "local": self.local, "state": self.state,
             "ejected_for_s": max(0.0, self.ejected_until - now), "ejections": self.ejections,
             "models": sorted(self.models), "draining": sorted(self.draining_models), "wanted": sorted(self.wanted),
             "outstanding": self.outstanding, "served": self.served, "errors": self.errors,
@@ -317,6 +321,7 @@ class ReplicaSet:
             candidates = [m for m in self._list if m is not exclude and m.serves(model, now, ejected_ok=True)]
             if not candidates:
                 return None
+        candidates = local_first(candidates, self.policy.zone, self.policy.zone_spill_outstanding)
         if len(candidates) == 1:
             return candidates[0]
         if affinity is not None:

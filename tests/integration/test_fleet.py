@@ -129,12 +129,18 @@ class Load:
         self._lock = threading.Lock()
         self._workers = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
 
+    def _client(self):
+        return grpcclient.InferenceServerClient(self.stack.grpc)
+
+    def _call(self, client) -> None:
+        infer(client, self.model)
+
     def _run(self):
-        client = grpcclient.InferenceServerClient(self.stack.grpc)
+        client = self._client()
         try:
             while not self.stop.is_set():
                 try:
-                    infer(client, self.model)
+                    self._call(client)
                     with self._lock:
                         self.ok += 1
                 except Exception as err:  # noqa: BLE001 - every failure counts

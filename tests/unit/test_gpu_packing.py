@@ -200,3 +200,18 @@ def test_overlay_files_name_groups_and_routing():
     # sets no `replicas:`, which would fight KEDA on every apply)
     assert '"/spec/minReplicaCount", "value": 2' in files["gpu-01/kustomization.yaml"].replace("\n", " ").replace("    ", "")
     assert "replicas:" not in files["gpu-01/group.yaml"] and "initContainers" not in files["gpu-01/group.yaml"]
+
+
+def test_a_models_replicas_spread_over_zones():
+    """Three zones, one node of 8 H100-80 each. The 70B at 150 GiB needs tensor parallel 2 (75 GiB
+    per GPU <= 80 - 0.5); its 3 copies go one per zone (before zones counted, all three took node a,
+    whose 8 GPUs hold four). A 10 GiB model's 3 copies: one whole GPU per zone as well."""
+    nodes = [Node(f"n-{z}", "H100-80", 8, zone=z) for z in "abc"]
+    packing = pack(nodes, [Model("llama-70b", 150.0, compute=1.0, replicas=3), Model("small", 10.0, replicas=3)])
+    zone_of = {s.id: s.zone for s in packing.slots}
+    for model in ("llama-70b", "small"):
+        zones = sorted(zone_of[p.slots[0]] for p in packing.placements if p.model == model)
+        assert zones == ["a", "b", "c"], (model, zones)
+    assert all(len(p.slots) == 2 for p in packing.placements if p.model == "llama-70b")
+    assert {s["zone"] for s in packing.report()["slots"]} == {"a", "b", "c"}
+    assert Node.from_dict({"name": "x", "gpu": "H100-80", "zone": "eu-1a"}).zone == "eu-1a"

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AutoscaleConfig(_message.Message):
-    __slots__ = ("min_replicas", "max_replicas", "target", "signal", "scale_to_zero_after_s", "cold_start_budget_s", "scale_up_window_s", "scale_down_window_s", "max_step_up", "max_step_down", "up_cooldown_s", "down_cooldown_s", "predictive", "tolerance", "unit")
+    __slots__ = ("min_replicas", "max_replicas", "target", "signal", "scale_to_zero_after_s", "cold_start_budget_s", "scale_up_window_s", "scale_down_window_s", "max_step_up", "max_step_down", "up_cooldown_s", "down_cooldown_s", "predictive", "tolerance", "unit", "tier")
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class AutoscaleConfig(_message.Message):
     PREDICTIVE_FIELD_NUMBER: _ClassVar[int]
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     min_replicas: int
     max_replicas: int
     target: float
@@ -38,7 +39,8 @@ class AutoscaleConfig(_message.Message):
     predictive: bool
     tolerance: float
     unit: str
-    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., target: _Optional[float] = ..., signal: _Optional[str] = ..., scale_to_zero_after_s: _Optional[float] = ..., cold_start_budget_s: _Optional[float] = ..., scale_up_window_s: _Optional[float] = ..., scale_down_window_s: _Optional[float] = ..., max_step_up: _Optional[int] = ..., max_step_down: _Optional[int] = ..., up_cooldown_s: _Optional[float] = ..., down_cooldown_s: _Optional[float] = ..., predictive: _Optional[bool] = ..., tolerance: _Optional[float] = ..., unit: _Optional[str] = ...) -> None: ...
+    tier: int
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., target: _Optional[float] = ..., signal: _Optional[str] = ..., scale_to_zero_after_s: _Optional[float] = ..., cold_start_budget_s: _Optional[float] = ..., scale_up_window_s: _Optional[float] = ..., scale_down_window_s: _Optional[float] = ..., max_step_up: _Optional[int] = ..., max_step_down: _Optional[int] = ..., up_cooldown_s: _Optional[float] = ..., down_cooldown_s: _Optional[float] = ..., predictive: _Optional[bool] = ..., tolerance: _Optional[float] = ..., unit: _Optional[str] = ..., tier: _Optional[int] = ...) -> None: ...
 
 class ConfigureAutoscaleRequest(_message.Message):
     __slots__ = ("endpoint", "config")

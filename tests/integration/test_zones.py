@@ -1,0 +1,110 @@
+"""Zones on local Tritons (issue 29): replicas open in two zones (``INFERPLANE_LOCAL_ZONES=a,b``), the
+frontend is in zone a (``INFERPLANE_ZONE``), one warm Triton waits (``INFERPLANE_WARM_POOL=1``). A
+tier-1 endpoint gets two replicas, one per zone, on Tritons of its own — one of them the warm member
+(its pid existed before the decision), the pool refilled behind it; its requests stay in zone a
+while it serves; ``kill -9`` of every Triton of zone a under bounded load loses no admitted request
+(the replica set spills to zone b, and retries the requests the dead Triton took with it there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import grpc
+import pytest
+
+from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+from server.protogen.inferplane.v1 import autoscale_pb2_grpc
+from tests.conftest import stop_stack, wait_until
+from tests.integration.test_failure_domains import FRAUD, LGBM, Load, tree_stack
+from tests.integration.test_fleet import triton_rows
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENV = {
+    "INFERPLANE_LOCAL_ZONES": "a,b", "INFERPLANE_ZONE": "a", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
+    "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.2", "INFERPLANE_ISOLATION": "llm", "INFERPLANE_WARM_POOL": "1",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zoned(demo_repository, tmp_path_factory):
+    stack = tree_stack(demo_repository, tmp_path_factory.mktemp("zones"), ENV)
+    yield stack
+    stop_stack(stack)
+
+
+def _autoscale(stack):
+    channel = grpc.insecure_channel(stack.grpc)
+    return channel, autoscale_pb2_grpc.AutoscaleStub(channel)
+
+
+def executor(stack) -> dict:
+    channel, stub = _autoscale(stack)
+    with channel:
+        return json.loads(stub.Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD)).explain_json)["executor"]
+
+
+def replicas(stack) -> list[dict]:
+    return executor(stack)["replicas"]
+
+
+def serving(stack) -> int:
+    channel, stub = _autoscale(stack)
+    with channel:
+        return json.loads(stub.Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD)).explain_json)["serving_replicas"]
+
+
+def rows(target: str) -> int:
+    return triton_rows(target, FRAUD)
+
+
+def test_tier_one_gets_two_replicas_in_two_zones_of_its_own(zoned):
+    channel, stub = _autoscale(zoned)
+    with channel:  # an autoscaling config first (tier 2, one copy): the executor is explainable
+        stub.Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=apb.AutoscaleConfig(min_replicas=1, max_replicas=1)))
+    assert wait_until(lambda: len(executor(zoned)["warm"]) == 1, 60), executor(zoned)
+    warm = executor(zoned)["warm"]
+    channel, stub = _autoscale(zoned)
+    with channel:
+        status = json.loads(stub.Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=apb.AutoscaleConfig(tier=1))).endpoints_json[0])
+    assert status["min_replicas"] == 2  # tier 1 raised the default one replica to two
+    # the copy on the shared local-0 moves out: loaded on the two new replicas first, then drained and unloaded
+    assert wait_until(lambda: serving(zoned) == 2 and sum(FRAUD in r["models"] for r in replicas(zoned)) == 2, 90), replicas(zoned)
+    hosts = [r for r in replicas(zoned) if FRAUD in r["models"]]
+    assert sorted(r["zone"] for r in hosts) == ["a", "b"]
+    assert all(r["models"] == [FRAUD] for r in hosts)  # no co-tenants: lightgbm is elsewhere
+    assert [r["zone"] for r in replicas(zoned) if LGBM in r["models"]] == ["a"]
+    # the scale-up took the warm member (started before the decision, empty) and the pool refilled
+    assert warm[0] in {r["pid"] for r in hosts} and len(executor(zoned)["from_warm"]) == 1
+    assert wait_until(lambda: len(executor(zoned)["warm"]) == 1 and executor(zoned)["warm"] != warm, 60), executor(zoned)
+
+
+def test_requests_stay_in_the_frontends_zone_while_it_serves(zoned):
+    hosts = {r["zone"]: r for r in replicas(zoned) if FRAUD in r["models"]}
+    before = {z: rows(r["target"]) for z, r in hosts.items()}
+    with Load(zoned, FRAUD, threads=2) as load:  # 2 in flight at most: below the spill threshold (8)
+        load.served(200)
+    assert not load.errors
+    assert rows(hosts["a"]["target"]) - before["a"] >= load.ok
+    assert rows(hosts["b"]["target"]) == before["b"]
+
+
+def test_kill_9_of_zone_a_loses_no_admitted_request(zoned):
+    zone_a = [r for r in replicas(zoned) if r["zone"] == "a"]
+    b = next(r for r in replicas(zoned) if r["zone"] == "b" and FRAUD in r["models"])
+    before_b = rows(b["target"])
+    with Load(zoned, FRAUD, threads=4) as load:
+        load.served(100)
+        for replica in zone_a:
+            os.kill(replica["pid"], signal.SIGKILL)
+        killed_at = load.ok
+        load.served(300)  # zone b serves through the outage
+        assert rows(b["target"]) > before_b  # ... it did: the frontend spilled over
+        pids = {r["id"]: r["pid"] for r in zone_a}
+        assert wait_until(lambda: all(r["pid"] not in (None, pids[r["id"]]) for r in replicas(zoned) if r["id"] in pids), 90)
+        assert wait_until(lambda: serving(zoned) == 2, 90), replicas(zoned)
+        load.served(100)
+    assert load.ok > killed_at and not load.errors, load.errors[:5]
