@@ -127,3 +127,62 @@ class QueueGovernor:
     def _retry(self, wait: float, budget: float) -> float:
         """Until the queue has drained to within budget (at least a millisecond)."""
         return max(MIN_RETRY_S, wait - max(0.0, budget))
+
+
+@dataclass(frozen=True)
+class LoopPolicy:
+    """The process's own queue: the event loop. Its lag (how late a timer fires) is the time every
+    request waits before the frontend even reads it, invisible to any model's queue."""
+
+    target_s: float = 0.010  # a loop lagging more than this for a whole interval is standing
+    interval_s: float = 0.100
+    min_limit: int = 16  # never cut the in-flight limit below this
+    decrease: float = 0.75  # on each standing interval the limit becomes this x what is in flight
+    increase: float = 1.25  # on each sample below target it grows by this factor (lifted once far above in flight)
+
+
+class LoopGate:
+    """AIMD on the process's in-flight unary requests, driven by the event loop's lag (CoDel's
+    standing-time test): no limit while the loop keeps up; once its lag stood above ``target`` for
+    an ``interval`` the limit is cut to ``decrease x`` what is in flight, again every interval it
+    still stands, and grows back (then lifts) while the lag is below target. An arrival over the
+    limit is refused before any work — before its body is decoded — with a retry hint of the lag."""
+
+    def __init__(self, policy: LoopPolicy = LoopPolicy(), clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self._clock = clock
+        self.limit: int | None = None
+        self.inflight = 0
+        self.lag_s = 0.0
+        self.refused = 0
+        self._above_since: float | None = None
+
+    def sample(self, lag_s: float) -> None:
+        """One reading of the loop's lag (a timer's lateness)."""
+        p = self.policy
+        self.lag_s = lag_s
+        if lag_s <= p.target_s:
+            self._above_since = None
+            if self.limit is not None:
+                grown = max(self.limit + 1, int(self.limit * p.increase))
+                self.limit = None if grown > 4 * max(self.inflight, p.min_limit) else grown
+            return
+        now = self._clock()
+        if self._above_since is None:
+            self._above_since = now
+        elif now - self._above_since >= p.interval_s:
+            base = self.inflight if self.limit is None else min(self.limit, self.inflight)
+            self.limit = max(p.min_limit, int(base * p.decrease))
+            self._above_since = now  # one cut per interval
+
+    def enter(self) -> float | None:
+        """None: admitted (call :meth:`exit` when done). Otherwise refused: retry after this many seconds."""
+        limit = self.limit
+        if limit is not None and self.inflight >= limit:
+            self.refused += 1
+            return max(MIN_RETRY_S, self.lag_s)
+        self.inflight += 1
+        return None
+
+    def exit(self) -> None:
+        self.inflight -= 1

@@ -24,6 +24,7 @@ from server.dataplane.dataplane import DataPlane
 from server.dataplane.fleet_hooks import FleetHooks
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
+from server.dataplane.loop_gate import watch as watch_loop
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
@@ -153,6 +154,8 @@ class Frontend:
             await self._start_metrics()
             await self._start_workers(target)
             return
+        if s.loop_admission:  # unary requests refused before decode while the loop stands behind
+            self._tasks.append(asyncio.create_task(watch_loop(self.dataplane.loop_gate), name="loop-lag"))
         await self._start_grpc()
         if not s.worker:
             await self._start_metrics()

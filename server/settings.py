@@ -96,7 +96,10 @@ class Settings(BaseSettings):
     # streams (past them a caller's channel holds its requests: the backlog stays in the client)
     queue_ttl_ms: float | None = Field(None, gt=0)
     admission_codel: bool = True
-    grpc_max_streams_per_connection: int = Field(256, ge=1)
+    grpc_max_streams_per_connection: int = Field(1024, ge=1)
+    # refuse unary requests before decode while the event loop lags (server.dataplane.loop_gate); off by default:
+    # on a shared, loaded machine timer lag alone (no backlog) cuts the limit for a few ticks
+    loop_admission: bool = False
     breaker_failures: int = Field(5, ge=1)
     breaker_open_s: float = Field(2.0, gt=0)
     usage_flush_s: float = Field(5.0, gt=0)

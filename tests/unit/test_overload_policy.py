@@ -196,3 +196,61 @@ async def test_a_standing_queue_drops_the_requests_that_stood_past_their_budget(
     assert dropped == [0, 0, 2]
     assert results[:2] == [None, None] and all(isinstance(r, QueueFull) and r.retry_after_s > 0 for r in results[2:])
     assert q.size == 0 and q.inflight == 0 and not q.governor.standing  # drained: nothing stands any more
+
+
+# ---- the process's loop gate ------------------------------------------------------------------
+
+
+def test_the_loop_gate_admits_everything_while_the_loop_keeps_up():
+    from batching.overload_policy import LoopGate, LoopPolicy
+
+    gate = LoopGate(LoopPolicy(target_s=0.01, interval_s=0.1), Clock())
+    for _ in range(500):
+        gate.sample(0.002)
+        assert gate.enter() is None
+    assert gate.limit is None and gate.inflight == 500 and gate.refused == 0
+
+
+def test_a_standing_loop_cuts_the_limit_then_recovers_and_lifts_it():
+    from batching.overload_policy import LoopGate, LoopPolicy
+
+    clock = Clock()
+    gate = LoopGate(LoopPolicy(target_s=0.01, interval_s=0.1, min_limit=4, decrease=0.5), clock)
+    for _ in range(40):
+        assert gate.enter() is None
+    gate.sample(0.05)  # above target: the interval starts
+    clock.t = 0.05
+    gate.sample(0.05)
+    assert gate.limit is None  # not a whole interval yet
+    clock.t = 0.1
+    gate.sample(0.05)
+    assert gate.limit == 20  # half of the 40 in flight
+    retry = gate.enter()
+    assert retry == pytest.approx(0.05) and gate.refused == 1 and gate.inflight == 40
+    for _ in range(25):
+        gate.exit()
+    assert gate.enter() is None  # 15 in flight < 20: admitted
+    clock.t = 0.2
+    gate.sample(0.05)  # still standing a whole interval later: cut again, from what is in flight
+    assert gate.limit == 8
+    while gate.limit is not None:  # the lag fell: the limit grows, then lifts
+        gate.sample(0.001)
+    assert gate.enter() is None
+
+
+@given(lags=st.lists(st.floats(min_value=0.0, max_value=1.0), max_size=200), arrivals=st.lists(st.integers(0, 50), max_size=200))
+def test_the_loop_gate_never_cuts_below_its_floor_nor_refuses_under_it(lags, arrivals):
+    from batching.overload_policy import LoopGate, LoopPolicy
+
+    clock = Clock()
+    gate = LoopGate(LoopPolicy(min_limit=8), clock)
+    for i, lag in enumerate(lags):
+        clock.t = i * 0.05
+        gate.sample(lag)
+        for _ in range(arrivals[i % len(arrivals)] if arrivals else 0):
+            before = gate.inflight
+            refused = gate.enter() is not None
+            assert gate.limit is None or gate.limit >= 8
+            assert not (refused and before < 8)
+        while gate.inflight > 4:
+            gate.exit()
