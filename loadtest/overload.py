@@ -9,7 +9,8 @@ either way; ``--paced 20,4``: the paced model, 4 instances x 20 ms, which satura
 does, so the figures are the queueing policy's and not the shared CPU's), then per protocol, every phase spread over ``--processes`` load-generator processes so
 the client is not the bottleneck:
 
-1. capacity: closed loop at 32 callers → ``capacity_rps`` (answered requests per second);
+1. capacity: closed loop at 32 callers (``--capacity-callers``; paced: its slots and as many waiting,
+   within the queue's bound) → ``capacity_rps`` (answered requests per second);
 2. open loop (fixed rate, 5 s deadline) at 0.8×, 1.5× and 3× that capacity → goodput (answered
    per second) as a fraction of capacity, the admitted requests' p99 (from their scheduled time:
    coordinated omission counted), the error codes;
@@ -32,6 +33,7 @@ from loadtest.paced_model import NAME as PACED
 from loadtest.paced_model import build_paced_model
 from loadtest.runner import RunConfig, prepare_pool, run
 from loadtest.stack import start_stack, stop_stack
+from model_repository.demo import build_demo_repository
 
 LOADS = (0.8, 1.5, 3.0)
 
@@ -49,12 +51,13 @@ def _row(result: dict) -> dict:
     return {k: result[k] for k in keep if k in result}
 
 
-def measure(stack, protocol: str, model: str, seconds: float, processes: int, callers: int) -> dict:
+def measure(stack, protocol: str, model: str, seconds: float, processes: int, callers: int, capacity_callers: int = 32) -> dict:
     target = _target(stack, protocol)
     rest_json = protocol == "rest-json"
     pool = prepare_pool(target, model, rest_json=rest_json, size=64)
     base = {"target": target, "model": model, "processes": processes, "channels": 4, "timeout": 5.0, "rest_json": rest_json}
-    capacity = _phase(base, LoadSpec(concurrency=32, warmup=0.5, duration=seconds), pool)
+    # closed loop within the queue's bound: a refused caller retries at once, and a refusal storm measures CPU, not capacity
+    capacity = _phase(base, LoadSpec(concurrency=capacity_callers, warmup=0.5, duration=seconds), pool)
     cap = capacity["throughput_rps"]
     out = {"protocol": protocol, "capacity_rps": cap, "capacity": _row(capacity), "loads": {}}
     for load in LOADS:
@@ -83,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--callers", type=int, default=1024)
     ap.add_argument("--protocols", default="grpc", help="comma-separated: grpc, rest (binary), rest-json")
     ap.add_argument("--paced", default="", help="SERVICE_MS,INSTANCES: add the paced model (loadtest.paced_model) and load it instead")
+    ap.add_argument("--capacity-callers", type=int, default=None, help="closed-loop callers of the capacity phase (default 32; paced: 2 x instances)")
     ap.add_argument("--server-root", type=Path, default=None, help="run the frontend from this checkout (its .venv)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    from model_repository.demo import build_demo_repository
 
     python = str(args.server_root / ".venv" / "bin" / "python") if args.server_root else None
     work = Path(tempfile.mkdtemp(prefix="inferplane-overload-"))
@@ -97,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             service_ms, instances = args.paced.split(",")
             build_paced_model(work / "model_repository", float(service_ms), int(instances), jitter=0.2)
             args.model = PACED
+            args.capacity_callers = args.capacity_callers or 2 * int(instances)  # its slots, and as many waiting
         stack = start_stack(work / "model_repository", work, "--auth", "off", "--model", args.model,
                             env={"INFERPLANE_DATABASE_URL": f"sqlite:///{work}/registry.db"}, python=python, cwd=args.server_root)  # fmt: skip
         try:
-            rows = [measure(stack, p.strip(), args.model, args.seconds, args.processes, args.callers) for p in args.protocols.split(",")]
+            rows = [measure(stack, p.strip(), args.model, args.seconds, args.processes, args.callers, args.capacity_callers or 32)
+                    for p in args.protocols.split(",")]  # fmt: skip
         finally:
             stop_stack(stack)
     finally:
