@@ -241,7 +241,7 @@ class Frontend:
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 1 if s.worker else 0),
-                ("grpc.max_concurrent_streams", s.grpc_max_streams_per_connection),
+                *((("grpc.max_concurrent_streams", s.grpc_max_streams_per_connection),) if s.grpc_max_streams_per_connection else ()),
             ],
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))

@@ -96,7 +96,9 @@ class Settings(BaseSettings):
     # streams (past them a caller's channel holds its requests: the backlog stays in the client)
     queue_ttl_ms: float | None = Field(None, gt=0)
     admission_codel: bool = True
-    grpc_max_streams_per_connection: int = Field(1024, ge=1)
+    # unset: grpc's default (no limit). Measured (BENCHMARKS, overload section): grpc's Python client
+    # answers streams over the limit with RST_STREAM REFUSED_STREAM (UNAVAILABLE), not by queueing them
+    grpc_max_streams_per_connection: int | None = Field(None, ge=1)
     # refuse unary requests before decode while the event loop lags (server.dataplane.loop_gate); off by default:
     # on a shared, loaded machine timer lag alone (no backlog) cuts the limit for a few ticks
     loop_admission: bool = False
