@@ -254,3 +254,18 @@ def test_the_loop_gate_never_cuts_below_its_floor_nor_refuses_under_it(lags, arr
             assert not (refused and before < 8)
         while gate.inflight > 4:
             gate.exit()
+
+
+def test_a_models_queue_ttl_comes_from_its_config_parameter():
+    from server.dataplane.pipeline import QUEUE_TTL_PARAMETER, model_overload
+    from server.dataplane.signature import ModelSignature
+
+    default = OverloadPolicy(queue_ttl_s=0.5)
+
+    def sig(value: str | None) -> ModelSignature:
+        return ModelSignature("m", 0, {}, {}, params={} if value is None else {QUEUE_TTL_PARAMETER: value})
+
+    assert model_overload(sig("40"), default) == OverloadPolicy(queue_ttl_s=0.04)
+    assert model_overload(sig(None), default) is default
+    assert model_overload(sig("soon"), default) is default  # not a number: the default, with a warning
+    assert model_overload(sig("0"), default) is default
