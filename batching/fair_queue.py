@@ -19,7 +19,10 @@ queue pushes out the newest request of the tenant holding the most (that one get
 ``QueueFull``); otherwise the arrival is refused with ``QueueFull`` and a retry hint (the
 queue's estimated drain time). A request whose deadline cannot be met — its estimated wait plus
 service time exceeds what is left — is shed at admission with ``DeadlineUnmeetable``, never after
-it waited; one whose deadline passes while queued leaves the queue then.
+it waited; one whose deadline passes while queued leaves the queue then. Past that, overload is
+``batching.overload_policy``'s: an arrival whose expected wait (Little's law) exceeds the model's queue
+TTL is refused at once, a queued one leaves at its TTL with a retry hint, and a standing queue (CoDel)
+drops the requests that already waited past its short budget instead of serving them late.
 
 Two traffic classes. ``realtime`` (every caller's request) is everything above. ``batch`` (the
 rows of a batch job) only takes capacity real-time traffic leaves: a batch request gets a slot
@@ -42,6 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from batching.overload_policy import BUDGET, OverloadPolicy, QueueGovernor
 
 
 class Refused(Exception):
@@ -71,6 +75,7 @@ class AdmissionPolicy:
     initial_service_s: float | None = None  # prior for the EWMA (None: no deadline shedding until measured)
     ewma_alpha: float = 0.05
     batch_share: float = 0.5  # of ``slots`` the batch class may hold at once (at least one slot)
+    overload: OverloadPolicy = OverloadPolicy()  # queue TTL and standing-time drops (batching.overload_policy)
 
     @property
     def batch_slots(self) -> int:
@@ -87,6 +92,7 @@ class _Waiter:
     deadline: float | None
     future: asyncio.Future
     done: bool = False
+    enqueued: float = 0.0  # on the queue's clock
 
 
 @dataclass(eq=False)
@@ -108,6 +114,7 @@ class FairQueue:
         self._tenants: dict[str, _TenantState] = {}
         self._vtime = 0.0
         self.service_s: float | None = policy.initial_service_s
+        self.governor = QueueGovernor(policy.overload, clock)
         self.admitted = 0
         self.queued = 0
         self.rejected = 0
@@ -203,21 +210,27 @@ class FairQueue:
             state = self._tenants[tenant] = _TenantState(weight)
         state.weight = weight
         tag = max(self._vtime, state.last_tag) + 1.0 / weight
-        if self.service_s and timeout is not None:
-            wait = self._drain_s(self._ahead(tag) + 1)
-            if wait + self.service_s > timeout:
-                self.shed += 1
-                raise DeadlineUnmeetable(
-                    f"model '{self.name}' cannot answer within the deadline: ~{(wait + self.service_s) * 1000:.1f} ms "
-                    f"expected, {timeout * 1000:.1f} ms left"
+        refusal = self.governor.admit(self._ahead(tag), self.policy.slots, self.service_s, timeout)
+        if refusal is not None:
+            if refusal.verdict == BUDGET:
+                self.rejected += 1
+                raise QueueFull(
+                    f"model '{self.name}' is saturated: ~{refusal.expected_s * 1000:.1f} ms expected in its queue, "
+                    f"{refusal.budget_s * 1000:.1f} ms allowed",
+                    retry_after_s=refusal.retry_after_s,
                 )
+            self.shed += 1
+            raise DeadlineUnmeetable(
+                f"model '{self.name}' cannot answer within the deadline: ~{(refusal.expected_s + self.service_s) * 1000:.1f} ms "
+                f"expected, {timeout * 1000:.1f} ms left"
+            )
         if self.size >= self.bound and not self._push_out(tenant, state):
             self.rejected += 1
             raise QueueFull(
                 f"model '{self.name}' is saturated ({self.size} requests waiting)",
                 retry_after_s=max(0.001, self._drain_s(self.size)),
             )
-        waiter = _Waiter(tag, tenant, None if timeout is None else now + timeout, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(tag, tenant, None if timeout is None else now + timeout, asyncio.get_running_loop().create_future(), enqueued=now)
         state.last_tag = tag
         state.waiting.append(waiter)
         # equal tags: the request that found its tenant's queue shorter goes first (a tenant
@@ -225,11 +238,13 @@ class FairQueue:
         heapq.heappush(self._heap, (tag, len(state.waiting), next(self._seq), waiter))
         self.size += 1
         self.queued += 1
-        await self._wait(waiter, timeout, batch=False)
+        limit, by_queue = self.governor.timeout_s(timeout, self.service_s)
+        await self._wait(waiter, limit, batch=False, by_queue=by_queue)
 
-    async def _wait(self, waiter: _Waiter, timeout: float | None, batch: bool) -> None:
-        """Until ``waiter`` is granted its slot. One that times out (DeadlineUnmeetable) or is cancelled
-        leaves its queue; a grant that raced the cancellation is given back."""
+    async def _wait(self, waiter: _Waiter, timeout: float | None, batch: bool, by_queue: bool = False) -> None:
+        """Until ``waiter`` is granted its slot. One that times out (DeadlineUnmeetable; QueueFull when the
+        bound was the queue's TTL, ``by_queue``) or is cancelled leaves its queue; a grant that raced the
+        cancellation is given back."""
         forget = self._forget_batch if batch else self._forget
         try:
             if timeout is None:
@@ -238,6 +253,12 @@ class FairQueue:
                 await asyncio.wait_for(waiter.future, timeout)
         except asyncio.TimeoutError:
             forget(waiter)
+            if by_queue:
+                self.rejected += 1
+                raise QueueFull(
+                    f"model '{self.name}' is saturated: waited {timeout * 1000:.1f} ms, its queue budget",
+                    retry_after_s=max(0.001, self._drain_s(self.size)),
+                ) from None
             if not batch:
                 self.shed += 1
             raise DeadlineUnmeetable(f"deadline exceeded waiting for model '{self.name}'{' (batch)' if batch else ''}") from None
@@ -256,15 +277,24 @@ class FairQueue:
         if service_s is not None:
             a = self.policy.ewma_alpha
             self.service_s = service_s if self.service_s is None else (1 - a) * self.service_s + a * service_s
+        now = self._clock() if self._heap else 0.0
         while self._heap and self.inflight < self.policy.slots:
             tag, _, _, waiter = heapq.heappop(self._heap)
             if waiter.done or waiter.future.done():
                 continue
             self._vtime = tag
             self._forget(waiter)
+            if not self.governor.dequeued(now - waiter.enqueued, self.service_s):
+                self.rejected += 1  # stood in a standing queue past its budget: refused, not served late
+                waiter.future.set_exception(
+                    QueueFull(f"model '{self.name}' is saturated (a standing queue)", retry_after_s=max(0.001, self._drain_s(self.size)))
+                )
+                continue
             self.inflight += 1
             self.admitted += 1
             waiter.future.set_result(None)
+        if not self.size:
+            self.governor.drained()
         if self._batch_heap:
             self._grant_batch()  # only what real-time traffic left
 
@@ -330,6 +360,8 @@ class FairQueue:
             "rejected": self.rejected,
             "shed": self.shed,
             "pushed_out": self.pushed_out,
+            "standing": self.governor.standing,
+            "dropped": self.governor.dropped,
             "batch_inflight": self.batch_inflight,
             "batch_waiting": self.batch_size,
             "batch_admitted": self.batch_admitted,

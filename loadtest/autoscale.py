@@ -221,6 +221,7 @@ def start(root: Path, service_ms: float, profile_period_s: float, lead_s: float)
         "INFERPLANE_AUTOSCALE_PROFILE_SLOT_S": f"{profile_period_s / 20:g}",
         "INFERPLANE_AUTOSCALE_LEAD_S": f"{lead_s:g}",
         "INFERPLANE_ADMISSION_QUEUE_DELAY_S": "2.0",  # queue up to 2 s of work instead of refusing early
+        "INFERPLANE_ADMISSION_CODEL": "false",  # and keep it queued: no standing-queue drops (batching.overload_policy)
         "INFERPLANE_LOG_LEVEL": "WARNING",
     }
     stack = start_stack(repository, root / "stack", env=env)

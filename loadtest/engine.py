@@ -55,6 +55,7 @@ class Stats:
     def __init__(self) -> None:
         self.latency = LatencyHistogram()  # closed: send->answer; open: scheduled->answer
         self.service = LatencyHistogram()  # open loop only: actual send->answer
+        self.refused = LatencyHistogram()  # send->error status (the server's answer was an error, e.g. a refusal)
         self.ok = 0
         self.errors: dict[str, list] = {}  # code -> [count, first message]
         self.scheduled = 0  # open loop: arrivals scheduled inside the window
@@ -80,6 +81,7 @@ class Stats:
         return {
             "latency": self.latency.encode() if self.latency.count else b"",
             "service": self.service.encode() if self.service.count else b"",
+            "refused": self.refused.encode() if self.refused.count else b"",
             "ok": self.ok,
             "errors": self.errors,
             "scheduled": self.scheduled,
@@ -94,6 +96,7 @@ class Stats:
         for p in parts:
             out.latency.add(LatencyHistogram.decode(p["latency"]))
             out.service.add(LatencyHistogram.decode(p["service"]))
+            out.refused.add(LatencyHistogram.decode(p["refused"]))
             out.ok += p["ok"]
             for code, (n, msg) in p["errors"].items():
                 e = out.errors.setdefault(code, [0, msg])
@@ -153,6 +156,7 @@ async def _closed_loop(driver, pool, spec, t0, stats, pool_offset) -> None:
                     stats.live_err += 1
                     if start >= t_meas:
                         stats.error(e.code, e.message)
+                        stats.refused.record(clock() - start)
                     continue
                 except Exception as e:  # noqa: BLE001 - count, never kill the run
                     stats.live_err += 1
@@ -203,6 +207,7 @@ async def _open_loop(driver, pool, spec, t0, stats, pool_offset) -> None:
             stats.live_err += 1
             if measured:
                 stats.error(e.code, e.message)
+                stats.refused.record(clock() - sent)
         except Exception as e:  # noqa: BLE001
             stats.live_err += 1
             if measured:

@@ -295,6 +295,8 @@ def assemble(cfg: RunConfig, stats: Stats, cpu: dict, *, extras: list[dict] | No
         "inferences_per_s": ok * cfg.batch / spec.duration,
         "latency_ms": stats.latency.summary_ms(),
     }
+    if stats.refused.count:
+        out["error_latency_ms"] = stats.refused.summary_ms()  # send -> error status (refusals, mostly)
     if extras and driver_cls is not None:
         out.update(driver_cls.extra_report(extras, spec.duration))
     if spec.open_loop:

@@ -43,18 +43,21 @@ class Stack:
 
 
 def start_stack(
-    repository: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S
+    repository: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
+    python: str | None = None, cwd: Path | None = None,
 ) -> Stack:
+    """``python`` / ``cwd``: another checkout's interpreter and root (a benchmark's baseline: the same
+    client against the unchanged code); by default this one's."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "frontend.log"
     cmd = [
-        sys.executable, "-m", "server.cli.main", "serve",
+        python or sys.executable, "-m", "server.cli.main", "serve",
         "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
         "--model-repository", str(repository), "--workdir", str(workdir / "run"), *extra,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log, "wb") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True, cwd=cwd)
     lines: list[str] = []
     found: dict = {}
     done = threading.Event()

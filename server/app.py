@@ -24,6 +24,7 @@ from server.dataplane.dataplane import DataPlane
 from server.dataplane.fleet_hooks import FleetHooks
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.dataplane.metrics import Metrics
+from server.dataplane.loop_gate import watch as watch_loop
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
@@ -153,6 +154,8 @@ class Frontend:
             await self._start_metrics()
             await self._start_workers(target)
             return
+        if s.loop_admission:  # unary requests refused before decode while the loop stands behind
+            self._tasks.append(asyncio.create_task(watch_loop(self.dataplane.loop_gate), name="loop-lag"))
         await self._start_grpc()
         if not s.worker:
             await self._start_metrics()
@@ -240,6 +243,7 @@ class Frontend:
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 1 if s.worker else 0),
+                *((("grpc.max_concurrent_streams", s.grpc_max_streams_per_connection),) if s.grpc_max_streams_per_connection else ()),
             ],
         )
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))

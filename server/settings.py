@@ -96,6 +96,17 @@ class Settings(BaseSettings):
     admission_slots: int | None = Field(None, ge=1)
     admission_queue_delay_s: float | None = Field(None, gt=0)  # unset: two rounds of slots
     admission_max_queue: int = Field(4096, ge=1)
+    # overload (batching.overload_policy): the longest a request waits in a model's queue (a model's own
+    # config parameter inferplane.queue_ttl_ms wins), standing-queue drops, and per-connection HTTP/2
+    # streams (past them a caller's channel holds its requests: the backlog stays in the client)
+    queue_ttl_ms: float | None = Field(None, gt=0)
+    admission_codel: bool = True
+    # unset: grpc's default (no limit). Measured (BENCHMARKS, overload section): grpc's Python client
+    # answers streams over the limit with RST_STREAM REFUSED_STREAM (UNAVAILABLE), not by queueing them
+    grpc_max_streams_per_connection: int | None = Field(None, ge=1)
+    # refuse unary requests before decode while the event loop lags (server.dataplane.loop_gate); off by default:
+    # on a shared, loaded machine timer lag alone (no backlog) cuts the limit for a few ticks
+    loop_admission: bool = False
     breaker_failures: int = Field(5, ge=1)
     breaker_open_s: float = Field(2.0, gt=0)
     usage_flush_s: float = Field(5.0, gt=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from batching.coalescer import Coalescer
 from batching.fair_queue import AdmissionPolicy
+from batching.overload_policy import OverloadPolicy
 from server.dataplane.circuit_breaker import BreakerPolicy
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.fleet_hooks import FleetHooks
@@ -48,7 +49,10 @@ def build_dataplane(
         resolve=table.resolve,
         replica=backend.target,
         breaker_policy=BreakerPolicy(s.breaker_failures, s.breaker_open_s),
-        admission_policy=AdmissionPolicy(max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue),
+        admission_policy=AdmissionPolicy(
+            max_queue_delay_s=s.admission_queue_delay_s, max_queue=s.admission_max_queue,
+            overload=OverloadPolicy(queue_ttl_s=None if s.queue_ttl_ms is None else s.queue_ttl_ms / 1000.0, codel=s.admission_codel),
+        ),  # fmt: skip
         admission_slots=s.admission_slots,
         meter=hooks.usage,
         observer=observer,

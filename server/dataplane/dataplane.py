@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from google.protobuf.message import DecodeError
 
 from batching.coalescer import Coalescer
+from batching.overload_policy import LoopGate
 from server.dataplane import triton_stats
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
+from server.dataplane.loop_gate import UnaryAdmission
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
 from server.dataplane.composite import Composites
@@ -73,6 +75,8 @@ class DataPlane:
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
         self._stat_readings: dict = {}
         self.llm = LLMService(self, pipeline, backend)
+        self.loop_gate = LoopGate()  # fed by server.dataplane.loop_gate.watch (started with the servers)
+        self.unary_admission = UnaryAdmission(self.loop_gate)
         self.composites = Composites(self, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
 
     # ---- collaborators others may read ----------------------------------------------------

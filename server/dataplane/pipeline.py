@@ -30,8 +30,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from batching.fair_queue import BATCH, AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
+from batching.overload_policy import OverloadPolicy
 from server.dataplane.circuit_breaker import BreakerSet, CircuitBreaker
 from server.dataplane.metrics import UNKNOWN_MODEL_LABEL, Metrics
 from server.dataplane.models import Asleep
@@ -366,11 +368,14 @@ class Pipeline:
         changed under load (its replicas or instances scaled), keeping whoever waits in it."""
         slots = max(1, self.admission_slots or model_slots(signature))
         self._sized[name] = signature
+        overload = model_overload(signature, self.admission_policy.overload)
         if queue is None:
-            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": slots})
+            policy = AdmissionPolicy(**{**self.admission_policy.__dict__, "slots": slots, "overload": overload})
             queue = self.queues[name] = FairQueue(name, policy)
-        elif queue.policy.slots != slots:
-            queue.resize(slots)
+        else:
+            queue.governor.policy = overload  # a reload may bring another queue TTL
+            if queue.policy.slots != slots:
+                queue.resize(slots)
         return queue
 
     def forget(self, name: str) -> None:
@@ -436,6 +441,22 @@ def model_slots(signature: ModelSignature) -> int:
     if is_llm(signature):
         return signature.instances * max(1, signature.max_running)
     return signature.instances * max(1, signature.max_batch_size)
+
+
+QUEUE_TTL_PARAMETER = "inferplane.queue_ttl_ms"
+
+
+def model_overload(signature: ModelSignature, default: OverloadPolicy) -> OverloadPolicy:
+    """The model's overload policy: its config's queue TTL (``inferplane.queue_ttl_ms``) over the default."""
+    raw = signature.params.get(QUEUE_TTL_PARAMETER)
+    if not raw:
+        return default
+    try:
+        ttl_ms = float(raw)
+    except ValueError:
+        log.warning("model %s: %s=%r is not a number; the default queue TTL applies", signature.name, QUEUE_TTL_PARAMETER, raw)
+        return default
+    return replace(default, queue_ttl_s=ttl_ms / 1000.0) if ttl_ms > 0 else default
 
 
 def _timeout(ctx: CallContext | None, timeout: float | None) -> float | None:

@@ -49,6 +49,8 @@ CUSTOM_PARAMETER_KINDS = ("int64_param", "bool_param", "string_param")
 # the caller's: naming one would read or write memory another tenant registered)
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 TENSOR_PARAMETERS = {"classification": ("int64_param",), "binary_data_size": ("int64_param",), "binary_data": ("bool_param",)}
+# tensor parameters that count something (top-k classes, bytes): a negative one reaches Triton as INTERNAL
+COUNT_PARAMETERS = ("classification", "binary_data_size")
 
 
 def _kind(value) -> str | None:
@@ -76,6 +78,8 @@ def check_parameters(request, violations: list[Violation]) -> None:
                     violations.append(Violation(where, "shared memory is not offered through the frontend; send the tensor's bytes"))
                 elif key in TENSOR_PARAMETERS and _kind(value) not in TENSOR_PARAMETERS[key]:
                     violations.append(Violation(where, f"expected {' or '.join(TENSOR_PARAMETERS[key])}, got {_kind(value) or 'no value'}"))
+                elif key in COUNT_PARAMETERS and value.int64_param < 0:
+                    violations.append(Violation(where, f"must be >= 0, got {value.int64_param}"))
 
 
 def validate_infer_request(request, signature: ModelSignature) -> None:

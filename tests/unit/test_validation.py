@@ -168,6 +168,22 @@ def test_parameters_triton_would_refuse_are_refused_here_naming_the_parameter():
     assert violations == []
 
 
+def test_negative_counts_on_tensors_are_refused_naming_the_tensor():
+    """Triton answers a negative ``classification`` (top-k) or ``binary_data_size`` with INTERNAL."""
+    from server.dataplane.validation import check_parameters
+
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4]).parameters["binary_data_size"].int64_param = -1
+    request.outputs.add(name="y").parameters["classification"].int64_param = -3
+    request.outputs.add(name="z").parameters["classification"].int64_param = 0  # zero: no classification
+    violations = []
+    check_parameters(request, violations)
+    assert [(v.field, v.description) for v in violations] == [
+        ("inputs[0].parameters.binary_data_size", "must be >= 0, got -1"),
+        ("outputs[0].parameters.classification", "must be >= 0, got -3"),
+    ]
+
+
 def test_the_engine_priority_parameter_is_the_frontends_not_the_callers():
     """A caller naming it (raw OIP to an LLM) would give itself the paid tiers' place in the engine's queue."""
     from server.dataplane.validation import PRIORITY_PARAMETER, check_parameters

@@ -85,8 +85,9 @@ class InferenceService:
     # ---- inference ------------------------------------------------------------------------
 
     async def model_infer(self, raw: bytes, context):
-        ctx = call_context(context)
-        answer = await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
+        with self.dp.unary_admission:  # refused before decode while the frontend's loop stands behind
+            ctx = call_context(context)
+            answer = await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
         context.set_trailing_metadata(((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm)))  # who answered
         return answer
 

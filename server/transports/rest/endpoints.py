@@ -142,14 +142,15 @@ async def model_config(request: web.Request) -> web.Response:
 async def model_infer(request: web.Request) -> web.Response:
     """v2 infer: JSON tensors, or Triton's binary tensor extension (Inference-Header-Content-Length)."""
     dp = request.app[DATAPLANE]
-    name, version = _model(request)
-    ctx = _context(request)
-    dp.authorize(ctx, name)  # an unknown key or ungranted model answers before the body is read
-    _require_content_type(request, (JSON, BINARY))
-    body = await _read_body(request)
-    header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
-    infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
-    raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
+    with dp.unary_admission:  # refused before the body is read while the frontend's loop stands behind
+        name, version = _model(request)
+        ctx = _context(request)
+        dp.authorize(ctx, name)  # an unknown key or ungranted model answers before the body is read
+        _require_content_type(request, (JSON, BINARY))
+        body = await _read_body(request)
+        header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
+        infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
+        raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
     payload, header_len = await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
     answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm}  # which version (and traffic arm) answered
     if header_len is None:

@@ -1,0 +1,112 @@
+"""Overload on the real stack: a saturated model refuses with RESOURCE_EXHAUSTED / 429 and a retry
+hint (its queue TTL, ``inferplane.queue_ttl_ms``), while another model on the same frontend keeps
+answering. Behaviour only, no timing: the paced model (one instance, 1 s a request) holds its
+one slot far longer than its 30 ms queue budget, so whoever waits behind it is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from loadtest.paced_model import FEATURES, build_paced_model, sample_features
+from model_repository.config_writer import read_config, write_config
+from server.protogen.inference import grpc_service_pb2 as pb
+from tests.conftest import start_stack, stop_stack
+
+pytestmark = pytest.mark.integration
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+FLOOD = 4  # one in the slot, three waiting: within the queue's bound (4), so only the TTL refuses
+
+
+@pytest.fixture(scope="module")
+def overload_stack(demo_repository, tmp_path_factory):
+    repository = tmp_path_factory.mktemp("overload") / "model_repository"
+    repository.mkdir()
+    paced = build_paced_model(repository, service_ms=1000, instances=1)
+    config = read_config(paced)
+    config.parameters["inferplane.queue_ttl_ms"].string_value = "30"
+    write_config(config, paced)
+    shutil.copytree(demo_repository / "fraud_xgboost", repository / "fraud_xgboost")
+    s = start_stack(repository, tmp_path_factory.mktemp("overload_stack"))
+    yield s
+    stop_stack(s)
+
+
+def _paced(rows: int = 1) -> bytes:
+    req = pb.ModelInferRequest(model_name="paced")
+    req.inputs.add(name="features", datatype="FP32", shape=[rows, FEATURES])
+    req.raw_input_contents.append(sample_features(rows).tobytes())
+    return req.SerializeToString()
+
+
+def _fraud() -> bytes:
+    req = pb.ModelInferRequest(model_name="fraud_xgboost")
+    req.inputs.add(name="features", datatype="FP32", shape=[2, 32])
+    req.raw_input_contents.append(np.zeros((2, 32), np.float32).tobytes())
+    return req.SerializeToString()
+
+
+def _retry_delay_ms(err: grpc.RpcError) -> int | None:
+    details = dict(err.trailing_metadata() or ()).get("grpc-status-details-bin")
+    if not details:
+        return None
+    info = error_details_pb2.RetryInfo()
+    for any_msg in status_pb2.Status.FromString(details).details:
+        if any_msg.Unpack(info):
+            return info.retry_delay.ToMilliseconds()
+    return None
+
+
+def test_a_saturated_model_refuses_with_a_hint_while_another_keeps_answering(overload_stack):
+    with grpc.insecure_channel(overload_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
+        infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        flood = [infer.future(_paced(), timeout=30) for _ in range(FLOOD)]
+        others = [pb.ModelInferResponse.FromString(infer(_fraud(), timeout=30)) for _ in range(5)]
+        outcomes = []
+        for future in flood:
+            try:
+                outcomes.append(("OK", pb.ModelInferResponse.FromString(future.result())))
+            except grpc.RpcError as err:
+                outcomes.append((err.code().name, err))
+    assert all(o.model_name == "fraud_xgboost" and len(o.raw_output_contents[0]) == 8 for o in others)
+    codes = [code for code, _ in outcomes]
+    # the one in the slot is answered; the three behind it are refused at the TTL (30 ms), long before
+    # the slot frees (without the TTL they would wait and be served: the queue's bound holds them)
+    assert sorted(codes) == ["OK"] + ["RESOURCE_EXHAUSTED"] * (FLOOD - 1), codes
+    for code, value in outcomes:
+        if code == "OK":  # the answer is the paced model's (row sums), not a refusal's
+            np.testing.assert_allclose(np.frombuffer(value.raw_output_contents[0], np.float32), sample_features(1).sum(axis=-1), rtol=1e-6)
+        else:
+            assert (_retry_delay_ms(value) or 0) > 0, value.details()
+            assert float(dict(value.trailing_metadata())["retry-after"]) > 0
+            assert "paced" in value.details()
+
+
+def test_rest_refusal_is_429_with_retry_after(overload_stack):
+    body = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, FEATURES], "data": [0.5] * FEATURES}]}).encode()
+    url = f"http://{overload_stack.http}/v2/models/paced/infer"
+
+    def post():
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, dict(response.headers), json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), json.loads(err.read())
+
+    with ThreadPoolExecutor(FLOOD) as pool:
+        results = list(pool.map(lambda _: post(), range(FLOOD)))
+    statuses = sorted(status for status, _, _ in results)
+    assert statuses == [200] + [429] * (FLOOD - 1), statuses
+    for status, headers, doc in results:
+        if status == 429:
+            assert int(headers["Retry-After"]) >= 1 and "paced" in json.dumps(doc)
