@@ -1,4 +1,4 @@
-"""``inferplane keys|tenants|usage|cost``: API keys, tenant grants and quotas, usage and cost reports.
+"""``inferplane keys|tenants|usage``: API keys, tenant grants and quotas, usage reports (cost: ``server/cli/cost.py``).
 
 They work on the database directly (``--database-url`` / ``INFERPLANE_DATABASE_URL``); a running
 frontend picks changes up on its next key refresh (``INFERPLANE_AUTH_REFRESH_S``). Keys are hashed
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -236,35 +235,8 @@ def usage(
     )
 
 
-def cost(
-    by: Annotated[str, typer.Option(help="tenant | team | model")] = "team",
-    since: Annotated[str, typer.Option(help="1h, 30m, 7d, an ISO date, or unix seconds")] = "30d",
-    prices: Annotated[Optional[Path], typer.Option(help="JSON {hardware: USD per device-hour}; default: built-in list prices")] = None,
-    hardware: Annotated[Optional[list[str]], typer.Option("--hardware", help="MODEL=HARDWARE (repeatable)")] = None,
-    default_hardware: Annotated[str, typer.Option(help="Hardware of models not named by --hardware")] = "cpu",
-    database_url: DbUrl = None,
-    as_json: AsJson = False,
-) -> None:
-    """Cost per tenant, team or model: Triton compute hours x the hardware's price."""
-    from server.tenancy.metering import cost_report, parse_since
-
-    table = json.loads(prices.read_text()) if prices else None
-    mapping = dict(item.split("=", 1) for item in hardware or [])
-    try:
-        rows = cost_report(_store(database_url), by, parse_since(since), table, mapping, default_hardware)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
-    _emit(
-        rows,
-        as_json,
-        [f"{by:<24} {'requests':>12} {'compute_h':>12} {'cost_usd':>12}"]
-        + [f"{r[by]:<24} {r['requests']:>12} {r['compute_hours']:>12.6f} {r['cost_usd']:>12.6f}" for r in rows],
-    )
-
-
 def mount(app: typer.Typer) -> None:
-    """Add ``keys``, ``tenants``, ``usage`` and ``cost`` to the ``inferplane`` command line."""
+    """Add ``keys``, ``tenants`` and ``usage`` to the ``inferplane`` command line (``cost``: server/cli/cost.py)."""
     app.add_typer(keys_app, name="keys")
     app.add_typer(tenants_app, name="tenants")
     app.command("usage")(usage)
-    app.command("cost")(cost)

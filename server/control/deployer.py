@@ -40,6 +40,9 @@ from model_repository.config_writer import CONFIG_FILE, ModelConfig, ServingConf
 from model_repository.layout import ADAPTERS_DIR
 from server.dataplane import codecs
 from server.control import safe_formats
+from server.control.budgets import BudgetGuard
+from server.control.cost_store import CostStore
+from server.control.prices import load_prices
 from server.errors import Conflict, DeployFailed, InferplaneError, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
@@ -225,6 +228,7 @@ class Deployer:
         self._locks: dict[str, asyncio.Lock] = {}
         self._state: dict[str, _EndpointState] = {}
         self.schemas = None  # server.control.typed_catalog.SchemaCatalog (typed APIs), set when they are served
+        self.budget_guard = None  # server.control.budgets.BudgetGuard: refuses a deploy once a hard budget is spent
         from server.control.composite_deployer import CompositeDeployer
 
         self.composites = CompositeDeployer(self)  # composite endpoints deploy as one unit (server.control.composite_deployer)
@@ -270,6 +274,8 @@ class Deployer:
         target = f"{name}:{version or 'latest'}"
         try:
             async with self._lock(name):
+                if self.budget_guard is not None:
+                    await asyncio.to_thread(self.budget_guard.check_deploy, name, actor)
                 result = await self._deploy(name, version, options, actor, started)
         except InferplaneError as err:
             await asyncio.to_thread(self.registry.audit, actor, "deploy", target, "failed", f"{err.reason}: {err.message}")
@@ -580,4 +586,5 @@ def build_control_plane(settings, dataplane) -> tuple[Registry, Deployer]:
         grace_s=settings.rollback_grace_s,
         load_timeout_s=settings.deploy_timeout_s,
     )
+    deployer.budget_guard = BudgetGuard(CostStore(registry), load_prices)
     return registry, deployer
