@@ -141,6 +141,10 @@ class Settings(BaseSettings):
     local_replicas: int = Field(1, ge=1, le=32)  # embedded: Triton processes at start (more come with autoscaling)
     replica_memory_mb: int = Field(4096, ge=64)  # what one local replica offers for placement
     default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
+    # cost (issue 32): what the replicas are, for the replica ledger the owner view of cost prices
+    hardware_class: str = "cpu"  # a class of the price list (deploy/prices/*.yaml): cpu, a100, h100-mig-1g.10gb, ...
+    capacity_type: Literal["on_demand", "spot"] = "on_demand"
+    replica_ledger_interval_s: float = Field(30.0, gt=0)
     replica_health_interval_s: float = Field(1.0, gt=0)
     replica_eject_failures: int = Field(3, ge=1)
     replica_eject_s: float = Field(2.0, gt=0)

@@ -126,6 +126,12 @@ class CostStore:
             ).all()
         return sorted(r[0] for r in rows)
 
+    def open_pairs(self) -> set[tuple[str, str]]:
+        """(replica, endpoint) of every interval still open."""
+        c = replica_intervals.c
+        with self._session() as session:
+            return {(r, e) for r, e in session.execute(select(c.replica, c.endpoint).where(c.ended_at.is_(None))).all()}
+
     def intervals(self, since: float, until: float) -> list[Interval]:
         """Every interval that overlaps [since, until)."""
         c = replica_intervals.c

@@ -57,7 +57,7 @@ def owner_view(intervals: Iterable[Interval], prices: PriceBook, since: float, u
                 a.hardware.add(f"{first.hardware}/{first.capacity_type}")
     out = [
         {"team": owners.get(ep) or UNOWNED, "endpoint": ep, "hardware": ",".join(sorted(a.hardware)), "replica_s": round(a.replica_s, 6),
-         "cost_usd": round(a.cost, 6), "prices": prices.version}
+         "cost_usd": round(a.cost, 9), "prices": prices.version}
         for ep, a in acc.items()
     ]  # fmt: skip
     return sorted(out, key=lambda r: (r["team"], r["endpoint"]))
@@ -87,12 +87,12 @@ def caller_view(usage: Iterable[Mapping], owner_rows: Iterable[Mapping]) -> list
             out.append({
                 "team": r["team"], "endpoint": ep, "requests": r["requests"], "input_tokens": r.get("input_tokens", 0),
                 "output_tokens": r.get("output_tokens", 0), "tokens": r["tokens"], "compute_s": round(r["compute_us"] / 1e6, 6),
-                "cost_usd": round(used_cost * share, 6), "priced": owner is not None,
+                "cost_usd": round(used_cost * share, 9), "priced": owner is not None,
             })  # fmt: skip
         if owner is not None and cost - used_cost > 0:
             out.append({
                 "team": IDLE, "endpoint": ep, "requests": 0, "input_tokens": 0, "output_tokens": 0, "tokens": 0,
-                "compute_s": round(max(0.0, reserved_s - compute_s), 6), "cost_usd": round(cost - used_cost, 6), "priced": True,
+                "compute_s": round(max(0.0, reserved_s - compute_s), 6), "cost_usd": round(cost - used_cost, 9), "priced": True,
                 "owner": owner["team"],
             })  # fmt: skip
     return sorted(out, key=lambda r: (r["team"] == IDLE, r["team"], r["endpoint"]))

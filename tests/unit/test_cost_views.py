@@ -23,6 +23,7 @@ Caller total 48 + 9.6 + 1134 + 324 + 0 + (38.4 + 1134 + 180) = 2868.00 = the own
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -160,3 +161,27 @@ def test_the_views_from_the_database_and_the_cli(month_db):
     assert 'inferplane_cost_owner_usd{endpoint="fraud",prices="test-1",team="risk"} 96.0' in out.output
     out = run(app, ["cost", "--by", "team", *common])
     assert out.exit_code != 0 and "owner, caller" in out.output
+
+
+def test_the_replica_ledger_follows_what_the_fleet_serves(month_db):
+    """Sync opens an interval per new (replica, endpoint), closes the ones gone; stop closes the rest."""
+    from server.control.replica_ledger import ReplicaLedger, ledger_changes
+
+    assert ledger_changes({("r0", "a"), ("r0", "b")}, {"r0": {"a"}, "r1": {"a"}}) == ({("r1", "a")}, {("r0", "b")})
+    _, store, _, _ = month_db
+    for replica, endpoint in store.open_pairs():
+        store.replica_down(replica, endpoint, at=END)
+    now = [END + H]
+    observed = {"local-0": {"fraud", "llm"}}
+    ledger = ReplicaLedger(store, lambda: observed, hardware="a100", capacity_type="spot", memory_of=lambda m: GIB, clock=lambda: now[0])
+    assert ledger.sync() == (2, 0) and ledger.sync() == (0, 0)
+    now[0] = END + 2 * H
+    observed = {"local-0": {"fraud"}, "local-1": {"fraud"}}
+    assert ledger.sync() == (1, 1)
+    now[0] = END + 3 * H
+    asyncio.run(ledger.stop())
+    assert store.open_pairs() == set()
+    # hour 1: fraud and llm share local-0 (a100 spot 1.80/h) half each; hour 2: fraud alone on local-0 and
+    # local-1 (2 x 1.80); plus the fixture's December interval fraud#2 (one cpu hour, 0.10)
+    rows = owner_view(store.intervals(END, END + 4 * H), parse_prices(PRICES), END, END + 4 * H, OWNERS)
+    assert {r["endpoint"]: r["cost_usd"] for r in rows} == {"fraud": pytest.approx(0.9 + 3.6 + 0.1), "llm": pytest.approx(0.9)}
