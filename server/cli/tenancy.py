@@ -28,9 +28,11 @@ Rps = Annotated[Optional[float], typer.Option(help="Requests per second (tenant 
 Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute (tenant quota).")]
 Tpm = Annotated[Optional[float], typer.Option(help="Tokens per minute (tenant quota).")]
 Concurrency = Annotated[Optional[int], typer.Option(help="Concurrent requests (tenant cap).")]
+RequestsMonth = Annotated[Optional[int], typer.Option("--requests-month", help="Requests per calendar month, UTC (tenant quota).")]
+TokensMonth = Annotated[Optional[int], typer.Option("--tokens-month", help="Tokens per calendar month, UTC (tenant quota).")]
 ModelQuota = Annotated[
     Optional[list[str]],
-    typer.Option("--model-quota", help="Per-model quota MODEL:rps=N,rpm=N,tpm=N,concurrency=N (repeatable)."),
+    typer.Option("--model-quota", help="Per-model quota MODEL:rps=N,rpm=N,tpm=N,concurrency=N,requests_month=N,tokens_month=N (repeatable)."),
 ]
 
 
@@ -59,7 +61,7 @@ def _emit(data, as_json: bool, lines) -> None:
             typer.echo(line)
 
 
-def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, admin=None) -> dict:
+def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, admin=None, requests_month=None, tokens_month=None) -> dict:
     from server.tenancy.quota_policy import Quota
 
     fields: dict = {}
@@ -69,8 +71,8 @@ def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, 
         fields["plan"] = plan
     if models:
         fields["models"] = [m for item in models for m in item.split(",") if m]
-    if any(v is not None for v in (rps, rpm, tpm, concurrency)):
-        fields["quota"] = Quota(rps=rps, rpm=rpm, tpm=tpm, concurrency=concurrency)
+    if any(v is not None for v in (rps, rpm, tpm, concurrency, requests_month, tokens_month)):
+        fields["quota"] = Quota(rps=rps, rpm=rpm, tpm=tpm, concurrency=concurrency, requests_month=requests_month, tokens_month=tokens_month)
     if model_quota:
         parsed = {}
         for item in model_quota:
@@ -110,6 +112,8 @@ def keys_create(
     rpm: Rpm = None,
     tpm: Tpm = None,
     concurrency: Concurrency = None,
+    requests_month: RequestsMonth = None,
+    tokens_month: TokensMonth = None,
     model_quota: ModelQuota = None,
     admin: Annotated[Optional[bool], typer.Option("--admin/--no-admin", help="May manage keys via the Tenancy API.")] = None,
     database_url: DbUrl = None,
@@ -118,7 +122,7 @@ def keys_create(
     """Create a key; it is printed once and stored only as a hash."""
     store = _store(database_url)
     try:
-        fields = _tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin)
+        fields = _tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin, requests_month, tokens_month)
         key_id, key = store.create_key(tenant, _pepper(), **fields)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
@@ -174,13 +178,15 @@ def tenants_set(
     rpm: Rpm = None,
     tpm: Tpm = None,
     concurrency: Concurrency = None,
+    requests_month: RequestsMonth = None,
+    tokens_month: TokensMonth = None,
     model_quota: ModelQuota = None,
     admin: Annotated[Optional[bool], typer.Option("--admin/--no-admin")] = None,
     database_url: DbUrl = None,
 ) -> None:
     """Create a tenant or change its team, plan, grants (replaced) or quotas."""
     try:
-        t = _store(database_url).put_tenant(name, **_tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin))
+        t = _store(database_url).put_tenant(name, **_tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin, requests_month, tokens_month))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     typer.echo(json.dumps(_tenant_json(t)))

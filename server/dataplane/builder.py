@@ -15,6 +15,7 @@ from server.dataplane.observe import Observer
 from server.dataplane.pipeline import Pipeline
 from server.dataplane.routing import Router
 from server.settings import Settings
+from server.tenancy.monthly_quotas import MemoryMonthlyCounter, MonthlyQuotas, RedisMonthlyCounter
 from server.tenancy.identity import Gatekeeper
 from server.tenancy.quota_policy import QuotaPolicy
 
@@ -30,9 +31,10 @@ def build_dataplane(
     if s.redis_url:  # one set of buckets and keys for every frontend process
         from server.tenancy.redis_quotas import RedisQuotaPolicy
 
-        quotas, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
+        rates, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
+        quotas = MonthlyQuotas(rates, RedisMonthlyCounter(rates.client))
     else:
-        quotas, idempotency = QuotaPolicy(), MemoryIdempotency(s.idempotency_ttl_s)
+        quotas, idempotency = MonthlyQuotas(QuotaPolicy(), MemoryMonthlyCounter()), MemoryIdempotency(s.idempotency_ttl_s)
     hooks = hooks if hooks is not None else FleetHooks()
     hooks.usage.meter = meter
     table = ModelTable(wakers=hooks.wakers)
