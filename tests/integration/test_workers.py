@@ -140,16 +140,7 @@ def shared_quotas(demo_repository, tmp_path_factory, redis_url):
 
 def _infer_code(stack, key: str) -> grpc.StatusCode:
     """One ModelInfer on a connection of its own (each new connection may land on either worker)."""
-    request = pb.ModelInferRequest(model_name=MODEL)
-    request.inputs.add(name="features", datatype="FP32", shape=[1, 32])
-    request.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
-    with grpc.insecure_channel(stack.grpc) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None)
-        try:
-            call(request.SerializeToString(), metadata=(("authorization", f"Bearer {key}"),), timeout=30)
-            return grpc.StatusCode.OK
-        except grpc.RpcError as err:
-            return err.code()
+    return _infer_with_headers(stack, key)[0]
 
 
 def _answered_by(stack, pid: int) -> dict[str, float]:
