@@ -145,6 +145,8 @@ class Settings(BaseSettings):
     hardware_class: str = "cpu"  # a class of the price list (deploy/prices/*.yaml): cpu, a100, h100-mig-1g.10gb, ...
     capacity_type: Literal["on_demand", "spot"] = "on_demand"
     replica_ledger_interval_s: float = Field(30.0, gt=0)
+    # the feature-store stage (issue 32): redis://… (hashes) or http://… (Feast's feature server); unset: off
+    feature_store_url: str = ""
     replica_health_interval_s: float = Field(1.0, gt=0)
     replica_eject_failures: int = Field(3, ge=1)
     replica_eject_s: float = Field(2.0, gt=0)

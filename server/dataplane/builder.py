@@ -7,6 +7,7 @@ from batching.coalescer import Coalescer
 from batching.fair_queue import AdmissionPolicy
 from server.dataplane.circuit_breaker import BreakerPolicy
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.feature_store import FeatureFetcher, store_for
 from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
 from server.dataplane.metrics import Metrics
@@ -60,6 +61,8 @@ def build_dataplane(
     # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    if s.feature_store_url:  # the feature-store stage (server.dataplane.feature_store)
+        dataplane.features = FeatureFetcher(store_for(s.feature_store_url))
     dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
     late.append(dataplane)
     return dataplane
