@@ -5,8 +5,14 @@ naming the store (fail closed)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
+import signal
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,8 +21,10 @@ import redis
 
 from model_repository.config_writer import read_config, write_config
 from server.dataplane import codecs
-from server.dataplane.feature_store import PARAMETER
+from server.dataplane.feature_store import PARAMETER, FeatureFetcher, FeatureMapping, store_for
+from server.errors import InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.runtime.supervisor import free_port
 from tests.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
@@ -69,3 +77,53 @@ def test_the_store_up_a_key_it_lacks_and_the_store_too_slow(featured):
     finally:
         featured.redis.execute_command("CLIENT", "UNPAUSE")
     assert code == grpc.StatusCode.UNAVAILABLE and f"feature store {featured.redis_url} unavailable for model '{MODEL}'" in details
+
+
+FEAST = Path(__file__).resolve().parents[2] / ".venv-feast" / "bin" / "feast"
+
+
+@pytest.mark.slow
+def test_the_feast_adapter_against_a_real_feast_serve(tmp_path):
+    """Feast's own demo repository (`feast init`: driver stats), applied, materialized and served by
+    `feast serve`; the adapter fetches conv_rate / acc_rate / avg_daily_trips by driver id. Needs Feast in
+    .venv-feast (`python3.11 -m venv .venv-feast && .venv-feast/bin/pip install feast`), not in CI's venv."""
+    if not FEAST.exists():
+        pytest.skip("feast is not installed in .venv-feast (see the docstring)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
+    subprocess.run([str(FEAST), "init", "demo"], cwd=tmp_path, check=True, capture_output=True, timeout=300, env=env)
+    repo = tmp_path / "demo" / "feature_repo"
+    subprocess.run([str(FEAST), "apply"], cwd=repo, check=True, capture_output=True, timeout=300, env=env)
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    subprocess.run([str(FEAST), "materialize-incremental", now], cwd=repo, check=True, capture_output=True, timeout=300, env=env)
+    port = free_port()
+    server = subprocess.Popen([str(FEAST), "serve", "-h", "127.0.0.1", "-p", str(port)], cwd=repo, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    mapping = FeatureMapping.from_json(json.dumps({
+        "entity": "driver", "input": "features", "key_prefix": "driver_id", "timeout_s": 5.0,
+        "features": ["driver_hourly_stats:conv_rate", "driver_hourly_stats:acc_rate", "driver_hourly_stats:avg_daily_trips"],
+    }))  # fmt: skip
+
+    async def run():
+        fetcher = FeatureFetcher(store_for(url))
+        for _ in range(120):  # until the server answers
+            try:
+                values = await fetcher.store.get(mapping, ["1001", "1002"])
+                break
+            except Exception:
+                await asyncio.sleep(0.5)
+        else:
+            raise AssertionError("feast serve never answered")
+        assert all(v is not None for row in values for v in row) and 0 <= values[0][0] <= 1 and values[0][2] >= 0
+        req = pb.ModelInferRequest(model_name="drivers")
+        req.inputs.add(name="driver", datatype="BYTES", shape=[2, 1])
+        req.raw_input_contents.append(codecs.serialize_bytes([b"1001", b"9999"]))
+        with pytest.raises(InvalidRequest, match="entity '9999'"):  # Feast says NOT_FOUND: fail closed
+            await fetcher.enrich(req, mapping, timeout=10.0)
+        await fetcher.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
