@@ -18,6 +18,7 @@ from server.control.budgets import BudgetExceeded, BudgetGuard, assess, forecast
 from server.control.cost_store import Budget, CostStore
 from server.control.prices import parse_prices
 from server.errors import grpc_status, http_error
+from tests.unit.test_prometheus_rules import _promtool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-budget-rules.yaml"
@@ -25,13 +26,6 @@ TESTS = DEPLOY / "inferplane-budget-rules.test.yaml"
 DEC = datetime(2026, 12, 1, tzinfo=timezone.utc).timestamp()
 DAY = 86400.0
 PRICES = parse_prices({"version": "t", "prices": {"cpu": {"on_demand": 0.10}, "a100": {"on_demand": 3.60}}})
-
-
-def _promtool() -> str:
-    binary = shutil.which("promtool")
-    if binary is None:
-        pytest.fail("promtool is not installed: `apt-get install prometheus` (.ci/run does it when it is missing)")
-    return binary
 
 
 def test_month_bounds_and_a_linear_forecast():
