@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from server.control.fleet import PRIMARY, Fleet
+from server.control.replica_ledger import fleet_ledger
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
 from server.errors import InferplaneError
@@ -81,6 +82,7 @@ class Frontend:
         self.observability = None  # server.control.observability.Observability (issue 19)
         self.batches = None  # server.control.batches.BatchStore (issue 20), with the registry
         self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
+        self.replica_ledger = None  # server.control.replica_ledger.ReplicaLedger (issue 32)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -137,6 +139,8 @@ class Frontend:
             await self.traffic.start()
             await fleet.read_memory_needs(self.registry)
             fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
+            self.replica_ledger = fleet_ledger(s, fleet, self.registry)  # what the replicas reserve: the owner view of cost
+            self.replica_ledger.start()
             self._start_batches()
         await fleet.start()
         self.metrics.triton_up.set(1)
@@ -505,6 +509,8 @@ class Frontend:
             task.cancel()
         if self.retention is not None:
             await self.retention.stop()
+        if self.replica_ledger is not None:
+            await self.replica_ledger.stop()
         if self.fleet is not None:
             await self.fleet.stop()
         if self.traffic is not None:

@@ -164,6 +164,12 @@ class Settings(BaseSettings):
     local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
     warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
     default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
+    # cost (issue 32): what the replicas are, for the replica ledger the owner view of cost prices
+    hardware_class: str = "cpu"  # a class of the price list (deploy/prices/*.yaml): cpu, a100, h100-mig-1g.10gb, ...
+    capacity_type: Literal["on_demand", "spot"] = "on_demand"
+    replica_ledger_interval_s: float = Field(30.0, gt=0)
+    # the feature-store stage (issue 32): redis://… (hashes) or http://… (Feast's feature server); unset: off
+    feature_store_url: str = ""
     replica_health_interval_s: float = Field(1.0, gt=0)
     replica_eject_failures: int = Field(3, ge=1)
     replica_eject_s: float = Field(2.0, gt=0)

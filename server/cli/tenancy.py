@@ -1,4 +1,4 @@
-"""``inferplane keys|tenants|usage|cost``: API keys, tenant grants and quotas, usage and cost reports.
+"""``inferplane keys|tenants|usage``: API keys, tenant grants and quotas, usage reports (cost: ``server/cli/cost.py``).
 
 They work on the database directly (``--database-url`` / ``INFERPLANE_DATABASE_URL``); a running
 frontend picks changes up on its next key refresh (``INFERPLANE_AUTH_REFRESH_S``). Keys are hashed
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -29,9 +28,11 @@ Rps = Annotated[Optional[float], typer.Option(help="Requests per second (tenant 
 Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute (tenant quota).")]
 Tpm = Annotated[Optional[float], typer.Option(help="Tokens per minute (tenant quota).")]
 Concurrency = Annotated[Optional[int], typer.Option(help="Concurrent requests (tenant cap).")]
+RequestsMonth = Annotated[Optional[int], typer.Option("--requests-month", help="Requests per calendar month, UTC (tenant quota).")]
+TokensMonth = Annotated[Optional[int], typer.Option("--tokens-month", help="Tokens per calendar month, UTC (tenant quota).")]
 ModelQuota = Annotated[
     Optional[list[str]],
-    typer.Option("--model-quota", help="Per-model quota MODEL:rps=N,rpm=N,tpm=N,concurrency=N (repeatable)."),
+    typer.Option("--model-quota", help="Per-model quota MODEL:rps=N,rpm=N,tpm=N,concurrency=N,requests_month=N,tokens_month=N (repeatable)."),
 ]
 
 
@@ -60,7 +61,7 @@ def _emit(data, as_json: bool, lines) -> None:
             typer.echo(line)
 
 
-def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, admin=None) -> dict:
+def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, admin=None, requests_month=None, tokens_month=None) -> dict:
     from server.tenancy.quota_policy import Quota
 
     fields: dict = {}
@@ -70,8 +71,8 @@ def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, 
         fields["plan"] = plan
     if models:
         fields["models"] = [m for item in models for m in item.split(",") if m]
-    if any(v is not None for v in (rps, rpm, tpm, concurrency)):
-        fields["quota"] = Quota(rps=rps, rpm=rpm, tpm=tpm, concurrency=concurrency)
+    if any(v is not None for v in (rps, rpm, tpm, concurrency, requests_month, tokens_month)):
+        fields["quota"] = Quota(rps=rps, rpm=rpm, tpm=tpm, concurrency=concurrency, requests_month=requests_month, tokens_month=tokens_month)
     if model_quota:
         parsed = {}
         for item in model_quota:
@@ -111,6 +112,8 @@ def keys_create(
     rpm: Rpm = None,
     tpm: Tpm = None,
     concurrency: Concurrency = None,
+    requests_month: RequestsMonth = None,
+    tokens_month: TokensMonth = None,
     model_quota: ModelQuota = None,
     admin: Annotated[Optional[bool], typer.Option("--admin/--no-admin", help="May manage keys via the Tenancy API.")] = None,
     database_url: DbUrl = None,
@@ -119,7 +122,7 @@ def keys_create(
     """Create a key; it is printed once and stored only as a hash."""
     store = _store(database_url)
     try:
-        fields = _tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin)
+        fields = _tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin, requests_month, tokens_month)
         key_id, key = store.create_key(tenant, _pepper(), **fields)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
@@ -175,13 +178,15 @@ def tenants_set(
     rpm: Rpm = None,
     tpm: Tpm = None,
     concurrency: Concurrency = None,
+    requests_month: RequestsMonth = None,
+    tokens_month: TokensMonth = None,
     model_quota: ModelQuota = None,
     admin: Annotated[Optional[bool], typer.Option("--admin/--no-admin")] = None,
     database_url: DbUrl = None,
 ) -> None:
     """Create a tenant or change its team, plan, grants (replaced) or quotas."""
     try:
-        t = _store(database_url).put_tenant(name, **_tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin))
+        t = _store(database_url).put_tenant(name, **_tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin, requests_month, tokens_month))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     typer.echo(json.dumps(_tenant_json(t)))
@@ -236,35 +241,8 @@ def usage(
     )
 
 
-def cost(
-    by: Annotated[str, typer.Option(help="tenant | team | model")] = "team",
-    since: Annotated[str, typer.Option(help="1h, 30m, 7d, an ISO date, or unix seconds")] = "30d",
-    prices: Annotated[Optional[Path], typer.Option(help="JSON {hardware: USD per device-hour}; default: built-in list prices")] = None,
-    hardware: Annotated[Optional[list[str]], typer.Option("--hardware", help="MODEL=HARDWARE (repeatable)")] = None,
-    default_hardware: Annotated[str, typer.Option(help="Hardware of models not named by --hardware")] = "cpu",
-    database_url: DbUrl = None,
-    as_json: AsJson = False,
-) -> None:
-    """Cost per tenant, team or model: Triton compute hours x the hardware's price."""
-    from server.tenancy.metering import cost_report, parse_since
-
-    table = json.loads(prices.read_text()) if prices else None
-    mapping = dict(item.split("=", 1) for item in hardware or [])
-    try:
-        rows = cost_report(_store(database_url), by, parse_since(since), table, mapping, default_hardware)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
-    _emit(
-        rows,
-        as_json,
-        [f"{by:<24} {'requests':>12} {'compute_h':>12} {'cost_usd':>12}"]
-        + [f"{r[by]:<24} {r['requests']:>12} {r['compute_hours']:>12.6f} {r['cost_usd']:>12.6f}" for r in rows],
-    )
-
-
 def mount(app: typer.Typer) -> None:
-    """Add ``keys``, ``tenants``, ``usage`` and ``cost`` to the ``inferplane`` command line."""
+    """Add ``keys``, ``tenants`` and ``usage`` to the ``inferplane`` command line (``cost``: server/cli/cost.py)."""
     app.add_typer(keys_app, name="keys")
     app.add_typer(tenants_app, name="tenants")
     app.command("usage")(usage)
-    app.command("cost")(cost)

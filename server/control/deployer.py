@@ -40,6 +40,9 @@ from model_repository.config_writer import CONFIG_FILE, ModelConfig, ServingConf
 from model_repository.layout import ADAPTERS_DIR
 from server.dataplane import codecs
 from server.control import safe_formats
+from server.control.budgets import BudgetGuard
+from server.control.cost_store import CostStore
+from server.control.prices import load_prices
 from server.errors import Conflict, DeployFailed, InferplaneError, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
@@ -228,6 +231,7 @@ class Deployer:
         # server.control.placement_store.PlacementStore: the versions loaded here become every Triton's
         # placements (the reconciler, server.control.reconciler, loads them on the other Tritons)
         self.placements = None
+        self.budget_guard = None  # server.control.budgets.BudgetGuard: refuses a deploy once a hard budget is spent
         from server.control.composite_deployer import CompositeDeployer
 
         self.composites = CompositeDeployer(self)  # composite endpoints deploy as one unit (server.control.composite_deployer)
@@ -273,6 +277,8 @@ class Deployer:
         target = f"{name}:{version or 'latest'}"
         try:
             async with self._lock(name):
+                if self.budget_guard is not None:
+                    await asyncio.to_thread(self.budget_guard.check_deploy, name, actor)
                 result = await self._deploy(name, version, options, actor, started)
         except InferplaneError as err:
             await asyncio.to_thread(self.registry.audit, actor, "deploy", target, "failed", f"{err.reason}: {err.message}")
@@ -594,4 +600,5 @@ def build_control_plane(settings, dataplane) -> tuple[Registry, Deployer]:
         grace_s=settings.rollback_grace_s,
         load_timeout_s=settings.deploy_timeout_s,
     )
+    deployer.budget_guard = BudgetGuard(CostStore(registry), load_prices)
     return registry, deployer

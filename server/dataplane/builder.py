@@ -8,6 +8,7 @@ from batching.fair_queue import AdmissionPolicy
 from batching.overload_policy import OverloadPolicy
 from server.dataplane.circuit_breaker import BreakerPolicy
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.feature_store import FeatureFetcher, store_for
 from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency
 from server.dataplane.metrics import Metrics
@@ -16,6 +17,7 @@ from server.dataplane.observe import Observer
 from server.dataplane.pipeline import Pipeline
 from server.dataplane.routing import Router
 from server.settings import Settings
+from server.tenancy.monthly_quotas import MemoryMonthlyCounter, MonthlyQuotas, RedisMonthlyCounter
 from server.tenancy.identity import Gatekeeper
 from server.tenancy.quota_policy import QuotaPolicy
 
@@ -31,9 +33,10 @@ def build_dataplane(
     if s.redis_url:  # one set of buckets and keys for every frontend process
         from server.tenancy.redis_quotas import RedisQuotaPolicy
 
-        quotas, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
+        rates, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
+        quotas = MonthlyQuotas(rates, RedisMonthlyCounter(rates.client))
     else:
-        quotas, idempotency = QuotaPolicy(), MemoryIdempotency(s.idempotency_ttl_s)
+        quotas, idempotency = MonthlyQuotas(QuotaPolicy(), MemoryMonthlyCounter()), MemoryIdempotency(s.idempotency_ttl_s)
     hooks = hooks if hooks is not None else FleetHooks()
     hooks.usage.meter = meter
     table = ModelTable(wakers=hooks.wakers)
@@ -62,6 +65,8 @@ def build_dataplane(
     # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    if s.feature_store_url:  # the feature-store stage (server.dataplane.feature_store)
+        dataplane.features = FeatureFetcher(store_for(s.feature_store_url))
     dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
     late.append(dataplane)
     return dataplane

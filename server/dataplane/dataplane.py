@@ -78,6 +78,7 @@ class DataPlane:
         self.loop_gate = LoopGate()  # fed by server.dataplane.loop_gate.watch (started with the servers)
         self.unary_admission = UnaryAdmission(self.loop_gate)
         self.composites = Composites(self, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
+        self.features = None  # server.dataplane.feature_store.FeatureFetcher, with INFERPLANE_FEATURE_STORE_URL
 
     # ---- collaborators others may read ----------------------------------------------------
 
@@ -104,7 +105,7 @@ class DataPlane:
             await self._pipeline.meter.stop()
         if self._pipeline.tracing is not None:
             await asyncio.to_thread(self._pipeline.tracing.shutdown)  # the last spans go out
-        for shared in (self._idempotency, self._pipeline.quotas):
+        for shared in (self._idempotency, self._pipeline.quotas, self.features):
             close = getattr(shared, "close", None)
             if close is not None:
                 await close()
@@ -280,6 +281,16 @@ class DataPlane:
 
     # ---- inference --------------------------------------------------------------------------
 
+    async def _fetch_features(self, request: pb.ModelInferRequest, timeout: float | None, ctx: CallContext | None) -> bool:
+        """The feature-store stage (before validation): True when it rewrote ``request``."""
+        signature = self._table.signatures.get(request.model_name)
+        mapping = self.features.mapping(request.model_name, signature.params) if signature is not None else None
+        if mapping is None:
+            return False
+        self.authorize(ctx, request.model_name)  # nothing is fetched for a caller who may not call the model
+        await self.features.enrich(request, mapping, timeout if timeout is not None else (ctx.timeout if ctx is not None else None))
+        return True
+
     async def infer(
         self,
         request: pb.ModelInferRequest,
@@ -298,6 +309,8 @@ class DataPlane:
         """
         if self.composites.serves(request.model_name):
             return await self.composites.infer(request, raw, timeout, ctx)
+        if self.features is not None and await self._fetch_features(request, timeout, ctx):
+            raw = None  # the entity keys became the feature tensor: serialized again
 
         def validate(signature: ModelSignature) -> None:
             if signature.decoupled:  # Triton answers UNIMPLEMENTED; it is the caller's choice of call

@@ -41,6 +41,7 @@ from server.dataplane.routing import Router
 from server.dataplane.signature import ModelSignature, is_llm
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, ModelNotFound, Overloaded
 from server.tenancy.identity import CallContext, Gatekeeper, Principal, Tenant
+from server.tenancy.monthly_quotas import QuotaTicket
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ class Pipeline:
             # an adapter with a quota of its own is charged there; otherwise to its model's (one bucket for both)
             quota_key = call.endpoint if call.adapter and tenant.model_quota(call.endpoint) else call.name
             call.ticket = await self.quotas.admit(scope, quota_key, self.gate.quota(tenant), tenant.model_quota(quota_key))
+            if ctx is not None and isinstance(call.ticket, QuotaTicket):
+                ctx.quota_headers = call.ticket.headers  # the monthly allowance left, for the transport
             if trace is not None:
                 trace.hop("quota")
             if validate is not None:

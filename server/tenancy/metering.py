@@ -10,8 +10,8 @@ for the next flush; ``stop()`` flushes what is left.
 moment it left the admission gate to its answer; for LLM generation, while the engine had it).
 ``input_tokens`` / ``output_tokens`` are an LLM request's prompt and completion tokens (an
 embedding request's input tokens); ``tokens`` is their sum, the only count rows written before
-revision 0005 carry. Reports: :func:`usage_report` (by tenant, team or model since a time) and
-:func:`cost_report` (compute hours x a per-hardware price table).
+revision 0005 carry. Reports: :func:`usage_report` (by tenant, team or model since a time); cost (owner and caller
+views, priced from the versioned price list) is ``server.control.cost_reports``.
 """
 
 from __future__ import annotations
@@ -145,35 +145,3 @@ def usage_report(store: TenancyStore, by: str, since: float, until: float | None
     for r in rows:
         r["compute_s"] = round(r.pop("compute_us") / 1e6, 6)
     return rows
-
-
-def cost_report(
-    store: TenancyStore,
-    by: str,
-    since: float,
-    prices: dict[str, float] | None = None,
-    hardware: dict[str, str] | None = None,
-    default_hardware: str = "cpu",
-    until: float | None = None,
-) -> list[dict]:
-    """Cost per ``by`` (tenant | team | model): each model's compute hours x its hardware's price."""
-    prices = DEFAULT_PRICES if prices is None else prices
-    hardware = hardware or {}
-    grouping = {"tenant": "tenant_model", "team": "team_model", "model": "model"}
-    if by not in grouping:
-        raise ValueError("--by must be tenant, team or model")
-    out: dict[str, dict] = {}
-    for row in store.usage(grouping[by], since, until):
-        hw = hardware.get(row["model"], default_hardware)
-        if hw not in prices:
-            raise ValueError(f"no price for hardware {hw!r} (prices: {', '.join(sorted(prices))})")
-        hours = row["compute_us"] / 3.6e9
-        entry = out.setdefault(row[by], {by: row[by], "requests": 0, "tokens": 0, "compute_hours": 0.0, "cost_usd": 0.0})
-        entry["requests"] += row["requests"]
-        entry["tokens"] += row["tokens"]
-        entry["compute_hours"] += hours
-        entry["cost_usd"] += hours * prices[hw]
-    for entry in out.values():
-        entry["compute_hours"] = round(entry["compute_hours"], 9)
-        entry["cost_usd"] = round(entry["cost_usd"], 9)
-    return sorted(out.values(), key=lambda e: e[by])

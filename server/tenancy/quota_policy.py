@@ -38,10 +38,15 @@ class Quota:
     rpm: float | None = None
     tpm: float | None = None  # tokens per minute (LLM prompt + completion, embedding input)
     concurrency: int | None = None
+    requests_month: int | None = None  # per calendar month, UTC (server.tenancy.monthly_quotas)
+    tokens_month: int | None = None
 
     @property
     def unlimited(self) -> bool:
-        return self.rps is None and self.rpm is None and self.tpm is None and self.concurrency is None
+        return (
+            self.rps is None and self.rpm is None and self.tpm is None and self.concurrency is None
+            and self.requests_month is None and self.tokens_month is None
+        )  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Quota":
@@ -51,10 +56,14 @@ class Quota:
             rpm=_opt_float(d.get("rpm")),
             tpm=_opt_float(d.get("tpm")),
             concurrency=None if d.get("concurrency") is None else int(d["concurrency"]),
+            requests_month=None if d.get("requests_month") is None else int(d["requests_month"]),
+            tokens_month=None if d.get("tokens_month") is None else int(d["tokens_month"]),
         )
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in (("rps", self.rps), ("rpm", self.rpm), ("tpm", self.tpm), ("concurrency", self.concurrency)) if v is not None}
+        fields = (("rps", self.rps), ("rpm", self.rpm), ("tpm", self.tpm), ("concurrency", self.concurrency),
+                  ("requests_month", self.requests_month), ("tokens_month", self.tokens_month))  # fmt: skip
+        return {k: v for k, v in fields if v is not None}
 
 
 def _opt_float(v) -> float | None:

@@ -301,8 +301,11 @@ def test_answered_requests_are_metered_to_the_database(tenancy):
     assert row and row["compute_us"] > 0
     report = json.loads(_cli(tenancy, "usage", "--by", "team", "--since", "1h", "--json"))
     assert any(r["team"] == "team-beta" and r["requests"] >= 3 for r in report)
-    cost = json.loads(_cli(tenancy, "cost", "--by", "tenant", "--since", "1h", "--json"))
-    assert any(r["tenant"] == "beta" and r["cost_usd"] > 0 for r in cost)
+    # the frontend's replica ledger recorded what its Triton reserves: both views priced, equal totals
+    owner = json.loads(_cli(tenancy, "cost", "--by", "owner", "--window", "1h", "--format", "json"))
+    assert any(r["endpoint"] == "lightgbm_regressor" and r["replica_s"] > 0 and r["cost_usd"] > 0 for r in owner), owner
+    cost = json.loads(_cli(tenancy, "cost", "--by", "caller", "--window", "1h", "--format", "json"))
+    assert any(r["team"] == "team-beta" and r["compute_s"] > 0 and r["priced"] and r["cost_usd"] > 0 for r in cost), cost
 
 
 def test_stream_infer_requests_are_metered_once_each(tenancy):

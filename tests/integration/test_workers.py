@@ -110,6 +110,7 @@ def test_without_redis_the_log_says_quotas_are_per_worker(two_workers):
 
 PEPPER = "workers-pepper"
 RPM = 4  # one request refills every 15 s: the test sends its requests well within that
+MONTHLY = 5  # requests per calendar month of the tenant 'monthly'
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,7 @@ def shared_quotas(demo_repository, tmp_path_factory, redis_url):
     url = f"sqlite:///{workdir}/tenancy.db"
     store = TenancyStore(url)
     key = store.create_key("capped", PEPPER.encode(), models=[MODEL], model_quotas={MODEL: Quota(rpm=RPM)})[1]
+    monthly = store.create_key("monthly", PEPPER.encode(), models=[MODEL], quota=Quota(requests_month=MONTHLY))[1]
     env = {
         "INFERPLANE_DATABASE_URL": url,
         "INFERPLANE_KEY_PEPPER": PEPPER,
@@ -130,6 +132,7 @@ def shared_quotas(demo_repository, tmp_path_factory, redis_url):
     )  # fmt: skip
     stack.metrics_dir = workdir / "run" / "metrics"
     stack.key = key
+    stack.monthly_key = monthly
     yield stack
     stop_stack(stack)
     store.close()
@@ -137,16 +140,7 @@ def shared_quotas(demo_repository, tmp_path_factory, redis_url):
 
 def _infer_code(stack, key: str) -> grpc.StatusCode:
     """One ModelInfer on a connection of its own (each new connection may land on either worker)."""
-    request = pb.ModelInferRequest(model_name=MODEL)
-    request.inputs.add(name="features", datatype="FP32", shape=[1, 32])
-    request.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
-    with grpc.insecure_channel(stack.grpc) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None)
-        try:
-            call(request.SerializeToString(), metadata=(("authorization", f"Bearer {key}"),), timeout=30)
-            return grpc.StatusCode.OK
-        except grpc.RpcError as err:
-            return err.code()
+    return _infer_with_headers(stack, key)[0]
 
 
 def _answered_by(stack, pid: int) -> dict[str, float]:
@@ -174,3 +168,34 @@ def test_a_quota_is_shared_by_the_workers_through_redis(shared_quotas):
     assert sum(by_code.get("OK", 0) for by_code in answered.values()) == RPM
     # each worker enforcing its own rpm would have admitted up to RPM of its share: more than RPM in all
     assert sum(min(n, RPM) for n in totals.values()) > RPM
+
+
+def _infer_with_headers(stack, key: str) -> tuple[grpc.StatusCode, dict[str, str]]:
+    """One ModelInfer on a connection of its own: its status and trailing metadata."""
+    request = pb.ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 32])
+    request.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
+    with grpc.insecure_channel(stack.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None, response_deserializer=None)
+        try:
+            _, rpc = call.with_call(request.SerializeToString(), metadata=(("authorization", f"Bearer {key}"),), timeout=30)
+            return grpc.StatusCode.OK, dict(rpc.trailing_metadata())
+        except grpc.RpcError as err:
+            return err.code(), dict(err.trailing_metadata() or ())
+
+
+def test_a_monthly_quota_is_one_allowance_for_both_workers_with_the_remainder_in_headers(shared_quotas):
+    """Two frontend processes (the workers) share the month's counter in Redis: exactly MONTHLY answers,
+    each telling how many are left; the rest are refused with a retry hint at the month's end."""
+    before = {pid: _answered_by(shared_quotas, pid).get("OK", 0) for pid in _workers(shared_quotas)}
+    results = [_infer_with_headers(shared_quotas, shared_quotas.monthly_key) for _ in range(3 * MONTHLY)]
+    ok = [headers for code, headers in results if code == grpc.StatusCode.OK]
+    assert len(ok) == MONTHLY, [code for code, _ in results]
+    assert sorted(int(h["x-ratelimit-remaining-requests-month"]) for h in ok) == list(range(MONTHLY))
+    assert all(0 < int(h["x-ratelimit-reset-month"]) <= 31 * 86400 for h in ok)
+    refused = [headers for code, headers in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(refused) == 2 * MONTHLY
+    assert all(float(h["retry-after"]) > 60 for h in refused)  # not a per-minute refusal: the month must turn
+    after = {pid: _answered_by(shared_quotas, pid).get("OK", 0) for pid in _workers(shared_quotas)}
+    served = {pid: after[pid] - before.get(pid, 0) for pid in after}
+    assert sum(served.values()) == MONTHLY

@@ -6,6 +6,7 @@ import typer
 from typer.testing import CliRunner
 
 from server.tenancy.identity import KeyRing
+from server.cli import cost
 from server.cli.tenancy import mount
 from server.tenancy.store import TenancyStore, UsageRecord
 
@@ -13,6 +14,7 @@ from server.tenancy.store import TenancyStore, UsageRecord
 def _app():
     app = typer.Typer()
     mount(app)
+    cost.mount(app)
     return app
 
 
@@ -55,5 +57,5 @@ def test_keys_lifecycle_and_reports(tmp_path, monkeypatch):
     header, line = out.output.splitlines()
     assert header.split() == ["model_version", "requests", "in_tokens", "out_tokens", "tokens", "compute_s"]
     assert line.split() == ["m3@1", "3", "20", "30", "50", "7200.000"]
-    cost = json.loads(run(app, ["cost", "--by", "tenant", "--since", "1e9", "--hardware", "m3=h100", "--json"]).output)
-    assert cost[0]["tenant"] == "acme" and cost[0]["compute_hours"] == 2.0 and cost[0]["cost_usd"] > 10
+    cost = json.loads(run(app, ["cost", "--by", "caller", "--window", "30d", "--until", "1e10", "--format", "json"]).output)
+    assert cost[0]["team"] == "ml" and cost[0]["compute_s"] == 7200.0 and cost[0]["priced"] is False  # no replica reserved it

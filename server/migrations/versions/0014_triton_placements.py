@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0014"
-down_revision = "0009"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 

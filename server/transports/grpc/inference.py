@@ -88,7 +88,7 @@ class InferenceService:
         with self.dp.unary_admission:  # refused before decode while the frontend's loop stands behind
             ctx = call_context(context)
             answer = await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
-        context.set_trailing_metadata(((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm)))  # who answered
+        context.set_trailing_metadata(((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm), *ctx.quota_headers))  # who answered; allowance left
         return answer
 
     async def model_stream_infer(self, request_iterator, context):

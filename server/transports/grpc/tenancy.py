@@ -210,13 +210,16 @@ def _quota(q: tpb.Quota, where: str) -> Quota:
     for f in ("rps", "rpm", "tpm"):
         if q.HasField(f) and not getattr(q, f) > 0:
             raise InvalidRequest(f"{where}.{f} must be > 0 (leave it unset for no limit)")
-    if q.HasField("concurrency") and q.concurrency < 1:
-        raise InvalidRequest(f"{where}.concurrency must be >= 1 (leave it unset for no limit)")
+    for f in ("concurrency", "requests_month", "tokens_month"):
+        if q.HasField(f) and getattr(q, f) < 1:
+            raise InvalidRequest(f"{where}.{f} must be >= 1 (leave it unset for no limit)")
     return Quota(
         rps=q.rps if q.HasField("rps") else None,
         rpm=q.rpm if q.HasField("rpm") else None,
         tpm=q.tpm if q.HasField("tpm") else None,
         concurrency=q.concurrency if q.HasField("concurrency") else None,
+        requests_month=q.requests_month if q.HasField("requests_month") else None,
+        tokens_month=q.tokens_month if q.HasField("tokens_month") else None,
     )
 
 

@@ -152,7 +152,7 @@ async def model_infer(request: web.Request) -> web.Response:
         infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
         raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
     payload, header_len = await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
-    answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm}  # which version (and traffic arm) answered
+    answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm, **dict(ctx.quota_headers)}  # which version (and arm) answered; allowance left
     if header_len is None:
         return web.Response(body=payload, content_type=JSON, headers=answered)
     return web.Response(body=payload, content_type=BINARY, headers={rest_codec.HEADER_LENGTH: str(header_len), **answered})

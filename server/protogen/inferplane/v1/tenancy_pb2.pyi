@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Quota(_message.Message):
-    __slots__ = ("rps", "rpm", "tpm", "concurrency")
+    __slots__ = ("rps", "rpm", "tpm", "concurrency", "requests_month", "tokens_month")
     RPS_FIELD_NUMBER: _ClassVar[int]
     RPM_FIELD_NUMBER: _ClassVar[int]
     TPM_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MONTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MONTH_FIELD_NUMBER: _ClassVar[int]
     rps: float
     rpm: float
     tpm: float
     concurrency: int
-    def __init__(self, rps: _Optional[float] = ..., rpm: _Optional[float] = ..., tpm: _Optional[float] = ..., concurrency: _Optional[int] = ...) -> None: ...
+    requests_month: int
+    tokens_month: int
+    def __init__(self, rps: _Optional[float] = ..., rpm: _Optional[float] = ..., tpm: _Optional[float] = ..., concurrency: _Optional[int] = ..., requests_month: _Optional[int] = ..., tokens_month: _Optional[int] = ...) -> None: ...
 
 class Grants(_message.Message):
     __slots__ = ("models",)
