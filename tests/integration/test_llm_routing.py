@@ -64,7 +64,11 @@ def ask(client, model: str, user: str, **kwargs):
 
 
 def test_two_replicas_serve_the_model(routed):
-    targets = wait_until(lambda: (t := replicas(routed, MODEL)) if len(set(t)) == 2 else None, timeout=60, explain=lambda: replicas(routed, MODEL))
+    def two():
+        targets = replicas(routed, MODEL)
+        return targets if len(set(targets)) == 2 else None
+
+    targets = wait_until(two, timeout=60, explain=lambda: replicas(routed, MODEL))
     # each one's own engine answers for the model (its counters, on its own Triton)
     assert all("submitted" in engine_stats(t, MODEL) for t in targets)
 
