@@ -95,6 +95,13 @@ def test_scale_down_waits_for_its_window_then_steps():
     assert counts[-1] == 1
 
 
+def test_scale_down_steps_wait_their_cooldown():
+    config = ScalingConfig(min_replicas=1, max_replicas=10, target=10, scale_down_window_s=2, max_step_down=1, down_cooldown_s=4)
+    counts, decisions = run(config, [10] * 16, start=4)
+    assert counts[:3] == [4] * 3 and counts[3:] == [3] * 4 + [2] * 4 + [1] * 5  # one step, then 4 s before the next
+    assert "down cooldown (4s) not over" in decisions[4].reason
+
+
 def test_bounds_and_steps():
     config = ScalingConfig(min_replicas=2, max_replicas=5, target=1, max_step_up=2)
     counts, decisions = run(config, [100, 100, 100], start=2)

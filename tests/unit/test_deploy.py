@@ -146,6 +146,16 @@ def test_frontend_is_ready_on_the_grpc_health_service_and_sizes_workers_from_its
     assert {"key-pepper", "redis-url", "tenancy-url", "encryption-key"} == secrets  # not the registry's URL
 
 
+def test_frontend_drains_after_a_prestop_sleep_which_needs_kubernetes_1_30():
+    # the lifecycle `sleep` action is GA in 1.30 (deploy/README.md says so): the endpoints controllers drop
+    # the pod before SIGTERM starts the drain, and the grace period covers both
+    frontend = next(o for o in objects("cpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "frontend")
+    pod = frontend["spec"]["template"]["spec"]
+    sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 0 < sleep < pod.get("terminationGracePeriodSeconds", 30)
+    assert "1.30+" in (DEPLOY / "README.md").read_text()
+
+
 def test_pdb_hpa_and_scaledobjects_point_at_deployments_that_exist():
     for overlay in OVERLAYS:
         objs = objects(overlay)
