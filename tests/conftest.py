@@ -215,6 +215,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def _not_run(config) -> list[str]:
+    if config.option.collectonly:
+        return []
     runs = config.stash.get(_SERVICE_RUNS, {})
     return [SERVICES[name] for name, n in runs.items() if n["collected"] and not n["passed"]]
 
@@ -226,6 +228,8 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if config.option.collectonly:
+        return
     runs = config.stash.get(_SERVICE_RUNS, {})
     ran = [f"{SERVICES[name]} ({n['passed']}/{n['collected']} passed)" for name, n in runs.items() if n["passed"]]
     line = f"real-service suites that ran: {', '.join(ran) or 'none'}"

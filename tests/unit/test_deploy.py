@@ -16,9 +16,9 @@ import pytest
 from tests.services import require
 
 pytestmark = pytest.mark.service("kubectl")  # kubectl kustomize renders the overlays
-yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import yaml  # noqa: E402
+import jsonschema  # noqa: E402
+import kubernetes_validate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
