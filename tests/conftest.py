@@ -22,7 +22,7 @@ from tests.services import SERVICES, probe, require
 
 # hypothesis: a property without its own max_examples (the pure policies': microseconds an example) runs 200
 # examples here and CI_EXAMPLES in CI (CI=true), where a rare counterexample should turn up before users see it
-CI_EXAMPLES = 600
+CI_EXAMPLES = 400
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
