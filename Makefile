@@ -13,7 +13,7 @@ REPO ?= var/model_repository
 ARGS ?=
 FUZZ_ARGS ?=
 
-.PHONY: setup serve test models proto bench clean
+.PHONY: setup provision serve test models proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 
 setup: $(STAMP) $(VLLM_STAMP)
 
+# what the tests need beyond Python (promtool, chromium, redis-server, PostgreSQL, kubectl, hadolint), installed
+# where the machine allows it (Debian packages as root); idempotent, seconds when all is there
+provision: $(STAMP)
+	VENV_BIN=$(BIN) scripts/provision.sh
+
 # Demo models, built deterministically from synthetic data (fixed seeds).
 $(REPO)/.built: $(STAMP) model_repository/*.py model_repository/adapters/*.py
 	$(BIN)/inferplane demo build --out $(REPO)
@@ -48,7 +53,7 @@ serve: models
 # the suite, then the suites of the shared stack again with Triton in the frontend's process
 # (--triton-mode in-process, ~1 min), then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all three
 INPROCESS_SUITES = tests/integration/test_spine.py tests/integration/test_rest_bridge.py tests/integration/test_typed.py
-test: setup
+test: setup provision
 	$(BIN)/python -m pytest --ignore=tests/fuzz $(ARGS)
 	INFERPLANE_TRITON_MODE=in-process $(BIN)/python -m pytest $(INPROCESS_SUITES)
 	$(BIN)/python -m pytest -m fuzz tests/fuzz $(FUZZ_ARGS)

@@ -31,6 +31,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -253,6 +254,8 @@ async def run_trace(api: Api, stack, repository: Path, args) -> dict:
         samples = await sampler
         out[name] = {**summary(results, duration), "replica_seconds": replica_seconds(samples, duration),
                      "max_replicas_seen": max((n for _, n in samples), default=0)}  # fmt: skip
+        if name == "autoscaling":  # how long each scale-up took: start the replica, load the model, live
+            out[name]["scale_up_s"] = scale_up_seconds(api.explain(PACED)["decisions"])
         print(f"trace {name}: {json.dumps(out[name])}", flush=True)
     fixed_max = out["fixed_max"]
     auto = out["autoscaling"]
@@ -392,6 +395,12 @@ async def run_failover(api: Api, stack, repository: Path, args) -> dict:
     await channel.close()
     return {"callers": args.failover_callers, "codes": codes, "failed": sum(v for k, v in codes.items() if k != "OK"),
             "replica_back_in_s": results[0]}  # fmt: skip
+
+
+def scale_up_seconds(decisions: list[dict]) -> list[float]:
+    """The durations of the finished scale-ups among the autoscaler's decisions ("up to N in X.XXs")."""
+    found = (re.fullmatch(r"up to \d+ in ([0-9.]+)s", d.get("reason", "")) for d in decisions if d.get("action") == "done")
+    return [float(m.group(1)) for m in found if m]
 
 
 def _ratio(a, b):

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--model", default="fraud_xgboost")
     ap.add_argument("--width", type=int, default=32, help="the model's features")
+    ap.add_argument("--json", type=Path, help="also write the result document here")
     args = ap.parse_args(argv)
     from model_repository.demo import build_demo_repository
 
@@ -95,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             stop_stack(stack)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"callers": args.callers, "seconds": args.seconds, "answers": answers, "counted_by_the_frontend": counted}, indent=1))
+    doc = json.dumps({"callers": args.callers, "seconds": args.seconds, "answers": answers, "counted_by_the_frontend": counted}, indent=1)
+    print(doc)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(doc + "\n")
     return 0
 
 

@@ -178,13 +178,15 @@ def _slower(parent: Row, cand: Row, settings: ProfileSettings | None) -> bool | 
     return None
 
 
-def _verdict(parent: Row, cand: Row, settings: ProfileSettings | None) -> None:
+def _verdict(parent: Row, cand: Row, settings: ProfileSettings | None, keep_slower: bool = False) -> None:
+    """The candidate's verdict: the accuracy gate, then the speed rules (a tree compiled to ONNX that is
+    slower than its native model is rejected, unless ``keep_slower``: then it is accepted and says slower)."""
     assert cand.gate is not None
     if not cand.gate.passed:
         cand.verdict = "rejected: outside the accuracy gate (" + "; ".join(cand.gate.failures) + ")"
         return
     slower = _slower(parent, cand, settings)
-    if cand.recipe == "tree-onnx" and slower:
+    if cand.recipe == "tree-onnx" and slower and not keep_slower:
         cand.verdict = "rejected: slower than the native model on this CPU (keeping the faster one)"
     elif cand.recipe == "fp16":
         cand.target = "gpu" if slower or slower is None else "cpu"
@@ -266,8 +268,10 @@ def optimize(
     actor: str = "",
     sign_key: bytes | None = None,
     progress=None,
+    keep_slower: bool = False,
 ) -> OptimizeReport:
-    """Optimize ``ref`` (NAME:VERSION) with the requested recipes; see the module docstring."""
+    """Optimize ``ref`` (NAME:VERSION) with the requested recipes; see the module docstring. ``keep_slower``:
+    a gated candidate is registered even where it measured slower on this machine (its verdict says so)."""
     name, version = parse_ref(ref)
     record = registry.get(name, version)
     sig = record.signature
@@ -328,7 +332,7 @@ def optimize(
             speed_source = "in-process"
     for r in rows[1:]:
         if r.gate is not None:
-            _verdict(parent, r, settings)
+            _verdict(parent, r, settings, keep_slower)
 
     report = OptimizeReport(record.ref, task, limits, rows, settings, speed_source)
     table = json.dumps([{"variant": r.label, "size_bytes": r.size_bytes, "verdict": r.verdict,

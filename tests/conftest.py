@@ -7,13 +7,25 @@ process dies, and terminates (then kills) it at the end.
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from loadtest.stack import Stack, stop_stack  # noqa: F401 - re-exported for the test modules
 from loadtest.stack import start_stack as _start_stack
+from tests.services import SERVICES, probe, require
+
+
+# hypothesis: a property without its own max_examples (the pure policies': microseconds an example) runs 200
+# examples here and CI_EXAMPLES in CI (CI=true), where a rare counterexample should turn up before users see it
+CI_EXAMPLES = 400
+settings.register_profile("dev", max_examples=200, deadline=None)
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 MAX_REQUEST_BYTES = 4 << 20  # the test stack's request size limit (the default is 64 MiB)
 # isolation none: the suites compare the frontend with the embedded Triton (stack.triton, triton_pid) on
@@ -111,15 +123,11 @@ def grpc_client(stack):
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    """A real redis-server on a free loopback port for the session (skips the test without one)."""
-    import shutil
+    """A real redis-server on a free loopback port for the session (its users fail where there is none)."""
     import socket
     import subprocess
 
-    pytest.importorskip("redis", reason="the redis client package is not installed")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs it: .ci/run)")
+    binary = require("redis")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -138,13 +146,16 @@ def redis_url(tmp_path_factory):
             time.sleep(0.05)
     else:
         proc.kill()
-        pytest.skip("redis-server did not start")
+        pytest.fail("redis-server did not start")
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
 
 
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
+def poll(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """``predicate()``'s first truthy value within ``timeout`` seconds, else its last (falsy) value. For a
+    test that branches on the outcome; the caller must use the result (tests/unit/test_suite_honesty.py
+    checks that none is dropped). To wait for something that must happen: ``wait_until``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -152,3 +163,78 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     return predicate()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, explain=None):
+    """Wait for something that must happen: ``predicate()``'s first truthy value, or the test fails
+    (AssertionError naming the caller's line, the last value and ``explain()``: a log tail, the state seen)."""
+    value = poll(predicate, timeout, interval)
+    if not value:
+        caller = traceback.extract_stack(limit=2)[0]
+        detail = f"; {explain()}" if explain is not None else ""
+        raise AssertionError(f"not true within {timeout:g} s: {caller.line} (last value {value!r}){detail}")
+    return value
+
+
+# ---- the real services (tests/services.py): named at the start, counted in the summary, required in CI ------
+
+_SERVICE_RUNS = pytest.StashKey[dict]()  # name -> {"collected": n, "passed": n}
+_ITEM_SERVICES = pytest.StashKey[set]()
+
+
+def item_services(item) -> set[str]:
+    """The services ``item`` needs: its ``service`` marks, and Redis for the ``redis_url`` fixture's users."""
+    names = {m.args[0] for m in item.iter_markers("service")}
+    return names | ({"redis"} if "redis_url" in getattr(item, "fixturenames", ()) else set())
+
+
+def pytest_report_header(config):
+    missing = [f"{SERVICES[name]} ({reason})" for name in SERVICES if (reason := probe(name)[1])]
+    return f"real services MISSING, their tests will fail: {'; '.join(missing)}" if missing else "real services: all present"
+
+
+def pytest_collection_finish(session):
+    session.config.stash[_SERVICE_RUNS] = {name: {"collected": 0, "passed": 0} for name in SERVICES}
+    for item in session.items:
+        for name in item_services(item):
+            session.config.stash[_SERVICE_RUNS][name]["collected"] += 1
+        item.stash[_ITEM_SERVICES] = item_services(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for name in sorted(item_services(item)):
+        require(name)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.passed:
+        for name in item.stash.get(_ITEM_SERVICES, ()):
+            item.config.stash[_SERVICE_RUNS][name]["passed"] += 1
+
+
+def _not_run(config) -> list[str]:
+    if config.option.collectonly:
+        return []
+    runs = config.stash.get(_SERVICE_RUNS, {})
+    return [SERVICES[name] for name, n in runs.items() if n["collected"] and not n["passed"]]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    if os.environ.get("CI") and _not_run(session.config) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.option.collectonly:
+        return
+    runs = config.stash.get(_SERVICE_RUNS, {})
+    ran = [f"{SERVICES[name]} ({n['passed']}/{n['collected']} passed)" for name, n in runs.items() if n["passed"]]
+    line = f"real-service suites that ran: {', '.join(ran) or 'none'}"
+    if not_run := _not_run(config):
+        line += f"; collected but none passed: {', '.join(not_run)}" + (" (CI: the run fails)" if os.environ.get("CI") else "")
+    terminalreporter.write_line(line)

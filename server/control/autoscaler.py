@@ -266,7 +266,7 @@ class Autoscaler:
             load = sample.signal(ep.config.signal) if sample is not None else 0.0
             qps = sample.qps if sample is not None else 0.0
             if sample is not None:
-                ep.signals.append({"t": wall, **sample.as_dict()})
+                ep.signals.append({**sample.as_dict(), "t": wall})  # the sample's own t is the sampler's monotonic clock
             forecast = self._forecast(ep, wall, load, qps)
             served = self.dp.signature(name) is not None
             if ep.waker is not None and served and (ep.busy is None or ep.busy.done()):

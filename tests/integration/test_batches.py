@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.integration
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
 
 TABULAR = "fraud_xgb"
 EMBEDDINGS = "minilm_embeddings"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.integration
-grpcclient = pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 SENTENCES = [b"The goalkeeper saved a penalty in the final minute.", b"A cold front brings snow to the hills tonight.",

@@ -162,7 +162,7 @@ class Load:
 
 def _served(load: Load, more: int, timeout: float = 30.0) -> None:
     target = load.ok + more
-    assert wait_until(lambda: load.ok >= target, timeout), f"load stalled at {load.ok} (errors: {load.errors[:3]})"
+    wait_until(lambda: load.ok >= target, timeout, explain=lambda: f"load stalled at {load.ok} (errors: {load.errors[:3]})")
 
 
 # ---- replicas -------------------------------------------------------------------------------------------
@@ -171,11 +171,11 @@ def _served(load: Load, more: int, timeout: float = 30.0) -> None:
 def test_two_then_three_replicas_each_serve_a_share(fleet, api):
     status = api.configure(FRAUD, min_replicas=2, max_replicas=3, **QUICK)
     assert status["endpoint"] == FRAUD and status["min_replicas"] == 2
-    assert wait_until(lambda: api.serving(FRAUD) == 2, 60), api.explain(FRAUD)["decisions"][-3:]
+    wait_until(lambda: api.serving(FRAUD) == 2, 60, explain=lambda: api.explain(FRAUD)["decisions"][-3:])
     for expected in (2, 3):
         if expected == 3:
             api.configure(FRAUD, min_replicas=3)
-            assert wait_until(lambda: api.serving(FRAUD) == 3, 60), api.explain(FRAUD)["decisions"][-3:]
+            wait_until(lambda: api.serving(FRAUD) == 3, 60, explain=lambda: api.explain(FRAUD)["decisions"][-3:])
         replicas = api.replicas(FRAUD)
         assert len(replicas) == expected and len({r["target"] for r in replicas}) == expected
         before = {r["id"]: triton_rows(r["target"], FRAUD) for r in replicas}
@@ -200,7 +200,7 @@ def test_kill_9_of_a_replica_under_load_loses_no_request_and_it_rejoins(fleet, a
         killed_at = load.ok
         _served(load, 200)  # served through the outage by the other replica
         assert wait_until(lambda: any(r["id"] == victim["id"] and r["pid"] not in (None, victim["pid"]) for r in api.replicas(FRAUD)), 60)
-        assert wait_until(lambda: api.serving(FRAUD) == 2, 60), api.explain(FRAUD)["executor"]
+        wait_until(lambda: api.serving(FRAUD) == 2, 60, explain=lambda: api.explain(FRAUD)["executor"])
         back = next(r for r in api.replicas(FRAUD) if r["id"] == victim["id"])
         assert wait_until(lambda: triton_ready(back["target"], FRAUD), 30)
         rows = triton_rows(back["target"], FRAUD)
@@ -245,7 +245,7 @@ def test_scale_to_zero_then_twenty_first_requests_share_one_load(fleet, api):
     infer(client, LGBM)
     targets = [r["target"] for r in api.explain(FRAUD)["executor"]["replicas"]]
     api.configure(LGBM, min_replicas=1, max_replicas=1, scale_to_zero_after_s=1.0, cold_start_budget_s=60.0, **QUICK)
-    assert wait_until(lambda: _asleep(api, LGBM), 30), api.explain(LGBM)["decisions"][-3:]
+    wait_until(lambda: _asleep(api, LGBM), 30, explain=lambda: api.explain(LGBM)["decisions"][-3:])
     # unloaded: no replica's Triton has it ready
     assert wait_until(lambda: not any(triton_ready(t, LGBM) for t in targets), 30)
     before = len(api.explain(LGBM)["cold_starts"])
@@ -306,7 +306,7 @@ def test_instances_scale_inside_a_replica_with_load_with_config(fleet, api):
         finally:
             client.close()
 
-    assert wait_until(lambda: instances() == 2, 60), api.explain(LGBM)["decisions"][-3:]
+    wait_until(lambda: instances() == 2, 60, explain=lambda: api.explain(LGBM)["decisions"][-3:])
     assert api.explain(LGBM)["replicas"] == 2 and len(api.replicas(LGBM)) == 1  # two instances, one replica
     client = grpcclient.InferenceServerClient(fleet.grpc)
     assert infer(client, LGBM).as_numpy("prediction").shape == (1, 1)

@@ -126,7 +126,7 @@ def test_a_group_at_zero_replicas_holds_requests_until_a_triton_serves_them(demo
         held = threading.Thread(target=first)
         held.start()
         # held, not failed: the group's queue gauge says a request waits for a replica of the group
-        assert wait_until(lambda: _gauge(front.metrics, "inferplane_group_queue_depth", "trees") >= 1, 20), errors
+        wait_until(lambda: _gauge(front.metrics, "inferplane_group_queue_depth", "trees") >= 1, 20, explain=lambda: errors)
         assert held.is_alive() and not errors
         # the "pod" comes up: Triton on the group's port, loading the group's model (its entrypoint does that)
         supervisor = TritonSupervisor(demo_repository, tmp_path / "triton", startup_timeout=60)

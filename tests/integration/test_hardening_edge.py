@@ -26,7 +26,7 @@ from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc, generate_pb
 from tests.stack_health import assert_healthy, baseline, valid_request
 
 pytestmark = pytest.mark.integration
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
 
 LLM = "tiny_llama"
 EMBEDDINGS = "minilm_embeddings"

@@ -15,7 +15,7 @@ from loadtest.llm_routing import engine_stats, replica_targets
 from tests.conftest import start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
 
 MODEL = "tiny_llama"
 SYSTEM = (
@@ -64,7 +64,13 @@ def ask(client, model: str, user: str, **kwargs):
 
 
 def test_two_replicas_serve_the_model(routed):
-    wait_until(lambda: len(replicas(routed, MODEL)) == 2, timeout=60)
+    def two():
+        targets = replicas(routed, MODEL)
+        return targets if len(set(targets)) == 2 else None
+
+    targets = wait_until(two, timeout=60, explain=lambda: replicas(routed, MODEL))
+    # each one's own engine answers for the model (its counters, on its own Triton)
+    assert all("submitted" in engine_stats(t, MODEL) for t in targets)
 
 
 def test_a_shared_system_prompt_stays_on_one_replica_and_hits_its_prefix_cache(routed, client):

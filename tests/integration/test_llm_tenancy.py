@@ -26,7 +26,7 @@ from server.tenancy.store import TenancyStore
 from tests.conftest import LLM_BUDGET_MODEL, LLM_BUDGET_TOKENS, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
 
 PEPPER = "llm-tenancy-pepper"
 MODEL = "tiny_llama"

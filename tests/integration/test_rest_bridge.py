@@ -18,8 +18,8 @@ import pytest
 from model_repository.demo import DEMO_MODELS
 from model_repository.layout import load_validation
 
-httpclient = pytest.importorskip("tritonclient.http")
-grpcclient = pytest.importorskip("tritonclient.grpc")
+import tritonclient.http as httpclient  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -327,7 +327,7 @@ MAX_EXAMPLES = 12  # per operation and mode: ~20 operations x 2 modes stays well
 
 
 def test_schemathesis_conformance(stack):
-    schemathesis = pytest.importorskip("schemathesis")
+    import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis.checks import not_a_server_error

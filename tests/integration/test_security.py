@@ -163,7 +163,7 @@ def _wait_bound(stack):
             client.close()
 
     for identity in (stack.pki.acme, stack.pki.billing):
-        assert wait_until(lambda: ok(identity), timeout=30), stack.log_tail()
+        wait_until(lambda: ok(identity), timeout=30, explain=lambda: stack.log_tail())
 
 
 # ---- TLS and mTLS: the real clients ---------------------------------------------------------------
@@ -486,7 +486,7 @@ def test_the_classifier_is_a_deployed_model_called_on_the_callers_behalf(secure)
         finally:
             engine.dispose()
 
-    assert wait_until(lambda: classifier_usage().get("acme", 0) >= 3, timeout=30), classifier_usage()
+    wait_until(lambda: classifier_usage().get("acme", 0) >= 3, timeout=30, explain=lambda: classifier_usage())
 
 
 def test_decisions_are_metered_and_audited(secure):
@@ -500,7 +500,7 @@ def test_decisions_are_metered_and_audited(secure):
         finally:
             engine.dispose()
 
-    assert wait_until(lambda: {"safety.block", "safety.redact"} <= {r["action"] for r in audit_rows()}, timeout=30), audit_rows()
+    wait_until(lambda: {"safety.block", "safety.redact"} <= {r["action"] for r in audit_rows()}, timeout=30, explain=lambda: audit_rows())
     for row in audit_rows():
         assert "Zeus" not in (row["detail"] or "") and "jane.doe" not in (row["detail"] or "")  # never the text
     metrics = _https_get(secure, secure.metrics, "/metrics")
@@ -537,7 +537,7 @@ def test_payload_logs_are_sealed_at_rest_and_erased_by_tenant(secure):
         tenants = {r.get("tenant") for r in _records(secure) if MARKER in json.dumps(r)}
         return {"acme", "keyed"} <= tenants
 
-    assert wait_until(logged, timeout=30), _records(secure)
+    wait_until(logged, timeout=30, explain=lambda: _records(secure))
     on_disk = b"".join(p.read_bytes() for p in _payload_files(secure))
     assert MARKER.encode() not in on_disk and b"acme " not in on_disk  # sealed: only ts and tenant are clear
 
@@ -626,7 +626,7 @@ def tls_triton(secure, tmp_path_factory):
             client.close()
 
     try:
-        assert wait_until(live, timeout=120, interval=0.5), (workdir / "triton.log").read_text(errors="replace")[-3000:]
+        wait_until(live, timeout=120, interval=0.5, explain=lambda: (workdir / "triton.log").read_text(errors="replace")[-3000:])
         yield {"url": f"127.0.0.1:{port}", "ca": workdir / "triton-ca.crt", "cert": frontend[0], "key": frontend[1], "workdir": workdir}
     finally:
         os.killpg(proc.pid, 15)

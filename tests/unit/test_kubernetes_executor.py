@@ -13,7 +13,6 @@ import pytest
 from server.control.kubernetes_executor import MERGE_PATCH, KubernetesExecutor, ScaleForbidden, _namespace
 from server.errors import BackendUnavailable, InvalidRequest, ModelNotFound
 
-pytest.importorskip("kubernetes")
 from kubernetes import client  # noqa: E402
 
 SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402
 
 from model_repository.adapters._llm_core import Engine, EngineConfig, SamplingParams, resolve_dtype  # noqa: E402
 from model_repository.llm import build_tiny_llama  # noqa: E402

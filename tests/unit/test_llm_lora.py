@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
+import torch  # noqa: E402
+import peft  # noqa: E402
 
 from model_repository.adapters._llm_core import Engine, EngineConfig, SamplingParams  # noqa: E402
 from model_repository.adapters._lora import (  # noqa: E402

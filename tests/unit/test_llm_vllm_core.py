@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 import types
 
 import pytest
 
-pytest.importorskip("transformers")
+import transformers  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from model_repository.adapters._llm_common import (  # noqa: E402
@@ -29,6 +28,7 @@ from model_repository.adapters._vllm_core import (  # noqa: E402
     EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, cpu_list, find_vllm_python, parse_metrics, request_body,
     server_command, server_environment, speculative_config, vllm_unavailable,
 )  # fmt: skip
+from tests.conftest import wait_until  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
 
@@ -176,15 +176,6 @@ def engine(tiny_dir, fake):
     e.stop()
 
 
-def _wait(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 # ---- streaming -----------------------------------------------------------------------------------
 
 
@@ -261,7 +252,7 @@ def test_cancel_closes_the_stream_and_finishes_cancelled(engine, fake):
     text, final = sink.wait()
     assert final["finish_reason"] == "cancelled" and 5 <= final["completion_tokens"] < 1000
     assert text == "x" * len(text) and len(text) >= 5  # no tail after a cancel
-    assert _wait(lambda: fake.aborted == ["[1, 2, 3]"]), "vLLM's stream stayed open (it would keep generating)"
+    wait_until(lambda: fake.aborted == ["[1, 2, 3]"], interval=0.01, explain=lambda: "vLLM's stream stayed open (it would keep generating)")
     snap = engine.snapshot()
     assert snap["cancelled"] == 1 and snap["aborted"] == 1 and snap["running"] == 0
 
@@ -272,7 +263,7 @@ def test_deadline_closes_the_stream_and_finishes_deadline(engine, fake):
     engine.submit("late", [4, 5], SamplingParams(max_tokens=1000, deadline_ms=80), sink)
     _, final = sink.wait()
     assert final["finish_reason"] == "deadline" and engine.snapshot()["deadline_exceeded"] == 1
-    assert _wait(lambda: fake.aborted == ["[4, 5]"])
+    wait_until(lambda: fake.aborted == ["[4, 5]"], interval=0.01)
 
 
 def test_a_queued_request_without_outputs_still_sees_cancel_and_deadline(engine, fake):
@@ -293,7 +284,7 @@ def test_stop_ends_requests_in_flight(tiny_dir, fake):
     fake.script, fake.delay = _endless, 0.01
     sink = _Sink()
     e.submit("r", [1], SamplingParams(max_tokens=1000), sink)
-    assert _wait(lambda: len(sink.parts) >= 1)
+    wait_until(lambda: len(sink.parts) >= 1, interval=0.01)
     e.stop()
     _, final = sink.wait()
     assert final["finish_reason"] == "error" and "stopped" in final["error"]

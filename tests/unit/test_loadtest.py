@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loadtest.autoscale import scale_up_seconds
 from loadtest.compare import compare, summarize
 from loadtest.engine import LoadSpec, Stats, clock, run_engine
 from loadtest.histogram import LatencyHistogram
@@ -729,3 +730,12 @@ def test_sse_driver_reports_ttft_itl_and_tokens(fake_http, tmp_path):
     assert r["protocol"] == "sse" and r["processes"] == 2 and r["streams"] > 2 and r["itl_ms"]["p50"] > 0
     res = CliRunner().invoke(app, ["run", "-t", "grpc://127.0.0.1:1", "--sse", "-m", "tiny", "-q"])
     assert res.exit_code != 0 and "http://" in res.output
+
+
+def test_the_autoscale_benchmark_reads_each_scale_ups_duration_from_the_decisions():
+    decisions = [
+        {"action": "up", "reason": "load 3 > 1 x 0.7"}, {"action": "done", "reason": "up to 2 in 1.07s"},
+        {"action": "done", "reason": "down to 1 in 0.02s"}, {"action": "done", "reason": "up to 4 in 0.91s"},
+        {"action": "failed", "reason": "up to 3: no port"},
+    ]  # fmt: skip
+    assert scale_up_seconds(decisions) == [1.07, 0.91]

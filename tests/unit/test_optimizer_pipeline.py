@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from model_repository import demo
 from optimizer import runtime, synthetic
-from optimizer.pipeline import optimize
+from optimizer import gate
+from optimizer.pipeline import Row, _verdict, optimize
 from server.control.artifacts import ArtifactStore
 from server.errors import InvalidRequest
 from server.control.registry import Registry
@@ -90,7 +91,7 @@ def test_an_impossible_tolerance_rejects_and_registers_nothing(registry, bundles
 
 def test_tree_model_compiles_to_onnx_that_agrees_and_is_registered(registry, bundles):
     parent = _register(registry, bundles["xgb"])
-    report = optimize(registry, parent.ref, all_=True, profile_settings=None, actor="test")
+    report = optimize(registry, parent.ref, all_=True, profile_settings=None, actor="test", keep_slower=True)  # not a timing test
     rows = {r.label: r for r in report.rows}
     assert report.task == "binary" and report.speed_source == "in-process"
     assert rows["tree-onnx"].accepted and rows["tree-onnx"].gate.metrics["decision_agreement"] == 1.0
@@ -98,6 +99,17 @@ def test_tree_model_compiles_to_onnx_that_agrees_and_is_registered(registry, bun
     assert rows["tensorrt"].verdict.startswith("skipped: TensorRT has no tree-ensemble layers")
     child = registry.get("fraud_xgboost", 2)
     assert child.format == "onnx" and child.parent == parent.ref and child.metrics["latency.in_process_us"] > 0
+
+
+def test_a_tree_compiled_to_onnx_that_measured_slower_is_rejected_unless_kept():
+    passed = gate.GateResult(task="binary", passed=True, metrics={}, thresholds={})
+    parent, fast, slow = Row("parent", local_us=100.0), Row("t", "tree-onnx", local_us=90.0, gate=passed), Row("t", "tree-onnx", local_us=200.0, gate=passed)
+    _verdict(parent, fast, None)
+    _verdict(parent, slow, None)
+    assert fast.verdict == "accepted" and slow.verdict.startswith("rejected: slower than the native model")
+    kept = Row("t", "tree-onnx", local_us=200.0, gate=passed)
+    _verdict(parent, kept, None, keep_slower=True)
+    assert kept.accepted and "slower on this CPU" in kept.verdict
 
 
 def test_int4_through_the_pipeline_on_a_transformer_block(registry):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from model_repository import demo
-from optimizer import gate, recipes, runtime, synthetic
+from optimizer import gate, recipes, runtime, synthetic, tensorrt
+from server.control import safe_formats
 
 
 def _source(bundle, **kw) -> recipes.Source:
@@ -100,10 +102,29 @@ def test_skips_say_why():
         recipes.apply("int8-dynamic", recipes.Source("m", "lightgbm-text", b"tree\n", {"inputs": [{}], "outputs": [{}]}))
     with pytest.raises(recipes.Skipped, match="no tree-ensemble layers"):
         recipes.apply("tensorrt", recipes.Source("m", "xgboost-json", b"{}", {"inputs": [{}], "outputs": [{}]}))
-    from optimizer import tensorrt
 
-    if tensorrt.unavailable():  # CPU machines: a clear reason, never a silent no-op
-        mlp_source = recipes.Source("m", "onnx", demo._mlp_onnx([np.ones((4, 2))], [np.zeros(2)]), {"inputs": [{"name": "features", "dims": [4]}], "outputs": [{"name": "probabilities", "dims": [2]}]})
-        with pytest.raises(recipes.Skipped) as err:
-            recipes.apply("tensorrt", mlp_source)
-        assert err.value.reason == tensorrt.unavailable()
+
+def _mlp_source() -> recipes.Source:
+    rng = np.random.default_rng(3)
+    artifact = demo._mlp_onnx([rng.standard_normal((4, 8)), rng.standard_normal((8, 2))], [np.zeros(8), np.zeros(2)])
+    return recipes.Source("m", "onnx", artifact, {"inputs": [{"name": "features", "dims": [4]}], "outputs": [{"name": "probabilities", "dims": [2]}]})
+
+
+def test_tensorrt_where_it_cannot_build_skips_with_the_reason(monkeypatch):
+    # every machine runs this path (a CPU machine has the reason on its own; a GPU one is told it): a clear
+    # reason, never a silent no-op
+    monkeypatch.setattr(tensorrt, "unavailable", lambda: "no NVIDIA GPU on this machine (no /dev/nvidia* device)")
+    with pytest.raises(recipes.Skipped) as err:
+        recipes.apply("tensorrt", _mlp_source())
+    assert err.value.reason == "no NVIDIA GPU on this machine (no /dev/nvidia* device)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(tensorrt.unavailable()), reason="TensorRT cannot build a plan here (the path above covers it)")
+def test_tensorrt_builds_a_plan_that_answers_like_its_onnx_parent():
+    source = _mlp_source()
+    cand = recipes.apply("tensorrt", source)
+    assert cand.format == safe_formats.TENSORRT_PLAN and cand.target == "gpu" and cand.params["max_batch"] == source.max_batch
+    rows = np.random.default_rng(4).standard_normal((16, 4)).astype(np.float32)
+    expected = ort.InferenceSession(source.artifact, providers=["CPUExecutionProvider"]).run(None, {"features": rows})[0]
+    np.testing.assert_allclose(tensorrt.plan_predictor(cand.artifact)(rows), expected, rtol=2e-2, atol=2e-3)  # fp16 layers

@@ -1,7 +1,7 @@
 """The generated Prometheus rules file: up to date with the endpoints' configs, valid for `promtool check
 rules`, and its burn-rate and drift alerts fire (and stay silent) on the synthetic series of
 deploy/prometheus/inferplane-rules.test.yaml under `promtool test rules` (Debian's prometheus package;
-.ci/run installs it). Without promtool these tests fail: the alerts are only trusted once Prometheus's
+`make provision` installs it). Without promtool these tests fail: the alerts are only trusted once Prometheus's
 own rule engine has evaluated them."""
 
 from __future__ import annotations
@@ -13,18 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.services import require
 from server.control.slo import ALERTS, Objective, objective_for, repository_objectives, rules, rules_yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-rules.yaml"
 TESTS = DEPLOY / "inferplane-rules.test.yaml"
-
-
-def _promtool() -> str:
-    binary = shutil.which("promtool")
-    if binary is None:
-        pytest.fail("promtool is not installed: `apt-get install prometheus` (.ci/run does it when it is missing)")
-    return binary
 
 
 def test_the_rules_file_is_generated_from_the_demo_endpoints(tmp_path):
@@ -38,17 +32,20 @@ def test_the_rules_file_is_generated_from_the_demo_endpoints(tmp_path):
     )
 
 
+@pytest.mark.service("promtool")
 def test_promtool_checks_the_rules():
-    out = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = subprocess.run([require("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
 
 
+@pytest.mark.service("promtool")
 def test_promtool_unit_tests_fire_and_stay_silent_as_written():
-    out = subprocess.run([_promtool(), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=DEPLOY)
+    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=DEPLOY)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.service("promtool")
 def test_promtool_catches_a_rule_that_pages_too_early(tmp_path):
     """The unit tests can fail: with the fast page at 2x instead of 14.4x, the ticket-only endpoint pages."""
     doc = yaml.safe_load(RULES.read_text())
@@ -58,7 +55,7 @@ def test_promtool_catches_a_rule_that_pages_too_early(tmp_path):
                 rule["expr"] = rule["expr"].replace("(14.4 *", "(2 *")
     (tmp_path / RULES.name).write_text(yaml.safe_dump(doc, sort_keys=False))
     shutil.copy(TESTS, tmp_path / TESTS.name)
-    out = subprocess.run([_promtool(), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode != 0
     assert "lightgbm_regressor" in out.stdout + out.stderr
 

@@ -1,14 +1,13 @@
 """The registry on SQLite always, and on a real PostgreSQL server when one is available.
 
-``INFERPLANE_TEST_POSTGRES_URL`` (``.ci/run`` starts Debian's postgresql on loopback and sets it)
-names a role allowed to create databases; each test gets a database of its own. Without it only
-the postgresql parameter is skipped.
+The PostgreSQL server is the one `make provision` sets up (or ``INFERPLANE_TEST_POSTGRES_URL``: a role
+allowed to create databases); each test gets a database of its own. Without one the postgresql
+parameter fails with the reason (tests/services.py).
 """
 
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import uuid
 
@@ -22,25 +21,21 @@ from server.errors import Conflict, InvalidRequest, ModelNotFound, PermissionDen
 from server.control.registry import Registry, parse_ref
 from server.control.safe_formats import UnsafeArtifact
 from server.control.signing import generate_keypair, sign_digest
+from server.db import normalize_url
+from tests.services import require
 
-POSTGRES_ENV = "INFERPLANE_TEST_POSTGRES_URL"
 SIGNATURE = {
     "inputs": [{"name": "features", "datatype": "FP32", "dims": [3], "range": [-1, 1]}],
     "outputs": [{"name": "prediction", "datatype": "FP32", "dims": [1]}],
 }
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.service("postgresql"))])
 def db_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/registry.db"
         return
-    base = os.environ.get(POSTGRES_ENV)
-    if not base:
-        pytest.skip(f"no PostgreSQL server: set {POSTGRES_ENV} (.ci/run installs and starts one)")
-    from server.db import normalize_url
-
-    base = normalize_url(base)
+    base = normalize_url(require("postgresql"))
     name = f"inferplane_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:

@@ -4,7 +4,6 @@ features check at registration, and the compatibility (breaking-change) table.""
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -188,7 +187,6 @@ def test_cross_input_and_type_name_clashes_are_refused_at_registration(tmp_path)
         registry.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xgboost") is None, reason="the demo models need xgboost")
 def test_the_demo_models_declare_named_features():
     from model_repository import demo
 
