@@ -257,20 +257,19 @@ class Frontend:
         from server.transports.grpc.forward import LeaderForwarder
 
         s = self.settings
+        if self._directory is not None and self._forwarder is None:
+            control = self.control
+            self._forwarder = LeaderForwarder(lambda: control is not None and control.leading, self._directory, max_message_bytes=s.max_request_bytes + (1 << 20))
+        forward = (self._forwarder,) if self._forwarder is not None else ()  # innermost: control RPCs to the leader
         server = grpc.aio.server(
             # domain errors -> statuses; an unparsable typed request body -> INVALID_ARGUMENT, not UNKNOWN
-            interceptors=(DomainErrorInterceptor(), DecodeErrorsInterceptor()),
+            interceptors=(DomainErrorInterceptor(), DecodeErrorsInterceptor(), *forward),
             options=[
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
                 ("grpc.so_reuseport", 1 if s.worker else 0),
             ],
         )
-        if self._directory is not None and self._forwarder is None:
-            control = self.control
-            self._forwarder = LeaderForwarder(lambda: control is not None and control.leading, self._directory, max_message_bytes=s.max_request_bytes + (1 << 20))
-        if self._forwarder is not None:
-            server.add_generic_rpc_handlers((self._forwarder,))  # consulted first: None lets the local services answer
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
         tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)

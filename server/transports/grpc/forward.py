@@ -7,8 +7,9 @@ lease row, server.control.leader.LeaderDirectory) with the caller's metadata (AP
 leader's answer — message, status, details, trailing metadata — comes back as it is. The leader
 authenticates and authorizes the call itself, so a frontend grants nothing it would not.
 
-One generic handler placed before the services: ``service()`` returns None (the local service
-answers) while this process leads, or for any other method.
+A server interceptor (the innermost, so the error table still wraps it; registered method handlers
+would win over a generic handler): while this process leads, or for any other method, the call goes
+on to the local service.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _identity(raw: bytes) -> bytes:
     return raw
 
 
-class LeaderForwarder(grpc.GenericRpcHandler):
+class LeaderForwarder(grpc.aio.ServerInterceptor):
     def __init__(self, leading: Callable[[], bool], directory, *, max_message_bytes: int, methods: frozenset[str] = FORWARDED):
         self.leading = leading
         self.directory = directory  # server.control.leader.LeaderDirectory
@@ -51,10 +52,10 @@ class LeaderForwarder(grpc.GenericRpcHandler):
         self.options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def service(self, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method not in self.methods or self.leading():
-            return None
+            return await continuation(handler_call_details)
 
         async def forward(request: bytes, context):
             return await self._forward(method, request, context)
