@@ -7,6 +7,7 @@ process dies, and terminates (then kills) it at the end.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -150,3 +151,35 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     return predicate()
+
+
+POSTGRES_ENV = "INFERPLANE_TEST_POSTGRES_URL"
+
+
+@contextlib.contextmanager
+def fresh_postgres_database():
+    """A new empty database on the test PostgreSQL server (``INFERPLANE_TEST_POSTGRES_URL``, which ``.ci/run``
+    sets), dropped afterwards; yields its URL, or None when no server is configured."""
+    import os
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from server.db import normalize_url
+
+    base = os.environ.get(POSTGRES_ENV)
+    if not base:
+        yield None
+        return
+    base = normalize_url(base)
+    name = f"inferplane_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

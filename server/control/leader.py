@@ -214,6 +214,13 @@ class LeaderDirectory:
         return address
 
 
+def lease_row(engine: Engine) -> dict | None:
+    """The lease row as it stands (``inferplane control status``)."""
+    with session_factory(engine)() as session:
+        row = session.execute(select(control_lease).where(control_lease.c.name == LEASE)).first()
+    return dict(row._mapping) if row is not None else None
+
+
 class Leadership:
     """Acquire, lead, renew; ``leading`` says whether this process's writers may run now."""
 

@@ -4,42 +4,24 @@ lease (row lease and advisory lock), the watcher applying rows to a router, the 
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
-
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
-
 from server import migrations
 from server.control.desired_state import DesiredStateStore, changes, route_snapshot
 from server.control.leader import Leadership, LeaderDirectory, PostgresLease, RowLease
 from server.control.state_watch import StatePublisher, StateWatcher
-from server.db import make_engine, normalize_url
+from server.db import make_engine
 from server.dataplane.routing import Router, Split
 from server.dataplane.traffic_policy import Arm, sticky_arm
-
-POSTGRES_ENV = "INFERPLANE_TEST_POSTGRES_URL"
-
+from tests.conftest import POSTGRES_ENV, fresh_postgres_database
 
 def _database(kind: str, tmp_path):
     if kind == "sqlite":
         yield f"sqlite:///{tmp_path}/state.db"
         return
-    base = os.environ.get(POSTGRES_ENV)
-    if not base:
-        pytest.skip(f"no PostgreSQL server: set {POSTGRES_ENV} (.ci/run installs and starts one)")
-    base = normalize_url(base)
-    name = f"inferplane_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_postgres_database() as url:
+        if url is None:
+            pytest.skip(f"no PostgreSQL server: set {POSTGRES_ENV} (.ci/run installs and starts one)")
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -121,23 +103,25 @@ def test_postgres_advisory_lock_lapses_with_its_session(pg_url):
 def test_leadership_hands_over_when_the_leader_stops_renewing(engine):
     async def scenario():
         events = []
+        now = [1000.0]
 
         def lease(name):
-            return RowLease(engine, name, name, ttl_s=0.4)
+            return RowLease(engine, name, name, ttl_s=0.4, clock=lambda: now[0])
 
         async def noop():
             return None
 
-        a = Leadership(lease("a"), lambda: _note(events, "a leads"), lambda: _note(events, "a lost"), retry_s=0.05)
-        b = Leadership(lease("b"), lambda: _note(events, "b leads"), noop, retry_s=0.05)
+        a = Leadership(lease("a"), lambda: _note(events, "a leads"), lambda: _note(events, "a lost"), retry_s=0.01)
+        b = Leadership(lease("b"), lambda: _note(events, "b leads"), noop, retry_s=0.01)
         assert await a.try_once()
         task_b = asyncio.create_task(b.run())
-        await asyncio.sleep(0.3)
-        assert not b.leading  # a's lease is fresh (nobody renews it, but its ttl has not run out)
-        for _ in range(100):
+        await asyncio.sleep(0.2)  # b tries again and again
+        assert not b.leading  # a's lease has not run out (its clock stands still)
+        now[0] += 1.0  # a stopped renewing and its ttl passed
+        for _ in range(500):
             if b.leading:
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
         assert b.leading and events == ["a leads", "b leads"]
         task_b.cancel()
 
