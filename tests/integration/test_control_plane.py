@@ -5,7 +5,11 @@ leader); a second frontend whose control plane is external serves while the lead
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -16,7 +20,10 @@ import tritonclient.grpc as grpcclient
 from model_repository import demo
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime.supervisor import free_port
-from tests.conftest import start_stack, stop_stack
+from loadtest.stack import start_control
+from server.control.leader import lease_row
+from server.db import make_engine
+from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack
 from tests.integration.test_deploy import ACTOR, _bundle_request
 
 pytestmark = pytest.mark.integration
@@ -119,3 +126,97 @@ def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no_such_model" in err.value.details()
         listed = admin.ListEndpoints(admin_pb2.ListEndpointsRequest())
         assert ENDPOINT in {e.name for e in listed.endpoints}
+
+
+@pytest.fixture(scope="module")
+def control_pair(demo_repository, tmp_path_factory):
+    """Frontend F (external control plane, its own Triton) and two control-plane replicas deploying into
+    F's Triton, on PostgreSQL when the test server is configured (the advisory lock), else SQLite (the lease row)."""
+    root = tmp_path_factory.mktemp("failover")
+    repository = root / "model_repository"
+    repository.mkdir()
+    shutil.copytree(demo_repository / "mlp_classifier", repository / "mlp_classifier")
+    with fresh_postgres_database() as pg:
+        url = pg or f"sqlite:///{root}/registry.db"
+        env = {
+            "INFERPLANE_DATABASE_URL": url, "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
+            "INFERPLANE_DEPLOY_TIMEOUT_S": "60", "INFERPLANE_CONTROL_LEASE_TTL_S": "3",
+        }  # fmt: skip
+        f = start_stack(repository, root / "f", env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
+        replicas = []
+        try:
+            for name in ("c1", "c2"):  # one after the other: the first migrates the empty database
+                replicas.append(start_control(repository, root / name, url, f.triton, env={**TEST_ENV, **env}))
+            yield f, replicas, url
+        finally:
+            for stack in replicas:
+                if stack.process.poll() is None:
+                    stop_stack(stack)
+            stop_stack(f)
+
+
+def _leader_pid(url: str) -> int:
+    engine = make_engine(url)
+    try:
+        row = lease_row(engine)
+    finally:
+        engine.dispose()
+    return int(row["holder"].split("/")[1])
+
+
+def _deploy_retrying(address: str, ref: str, tries: int = 60):
+    """Deploy through a frontend, retrying while no leader answers (UNAVAILABLE) — what a CLI user does."""
+    with grpc.insecure_channel(address) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        for attempt in range(tries):
+            try:
+                return admin.Deploy(admin_pb2.DeployRequest(ref=ref), metadata=ACTOR, timeout=90).result
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == tries - 1:
+                    raise
+                time.sleep(0.5)
+
+
+def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pair, bundles):
+    f, replicas, url = control_pair
+    v1, v2 = bundles
+    with grpc.insecure_channel(f.grpc) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        admin.RegisterModel(_bundle_request(v1), metadata=ACTOR)
+        admin.RegisterModel(_bundle_request(v2), metadata=ACTOR)
+    assert _deploy_retrying(f.grpc, f"{ENDPOINT}:1").version == 1
+    assert set(_until_all(f.grpc, v1, "1")) == {"1"}
+    leader = _leader_pid(url)
+    by_pid = {r.process.pid: r for r in replicas}
+    assert leader in by_pid
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def load():
+        client = grpcclient.InferenceServerClient(f.grpc)
+        inp = grpcclient.InferInput("features", [1, v1.features.shape[1]], "FP32")
+        inp.set_data_from_numpy(np.ascontiguousarray(v1.features[:1]))
+        try:
+            while not stop.is_set():
+                try:
+                    outcomes.append(client.infer(ENDPOINT, [inp], client_timeout=10).get_response().model_version)
+                except Exception as exc:  # counted below: must stay 0
+                    outcomes.append(f"error: {exc}")
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        os.kill(leader, signal.SIGKILL)
+        by_pid[leader].process.wait(30)
+        deployed = _deploy_retrying(f.grpc, f"{ENDPOINT}:2")  # carried to whichever replica leads now
+        assert deployed.version == 2
+        assert set(_until_all(f.grpc, v2, "2")) == {"2"}
+    finally:
+        stop.set()
+        thread.join(30)
+    new_leader = _leader_pid(url)
+    assert new_leader != leader and new_leader in by_pid
+    errors = [o for o in outcomes if o.startswith("error")]
+    assert outcomes and not errors, errors[:3]
