@@ -17,9 +17,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import autoscale, batch, compose, llm, observe, plan, registry, security, tenancy, traffic, typed
+    from server.cli import autoscale, batch, compose, dev, llm, observe, plan, registry, security, tenancy, traffic, typed
 
-    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale, compose, batch, security):
+    for module in (tenancy, registry, traffic, llm, plan, typed, observe, autoscale, compose, batch, security, dev):
         module.mount(app)
 
 
