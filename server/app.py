@@ -180,16 +180,14 @@ class Frontend:
     def _watch_desired_state(self) -> None:
         """A process that serves without a control plane: the desired state applied to its pipeline, control
         RPCs carried to the leader the lease row names."""
-        from server.control.desired_state import DesiredStateStore
         from server.control.leader import LeaderDirectory
-        from server.control.state_watch import StateWatcher
+        from server.control.state_watch import follow
         from server.db import make_engine
 
         s = self.settings
         self._engine = engine = make_engine(s.database_url)
         self._directory = LeaderDirectory(engine)
-        watcher = StateWatcher(self.dataplane, DesiredStateStore(engine), s.database_url, poll_s=s.desired_state_poll_s, reconcile_s=s.desired_state_reconcile_s)
-        self._tasks.append(asyncio.create_task(watcher.run(), name="desired-state-watch"))
+        self._tasks.append(asyncio.create_task(follow(self.dataplane, engine, s), name="desired-state-watch"))
 
     async def _inprocess(self):
         """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""

@@ -19,12 +19,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from server.control.arm_reports import ArmCollector
 from server.control.batches import BatchStore, BatchWorker, file_store
 from server.control.deployer import build_control_plane
 from server.control.desired_state import DesiredStateStore
 from server.control.leader import LeaderDirectory, Leadership, holder_id, lease_for
 from server.control.retention import RetentionJob
-from server.control.state_watch import StatePublisher, StateWatcher, stop_task
+from server.control.state_watch import StatePublisher, follow, stop_task
 from server.control.traffic import TrafficController
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,7 @@ class ControlPlane:
             await self.lease.renew()
 
     def _watch(self) -> None:
-        s = self.settings
-        watcher = StateWatcher(self.dp, self.desired, self.registry.url, poll_s=s.desired_state_poll_s, reconcile_s=s.desired_state_reconcile_s)
-        self._watcher = asyncio.get_running_loop().create_task(watcher.run(), name="desired-state-watch")
+        self._watcher = asyncio.get_running_loop().create_task(follow(self.dp, self.registry.engine, self.settings), name="desired-state-watch")
 
     async def _lead(self) -> None:
         s = self.settings
@@ -95,6 +94,8 @@ class ControlPlane:
         self.retention.start()
         publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s)
         self._tasks.append(loop.create_task(publisher.run(), name="desired-state-publish"))
+        collector = ArmCollector(self.dp.router, self.registry.engine)  # canary verdicts on every frontend's outcomes
+        self._tasks.append(loop.create_task(collector.run(), name="arm-reports"))
         for writer in self.writers:
             await writer.start()
 

@@ -27,8 +27,7 @@ from collections.abc import Awaitable, Callable
 import psycopg
 from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, insert, select, update
 
-from server.db import session_factory
-from server.control.state_watch import _libpq_url
+from server.db import libpq_url, session_factory
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class PostgresLease:
 
     def __init__(self, engine: Engine, database_url: str, holder: str, address: str, *, renew_s: float = 1.0, keepalive_s: int = 5):
         self.engine = engine
-        self.url = _libpq_url(database_url)
+        self.url = libpq_url(database_url)
         self.holder = holder
         self.address = address
         self.renew_s = renew_s

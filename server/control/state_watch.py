@@ -24,9 +24,12 @@ import sqlite3
 import psycopg
 from sqlalchemy.engine import make_url
 
+from server.control.arm_reports import ArmReporter
 from server.control.desired_state import CHANNEL, DesiredStateStore, changes, route_snapshot
+from server.control.leader import holder_id
 from server.dataplane.routing import Split
 from server.dataplane.traffic_policy import Arm
+from server.db import libpq_url
 from server.errors import InferplaneError
 
 log = logging.getLogger(__name__)
@@ -60,11 +63,6 @@ class StatePublisher:
                 log.warning("publishing the desired state failed: %s", err)
                 await asyncio.sleep(1.0)
             await asyncio.sleep(self.interval_s)
-
-
-def _libpq_url(url: str) -> str:
-    parsed = make_url(url)
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 class StateWatcher:
@@ -127,7 +125,7 @@ class StateWatcher:
                 await asyncio.sleep(self.reconcile_s)
 
     async def _listen(self) -> None:
-        async with await psycopg.AsyncConnection.connect(_libpq_url(self.database_url), autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(libpq_url(self.database_url), autocommit=True) as conn:
             await conn.execute(f"LISTEN {CHANNEL}")
             await self.sync()  # what was published before the LISTEN took effect
             while True:
@@ -158,6 +156,14 @@ def _split(router, state: dict, current: Split | None) -> Split:
     if current is not None and current.kind == state["kind"] and [(a.name, a.version) for a in current.arms] == [(a.name, a.version) for a in arms]:
         return current if current.arms == arms else current.reweighted({a.name: a.weight for a in arms})
     return Split(state["kind"], arms, state.get("key_header", ""), state.get("salt", ""), float(state.get("window_s", 60.0)), router.clock)
+
+
+async def follow(dataplane, engine, settings) -> None:
+    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes reported."""
+    watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
+                           reconcile_s=settings.desired_state_reconcile_s)  # fmt: skip
+    reporter = ArmReporter(dataplane.router, engine, holder_id())
+    await asyncio.gather(watcher.run(), reporter.run())
 
 
 async def stop_task(task: asyncio.Task | None) -> None:

@@ -82,15 +82,19 @@ def test_postgres_advisory_lock_lapses_with_its_session(pg_url):
     db_url = pg_url
 
     async def scenario():
-        a = PostgresLease(engine, db_url, "a", "127.0.0.1:1", renew_s=0.05)
-        b = PostgresLease(engine, db_url, "b", "127.0.0.1:2", renew_s=0.05)
+        a = PostgresLease(engine, db_url, "a", "127.0.0.1:1")
+        b = PostgresLease(engine, db_url, "b", "127.0.0.1:2")
         assert await a.acquire()
         assert not await b.acquire()
         assert await a.renew()
         assert await LeaderDirectory(engine).address() == "127.0.0.1:1"
         await a._conn.close()  # what a kill -9 does to the session
         assert not await a.renew()
-        assert await b.acquire()
+        for _ in range(200):  # the server ends the closed session (and drops its lock) a moment later
+            if await b.acquire():
+                break
+            await asyncio.sleep(0.01)
+        assert b._conn is not None and await b.renew()
         assert await LeaderDirectory(engine).address() == "127.0.0.1:2"
         await b.release()
 
@@ -208,3 +212,32 @@ def test_sticky_arm_is_a_pure_function_of_key_and_experiment():
     again = {key: sticky_arm(key, list(arms), "exp1").name for key in picks}  # another process, same inputs
     assert picks == again and set(picks.values()) == {"a", "b"}
     assert any(sticky_arm(k, arms, "exp2").name != v for k, v in picks.items())  # the experiment salts the hash
+
+
+def test_arm_outcomes_of_other_processes_reach_the_leaders_windows(engine):
+    """Two frontends observe a canary; the leader (who serves none of it) sees both in its windows."""
+    from server.control.arm_reports import ArmCollector, ArmReporter
+
+    def canary():
+        return Split("canary", [Arm("stable", "1", 90.0), Arm("canary", "2", 10.0)], "", "canary:m:2", 60.0)
+
+    leader, front_a, front_b = Router({"m": "1"}), Router({"m": "1"}), Router({"m": "1"})
+    for router in (leader, front_a, front_b):
+        router.splits["m"] = canary()
+    collector = ArmCollector(leader, engine)
+    assert collector._read() == []  # a new leader starts from now
+    for router, errors in ((front_a, 3), (front_b, 5)):
+        for i in range(10):
+            router.splits["m"].windows["canary"].add(0.01, i < errors)
+            router.splits["m"].totals["canary"].add(0.01, i < errors)
+        reporter = ArmReporter(router, engine, f"front-{errors}")
+        reporter._write(reporter.collect())
+        assert reporter.collect() == []  # reported once
+    assert collector.apply(collector._read()) == 2
+    stats = leader.splits["m"].window("canary")
+    assert (stats.requests, stats.errors) == (20, 8)
+    leader.splits["m"] = Split("canary", [Arm("stable", "1", 90.0), Arm("canary", "3", 10.0)], "", "canary:m:3", 60.0)
+    front_a.splits["m"].totals["canary"].add(0.02, True)
+    reporter = ArmReporter(front_a, engine, "front-late")
+    reporter._write(reporter.collect())
+    assert collector.apply(collector._read()) == 0  # a report of the ended split is dropped
