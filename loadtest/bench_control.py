@@ -44,7 +44,6 @@ from model_repository import demo
 from server.control.leader import lease_row
 from server.db import make_engine
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.protogen.inference import grpc_service_pb2_grpc as pb_grpc
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime.supervisor import free_port
 
@@ -71,7 +70,8 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def _deploy(address: str, ref: str, tries: int = 120):
+def deploy_retrying(address: str, ref: str, tries: int = 120):
+    """Deploy through a frontend, retrying while no leader answers (UNAVAILABLE) — what a CLI user does."""
     with grpc.insecure_channel(address) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
         for attempt in range(tries):
@@ -88,8 +88,8 @@ def _setup_endpoint(address: str, bundles) -> None:
         admin = admin_pb2_grpc.AdminStub(channel)
         for bundle in bundles:
             _register(admin, bundle)
-    _deploy(address, f"{ENDPOINT}:1")
-    _deploy(address, f"{ENDPOINT}:2")  # both loaded now (the grace period outlasts the run)
+    deploy_retrying(address, f"{ENDPOINT}:1")
+    deploy_retrying(address, f"{ENDPOINT}:2")  # both loaded now (the grace period outlasts the run)
 
 
 def convergence(workers: int, deploys: int, root: Path, repository: Path, bundles) -> dict:
@@ -107,7 +107,7 @@ def convergence(workers: int, deploys: int, root: Path, repository: Path, bundle
                      for ch in channels]  # fmt: skip
             for call in calls:
                 call(raw, timeout=10)  # connected (and pinned to a worker) before the deploy
-            _deploy(stack.grpc, f"{ENDPOINT}:{version}")
+            deploy_retrying(stack.grpc, f"{ENDPOINT}:{version}")
             returned = time.perf_counter()
             last = returned
             for call in calls:
@@ -171,7 +171,7 @@ def failover(kills: int, database_url: str, root: Path, repository: Path, bundle
             while (now := _leader_pid(database_url)) in (None, leader):
                 time.sleep(0.02)
             led = time.perf_counter()
-            _deploy(front.grpc, f"{ENDPOINT}:{'1' if k % 2 == 0 else '2'}")
+            deploy_retrying(front.grpc, f"{ENDPOINT}:{'1' if k % 2 == 0 else '2'}")
             deployed = time.perf_counter()
             time.sleep(1.0)
             stop.set()

@@ -11,7 +11,6 @@ all, frontends first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -26,6 +25,7 @@ from sqlalchemy.exc import OperationalError
 
 from server.db import make_engine, normalize_url
 from server.runtime.supervisor import TritonSupervisor, _die_with_parent, free_port
+from server.runtime.workers import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,7 @@ class LocalCluster:
 
     async def stop(self, timeout: float = 15.0) -> None:
         for role in ("frontend", "control"):
-            procs = [m.process for m in self.members if m.role == role and m.process.returncode is None]
-            for proc in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    await asyncio.wait_for(proc.wait(), timeout)
-                except asyncio.TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    await proc.wait()
+            await stop_processes([m.process for m in self.members if m.role == role and m.process.returncode is None], timeout)
         if self.triton is not None:
             await self.triton.stop()
 

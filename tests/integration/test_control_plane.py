@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -20,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from model_repository import demo
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime.supervisor import free_port
+from loadtest.bench_control import deploy_retrying
 from loadtest.stack import start_control
 from server.control.leader import lease_row
 from server.db import make_engine
@@ -164,19 +164,6 @@ def _leader_pid(url: str) -> int:
     return int(row["holder"].split("/")[1])
 
 
-def _deploy_retrying(address: str, ref: str, tries: int = 60):
-    """Deploy through a frontend, retrying while no leader answers (UNAVAILABLE) — what a CLI user does."""
-    with grpc.insecure_channel(address) as channel:
-        admin = admin_pb2_grpc.AdminStub(channel)
-        for attempt in range(tries):
-            try:
-                return admin.Deploy(admin_pb2.DeployRequest(ref=ref), metadata=ACTOR, timeout=90).result
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == tries - 1:
-                    raise
-                time.sleep(0.5)
-
-
 def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pair, bundles):
     f, replicas, url = control_pair
     v1, v2 = bundles
@@ -184,7 +171,7 @@ def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pai
         admin = admin_pb2_grpc.AdminStub(channel)
         admin.RegisterModel(_bundle_request(v1), metadata=ACTOR)
         admin.RegisterModel(_bundle_request(v2), metadata=ACTOR)
-    assert _deploy_retrying(f.grpc, f"{ENDPOINT}:1").version == 1
+    assert deploy_retrying(f.grpc, f"{ENDPOINT}:1").version == 1
     assert set(_until_all(f.grpc, v1, "1")) == {"1"}
     leader = _leader_pid(url)
     by_pid = {r.process.pid: r for r in replicas}
@@ -210,7 +197,7 @@ def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pai
     try:
         os.kill(leader, signal.SIGKILL)
         by_pid[leader].process.wait(30)
-        deployed = _deploy_retrying(f.grpc, f"{ENDPOINT}:2")  # carried to whichever replica leads now
+        deployed = deploy_retrying(f.grpc, f"{ENDPOINT}:2")  # carried to whichever replica leads now
         assert deployed.version == 2
         assert set(_until_all(f.grpc, v2, "2")) == {"2"}
     finally:
