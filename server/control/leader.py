@@ -86,9 +86,10 @@ class RowLease:
     def _renew(self) -> bool:
         now = self._clock()
         with self._session() as session:
+            # still ours while nobody took it, even after a stall past the expiry (a lone process keeps leading)
             done = session.execute(
                 update(control_lease)
-                .where(control_lease.c.name == LEASE, control_lease.c.holder == self.holder, control_lease.c.expires_at >= now)
+                .where(control_lease.c.name == LEASE, control_lease.c.holder == self.holder)
                 .values(expires_at=now + self.ttl_s, address=self.address)
             )  # fmt: skip
             session.commit()
