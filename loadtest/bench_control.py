@@ -211,7 +211,11 @@ def main() -> None:
             for r in results:
                 print(f"workers={r['workers']}: convergence p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms max {r['max_ms']:.1f} ms ({r['deploys']} deploys)")
         else:
-            results = failover(args.kills, _fresh_database(args.database_url, root), root, repository, bundles)
+            database = _fresh_database(args.database_url, root)
+            try:
+                results = failover(args.kills, database, root, repository, bundles)
+            finally:
+                _drop_database(args.database_url, database)
             print(f"failover: no leader for at most {results['no_leader_s_max']:.2f} s; deploy through the frontend again after "
                   f"{results['deploy_again_s_max']:.2f} s; {results['requests_failed']} of {results['requests_ok'] + results['requests_failed']} requests failed")
         args.out.mkdir(parents=True, exist_ok=True)
@@ -224,7 +228,7 @@ def main() -> None:
 
 
 def _fresh_database(base: str, root: Path) -> str:
-    """A new database on the PostgreSQL server (dropped with nothing: a bench database is cheap), or SQLite when none answers."""
+    """A new database on the PostgreSQL server (dropped after the run), or SQLite when none answers."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
@@ -241,6 +245,20 @@ def _fresh_database(base: str, root: Path) -> str:
         print(f"PostgreSQL at {url.render_as_string(hide_password=True)} unavailable ({err}); using SQLite", file=sys.stderr)
         return f"sqlite:///{root}/failover.db"
     return url.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_database(base: str, url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from server.db import normalize_url
+
+    if not url.startswith("postgresql"):
+        return
+    admin = create_engine(make_url(normalize_url(base)), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
+    admin.dispose()
 
 
 if __name__ == "__main__":
