@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     # the address frontends reach this process's control RPCs at, written in the lease row (unset: host:port
     # of the gRPC port, or of a loopback port of its own in the parent of --workers N)
     control_advertise: str = ""
+    # set by `inferplane control run`: a replica that serves no traffic of its own (its autoscaler would see none)
+    control_only: bool = False
     control_lease_ttl_s: float = Field(6.0, gt=0)  # SQLite's lease row; PostgreSQL renews its lock's session every ttl/6
     desired_state_poll_s: float = Field(0.02, gt=0)  # SQLite's data_version poll; also the leader's publish pass
     desired_state_reconcile_s: float = Field(1.0, gt=0)  # a full re-read even without a notification

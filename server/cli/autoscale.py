@@ -269,7 +269,7 @@ def _control_service(database_url, triton_url, model_repository, host, grpc_port
     }  # fmt: skip
     try:
         settings = Settings(
-            **{k: v for k, v in given.items() if v is not None}, control_plane="embedded", workers=1, grpc_port=grpc_port, http_port=0, metrics_port=0
+            **{k: v for k, v in given.items() if v is not None}, control_plane="embedded", control_only=True, workers=1, grpc_port=grpc_port, http_port=0, metrics_port=0
         )
     except ValidationError as err:
         raise typer.BadParameter("; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in err.errors())) from None

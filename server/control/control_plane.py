@@ -82,9 +82,13 @@ class ControlPlane:
         await self.deployer.start()
         await self.traffic.start()
         await self.fleet.read_memory_needs(self.registry)
-        self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store)
-        if self.fleet_started and self.fleet.autoscaler is not None:
-            await self.fleet.autoscaler.start()
+        if s.workers == 1 and not s.control_only:
+            self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store)
+            if self.fleet_started and self.fleet.autoscaler is not None:
+                await self.fleet.autoscaler.start()
+        else:  # its load signals are this process's own, and it serves none of the traffic: it would scale everything down
+            log.warning("the autoscaler runs only in a process that serves the traffic it measures (--workers 1, not `control run`): "
+                        "signals aggregated across processes are not implemented yet")  # fmt: skip
         loop = asyncio.get_running_loop()
         if self.row_runner is not None:
             worker = BatchWorker(self.batches, self.row_runner, lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
