@@ -26,7 +26,7 @@ from server.db import make_engine
 from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack
 from tests.integration.test_deploy import ACTOR, _bundle_request
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENDPOINT = "scorer"
 CHANNELS = 16  # fresh connections: SO_REUSEPORT spreads them over the workers
