@@ -13,7 +13,7 @@ REPO ?= var/model_repository
 ARGS ?=
 FUZZ_ARGS ?=
 
-.PHONY: setup provision serve test models proto bench clean
+.PHONY: setup provision serve cluster test models proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ models: $(REPO)/.built
 
 serve: models
 	$(BIN)/inferplane serve --model-repository $(REPO) --auth off $(ARGS)
+
+# the production topology on loopback (issue 27): PostgreSQL + Redis of this machine, Triton, two control-plane
+# replicas, two frontends with two workers each; prints the addresses, Ctrl-C stops everything
+cluster: models
+	$(BIN)/inferplane dev cluster --model-repository $(REPO) $(ARGS)
 
 # the suite, then the suites of the shared stack again with Triton in the frontend's process
 # (--triton-mode in-process, ~1 min), then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all three

@@ -48,13 +48,29 @@ def start_stack(
 ) -> Stack:
     """``python`` / ``cwd``: another checkout's interpreter and root (a benchmark's baseline: the same
     client against the unchanged code); by default this one's."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "frontend.log"
     cmd = [
         python or sys.executable, "-m", "server.cli.main", "serve",
         "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
         "--model-repository", str(repository), "--workdir", str(workdir / "run"), *extra,
     ]  # fmt: skip
+    return launch(cmd, repository, workdir, env=env, timeout=timeout, cwd=cwd)
+
+
+def start_control(repository: Path, workdir: Path, database_url: str, triton: str, *extra: str, env: dict[str, str] | None = None,
+                  timeout: float = START_TIMEOUT_S) -> Stack:  # fmt: skip
+    """One control-plane replica (``inferplane control run``) deploying into the Triton at ``triton``."""
+    cmd = [
+        sys.executable, "-m", "server.cli.main", "control", "run", "--database-url", database_url, "--triton-url", triton,
+        "--model-repository", str(repository), "--workdir", str(workdir / "run"), *extra,
+    ]  # fmt: skip
+    return launch(cmd, repository, workdir, env=env, timeout=timeout)
+
+
+def launch(cmd: list[str], repository: Path, workdir: Path, *, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
+           cwd: Path | None = None) -> Stack:  # fmt: skip
+    """Start ``cmd`` (a command that prints the ready line) and read its addresses back."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "frontend.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log, "wb") as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True, cwd=cwd)

@@ -17,7 +17,6 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from server.control.fleet import PRIMARY, Fleet
-from server.control.replica_ledger import fleet_ledger
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
 from server.errors import InferplaneError
@@ -72,7 +71,6 @@ class Frontend:
         self._runners: list[web.AppRunner] = []
         self.tls = None  # server.tenancy.tls.CertificateFiles when --tls-cert is given (issue 23)
         self.audit = None  # server.control.audit_buffer.AuditBuffer: safety decisions, retention passes
-        self.retention = None  # server.control.retention.RetentionJob (the process that runs the control plane)
         self.shadow_records = None  # server.control.shadow_records.ShadowRecords (with the traffic controller)
         self.keys = None  # server.control.envelope.KeyRing: encryption at rest, when a key is set
         self._tasks: list[asyncio.Task] = []
@@ -82,7 +80,11 @@ class Frontend:
         self.observability = None  # server.control.observability.Observability (issue 19)
         self.batches = None  # server.control.batches.BatchStore (issue 20), with the registry
         self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
-        self.replica_ledger = None  # server.control.replica_ledger.ReplicaLedger (issue 32)
+        self.control = None  # server.control.control_plane.ControlPlane: the writers behind the leader lease (issue 27)
+        self._directory = None  # server.control.leader.LeaderDirectory: where control RPCs are carried
+        self._engine = None  # the database a process without a control plane watches
+        self._forwarder = None  # server.transports.grpc.forward.LeaderForwarder
+        self._control_server: grpc.aio.Server | None = None  # the parent of --workers N: its control RPCs' port
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -128,25 +130,15 @@ class Frontend:
         else:  # model groups with no replica yet (scaled to zero): their models load when replicas appear
             log.warning("no Triton replica is up yet; requests for the model groups' models are held until one is%s", self._triton_hint())
         fleet.hold_group_models()
-        if s.workers == 1 and not s.worker:  # registry + deployer: traffic routes live in this one process
-            from server.control.deployer import build_control_plane
-
-            self.registry, self.deployer = await asyncio.to_thread(build_control_plane, s, self.dataplane)
-            await self.deployer.start()
-            from server.control.traffic import TrafficController
-
-            self.traffic = TrafficController(self.dataplane, self.registry, self.deployer, shadow_records=self._shadow_records())
-            await self.traffic.start()
-            await fleet.read_memory_needs(self.registry)
-            fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.tenancy.store)
-            self.replica_ledger = fleet_ledger(s, fleet, self.registry)  # what the replicas reserve: the owner view of cost
-            self.replica_ledger.start()
-            self._start_batches()
+        if not s.worker and s.control_plane == "embedded":  # the control plane, behind the leader lease (issue 27)
+            await self._start_control_plane()
+        elif s.workers == 1:  # a serving process that never leads: it applies the leader's desired state
+            self._watch_desired_state()
         await fleet.start()
+        if self.control is not None:
+            self.control.fleet_started = True
         self.metrics.triton_up.set(1)
         self._start_observability()
-        if not s.worker:
-            self._start_retention()
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
@@ -156,11 +148,16 @@ class Frontend:
                     "tenant's full quota (set INFERPLANE_REDIS_URL to share them)", s.workers,
                 )  # fmt: skip
             await self._start_metrics()
+            if self.control is not None:  # the workers carry control RPCs to this process's own loopback port
+                self._control_server, port = await self._grpc_server("127.0.0.1:0", internal=True)
+                await self.control.advertise(s.control_advertise or f"127.0.0.1:{port}")
             await self._start_workers(target)
             return
         if s.loop_admission:  # unary requests refused before decode while the loop stands behind
             self._tasks.append(asyncio.create_task(watch_loop(self.dataplane.loop_gate), name="loop-lag"))
         await self._start_grpc()
+        if self.control is not None:
+            await self.control.advertise(s.control_advertise or f"{_reachable(s.host)}:{self.grpc_port}")
         if not s.worker:
             await self._start_metrics()
         await self._start_http()
@@ -168,18 +165,32 @@ class Frontend:
             gc_pauses.settle()
         await self._set_serving(True)
 
-    def _start_batches(self) -> None:
-        """Batch jobs (server.control.batches): the store over the registry's database and artifacts, one worker."""
-        from server.control.batches import BatchStore, BatchWorker
+    async def _start_control_plane(self) -> None:
+        """Registry, deployer, traffic, autoscaler, batches, retention (server.control.control_plane): their
+        writers run while this process holds the leader lease; a standby watches the desired state."""
+        from server.control.control_plane import ControlPlane
         from server.transports.openai.batches import row_runner
 
         s = self.settings
-        from server.control.batches import file_store
+        self.control = control = await asyncio.to_thread(
+            ControlPlane, s, self.dataplane, self.fleet, usage_store=self.tenancy.store, shadow_records=self._shadow_records(),
+            row_runner=row_runner(self.dataplane), audit=self.audit.add if self.audit is not None else None,
+        )  # fmt: skip
+        self.registry, self.deployer, self.traffic, self.batches = control.registry, control.deployer, control.traffic, control.batches
+        self._directory = control.directory
+        await control.start()
 
-        self.batches = BatchStore(self.registry.engine, file_store(s))  # sealed when an encryption key is set
-        worker = BatchWorker(self.batches, row_runner(self.dataplane), lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
-                             row_batch=s.batch_row_batch, poll_s=s.batch_poll_s)  # fmt: skip
-        self._tasks.append(asyncio.create_task(worker.run(), name="batch-worker"))
+    def _watch_desired_state(self) -> None:
+        """A process that serves without a control plane: the desired state applied to its pipeline, control
+        RPCs carried to the leader the lease row names."""
+        from server.control.leader import LeaderDirectory
+        from server.control.state_watch import follow
+        from server.db import make_engine
+
+        s = self.settings
+        self._engine = engine = make_engine(s.database_url)
+        self._directory = LeaderDirectory(engine)
+        self._tasks.append(asyncio.create_task(follow(self.dataplane, engine, s), name="desired-state-watch"))
 
     async def _inprocess(self):
         """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""
@@ -240,9 +251,22 @@ class Frontend:
 
     async def _start_grpc(self) -> None:
         s = self.settings
+        self.grpc_server, self.grpc_port = await self._grpc_server(f"{s.host}:{s.grpc_port}")
+        await self._start_health_port()
+
+    async def _grpc_server(self, address: str, internal: bool = False) -> tuple[grpc.aio.Server, int]:
+        """Every service on one server bound to ``address``; control RPCs this process cannot answer go to the leader.
+        ``internal``: the loopback port of the parent of workers, where they carry control RPCs (plaintext)."""
+        from server.transports.grpc.forward import LeaderForwarder
+
+        s = self.settings
+        if self._directory is not None and self._forwarder is None:
+            control = self.control
+            self._forwarder = LeaderForwarder(lambda: control is not None and control.leading, self._directory, max_message_bytes=s.max_request_bytes + (1 << 20))
+        forward = (self._forwarder,) if self._forwarder is not None else ()  # innermost: control RPCs to the leader
         server = grpc.aio.server(
             # domain errors -> statuses; an unparsable typed request body -> INVALID_ARGUMENT, not UNKNOWN
-            interceptors=(DomainErrorInterceptor(), DecodeErrorsInterceptor()),
+            interceptors=(DomainErrorInterceptor(), DecodeErrorsInterceptor(), *forward),
             options=[
                 ("grpc.max_receive_message_length", s.max_request_bytes),
                 ("grpc.max_send_message_length", s.max_request_bytes + (1 << 20)),
@@ -265,12 +289,11 @@ class Frontend:
             server,
             pool=_pool.POOL,
         )
-        self.grpc_port = self._bind_grpc(server, f"{s.host}:{s.grpc_port}")
-        if not self.grpc_port:
-            raise OSError(f"cannot bind gRPC to {s.host}:{s.grpc_port}")
+        port = server.add_insecure_port(address) if internal else self._bind_grpc(server, address)
+        if not port:
+            raise OSError(f"cannot bind gRPC to {address}")
         await server.start()
-        self.grpc_server = server
-        await self._start_health_port()
+        return server, port
 
     async def _start_health_port(self) -> None:
         """``health_port``: grpc.health.v1 alone, in plaintext, for probes that speak no TLS (kubelet's
@@ -374,13 +397,6 @@ class Frontend:
         self.shadow_records = ShadowRecords(s.shadow_record_destination, self.keys, s.shadow_record_max)
         self.shadow_records.start()
         return self.shadow_records
-
-    def _start_retention(self) -> None:
-        """Per-kind retention (``server.control.retention``), audited, in the process that runs the control plane."""
-        from server.control.retention import RetentionJob
-
-        self.retention = RetentionJob(self.settings, self.audit.add if self.audit is not None else None)
-        self.retention.start()
 
     def _start_tls(self) -> None:
         """The certificate files every port serves, watched for changes; a file that cannot be used stops the start."""
@@ -507,19 +523,18 @@ class Frontend:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self.retention is not None:
-            await self.retention.stop()
-        if self.replica_ledger is not None:
-            await self.replica_ledger.stop()
         if self.fleet is not None:
             await self.fleet.stop()
-        if self.traffic is not None:
-            await self.traffic.stop()
+        if self.control is not None:
+            await self.control.stop()
         if self.shadow_records is not None:
             await self.shadow_records.stop()
-        if self.deployer is not None:
-            await self.deployer.stop()
-            self.registry.close()
+        if self._forwarder is not None:
+            await self._forwarder.close()
+        if self._control_server is not None:
+            await self._control_server.stop(0)
+        if self._engine is not None:
+            self._engine.dispose()
         if self.workers is not None:
             await self.workers.stop()
         if self.grpc_server is not None:
@@ -542,6 +557,11 @@ class Frontend:
             await self.supervisor.stop()
         self.gc_watch.close()
         self._stopped.set()
+
+
+def _reachable(host: str) -> str:
+    """An address other processes can dial for a listening host (a wildcard listens on loopback too)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
 def _add_to_pool(file_descriptor) -> None:

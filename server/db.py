@@ -25,6 +25,11 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+def libpq_url(url: str) -> str:
+    """A PostgreSQL URL as libpq reads it (psycopg's own connections: LISTEN, the leader lease's session)."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def make_engine(url: str, **kwargs) -> Engine:
     """An engine for ``url``; SQLite gets its folder created, foreign keys on and a busy timeout."""
     url = normalize_url(url)

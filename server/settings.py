@@ -63,6 +63,18 @@ class Settings(BaseSettings):
     artifact_store: str = ""
     # how long a replaced version stays loaded after a deploy/rollback, so rollback needs no reload
     rollback_grace_s: float = Field(300.0, ge=0)
+    # the control plane (issue 27): "embedded" — this process (the parent of --workers N) runs the registry,
+    # deployer, traffic controller, autoscaler, batch runner and retention behind the leader lease, or stands by
+    # while another process holds it; "external" — it runs none of them and carries control RPCs to the leader
+    control_plane: Literal["embedded", "external"] = "embedded"
+    # the address frontends reach this process's control RPCs at, written in the lease row (unset: host:port
+    # of the gRPC port, or of a loopback port of its own in the parent of --workers N)
+    control_advertise: str = ""
+    # set by `inferplane control run`: a replica that serves no traffic of its own (its autoscaler would see none)
+    control_only: bool = False
+    control_lease_ttl_s: float = Field(6.0, gt=0)  # SQLite's lease row; PostgreSQL renews its lock's session every ttl/6
+    desired_state_poll_s: float = Field(0.02, gt=0)  # SQLite's data_version poll; also the leader's publish pass
+    desired_state_reconcile_s: float = Field(1.0, gt=0)  # a full re-read even without a notification
     # load + readiness + warm-up budget of one deploy
     deploy_timeout_s: float = Field(120.0, gt=0)
     # batch jobs (/v1/batches): a worker's lease on a job (a restarted process takes the job over

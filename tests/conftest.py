@@ -7,6 +7,7 @@ process dies, and terminates (then kills) it at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -238,3 +239,27 @@ def pytest_terminal_summary(terminalreporter, config):
     if not_run := _not_run(config):
         line += f"; collected but none passed: {', '.join(not_run)}" + (" (CI: the run fails)" if os.environ.get("CI") else "")
     terminalreporter.write_line(line)
+
+
+@contextlib.contextmanager
+def fresh_postgres_database():
+    """A new empty database on the test PostgreSQL server (tests/services.py: ``INFERPLANE_TEST_POSTGRES_URL``
+    or what ``make provision`` wrote; the test fails naming what is missing without one), dropped afterwards."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from server.db import normalize_url
+
+    base = normalize_url(require("postgresql"))
+    name = f"inferplane_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -223,21 +224,35 @@ def set_config(
 
 @control_app.command("run")
 def control_run(
-    frontend_url: str = typer.Option("127.0.0.1:8001", "--frontend-url", help="A frontend's gRPC address (load signals when no Prometheus is set)."),
-    executor: str = typer.Option("kubernetes", "--executor", help="kubernetes (the only cluster executor)."),
-    interval: str = typer.Option("5s", help="How often to decide."),
-    once: bool = typer.Option(False, "--once", help="One round, print the decisions, exit (a dry look)."),
+    database_url: Optional[str] = typer.Option(None, "--database-url", help="The desired state's database (SQLAlchemy URL) [default: INFERPLANE_DATABASE_URL]."),
+    triton_url: Optional[str] = typer.Option(None, "--triton-url", help="HOST:PORT of the Triton the deployer loads into [default: start an embedded one]."),
+    model_repository: Optional[Path] = typer.Option(None, help="The model repository every Triton reads [default: var/model_repository]."),
+    host: Optional[str] = typer.Option(None, help="Address the control RPCs listen on [default: 127.0.0.1]."),
+    grpc_port: int = typer.Option(0, help="Port of the control RPCs (frontends find it in the lease row); 0 picks a free one."),
+    advertise: Optional[str] = typer.Option(None, help="HOST:PORT frontends dial (a pod IP) [default: host:port]."),
+    workdir: Optional[Path] = typer.Option(None, help="Logs and the embedded Triton's files [default: var/run]."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="Models to adopt at start [default: all]."),
+    frontend_url: str = typer.Option("127.0.0.1:8001", "--frontend-url", help="--executor kubernetes: a frontend's gRPC address (load signals when no Prometheus is set)."),
+    executor: str = typer.Option("", "--executor", help="Unset: the control-plane service; kubernetes: only the cluster autoscaler loop."),
+    interval: str = typer.Option("5s", help="--executor kubernetes: how often to decide."),
+    once: bool = typer.Option(False, "--once", help="--executor kubernetes: one round, print the decisions, exit (a dry look)."),
 ) -> None:
-    """The cluster's control loop: stored autoscaling configs, fleet-wide load, the Kubernetes executor.
+    """The control-plane service: deployer, traffic controller, autoscaler, batch runner, retention and the
+    desired state's publisher behind one leader lease (PostgreSQL advisory lock; SQLite: a lease row). Run
+    two or more: one leads, the others stand by and take over when its lease lapses. Frontends started with
+    INFERPLANE_CONTROL_PLANE=external carry control RPCs here and apply the desired state it publishes.
 
-    Settings from the environment: INFERPLANE_DATABASE_URL (the registry: configs),
-    INFERPLANE_MODEL_GROUPS_FILE (endpoint -> Deployment), INFERPLANE_KUBERNETES_NAMESPACE,
-    INFERPLANE_PROMETHEUS_URL (fleet-wide load; unset: the frontend's own samples)."""
+    --executor kubernetes: the cluster's autoscaling loop alone. Settings from the environment:
+    INFERPLANE_DATABASE_URL (the registry: configs), INFERPLANE_MODEL_GROUPS_FILE (endpoint -> Deployment),
+    INFERPLANE_KUBERNETES_NAMESPACE, INFERPLANE_PROMETHEUS_URL (fleet-wide load; unset: the frontend's own samples)."""
     import asyncio
     import logging
 
     from server.settings import Settings
 
+    if not executor:
+        _control_service(database_url, triton_url, model_repository, host, grpc_port, advertise, workdir, model)
+        return
     if executor != "kubernetes":
         raise typer.BadParameter("--executor: only 'kubernetes' runs here (the local executor lives in `inferplane serve`)")
     settings = Settings()
@@ -246,6 +261,58 @@ def control_run(
         raise typer.Exit(2)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_control(settings, frontend_url, parse_duration(interval), once))
+
+
+def _control_service(database_url, triton_url, model_repository, host, grpc_port, advertise, workdir, models) -> None:
+    """One control-plane replica: the embedded control plane of ``serve`` on a gRPC port of its own, one process."""
+    from pydantic import ValidationError
+
+    from server.app import StartupError, run
+    from server.settings import Settings
+
+    given = {
+        "database_url": database_url, "triton_url": triton_url, "model_repository": model_repository, "host": host,
+        "control_advertise": advertise, "workdir": workdir, "models": models or None,
+    }  # fmt: skip
+    try:
+        settings = Settings(
+            **{k: v for k, v in given.items() if v is not None}, control_plane="embedded", control_only=True, workers=1, grpc_port=grpc_port, http_port=0, metrics_port=0
+        )
+    except ValidationError as err:
+        raise typer.BadParameter("; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in err.errors())) from None
+    try:
+        run(settings)
+    except StartupError as err:
+        typer.secho(f"error: {err}", err=True, fg="red")
+        raise typer.Exit(2) from None
+
+
+@control_app.command("status")
+def control_status(
+    database_url: Optional[str] = typer.Option(None, "--database-url", help="[default: INFERPLANE_DATABASE_URL]"),
+) -> None:
+    """Who leads the control plane: holder, address, term, and the desired state's generation."""
+    from server.control.desired_state import DesiredStateStore
+    from server.control.leader import lease_row
+    from server.db import make_engine
+    from server.settings import Settings
+
+    from sqlalchemy.exc import DBAPIError
+
+    settings = Settings(**({"database_url": database_url} if database_url else {}))
+    engine = make_engine(settings.database_url)
+    try:
+        row = lease_row(engine)
+        generation = DesiredStateStore(engine).generation()
+    except DBAPIError:
+        typer.secho("no control plane has run on this database yet (no lease table)", err=True, fg="red")
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+    if row is None:
+        typer.echo(f"no leader yet; desired state generation {generation}")
+        return
+    typer.echo(f"leader {row['holder']} at {row['address']} term {row['term']} (lease until {row['expires_at']:.1f}); desired state generation {generation}")
 
 
 async def _control(settings, frontend_url: str, interval_s: float, once: bool) -> None:

@@ -17,9 +17,9 @@ app.add_typer(demo_app, name="demo")
 
 def _mount_commands() -> None:
     """The command groups of this package, each a ``mount(app)`` in its own module."""
-    from server.cli import autoscale, batch, compose, cost, llm, observe, plan, reconcile, registry, security, tenancy, traffic, typed
+    from server.cli import autoscale, batch, compose, cost, dev, llm, observe, plan, reconcile, registry, security, tenancy, traffic, typed
 
-    for module in (tenancy, cost, registry, traffic, llm, plan, typed, observe, autoscale, reconcile, compose, batch, security):
+    for module in (tenancy, cost, registry, traffic, llm, plan, typed, observe, autoscale, reconcile, compose, batch, security, dev):
         module.mount(app)
 
 

@@ -101,17 +101,23 @@ class WorkerPool:
         for task in self._watchers:
             task.cancel()
         live = [p for p in self.processes if p is not None and p.returncode is None]
+        await stop_processes(live, timeout)
         for proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in live:
-            try:
-                await asyncio.wait_for(proc.wait(), timeout)
-            except asyncio.TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
             _mark_dead(proc.pid)
+
+
+async def stop_processes(procs: list[asyncio.subprocess.Process], timeout: float) -> None:
+    """SIGTERM to all, then each gets ``timeout`` seconds before SIGKILL."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

@@ -18,7 +18,7 @@ from server.control.budgets import BudgetExceeded, BudgetGuard, assess, forecast
 from server.control.cost_store import Budget, CostStore
 from server.control.prices import parse_prices
 from server.errors import grpc_status, http_error
-from tests.unit.test_prometheus_rules import _promtool
+from tests.services import require
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-budget-rules.yaml"
@@ -49,16 +49,18 @@ def test_assessment_thresholds_and_forecast_overrun():
     assert got["nobody"].spent_usd == 0.0 and got["nobody"].crossed == ()
 
 
+@pytest.mark.service("promtool")
 def test_promtool_checks_the_budget_rules():
-    out = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = subprocess.run([require("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
 def test_budget_alerts_fire_and_stay_silent_as_written():
-    out = subprocess.run([_promtool(), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=DEPLOY)
+    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=DEPLOY)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.service("promtool")
 def test_promtool_catches_a_band_that_overlaps(tmp_path):
     """The unit tests can fail: with the 50 % band open at the top, the 90 % team fires it too."""
     doc = yaml.safe_load(RULES.read_text())
@@ -68,7 +70,7 @@ def test_promtool_catches_a_band_that_overlaps(tmp_path):
                 rule["expr"] = "inferplane:budget_spent:ratio >= 0.5"
     (tmp_path / RULES.name).write_text(yaml.safe_dump(doc, sort_keys=False))
     shutil.copy(TESTS, tmp_path / TESTS.name)
-    out = subprocess.run([_promtool(), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode != 0 and "InferplaneBudget50" in out.stdout + out.stderr
 
 

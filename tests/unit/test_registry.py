@@ -13,16 +13,13 @@ import uuid
 
 import numpy as np
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from server.control.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
 from server.errors import Conflict, InvalidRequest, ModelNotFound, PermissionDenied
 from server.control.registry import Registry, parse_ref
 from server.control.safe_formats import UnsafeArtifact
 from server.control.signing import generate_keypair, sign_digest
-from server.db import normalize_url
-from tests.services import require
+from tests.conftest import fresh_postgres_database
 
 SIGNATURE = {
     "inputs": [{"name": "features", "datatype": "FP32", "dims": [3], "range": [-1, 1]}],
@@ -35,17 +32,8 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/registry.db"
         return
-    base = normalize_url(require("postgresql"))
-    name = f"inferplane_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_postgres_database() as url:
+        yield url
 
 
 @pytest.fixture

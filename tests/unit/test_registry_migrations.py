@@ -19,6 +19,9 @@ from server.control.typed_store import metadata as typed_metadata
 from server.control.batches import _meta as batches_metadata
 from server.control.placement_store import metadata as placement_metadata
 from server.control.cost_store import metadata as cost_metadata
+from server.control.desired_state import metadata as desired_metadata
+from server.control.leader import metadata as leader_metadata
+from server.control.arm_reports import metadata as arm_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
 
 V1_TABLES = {"models", "model_versions", "audit_log"}
@@ -29,8 +32,9 @@ HEAD_TABLES |= {"typed_schemas"}  # 0006: server/control/typed_store.py
 HEAD_TABLES |= {"endpoint_scaling"}  # 0007: server/control/scaling_store.py
 HEAD_TABLES |= {"composite_members", "batch_files", "batch_jobs", "batch_rows"}  # 0008: server/control/composites.py, batches.py
 HEAD_TABLES |= {"tenancy_identities"}  # 0009: server/tenancy/store.py (mTLS certificate bindings)
-HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/placement_store.py (the Triton reconciler's desired state)
+HEAD_TABLES |= {"desired_state", "control_lease", "arm_reports"}  # 0010: server/control/desired_state.py, leader.py, arm_reports.py (issue 27)
 HEAD_TABLES |= {"replica_intervals", "cost_budgets"}  # 0011: server/control/cost_store.py
+HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/placement_store.py (the Triton reconciler's desired state)
 
 
 def _tables(engine) -> set[str]:
@@ -58,7 +62,7 @@ def test_the_models_match_the_newest_migration(db_url):
     try:
         migrations.upgrade(engine)
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata, batches_metadata, placement_metadata, cost_metadata])
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata, batches_metadata, placement_metadata, cost_metadata, desired_metadata, leader_metadata, arm_metadata])
         assert diff == []
     finally:
         engine.dispose()

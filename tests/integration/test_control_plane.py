@@ -1,0 +1,209 @@
+"""One platform across processes (issue 27), on real processes and sockets: a deploy through any port of
+``--workers 2`` and through a second frontend sharing the database reaches every worker of every
+frontend (the desired state in the database, watched by each worker; control RPCs carried to the
+leader); a second frontend whose control plane is external serves while the leader deploys."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+
+from model_repository import demo
+from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.runtime.supervisor import free_port
+from loadtest.bench_control import deploy_retrying
+from loadtest.stack import start_control
+from server.control.leader import lease_row
+from server.db import make_engine
+from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack
+from tests.integration.test_deploy import ACTOR, _bundle_request
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENDPOINT = "scorer"
+CHANNELS = 16  # fresh connections: SO_REUSEPORT spreads them over the workers
+
+
+@pytest.fixture(scope="module")
+def bundles():
+    return demo.lightgbm_regressor(rounds=40), demo.lightgbm_regressor(rounds=10)
+
+
+@pytest.fixture(scope="module")
+def two_frontends(demo_repository, tmp_path_factory):
+    """Frontend A (control plane embedded, 2 workers, its Triton) and frontend B (control plane external,
+    2 workers, A's Triton), one SQLite database."""
+    root = tmp_path_factory.mktemp("control")
+    repository = root / "model_repository"
+    repository.mkdir()
+    shutil.copytree(demo_repository / "mlp_classifier", repository / "mlp_classifier")
+    env = {
+        "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db",
+        "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
+        "INFERPLANE_ROLLBACK_GRACE_S": "600",
+        "INFERPLANE_DEPLOY_TIMEOUT_S": "60",
+    }
+    two = ("--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()))
+    a = start_stack(repository, root / "a", *two, env=env)
+    try:
+        b_ports = ("--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()))
+        b = start_stack(repository, root / "b", *b_ports, "--triton-url", a.triton, env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
+    except BaseException:
+        stop_stack(a)
+        raise
+    yield a, b
+    stop_stack(b)
+    stop_stack(a)
+
+
+def _versions_answered(address: str, bundle, channels: int = CHANNELS) -> list[str]:
+    """The version each of ``channels`` fresh connections is answered with ('' for an error)."""
+    out = []
+    for _ in range(channels):
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            inp = grpcclient.InferInput("features", [1, bundle.features.shape[1]], "FP32")
+            inp.set_data_from_numpy(np.ascontiguousarray(bundle.features[:1]))
+            out.append(client.infer(ENDPOINT, [inp], client_timeout=10).get_response().model_version)
+        except Exception:  # not deployed there yet
+            out.append("")
+        finally:
+            client.close()
+    return out
+
+
+def _until_all(address: str, bundle, version: str, tries: int = 200) -> list[str]:
+    """Ask until every connection answers ``version`` (bounded by tries, never by a clock)."""
+    answered: list[str] = []
+    for _ in range(tries):
+        answered = _versions_answered(address, bundle)
+        if set(answered) == {version}:
+            break
+    return answered
+
+
+def _workers(stack) -> int:
+    return sum("server.app" in " ".join(c.cmdline()) for c in psutil.Process(stack.process.pid).children())
+
+
+def test_deploy_through_any_frontend_reaches_every_worker(two_frontends, bundles):
+    a, b = two_frontends
+    v1, v2 = bundles
+    assert _workers(a) == 2 and _workers(b) == 2
+    with grpc.insecure_channel(b.grpc) as channel:  # B has no control plane: it carries these to A's parent
+        admin = admin_pb2_grpc.AdminStub(channel)
+        assert admin.RegisterModel(_bundle_request(v1), metadata=ACTOR).version.version == 1
+        assert admin.RegisterModel(_bundle_request(v2), metadata=ACTOR).version.version == 2
+        deployed = admin.Deploy(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:1"), metadata=ACTOR).result
+        assert deployed.version == 1
+    for stack in (a, b):
+        assert set(_until_all(stack.grpc, v1, "1")) == {"1"}
+    with grpc.insecure_channel(a.grpc) as channel:  # and through A's workers
+        admin = admin_pb2_grpc.AdminStub(channel)
+        assert admin.Deploy(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:2"), metadata=ACTOR).result.version == 2
+        for stack in (a, b):
+            assert set(_until_all(stack.grpc, v2, "2")) == {"2"}
+        rolled = admin.Rollback(admin_pb2.RollbackRequest(name=ENDPOINT), metadata=ACTOR).result
+        assert rolled.version == 1
+    for stack in (a, b):
+        assert set(_until_all(stack.grpc, v1, "1")) == {"1"}
+
+
+def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends):
+    _, b = two_frontends
+    with grpc.insecure_channel(b.grpc) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            admin.Deploy(admin_pb2.DeployRequest(ref="no_such_model:1"), metadata=ACTOR)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no_such_model" in err.value.details()
+        listed = admin.ListEndpoints(admin_pb2.ListEndpointsRequest())
+        assert ENDPOINT in {e.name for e in listed.endpoints}
+
+
+@pytest.fixture(scope="module")
+def control_pair(demo_repository, tmp_path_factory):
+    """Frontend F (external control plane, its own Triton) and two control-plane replicas deploying into
+    F's Triton, on PostgreSQL when the test server is configured (the advisory lock), else SQLite (the lease row)."""
+    root = tmp_path_factory.mktemp("failover")
+    repository = root / "model_repository"
+    repository.mkdir()
+    shutil.copytree(demo_repository / "mlp_classifier", repository / "mlp_classifier")
+    with fresh_postgres_database() as pg:
+        url = pg or f"sqlite:///{root}/registry.db"
+        env = {
+            "INFERPLANE_DATABASE_URL": url, "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
+            "INFERPLANE_DEPLOY_TIMEOUT_S": "60", "INFERPLANE_CONTROL_LEASE_TTL_S": "3",
+        }  # fmt: skip
+        f = start_stack(repository, root / "f", env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
+        replicas = []
+        try:
+            for name in ("c1", "c2"):  # one after the other: the first migrates the empty database
+                replicas.append(start_control(repository, root / name, url, f.triton, env={**TEST_ENV, **env}))
+            yield f, replicas, url
+        finally:
+            for stack in replicas:
+                if stack.process.poll() is None:
+                    stop_stack(stack)
+            stop_stack(f)
+
+
+def _leader_pid(url: str) -> int:
+    engine = make_engine(url)
+    try:
+        row = lease_row(engine)
+    finally:
+        engine.dispose()
+    return int(row["holder"].split("/")[1])
+
+
+def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pair, bundles):
+    f, replicas, url = control_pair
+    v1, v2 = bundles
+    with grpc.insecure_channel(f.grpc) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        admin.RegisterModel(_bundle_request(v1), metadata=ACTOR)
+        admin.RegisterModel(_bundle_request(v2), metadata=ACTOR)
+    assert deploy_retrying(f.grpc, f"{ENDPOINT}:1").version == 1
+    assert set(_until_all(f.grpc, v1, "1")) == {"1"}
+    leader = _leader_pid(url)
+    by_pid = {r.process.pid: r for r in replicas}
+    assert leader in by_pid
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def load():
+        client = grpcclient.InferenceServerClient(f.grpc)
+        inp = grpcclient.InferInput("features", [1, v1.features.shape[1]], "FP32")
+        inp.set_data_from_numpy(np.ascontiguousarray(v1.features[:1]))
+        try:
+            while not stop.is_set():
+                try:
+                    outcomes.append(client.infer(ENDPOINT, [inp], client_timeout=10).get_response().model_version)
+                except Exception as exc:  # counted below: must stay 0
+                    outcomes.append(f"error: {exc}")
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        os.kill(leader, signal.SIGKILL)
+        by_pid[leader].process.wait(30)
+        deployed = deploy_retrying(f.grpc, f"{ENDPOINT}:2")  # carried to whichever replica leads now
+        assert deployed.version == 2
+        assert set(_until_all(f.grpc, v2, "2")) == {"2"}
+    finally:
+        stop.set()
+        thread.join(30)
+    new_leader = _leader_pid(url)
+    assert new_leader != leader and new_leader in by_pid
+    errors = [o for o in outcomes if o.startswith("error")]
+    assert outcomes and not errors, errors[:3]
