@@ -1,7 +1,8 @@
 """Every metric the manifests query (KEDA ScaledObjects, the HPA, the prometheus-adapter rule in
 deploy/README.md, the control plane's Prometheus queries) is one the frontend exports, with the
 labels the query uses — read from every YAML file under deploy/ (kustomize patches included) and
-from the README, against the families a real frontend registry carries after one sampling round."""
+from the README, against the families a real frontend registry carries after one sampling round and the
+cost report's series (server.control.cost_reports)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import re
 from pathlib import Path
 
 from batching.fair_queue import FairQueue
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.control.budgets import Assessment
 from server.control.cluster import SIGNAL_QUERIES
+from server.control.cost_reports import exposition
+from server.control.cost_store import Budget
 from server.control.signals import SignalSampler
 from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.metrics import Metrics
@@ -46,6 +52,13 @@ def exported() -> dict[str, set[str]]:
     metrics.drift_ks.labels("fraud", "amount").set(0)
     out: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    # the cost and budget series, exported by `inferplane cost|budget --format prom` (a textfile collector)
+    owner = [{"team": "t", "endpoint": "fraud", "prices": "v", "cost_usd": 1.0}]
+    caller = [{"team": "t", "endpoint": "fraud", "cost_usd": 1.0, "compute_s": 1.0, "tokens": 0}]
+    cost = exposition(owner, caller, [Assessment(Budget("team", "t", 10.0), 1.0, 2.0)]).decode()
+    for family in text_string_to_metric_families(cost):
         for sample in family.samples:
             out.setdefault(sample.name, set()).update(sample.labels)
     return out

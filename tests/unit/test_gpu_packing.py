@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.services import require
 from server.control.gpu_packing import GPU_TYPES, Model, Node, PackingError, groups_of, one_model_per_gpu, overlay_files, pack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +157,7 @@ def test_bad_models_are_named():
         pack([Node("n", "H100-80", 1)], [Model("a", 1), Model("a", 2)])
 
 
+@pytest.mark.service("kubectl")
 def test_cli_writes_an_overlay_kustomize_renders(tmp_path):
     from typer.testing import CliRunner
     import typer
@@ -179,9 +181,7 @@ def test_cli_writes_an_overlay_kustomize_renders(tmp_path):
     assert result.exit_code == 0, result.output
     assert "utilization" in result.output and "one model per GPU: 4 GPUs" in result.output
     assert not (out_dir / "gpu-06").exists()  # the old overlay's groups are gone
-    from tests.unit.test_deploy import _kubectl
-
-    kubectl = _kubectl()
+    kubectl = require("kubectl")
     rendered = subprocess.run([kubectl, "kustomize", str(tmp_path / "deploy" / "overlays" / "gpu")], capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     assert "nvidia.com/mig-2g.20gb" in rendered.stdout and "nvidia.com/mig-3g.40gb" in rendered.stdout

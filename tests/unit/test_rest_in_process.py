@@ -4,6 +4,7 @@ cheaply — a chunked body over the limit, and an unexpected exception in the da
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 JSON = {"Content-Type": "application/json"}
@@ -19,6 +20,7 @@ class _StubDataPlane:
     """Resolves nothing, and its infer raises an unexpected (non-domain) exception."""
 
     llm = None  # no generation here
+    unary_admission = contextlib.nullcontext()  # no loop gate
 
     def is_ready(self) -> bool:
         return True
