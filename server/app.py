@@ -129,6 +129,7 @@ class Frontend:
             from server.control.deployer import build_control_plane
 
             self.registry, self.deployer = await asyncio.to_thread(build_control_plane, s, self.dataplane)
+            self.deployer.targets = fleet.triton_targets  # which backends and GPUs each replica has (issue 31)
             await self.deployer.start()
             from server.control.traffic import TrafficController
 
