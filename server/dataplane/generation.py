@@ -29,6 +29,7 @@ import numpy as np
 
 from batching.route_policy import prefix_key
 from server.dataplane import codecs
+from server.dataplane.observe import token_clock
 from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
@@ -234,6 +235,7 @@ class LLMService:
                 stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
                 call.computed = True
                 call.dispatched_at = time.perf_counter()
+                clock = token_clock(self._pipeline.observer, call)  # TTFT, inter-token latency, tokens/s
                 async for outputs in _stream_outputs(stream, request):
                     if "info" not in outputs:
                         continue  # an empty final flag
@@ -241,11 +243,13 @@ class LLMService:
                     info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
                     call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
                     call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
+                    clock.tokens(call.tokens_out, time.perf_counter())
                     reason = info.get("finish_reason")
                     if "kv_utilization" in info and hasattr(stream, "report_kv"):  # the replica set scores members by it
                         stream.report_kv(info["kv_utilization"])
                     if reason is not None:
                         call.compute_s = time.perf_counter() - call.dispatched_at
+                        clock.finish()
                     if reason == "deadline":
                         raise DeadlineExceeded(f"the request's deadline passed after {call.tokens_out} tokens")
                     if reason == "cancelled":
