@@ -5,7 +5,7 @@ The design card's native backends replace the Python-backend adapters where a Tr
 | format | GPU Triton with the backend | otherwise |
 |---|---|---|
 | ONNX | ``onnxruntime`` (CUDA EP; TensorRT EP as an execution accelerator when asked) | ``python`` + ``onnx_runtime.py`` |
-| TensorRT plan | ``tensorrt`` (``platform: tensorrt_plan``) | refused: a plan runs nowhere else |
+| TensorRT plan | ``tensorrt`` (``platform: tensorrt_plan``) | ``python`` + ``tensorrt_runtime.py`` on a GPU; refused without one |
 | XGBoost JSON/UBJ, LightGBM text | ``fil`` (FIL's tensor names ``input__0``/``output__0``) | ``python`` + the framework adapter |
 | safetensors LLM | ``vllm`` or ``tensorrtllm``, as the endpoint chooses | ``python`` + ``llm_engine.py`` |
 
@@ -46,6 +46,7 @@ ADAPTERS = {
     safe_formats.XGBOOST_UBJ: "xgboost_runtime.py",
     safe_formats.LIGHTGBM_TEXT: "lightgbm_runtime.py",
 }
+PLAN_ADAPTER, PLAN_HELPERS = "tensorrt_runtime.py", ("_tensorrt.py",)  # a plan through the Python backend (GPU)
 TREE_FORMATS = (safe_formats.XGBOOST_JSON, safe_formats.XGBOOST_UBJ, safe_formats.LIGHTGBM_TEXT)
 FIL_MODEL_TYPES = {safe_formats.XGBOOST_JSON: "xgboost_json", safe_formats.XGBOOST_UBJ: "xgboost_ubj", safe_formats.LIGHTGBM_TEXT: "lightgbm"}
 FIL_TENSORS = ("input__0", "output__0")  # the FIL backend serves exactly these names
@@ -81,6 +82,7 @@ class Choice:
     providers: tuple[str, ...] = ()  # ONNX Runtime execution providers, best first
     replicas: tuple[str, ...] = ()  # the targets that have the backend
     note: str = ""  # why this backend (when it is not the best one for the format)
+    helpers: tuple[str, ...] = ()  # more adapter files the Python backend's model.py imports
 
     @property
     def native(self) -> bool:
@@ -151,9 +153,12 @@ def choose(fmt: str, hardware: Mapping[str, Any] | None, targets: Iterable[Trito
 
     if fmt == safe_formats.TENSORRT_PLAN:
         hosts = _with(targets, TENSORRT, on_gpu)
+        if hosts:
+            return Choice(TENSORRT, kind="KIND_GPU", gpus=on_gpu, replicas=hosts)
+        hosts = _with(targets, PYTHON, on_gpu)
         if not hosts:
-            raise missing(TENSORRT, " (a TensorRT plan runs only on the GPU it was built for)")
-        return Choice(TENSORRT, kind="KIND_GPU", gpus=on_gpu, replicas=hosts)
+            raise missing(TENSORRT, " (a TensorRT plan runs only on a GPU: natively, or through the plan adapter)")
+        return Choice(PYTHON, PLAN_ADAPTER, "KIND_GPU", on_gpu, (), hosts, "no Triton with the tensorrt backend: the plan adapter on the GPU", PLAN_HELPERS)
     if fmt == safe_formats.ONNX:
         providers = ORT_TRT_PROVIDERS if str(hardware.get("execution_provider", "")).lower() == "tensorrt" else ORT_GPU_PROVIDERS
         if gpus:

@@ -414,7 +414,8 @@ class Deployer:
                 self.registry.store.copy_to(cdigest, staging / cname)
             if not choice.native:
                 shutil.copyfile(ADAPTERS_DIR / (choice.adapter or ADAPTERS[record.format]), staging / "_adapter.py")
-                shutil.copyfile(ADAPTERS_DIR / "_common.py", staging / "_common.py")
+                for helper in ("_common.py", *choice.helpers):
+                    shutil.copyfile(ADAPTERS_DIR / helper, staging / helper)
                 (staging / "model.py").write_text(_VERSION_SHIM, encoding="utf-8")
             pinned = {"name": record.name, "version": record.version, "artifact": record.artifact_name, "sha256": record.sha256}
             (staging / VERSION_FILE).write_text(json.dumps(pinned, indent=2) + "\n", encoding="utf-8")

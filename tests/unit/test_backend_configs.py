@@ -45,6 +45,7 @@ TABULAR = [
      ("python", "", "KIND_GPU", [0], {"providers": "CUDAExecutionProvider,CPUExecutionProvider"})),
     (sf.TENSORRT_PLAN, {"gpus": 1}, [CPU, GPU_FULL], SIG, ("tensorrt", "tensorrt_plan", "KIND_GPU", [0], {})),
     (sf.TENSORRT_PLAN, {}, [GPU_FULL], SIG, ("tensorrt", "tensorrt_plan", "KIND_GPU", [0], {})),
+    (sf.TENSORRT_PLAN, {"gpus": 1}, [CPU, GPU_PYTHON], SIG, ("python", "", "KIND_GPU", [0], {"threads": "1"})),  # the plan adapter
     (sf.XGBOOST_JSON, {"gpus": 1}, [GPU_FULL], FIL_SIG, ("fil", "", "KIND_GPU", [0], {"model_type": "xgboost_json", "output_class": "false"})),
     (sf.XGBOOST_UBJ, {"gpus": 1}, [GPU_FULL], FIL_SIG, ("fil", "", "KIND_GPU", [0], {"model_type": "xgboost_ubj"})),
     (sf.LIGHTGBM_TEXT, {"gpus": 1}, [GPU_FULL], FIL_SIG, ("fil", "", "KIND_GPU", [0], {"model_type": "lightgbm"})),
@@ -73,7 +74,7 @@ def test_tabular_configs_parse_as_tritons_model_config(fmt, hardware, targets, s
         assert config.default_model_filename == sf.FILE_NAMES[fmt]
         assert "threads" not in config.parameters  # the adapters' parameter, not a native backend's
     else:
-        assert choice.adapter == bc.ADAPTERS[fmt] and not config.default_model_filename
+        assert choice.adapter == bc.ADAPTERS.get(fmt, bc.PLAN_ADAPTER) and not config.default_model_filename
 
 
 def test_the_tensorrt_execution_provider_is_an_execution_accelerator():
@@ -123,7 +124,7 @@ def test_an_llm_on_cpu_runs_our_engine_adapter():
 )  # fmt: skip
 def test_a_format_whose_backend_exists_nowhere_is_refused_naming_both(fmt, hardware, backend):
     with pytest.raises(bc.MissingBackend) as caught:
-        bc.choose(fmt, hardware, [CPU, GPU_PYTHON])
+        bc.choose(fmt, hardware, [CPU, GPU_PYTHON] if fmt == sf.SAFETENSORS else [CPU])
     assert fmt in caught.value.message and f"'{backend}'" in caught.value.message and "python" in caught.value.message
     mapped = entry(caught.value)
     assert mapped.http_status == 409 and mapped.grpc_code.name == "FAILED_PRECONDITION"
@@ -215,4 +216,18 @@ async def test_a_plan_deploys_to_tensorrt_on_a_gpu_replica_and_trees_to_the_adap
     trees = read_config(repo / "trees")
     assert trees.backend == "python" and trees.instance_group[0].kind == KIND.Value("KIND_GPU")
     assert "model.py" in {p.name for p in (repo / "trees" / "1").iterdir()}
+    await deployer.stop()
+
+
+async def test_a_plan_goes_to_the_plan_adapter_on_a_gpu_triton_without_tensorrt(deploy_setup):
+    from model_repository.config_writer import read_config
+
+    registry, deployer, repo = deploy_setup
+    deployer.targets = lambda: [CPU, GPU_PYTHON]
+    await deployer.deploy("plan:1")
+    config = read_config(repo / "plan")
+    assert config.backend == "python" and config.instance_group[0].kind == KIND.Value("KIND_GPU")
+    files = {p.name for p in (repo / "plan" / "1").iterdir()}
+    assert {"model.py", "_adapter.py", "_common.py", "_tensorrt.py", "model.plan"} <= files
+    assert "plan_predictor" in (repo / "plan" / "1" / "_adapter.py").read_text()
     await deployer.stop()
