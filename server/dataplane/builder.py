@@ -59,6 +59,7 @@ def build_dataplane(
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
     dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
+    dataplane.llm.stall_s = s.generation_stall_s  # no token for this long: cancelled (GenerationStalled)
     late.append(dataplane)
     return dataplane
 

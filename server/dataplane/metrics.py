@@ -126,6 +126,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.generation_stalls = Counter(
+            "inferplane_generation_stalls",
+            "Generations cancelled because their engine sent nothing for generation_stall_s, by model.",
+            ("model",),
+            registry=self.registry,
+        )
         self.time_to_first_token = Histogram(
             "inferplane_time_to_first_token_seconds",
             "Generations: from arrival at the frontend to the first generated token, by model, version and tenant (top N).",
