@@ -15,17 +15,11 @@ from prometheus_client import CollectorRegistry
 from server.control import token_slo
 from server.dataplane.metrics import Metrics
 from server.dataplane.observe import NO_CLOCK, Observer, token_clock
+from tests.unit.test_prometheus_rules import _promtool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-token-rules.yaml"
 TESTS = DEPLOY / "inferplane-token-rules.test.yaml"
-
-
-def _promtool() -> str:
-    binary = shutil.which("promtool")
-    if binary is None:
-        pytest.fail("promtool is not installed: `apt-get install prometheus` (.ci/run does it when it is missing)")
-    return binary
 
 
 def test_the_token_rules_file_is_generated():
