@@ -22,23 +22,17 @@ def _pytest(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=300)  # fmt: skip
 
 
-def test_the_gpu_checks_are_collected_and_marked_gpu():
-    out = _pytest("--collect-only", "-q", "-m", "gpu")
-    collected = {line.split("::")[-1] for line in out.stdout.splitlines() if "::" in line}
-    assert collected == CHECKS, out.stdout + out.stderr
+def test_the_gpu_checks_are_collected_marked_gpu_and_without_a_gpu_skipped_with_their_reason():
+    script = (GPU / "run.sh").read_text()
+    assert os.access(GPU / "run.sh", os.X_OK) and "onnxruntime-gpu" in script and "tensorrt" in script and ".venv-vllm" in script
     tree = ast.parse((GPU / "test_gpu_serving.py").read_text())
     marks = [n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "pytestmark"]
     assert marks and "gpu" in ast.unparse(marks[0].value)
-    script = (GPU / "run.sh").read_text()
-    assert os.access(GPU / "run.sh", os.X_OK) and "onnxruntime-gpu" in script and "tensorrt" in script and ".venv-vllm" in script
-
-
-def test_without_a_gpu_every_check_is_skipped_with_its_reason():
-    if observe_gpus() > 0:  # a GPU machine runs them for real (tests/gpu/run.sh): nothing to check here
-        out = _pytest("--collect-only", "-q")
+    on_gpu = observe_gpus() > 0  # a GPU machine runs them for real (tests/gpu/run.sh): here only collect
+    out = _pytest("-m", "gpu", *(["--collect-only", "-q"] if on_gpu else ["-v", "-rs"]))
+    collected = {line.split("::")[-1].split()[0] for line in out.stdout.splitlines() if "test_gpu_serving.py::" in line}
+    assert collected == CHECKS, out.stdout + out.stderr
+    if not on_gpu:
         assert out.returncode == 0, out.stdout + out.stderr
-        return
-    out = _pytest("-rs", "-q")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"{len(CHECKS)} skipped" in out.stdout and "passed" not in out.stdout and "failed" not in out.stdout
-    assert f"SKIPPED [{len(CHECKS)}] tests/gpu/test_gpu_serving.py: needs an NVIDIA GPU" in out.stdout, out.stdout
+        assert f"{len(CHECKS)} skipped" in out.stdout and " passed" not in out.stdout and " failed" not in out.stdout
+        assert f"SKIPPED [{len(CHECKS)}] tests/gpu/test_gpu_serving.py: needs an NVIDIA GPU" in out.stdout, out.stdout
