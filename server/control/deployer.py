@@ -280,7 +280,10 @@ class Deployer:
             return await self.composites.deploy(record, options, actor, started)
         choice = self.choice_for(record)  # MissingBackend (409) names the format and the backend no Triton has
         if record.format == safe_formats.SAFETENSORS:
-            raise Conflict(f"{record.ref} is an LLM ({record.format}); deploy LLMs through the LLM endpoint path")
+            raise Conflict(
+                f"{record.ref} is an LLM ({record.format}, engine {choice.backend}); the deployer does not deploy LLMs from "
+                "the registry yet (LLM models are written into the repository: `inferplane demo build`)"
+            )
         await asyncio.to_thread(self.registry.verify_signed, name, record.version)
         try:
             current = await asyncio.to_thread(self.registry.endpoint, name, 0)

@@ -231,3 +231,16 @@ async def test_a_plan_goes_to_the_plan_adapter_on_a_gpu_triton_without_tensorrt(
     assert {"model.py", "_adapter.py", "_common.py", "_tensorrt.py", "model.plan"} <= files
     assert "plan_predictor" in (repo / "plan" / "1" / "_adapter.py").read_text()
     await deployer.stop()
+
+
+async def test_an_llm_version_is_refused_by_the_deployer_with_why(deploy_setup, tmp_path):
+    import struct
+
+    registry, deployer, repo = deploy_setup
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    weights = struct.pack("<Q", len(header)) + header + bytes(16)
+    signature = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}], "outputs": [{"name": "text_output", "datatype": "BYTES", "dims": [1]}]}
+    registry.register("chat", weights, signature=signature, companions={"config.json": b"{}"})
+    with pytest.raises(Conflict, match="does not deploy LLMs from the registry yet"):
+        await deployer.deploy("chat:1")
+    assert not (repo / "chat").exists()
