@@ -82,6 +82,7 @@ class EngineSettings:
     spec_max_batch: int = 0  # speculation off above this many running sequences (0: never off)
     max_loras: int = 0  # LoRA adapters in one batch (0: no adapters)
     max_lora_rank: int = 16
+    tensor_parallel: int = 1  # vLLM: GPUs one engine spans (--tensor-parallel-size), from the version's gpus=N
 
     def parameters(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from model_repository.adapters._tensorrt import plan_predictor  # noqa: F401 - the runner the plan adapter uses too
+
 
 def unavailable() -> str:
     """'' when a plan can be built and checked here; otherwise why not."""
@@ -58,32 +60,3 @@ def build_plan(onnx_bytes: bytes, input_name: str, input_dims: Sequence[int], ma
     if plan is None:
         raise RuntimeError("TensorRT failed to build an engine (see its log above)")
     return bytes(plan)
-
-
-def plan_predictor(plan: bytes) -> Callable[[np.ndarray], np.ndarray]:
-    """Run a plan on the GPU: rows (FP32) -> the first output (FP32), through torch's CUDA memory."""
-    import tensorrt as trt
-    import torch
-
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    engine = runtime.deserialize_cuda_engine(plan)
-    context = engine.create_execution_context()
-    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-    inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-    outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-
-    def run(rows: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).cuda()
-        context.set_input_shape(inputs[0], tuple(x.shape))
-        context.set_tensor_address(inputs[0], x.data_ptr())
-        held = {}
-        for name in outputs:
-            shape = tuple(context.get_tensor_shape(name))
-            held[name] = torch.empty(shape, dtype=torch.float32, device="cuda")
-            context.set_tensor_address(name, held[name].data_ptr())
-        stream = torch.cuda.Stream()
-        context.execute_async_v3(stream.cuda_stream)
-        stream.synchronize()
-        return held[outputs[0]].cpu().numpy()
-
-    return run

@@ -194,6 +194,8 @@ class Settings(BaseSettings):
     # holds at most load_factor x the mean streams + load_slack and its engine's KV use is below kv_high
     llm_routing: str = Field("prefix_aware", pattern="^(round_robin|least_outstanding|prefix_aware)$")
     llm_route_prefix_chars: int = Field(512, ge=0)  # 0: no key (prefix_aware is then least_outstanding)
+    # a generation whose engine sends nothing for this long is cancelled and reported (0: never; issue 31)
+    generation_stall_s: float = Field(60.0, ge=0)
     llm_route_load_factor: float = Field(1.25, ge=1.0)
     llm_route_load_slack: float = Field(1.0, ge=0)
     llm_route_kv_high: float = Field(0.9, gt=0, le=1)

@@ -52,11 +52,26 @@ class AdapterSettings:
         self.output_name: str = config["output"][0]["name"]
         self.output_dims: list[int] = [int(d) for d in config["output"][0]["dims"]]
         self.threads: int = max(1, int(params.get("threads") or 1))
+        self.parameters: dict[str, str] = params
         version_dir = Path(args["model_repository"]) / str(args["model_version"])
         artifact = params.get("artifact", "")
         if not artifact or Path(artifact).name != artifact:
             raise ArtifactMismatch(f"parameter 'artifact' must be a file name, got {artifact!r}")
         self.artifact: Path = verify_artifact(version_dir / artifact, params.get("artifact_sha256", ""))
+
+
+def session_providers(requested: str, available: Sequence[str]) -> list[str]:
+    """ONNX Runtime's providers for a session: the config's ``providers`` parameter (best first; CPU
+    when empty), every one present in ``available``; a missing one fails the load with its name
+    (a GPU model never falls back to the CPU silently)."""
+    wanted = [p.strip() for p in (requested or "CPUExecutionProvider").split(",") if p.strip()] or ["CPUExecutionProvider"]
+    missing = [p for p in wanted if p not in available]
+    if missing:
+        raise RuntimeError(
+            f"the config asks for {', '.join(missing)}, which this onnxruntime lacks (it has {', '.join(available)}); "
+            "install onnxruntime-gpu for CUDA / TensorRT"
+        )
+    return wanted
 
 
 # ---- one batch, each request answered on its own ---------------------------------------------

@@ -143,6 +143,7 @@ class VLLMConfig:
     spec_max_batch: int = 0  # speculation off when more sequences than this run (0: always on)
     max_loras: int = 0  # LoRA slots in one batch (0: LoRA off)
     max_lora_rank: int = 16
+    tensor_parallel: int = 1  # GPUs one engine spans (--tensor-parallel-size; the version's gpus=N)
     start_timeout_s: float = 900.0
 
 
@@ -189,6 +190,8 @@ def server_command(config: VLLMConfig, model_dir: str, port: int) -> list[str]:
     spec = speculative_config(config)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
+    if config.tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(config.tensor_parallel)]
     if config.max_loras > 0:
         argv += ["--enable-lora", "--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
     return argv

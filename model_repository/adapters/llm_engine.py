@@ -173,6 +173,7 @@ def _vllm_engine(model_dir, params, hooks, name):
         spec_max_batch=int(params.get("spec_max_batch") or 0),
         max_loras=int(params.get("max_loras") or 0),
         max_lora_rank=int(params.get("max_lora_rank") or 16),
+        tensor_parallel=max(1, int(params.get("tensor_parallel") or 1)),
     )
     return VLLMEngine(model_dir, config, hooks=hooks)
 

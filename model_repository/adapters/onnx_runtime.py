@@ -1,9 +1,14 @@
-"""Triton Python-backend model: an ONNX graph on ONNX Runtime (CPU), one session call per batch."""
+"""Triton Python-backend model: an ONNX graph on ONNX Runtime, one session call per batch.
+
+The execution providers come from the config's ``providers`` parameter (best first, written by
+``server.control.backend_configs``: CUDA / TensorRT on a GPU, CPU otherwise). A provider the config
+asks for that this onnxruntime lacks fails the load with its name, never a silent fall-back to CPU.
+"""
 
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
-from _common import AdapterSettings, execute_batched
+from _common import AdapterSettings, execute_batched, session_providers
 
 
 class TritonPythonModel:
@@ -13,9 +18,8 @@ class TritonPythonModel:
         options.intra_op_num_threads = self.settings.threads
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        self.session = ort.InferenceSession(
-            str(self.settings.artifact), sess_options=options, providers=["CPUExecutionProvider"]
-        )
+        providers = session_providers(self.settings.parameters.get("providers", ""), ort.get_available_providers())
+        self.session = ort.InferenceSession(str(self.settings.artifact), sess_options=options, providers=providers)
         self.graph_input = self.session.get_inputs()[0].name
         self.graph_output = self.session.get_outputs()[0].name
 

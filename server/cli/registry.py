@@ -110,7 +110,7 @@ def register_model_dirs(registry, repository: Path, names: list[str], actor: str
         meta = model_dir_metadata(model_dir)
         tags = {k: str(v) for k, v in meta["training"].items() if isinstance(v, (str, int, float))}
         record, _ = registry.register(
-            name, meta["artifact"].read_bytes(), signature=meta["signature"], filename=meta["artifact"].name,
+            name, meta["artifact"], signature=meta["signature"], filename=meta["artifact"].name,
             validation=meta["validation"].read_bytes() if meta["validation"] else None, tags=tags,
             description="a demo model (inferplane demo build)", actor=actor,
         )  # fmt: skip
@@ -160,24 +160,23 @@ def register(
             raise typer.BadParameter(f"--signature {signature} is not JSON: {err}") from None
     if declared is None:
         raise typer.BadParameter("a signature is required: --signature FILE (or --from-model-dir)")
-    data = artifact.read_bytes()
     hw: dict = {}
     for key, value in key_values(hardware, "--hardware").items():
         hw[key] = int(value) if value.isdigit() else value
     tags = {**{k: str(v) for k, v in training.items() if isinstance(v, (str, int, float))}, **key_values(tag, "--tag")}
     metrics = {**extra_metrics, **{k: float(v) for k, v in key_values(metric, "--metric").items()}}
-    companions = {Path(c).name: Path(c).read_bytes() for c in companion or []}
+    companions = {Path(c).name: Path(c) for c in companion or []}  # files stream into the store
     registry = None
     try:
         registry = open_registry(database_url, artifact_store)
         artifact_signature = None
         if sign_key is not None:
-            from server.control.artifacts import sha256_bytes
+            from server.control.artifacts import sha256_file
             from server.control.signing import sign_digest
 
-            artifact_signature = sign_digest(sign_key.read_bytes(), sha256_bytes(data))
+            artifact_signature = sign_digest(sign_key.read_bytes(), sha256_file(artifact))
         record, created = registry.register(
-            name, data, signature=declared, filename=artifact.name, format=format,
+            name, artifact, signature=declared, filename=artifact.name, format=format,
             validation=validation.read_bytes() if validation else None, companions=companions, metrics=metrics,
             hardware=hw, tags=tags, training_run=training_run, dataset_version=dataset_version, experiment=experiment,
             parent=parent, owner_team=owner_team, description=description, artifact_signature=artifact_signature,

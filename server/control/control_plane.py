@@ -43,6 +43,7 @@ class ControlPlane:
         self.row_runner = row_runner  # server.transports.openai.batches.row_runner(dataplane): how a batch row runs
         self.audit = audit
         self.registry, self.deployer = build_control_plane(settings, dataplane)
+        self.deployer.targets = fleet.triton_targets  # which backends and GPUs each replica has (issue 31)
         self.traffic = TrafficController(dataplane, self.registry, self.deployer, shadow_records=shadow_records)
         self.batches = BatchStore(self.registry.engine, file_store(settings))
         self.desired = DesiredStateStore(self.registry.engine)

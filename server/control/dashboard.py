@@ -56,6 +56,19 @@ PANELS: list[tuple[str, str, list[str], str]] = [
     ], "{{model}}"),
     ("Triton up / restarts", "short", ["min(inferplane_triton_up)", "sum(increase(inferplane_triton_restarts_total[1h]))"], ""),
     ("GC pauses p99", "s", ["histogram_quantile(0.99, sum by (generation, le) (rate(inferplane_gc_pause_seconds_bucket[$__rate_interval])))"], "gen {{generation}}"),
+    # token-level SLIs of generations (issue 31): the SLOs are TTFT p50 <= 200 ms / p99 <= 500 ms, ITL p50 <= 30 ms / p99 <= 80 ms
+    ("Time to first token p50 / p99 (SLO 200 / 500 ms)", "s", [
+        f"histogram_quantile({q}, sum by (model, le) (rate(inferplane_time_to_first_token_seconds_bucket[$__rate_interval])))" for q in (0.5, 0.99)
+    ], "{{model}}"),
+    ("Inter-token latency p50 / p99 (SLO 30 / 80 ms)", "s", [
+        f"histogram_quantile({q}, sum by (model, le) (rate(inferplane_inter_token_latency_seconds_bucket[$__rate_interval])))" for q in (0.5, 0.99)
+    ], "{{model}}"),
+    ("Tokens per second per generation (p50)", "none", [
+        "histogram_quantile(0.5, sum by (model, le) (rate(inferplane_generation_tokens_per_second_bucket[$__rate_interval])))"
+    ], "{{model}}"),
+    ("Token SLO error ratio (1 h) vs budget", "percentunit", [
+        "inferplane:token_slo_errors:ratio_rate1h", "inferplane:token_slo_error_budget"
+    ], "{{model}} {{slo}}"),
 ]  # fmt: skip
 
 

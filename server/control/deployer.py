@@ -39,25 +39,21 @@ import numpy as np
 from model_repository.config_writer import CONFIG_FILE, ModelConfig, ServingConfig, read_config, to_text
 from model_repository.layout import ADAPTERS_DIR
 from server.dataplane import codecs
-from server.control import safe_formats
 from server.control.budgets import BudgetGuard
 from server.control.cost_store import CostStore
 from server.control.prices import load_prices
+from server.control import backend_configs, safe_formats
+from server.control.backend_configs import ADAPTERS, Choice, TritonTarget
 from server.errors import Conflict, DeployFailed, InferplaneError, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.protogen.inference import model_config_pb2
 from server.control.composites import COMPOSITE_FORMAT  # a composite version deploys through CompositeDeployer
 from server.control.registry import Registry, VersionRecord, parse_ref
 
 log = logging.getLogger(__name__)
 
-# formats the embedded Triton runs, through which Python-backend adapter
-ADAPTERS = {
-    safe_formats.ONNX: "onnx_runtime.py",
-    safe_formats.XGBOOST_JSON: "xgboost_runtime.py",
-    safe_formats.XGBOOST_UBJ: "xgboost_runtime.py",
-    safe_formats.LIGHTGBM_TEXT: "lightgbm_runtime.py",
-}
+# the Triton a deployer reaches when nobody told it what the replicas have: the CPU wheel's (python only)
+EMBEDDED = (TritonTarget("embedded"),)
+_CPU_PYTHON = Choice(backend_configs.PYTHON)
 VERSION_FILE = "inferplane_version.json"
 WARMUP_ROWS = 8
 DEFAULT_PREFERRED = (16, 32, 64)
@@ -125,20 +121,12 @@ def serving_dict(serving: ServingConfig) -> dict[str, Any]:
     return out
 
 
-def _wire_to_config(datatype: str) -> int:
-    wire = {v: k for k, v in codecs.CONFIG_TO_WIRE.items()}
-    return model_config_pb2.DataType.Value(wire[datatype])
-
-
-def build_config(name: str, signature: Mapping[str, Any], serving: ServingConfig, versions: list[int]) -> ModelConfig:
-    """The endpoint's Triton config: Python backend, declared tensors, serving fields, pinned versions."""
-    config = ModelConfig(name=name, backend="python")
-    for t in signature["inputs"]:
-        config.input.add(name=t["name"], data_type=_wire_to_config(t["datatype"]), dims=list(t["dims"]))
-    for t in signature["outputs"]:
-        config.output.add(name=t["name"], data_type=_wire_to_config(t["datatype"]), dims=list(t["dims"]))
-    config.version_policy.specific.versions.extend(sorted(set(versions)))
-    return serving.apply(config)
+def build_config(
+    name: str, signature: Mapping[str, Any], serving: ServingConfig, versions: list[int], choice: Choice = _CPU_PYTHON, fmt: str = ""
+) -> ModelConfig:
+    """The endpoint's Triton config for ``choice`` (default: Python backend on CPU): declared tensors,
+    serving fields, pinned versions (server.control.backend_configs)."""
+    return backend_configs.tabular_config(name, signature, serving, versions, choice, fmt)
 
 
 def same_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -232,9 +220,18 @@ class Deployer:
         # placements (the reconciler, server.control.reconciler, loads them on the other Tritons)
         self.placements = None
         self.budget_guard = None  # server.control.budgets.BudgetGuard: refuses a deploy once a hard budget is spent
+        self.targets = lambda: EMBEDDED  # the Tritons' observed backends and GPUs (Fleet.triton_targets)
         from server.control.composite_deployer import CompositeDeployer
 
         self.composites = CompositeDeployer(self)  # composite endpoints deploy as one unit (server.control.composite_deployer)
+
+    def choice_for(self, record: VersionRecord) -> Choice:
+        """The backend that serves ``record`` on the Tritons here; MissingBackend when none has it."""
+        return backend_configs.choose(record.format, record.hardware, self.targets(), record.signature)
+
+    def config_for(self, name: str, record: VersionRecord, serving: ServingConfig, versions: list[int]) -> ModelConfig:
+        """The endpoint's config, for the backend ``record`` (the live version) runs on."""
+        return build_config(name, record.signature, serving, versions, self.choice_for(record), record.format)
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -290,10 +287,11 @@ class Deployer:
         record = await asyncio.to_thread(self.registry.get, name, version)
         if record.format == COMPOSITE_FORMAT:
             return await self.composites.deploy(record, options, actor, started)
-        if record.format not in ADAPTERS:
+        choice = self.choice_for(record)  # MissingBackend (409) names the format and the backend no Triton has
+        if record.format == safe_formats.SAFETENSORS:
             raise Conflict(
-                f"{record.ref} is {record.format}; this Triton runs {', '.join(sorted(ADAPTERS))} through its "
-                f"Python-backend adapters (deploy {record.format} on a Triton with the native backend)"
+                f"{record.ref} is an LLM ({record.format}, engine {choice.backend}); the deployer does not deploy LLMs from "
+                "the registry yet (LLM models are written into the repository: `inferplane demo build`)"
             )
         await asyncio.to_thread(self.registry.verify_signed, name, record.version)
         try:
@@ -312,14 +310,20 @@ class Deployer:
                     f"{record.ref} declares different input/output tensors than the live {name}:{live}; "
                     "one endpoint serves one signature — deploy it under a new model name"
                 )
+            if self.choice_for(live_record).backend != choice.backend:
+                raise Conflict(
+                    f"{record.ref} runs on Triton's '{choice.backend}' backend, the live {name}:{live} on "
+                    f"'{self.choice_for(live_record).backend}'; one endpoint is one Triton model with one backend — "
+                    "deploy it under a new model name"
+                )
         # every loaded version stays listed: Triton unloads a version dropped from the config even when
         # the load then fails, and the rollback target must survive a failed deploy; expiry trims later
         keep = (st.loaded | {live}) if live is not None else set()
         versions = sorted(keep | {record.version})
-        config = build_config(name, record.signature, serving, versions)
+        config = build_config(name, record.signature, serving, versions, choice, record.format)
         on_disk = self.repository / name / CONFIG_FILE
         unchanged = on_disk.is_file() and to_text(read_config(on_disk)) == to_text(
-            build_config(name, record.signature, serving, sorted(st.loaded))
+            build_config(name, record.signature, serving, sorted(st.loaded), choice, record.format)
         )
         ready = str(record.version) in self.dp.ready_versions(name)
         reloaded = False
@@ -420,16 +424,20 @@ class Deployer:
                 await asyncio.wait_for(self.dp.load_model(name), timeout=self.load_timeout_s)
 
     def _materialize(self, record: VersionRecord, version_dir: Path) -> None:
-        """Write ``NAME/VERSION`` from the store (digest-verified) into a staging dir, then move it in."""
+        """Write ``NAME/VERSION`` from the store (digest-verified) into a staging dir, then move it in:
+        the artifact and its companions; for the Python backend the adapter and its pinning shim."""
+        choice = self.choice_for(record)
         staging = version_dir.parent / f".staging-{record.version}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
         try:
             self.registry.store.copy_to(record.sha256, staging / record.artifact_name)
             for cname, cdigest in record.companions.items():
                 self.registry.store.copy_to(cdigest, staging / cname)
-            shutil.copyfile(ADAPTERS_DIR / ADAPTERS[record.format], staging / "_adapter.py")
-            shutil.copyfile(ADAPTERS_DIR / "_common.py", staging / "_common.py")
-            (staging / "model.py").write_text(_VERSION_SHIM, encoding="utf-8")
+            if not choice.native:
+                shutil.copyfile(ADAPTERS_DIR / (choice.adapter or ADAPTERS[record.format]), staging / "_adapter.py")
+                for helper in ("_common.py", *choice.helpers):
+                    shutil.copyfile(ADAPTERS_DIR / helper, staging / helper)
+                (staging / "model.py").write_text(_VERSION_SHIM, encoding="utf-8")
             pinned = {"name": record.name, "version": record.version, "artifact": record.artifact_name, "sha256": record.sha256}
             (staging / VERSION_FILE).write_text(json.dumps(pinned, indent=2) + "\n", encoding="utf-8")
             if version_dir.exists():
@@ -474,7 +482,7 @@ class Deployer:
         keep = sorted(st.loaded - {version})
         record = await asyncio.to_thread(self.registry.get, name, int(live))
         current = await asyncio.to_thread(self.registry.endpoint, name, 0)
-        config = build_config(name, record.signature, serving_from(None, current.serving), keep)
+        config = self.config_for(name, record, serving_from(None, current.serving), keep)
         _write_atomic(self.repository / name / CONFIG_FILE, to_text(config).encode())
         await self._place(name, keep)
         with contextlib.suppress(InferplaneError, asyncio.TimeoutError):
@@ -511,7 +519,7 @@ class Deployer:
         if not ready:  # the grace period is over: load it again (not instant)
             record = await asyncio.to_thread(self.registry.get, name, target)
             versions = sorted(st.loaded | {target})
-            await self._load(name, record, build_config(name, record.signature, serving_from(None, ep.serving), versions), versions)
+            await self._load(name, record, self.config_for(name, record, serving_from(None, ep.serving), versions), versions)
             await self._warm(name, record)
             reloaded = True
         await asyncio.to_thread(self.registry.record_rollback, name)
@@ -548,7 +556,7 @@ class Deployer:
         try:
             record = await asyncio.to_thread(self.registry.get, name, int(live))
             ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
-            config = build_config(name, record.signature, serving_from(None, ep.serving), [int(live)])
+            config = self.config_for(name, record, serving_from(None, ep.serving), [int(live)])
             _write_atomic(self.repository / name / CONFIG_FILE, to_text(config).encode())
             await self._place(name, {int(live)})
             await asyncio.wait_for(self.dp.load_model(name), timeout=self.load_timeout_s)

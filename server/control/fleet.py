@@ -21,10 +21,12 @@ from pathlib import Path
 
 from batching.route_policy import RouteBounds
 from server.control import isolation
+from server.control.backend_configs import TritonTarget, observe_backends, observe_gpus
 from server.control.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
 from server.control.placement import memory_need
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
 from server.dataplane.triton_client import TritonClient
+from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class Fleet:
         self._streams: dict[str, bool] = {}  # model -> decoupled (its config), read once
         self._ensemble_bound: set[str] | None = None  # ensembles and their steps (one Triton holds them)
         self.hooks = None
+        self._local_hardware: tuple[frozenset[str], int] | None = None
 
     # ---- the replica set (before the data plane) ---------------------------------------------
 
@@ -108,6 +111,19 @@ class Fleet:
         if member.target != target:
             self.replicas.replace_client(replica_id, client(self.settings, target))
         await self.replicas.rejoin(replica_id)
+
+    def triton_targets(self) -> list[TritonTarget]:
+        """Each replica's Triton backends and GPUs, for the deployer's backend choice. A local Triton's
+        are observed (the installation's backend directory, this machine's GPUs) and recorded on its
+        member; a remote one keeps what its member records (the Python backend unless told)."""
+        if self._local_hardware is None:
+            self._local_hardware = (observe_backends(_installed_backends()) or frozenset({"python"}), observe_gpus())
+        targets = []
+        for member in self.replicas.members():
+            if member.local or member.group == "local":
+                member.backends, member.gpus = self._local_hardware
+            targets.append(TritonTarget(member.id, member.backends, member.gpus))
+        return targets
 
     def group_of(self, model: str) -> str:
         if self.groups is not None:
@@ -296,3 +312,11 @@ def client(settings: Settings, target: str, remote: bool = False) -> TritonClien
     c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)
     c.connect()
     return c
+
+
+def _installed_backends() -> Path:
+    """The backend directory of the Triton installation local replicas run (the pytriton wheel's)."""
+    try:
+        return TritonInstallation.find().root / "backends"
+    except TritonNotInstalled:
+        return Path("/opt/tritonserver/backends")  # the NVIDIA container's

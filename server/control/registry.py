@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -334,6 +335,25 @@ def check_validation(data: bytes, signature: Mapping[str, Any] | None = None) ->
         raise InvalidRequest(f"the validation set does not match the signature: {violations[0].field} {violations[0].description}", violations)
 
 
+def _check_model(artifact: bytes | Path, filename: str, declared: str | None) -> str:
+    if isinstance(artifact, (bytes, bytearray, memoryview)):
+        return safe_formats.check_model(bytes(artifact), filename, declared)
+    return safe_formats.check_model_file(Path(artifact), filename or Path(artifact).name, declared)
+
+
+def _check_companion(data: bytes | Path, filename: str) -> None:
+    """A companion's check: bytes and small files whole; a large file must be a safetensors shard
+    (recognised by its header, never read whole)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return safe_formats.check_companion(bytes(data), filename)
+    path = Path(data)
+    if path.stat().st_size <= safe_formats.STREAM_ABOVE:
+        return safe_formats.check_companion(path.read_bytes(), filename)
+    if safe_formats.check_model_file(path, filename) != safe_formats.SAFETENSORS:
+        raise InvalidRequest(f"companion file {filename} over {safe_formats.STREAM_ABOVE >> 20} MiB must be safetensors")
+    return None
+
+
 class Registry:
     def __init__(self, url: str, store: ArtifactStore, *, migrate: bool = True):
         self.url = url
@@ -351,8 +371,9 @@ class Registry:
 
     # ---- versions -----------------------------------------------------------------------
 
-    def register(self, name: str, artifact: bytes, **kwargs) -> tuple[VersionRecord, bool]:
-        """Register ``artifact`` as the next version of ``name``; (record, created).
+    def register(self, name: str, artifact: bytes | Path, **kwargs) -> tuple[VersionRecord, bool]:
+        """Register ``artifact`` (bytes, or a local file streamed into the store in chunks) as the
+        next version of ``name``; (record, created).
 
         Bytes already registered under ``name`` return that version with ``created`` False. A
         refusal (unsafe format, bad signature, ...) is audited and raised.
@@ -366,13 +387,13 @@ class Registry:
     def _register(
         self,
         name: str,
-        artifact: bytes,
+        artifact: bytes | Path,
         *,
         signature: Mapping[str, Any],
         filename: str = "",
         format: str | None = None,
         validation: bytes | None = None,
-        companions: Mapping[str, bytes] | None = None,
+        companions: Mapping[str, bytes | Path] | None = None,
         metrics: Mapping[str, float] | None = None,
         hardware: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
@@ -386,19 +407,19 @@ class Registry:
         actor: str = "",
     ) -> tuple[VersionRecord, bool]:
         parse_ref(name)
-        fmt = safe_formats.check_model(artifact, filename, format or None)
+        fmt = _check_model(artifact, filename, format or None)
         declared = check_signature(signature)
         typed_schema.check_declared(name, declared)  # the feature names make a valid typed API
         companions = dict(companions or {})
         for cname, cdata in companions.items():
             if not COMPANION.match(cname):
                 raise InvalidRequest(f"companion file name {cname!r} must be a plain .json/.txt/.model/.safetensors name")
-            safe_formats.check_companion(cdata, cname)
+            _check_companion(cdata, cname)
         if companions and fmt != safe_formats.SAFETENSORS:
             raise InvalidRequest("companion files (config, tokenizer) belong to safetensors models only")
         if validation is not None:
             check_validation(validation, declared)
-        digest = self.store.put(artifact)
+        digest, size = self._put(artifact)
         with self._session() as session:
             model = session.scalar(select(Model).where(Model.name == name))
             existing = None
@@ -412,7 +433,7 @@ class Registry:
             key_id = self._check_signed(session, team, digest, artifact_signature)
             parent_row = self._parent(session, name, parent) if parent else None
         validation_digest = self.store.put(validation) if validation is not None else None
-        companion_digests = {cname: self.store.put(cdata) for cname, cdata in sorted(companions.items())}
+        companion_digests = {cname: self._put(cdata)[0] for cname, cdata in sorted(companions.items())}
         for _attempt in range(5):
             with self._session() as session:
                 try:
@@ -432,7 +453,7 @@ class Registry:
                     row = ModelVersion(
                         model=model, version=(latest or 0) + 1, sha256=digest, format=fmt,
                         framework=safe_formats.FRAMEWORKS[fmt], artifact_name=safe_formats.FILE_NAMES[fmt],
-                        size_bytes=len(artifact), signature=declared, validation_sha256=validation_digest,
+                        size_bytes=size, signature=declared, validation_sha256=validation_digest,
                         companions=companion_digests, metrics={k: float(v) for k, v in (metrics or {}).items()},
                         hardware=dict(hardware or {}), tags={k: str(v) for k, v in (tags or {}).items()},
                         training_run=training_run, dataset_version=dataset_version, experiment=experiment,
@@ -443,12 +464,18 @@ class Registry:
                     session.flush()
                     record = _record(row)
                     session.add(AuditRecord(actor=actor or "unknown", action="register", target=record.ref, outcome="ok",
-                                            detail=f"sha256={digest} format={fmt} size={len(artifact)}"))  # fmt: skip
+                                            detail=f"sha256={digest} format={fmt} size={size}"))  # fmt: skip
                     session.commit()
                     return record, True
                 except IntegrityError:
                     session.rollback()  # a concurrent registration took the number (or the bytes): look again
         raise Conflict(f"could not register a version of '{name}': too many concurrent registrations")
+
+    def _put(self, data: bytes | Path) -> tuple[str, int]:
+        """Store bytes, or a local file in chunks; (sha256, size)."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return self.store.put(bytes(data)), len(data)
+        return self.store.put_file(Path(data))
 
     def _parent(self, session: Session, name: str, parent: str) -> ModelVersion:
         pname, pversion = parse_ref(parent) if ":" in parent or not parent.isdigit() else (name, int(parent))

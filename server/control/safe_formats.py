@@ -17,7 +17,7 @@ import pickletools
 import struct
 import zipfile
 import zlib
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 from server.errors import InvalidRequest
 
@@ -63,6 +63,10 @@ _PICKLE_SUFFIXES = {
 _PLAN_MAGIC = (b"ptrt", b"ftrt")
 _PLAN_HEADER_BYTES = 24
 _SNIFF_BYTES = 1 << 20
+# a file up to this size is read whole for detection (as bytes are); a larger one only by its header:
+# safetensors (header checked against the file's size) and TensorRT plans stream, anything else is read
+STREAM_ABOVE = 256 << 20
+_MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
 
 
 class UnsafeArtifact(InvalidRequest):
@@ -195,21 +199,9 @@ def _is_safetensors(data: bytes) -> bool:
     if len(data) < 10:
         return False
     (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len < 2 or 8 + header_len > len(data) or data[8:9] != b"{":
+    if header_len < 2 or 8 + header_len > len(data):
         return False
-    header = _json(data[8 : 8 + header_len])
-    if not isinstance(header, dict):
-        return False
-    body = len(data) - 8 - header_len
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(entry, dict) or "dtype" not in entry or "data_offsets" not in entry:
-            return False
-        start, end = entry["data_offsets"]
-        if not 0 <= start <= end <= body:
-            return False
-    return True
+    return _safetensors_header_fits(data[8 : 8 + header_len], len(data) - 8 - header_len)
 
 
 def _is_tensorrt_plan(data: bytes) -> bool:
@@ -286,3 +278,61 @@ def check_companion(data: bytes, filename: str) -> None:
     found = detect_format(data, filename)
     if found not in (JSON, SAFETENSORS):
         raise UnsafeArtifact(f"companion file {filename} must be JSON or safetensors, got {found}")
+
+
+def _safetensors_file(path: Path, size: int) -> bool:
+    """A safetensors file checked by its header and size (the tensors' bytes are not read)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return False
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len < 2 or header_len > _MAX_SAFETENSORS_HEADER or 8 + header_len > size:
+            return False
+        header = f.read(header_len)
+    return _safetensors_header_fits(header, size - 8 - header_len)  # the tensors' bytes are never read
+
+
+def _safetensors_header_fits(header: bytes, body: int) -> bool:
+    """A safetensors JSON header whose tensors all lie inside a body of ``body`` bytes."""
+    if header[:1] != b"{":
+        return False
+    parsed = _json(header)
+    if not isinstance(parsed, dict):
+        return False
+    for key, entry in parsed.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or "dtype" not in entry or "data_offsets" not in entry:
+            return False
+        start, end = entry["data_offsets"]
+        if not 0 <= start <= end <= body:
+            return False
+    return True
+
+
+def check_model_file(path: Path | str, filename: str = "", declared: str | None = None) -> str:
+    """:func:`check_model` for a local file without reading a large one into memory: up to
+    ``STREAM_ABOVE`` bytes it is read whole; above, a safetensors file or TensorRT plan is
+    recognised by its header (after the pickle checks on its first bytes); other formats are read."""
+    path = Path(path)
+    filename = filename or path.name
+    size = path.stat().st_size
+    if size <= STREAM_ABOVE:
+        return check_model(path.read_bytes(), filename, declared)
+    suffix = PurePath(filename).suffix.lower()
+    if suffix in _PICKLE_SUFFIXES:
+        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])
+    if _safetensors_file(path, size):
+        found = SAFETENSORS
+    else:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        if not _is_tensorrt_plan(head):
+            return check_model(path.read_bytes(), filename, declared)  # ONNX (protobuf: under 2 GB) parses whole
+        if is_pickle(head):
+            raise _refuse_pickle(filename, "a pickle opcode stream")
+        found = TENSORRT_PLAN
+    if declared and declared != found:
+        raise InvalidRequest(f"{filename} was declared as {declared} but its bytes are {found}")
+    return found

@@ -35,7 +35,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, Table, insert, select, update
 
-from server.control.deployer import ADAPTERS, COMPOSITE_FORMAT, build_config, same_tensors, serving_from
+from server.control.deployer import COMPOSITE_FORMAT, same_tensors, serving_from
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound
 from server.control.stats_tests import compare_outcomes, two_proportion_z
 from server.dataplane.traffic_policy import (
@@ -215,8 +215,7 @@ class TrafficController:
             record = await asyncio.to_thread(self.registry.get, name, version)
             if record.format == COMPOSITE_FORMAT:  # composite versions stage as one unit
                 return await d.composites.stage(name, record)
-            if record.format not in ADAPTERS:
-                raise Conflict(f"{record.ref} is {record.format}; this Triton runs {', '.join(sorted(ADAPTERS))}")
+            d.choice_for(record)  # MissingBackend (409) when no Triton here has the backend it needs
             await asyncio.to_thread(self.registry.verify_signed, name, record.version)
             ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
             live = self.dp.live_version(name)
@@ -232,7 +231,7 @@ class TrafficController:
             ready = str(record.version) in self.dp.ready_versions(name) and record.version in st.loaded
             if not ready:
                 versions = sorted(st.loaded | {ep.live, record.version})
-                config = build_config(name, live_record.signature, serving_from(None, ep.serving), versions)
+                config = d.config_for(name, live_record, serving_from(None, ep.serving), versions)
                 await d._load(name, record, config, versions)
             await d._warm(name, record)
             return live

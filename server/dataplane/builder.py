@@ -68,6 +68,7 @@ def build_dataplane(
     if s.feature_store_url:  # the feature-store stage (server.dataplane.feature_store)
         dataplane.features = FeatureFetcher(store_for(s.feature_store_url))
     dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
+    dataplane.llm.stall_s = s.generation_stall_s  # no token for this long: cancelled (GenerationStalled)
     late.append(dataplane)
     return dataplane
 

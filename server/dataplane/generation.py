@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -29,6 +30,7 @@ import numpy as np
 
 from batching.route_policy import prefix_key
 from server.dataplane import codecs
+from server.dataplane.observe import token_clock
 from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
@@ -40,6 +42,8 @@ from server.tenancy.identity import CallContext, plan_priority
 
 if TYPE_CHECKING:
     from server.dataplane.dataplane import DataPlane
+
+log = logging.getLogger(__name__)
 
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
@@ -133,6 +137,29 @@ def _input_tokens(raw: bytes) -> int:
     return _tokens(_outputs(pb.ModelInferResponse.FromString(raw)))
 
 
+class GenerationStalled(BackendError):
+    """The engine sent nothing for the stall limit: the generation was cancelled (its sequence freed)."""
+
+
+async def within_stall(source, stall_s: float, describe) -> AsyncIterator:
+    """``source``'s items, each due within ``stall_s`` seconds of the one before (0: no limit); a
+    longer silence raises GenerationStalled (``describe()`` says where). Only the wait on the engine
+    is timed, never the time the consumer takes between items."""
+    iterator = source.__aiter__()
+    while True:
+        try:
+            if stall_s > 0:
+                async with asyncio.timeout(stall_s):
+                    item = await anext(iterator)
+            else:
+                item = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise GenerationStalled(f"the engine sent nothing for {stall_s:g}s {describe()}; the generation was cancelled") from None
+        yield item
+
+
 class LLMService:
     """Generation and embeddings for the transports; built by the data plane it belongs to."""
 
@@ -142,6 +169,7 @@ class LLMService:
         self._backend = backend
         self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
         self.prefix_chars = 512  # the routing key's leading characters (batching.route_policy.prefix_key; settings)
+        self.stall_s = 60.0  # no engine output for this long: cancelled and reported (settings.generation_stall_s)
 
     # ---- model lookups ------------------------------------------------------------------
 
@@ -234,18 +262,24 @@ class LLMService:
                 stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
                 call.computed = True
                 call.dispatched_at = time.perf_counter()
-                async for outputs in _stream_outputs(stream, request):
+                clock = token_clock(self._pipeline.observer, call)  # TTFT, inter-token latency, tokens/s
+                def where() -> str:  # read only when it stalls
+                    return f"after {call.tokens_out} tokens of {model}"
+
+                async for outputs in within_stall(_stream_outputs(stream, request), self.stall_s, where):
                     if "info" not in outputs:
                         continue  # an empty final flag
                     text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
                     info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
                     call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
                     call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
+                    clock.tokens(call.tokens_out, time.perf_counter())
                     reason = info.get("finish_reason")
                     if "kv_utilization" in info and hasattr(stream, "report_kv"):  # the replica set scores members by it
                         stream.report_kv(info["kv_utilization"])
                     if reason is not None:
                         call.compute_s = time.perf_counter() - call.dispatched_at
+                        clock.finish()
                     if reason == "deadline":
                         raise DeadlineExceeded(f"the request's deadline passed after {call.tokens_out} tokens")
                     if reason == "cancelled":
@@ -259,6 +293,10 @@ class LLMService:
                     if chunk.finish_reason is not None:
                         return
                 raise BackendError("the model ended the stream without a final response")
+            except GenerationStalled:
+                self._pipeline.metrics.generation_stalls.labels(model).inc()
+                log.warning("generation of %s stalled after %d tokens (no output for %gs): cancelled", model, call.tokens_out, self.stall_s)
+                raise
             except (InferplaneError, asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as err:

@@ -22,6 +22,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 )
+# token-level SLIs of a generation (issue 31); the SLO thresholds (TTFT 0.2 / 0.5 s, ITL 0.03 / 0.08 s)
+# are bucket bounds, so server.control.token_slo counts them exactly
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.1, 0.2, 0.5, 1.0, 2.0)
+TOKENS_PER_SECOND_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
 
 
 class Metrics:
@@ -119,6 +124,35 @@ class Metrics:
             "Time from arrival to answer in the frontend, by model, version and tenant (top N, the rest 'other').",
             ("model", "version", "tenant"),
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_stalls = Counter(
+            "inferplane_generation_stalls",
+            "Generations cancelled because their engine sent nothing for generation_stall_s, by model.",
+            ("model",),
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "inferplane_time_to_first_token_seconds",
+            "Generations: from arrival at the frontend to the first generated token, by model, version and tenant (top N).",
+            ("model", "version", "tenant"),
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "inferplane_inter_token_latency_seconds",
+            "Generations: time between generated tokens (a chunk of n tokens g seconds after the one before: one "
+            "observation of g/n), by model, version and tenant (top N).",
+            ("model", "version", "tenant"),
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens_per_second = Histogram(
+            "inferplane_generation_tokens_per_second",
+            "Generations: completion tokens per second from the first token to the last, one observation per "
+            "generation of two tokens or more, by model, version and tenant (top N).",
+            ("model", "version", "tenant"),
+            buckets=TOKENS_PER_SECOND_BUCKETS,
             registry=self.registry,
         )
         self.compute_seconds = Counter(

@@ -131,6 +131,51 @@ class Sample:
         self.latency_s = latency_s
 
 
+class TokenClock:
+    """One generation's token timings (issue 31): time to the first token from the call's arrival,
+    the gap per token between chunks after it, and at the end the tokens per second from the first
+    token to the last. ``tokens(count, now)`` takes the engine's running completion-token count."""
+
+    __slots__ = ("_ttft", "_itl", "_tps", "_started", "_first", "_first_count", "_last", "_count")
+
+    def __init__(self, children: tuple, started: float):
+        self._ttft, self._itl, self._tps = children
+        self._started = started
+        self._first = self._last = None
+        self._first_count = self._count = 0
+
+    def tokens(self, count: int, now: float) -> None:
+        if count <= self._count:
+            return
+        if self._first is None:
+            self._first, self._first_count = now, count
+            self._ttft.observe(max(0.0, now - self._started))
+        else:
+            self._itl.observe(max(0.0, now - self._last) / (count - self._count))
+        self._last, self._count = now, count
+
+    def finish(self) -> None:
+        if self._first is not None and self._count > self._first_count and self._last > self._first:
+            self._tps.observe((self._count - self._first_count) / (self._last - self._first))
+
+
+class _NoClock:
+    """A generation's token clock where nothing observes (a pipeline without an Observer)."""
+
+    def tokens(self, count: int, now: float) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+
+NO_CLOCK = _NoClock()
+
+
+def token_clock(observer, call) -> TokenClock | _NoClock:
+    return observer.token_clock(call) if observer is not None else NO_CLOCK
+
+
 class Observer:
     def __init__(
         self,
@@ -159,8 +204,23 @@ class Observer:
         self._counted: dict[tuple, object] = {}
         self._latency: dict[tuple, object] = {}
         self._compute: dict[tuple, object] = {}
+        self._tokens: dict[tuple, tuple] = {}  # (model, version, tenant) -> the token histograms' children
         self._batches: dict[str, tuple] = {}
         self._payload_rates: dict[str, tuple] = {}  # model -> (signature it was read from, rate)
+
+    # ---- per generation: token-level SLIs ------------------------------------------------------
+
+    def token_clock(self, call) -> TokenClock:
+        principal = call.principal
+        tenant = self.tenants.label(principal.tenant.name) if principal is not None else UNAUTHENTICATED
+        key = (call.label, call.version, tenant)
+        children = self._tokens.get(key)
+        if children is None:
+            m = self.metrics
+            children = self._tokens[key] = (
+                m.time_to_first_token.labels(*key), m.inter_token_latency.labels(*key), m.tokens_per_second.labels(*key),
+            )  # fmt: skip
+        return TokenClock(children, call.started)
 
     # ---- per request (Pipeline.exit) --------------------------------------------------------
 
@@ -249,6 +309,11 @@ class Observer:
             for key in [k for k in cache if k[index] in names]:
                 del cache[key]
                 _remove(metric, key, self.metrics.multiprocess)
+        m = self.metrics
+        for key in [k for k in self._tokens if k[2] in names]:
+            del self._tokens[key]
+            for metric in (m.time_to_first_token, m.inter_token_latency, m.tokens_per_second):
+                _remove(metric, key, m.multiprocess)
 
     def _teams_dropped(self, names: set[str]) -> None:
         for key in [k for k in self._compute if k[1] in names]:

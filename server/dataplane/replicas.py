@@ -148,6 +148,8 @@ class Member:
         self.changes = 0  # loads and unloads through the set: a probe that overlapped one is stale
         self.kv: dict[str, tuple[float, float]] = {}  # model -> (KV utilisation its engine last reported, when)
         self.routed: dict[str, int] = {}  # LLM streams sent here, by why (route_policy: affinity, spill, ...)
+        self.backends: frozenset[str] = frozenset({"python"})  # Triton backends it has (observed: server.control.backend_configs)
+        self.gpus = 0  # GPUs it sees
 
     @property
     def target(self) -> str:
@@ -169,6 +171,7 @@ class Member:
             "outstanding": self.outstanding, "served": self.served, "errors": self.errors,
             "latency_ms": {m: round(v * 1000, 3) for m, v in sorted(self.latency.items())},
             "kv_utilization": {m: v for m, (v, _at) in sorted(self.kv.items())}, "routed": dict(sorted(self.routed.items())),
+            "backends": sorted(self.backends), "gpus": self.gpus,
         }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ first test.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -24,6 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from model_repository import demo
+from model_repository.config_writer import read_config
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from tests.conftest import start_stack, stop_stack
 
@@ -301,3 +303,47 @@ def test_a_validation_set_that_names_no_tensor_is_refused_at_registration(admin,
     with pytest.raises(grpc.RpcError) as err:
         admin.RegisterModel(request, metadata=ACTOR)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows of shape [3]" in err.value.details()
+
+
+def _stream(request: admin_pb2.RegisterModelRequest, chunk: int):
+    """RegisterModelStream's messages: the registration, then the artifact in ``chunk``-byte pieces."""
+    artifact = request.artifact
+    header = admin_pb2.RegisterModelRequest()
+    header.CopyFrom(request)
+    header.ClearField("artifact")
+    yield admin_pb2.RegisterModelChunk(header=header)
+    for start in range(0, len(artifact), chunk):
+        yield admin_pb2.RegisterModelChunk(data=artifact[start : start + chunk])
+
+
+def test_an_onnx_model_streamed_in_chunks_registers_deploys_and_serves_with_the_configs_providers(deploy_stack, admin, client):
+    bundle = demo.mlp_classifier(seed=7)
+    request = _bundle_request(bundle, name="streamed_mlp")
+    response = admin.RegisterModelStream(_stream(request, chunk=1000), timeout=60)
+    assert response.created and response.version.sha256 == hashlib.sha256(bundle.artifact).hexdigest()
+    assert response.version.size_bytes == len(bundle.artifact) and response.version.format == "onnx"
+    again = admin.RegisterModelStream(_stream(request, chunk=4096), timeout=60)  # same bytes, other chunks: same version
+    assert not again.created and again.version.version == response.version.version
+    admin.Deploy(admin_pb2.DeployRequest(ref="streamed_mlp:1"), timeout=120)
+    config = read_config(deploy_stack.root / "model_repository" / "streamed_mlp")
+    assert config.backend == "python" and config.parameters["providers"].string_value == "CPUExecutionProvider"
+    version, out = _infer(client, bundle, model="streamed_mlp")
+    assert version == "1" and np.allclose(out, bundle.expected[:4], rtol=1e-4, atol=1e-5)
+
+
+def test_a_stream_without_a_header_is_refused(admin):
+    with pytest.raises(grpc.RpcError) as caught:
+        admin.RegisterModelStream(iter([admin_pb2.RegisterModelChunk(data=b"tree\n")]), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in caught.value.details()
+
+
+def test_a_tensorrt_plan_is_refused_at_deploy_naming_the_backend_no_triton_here_has(admin):
+    signature = {"inputs": [{"name": "x", "datatype": "FP32", "dims": [4]}], "outputs": [{"name": "y", "datatype": "FP32", "dims": [1]}]}
+    plan = b"ftrt" + bytes(range(256)) * 16
+    request = admin_pb2.RegisterModelRequest(name="a_plan", artifact=plan, filename="model.plan", signature_json=json.dumps(signature),
+                                             hardware_json=json.dumps({"gpus": 1}))  # fmt: skip
+    assert admin.RegisterModelStream(_stream(request, chunk=512), timeout=30).version.format == "tensorrt-plan"
+    with pytest.raises(grpc.RpcError) as caught:
+        admin.Deploy(admin_pb2.DeployRequest(ref="a_plan:1"), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tensorrt-plan needs Triton's 'tensorrt' backend" in caught.value.details() and "python" in caught.value.details()

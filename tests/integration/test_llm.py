@@ -339,3 +339,4 @@ def test_a_tampered_llm_or_embedding_artifact_refuses_to_load(llm_stack, llm_rep
     finally:
         client.close()
         shutil.rmtree(llm_repository / name, ignore_errors=True)
+

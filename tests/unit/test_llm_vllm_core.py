@@ -380,6 +380,9 @@ def test_the_server_command_line(tmp_path):
     assert "--speculative-config" not in argv
     off = server_command(VLLMConfig(python="p", prefix_caching=False), "d", 1)
     assert "--no-enable-prefix-caching" in off and "--enable-lora" not in off and "--enforce-eager" not in off
+    assert "--tensor-parallel-size" not in argv  # one GPU (or the CPU): vLLM's default
+    tp = server_command(VLLMConfig(python="p", tensor_parallel=2), "d", 1)
+    assert tp[tp.index("--tensor-parallel-size") + 1] == "2"  # a version registered with gpus=2 spans two GPUs
 
 
 def test_ngram_speculation_turns_off_above_the_configured_batch():

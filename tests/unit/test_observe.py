@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from batching.coalescer import CoalescePolicy, Coalescer
-from server.control import slo
+from server.control import slo, token_slo
 from server.control.dashboard import PANELS, dashboard
 from server.control.drift import FeatureReference, ks, psi
 from server.control.payload_log import REDACTED, Redaction, build_record, parse_path
@@ -256,7 +256,7 @@ _PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "max", "min", "on", 
 
 def test_every_dashboard_query_names_an_exported_metric_or_recording_rule():
     exported = set(Metrics().names())
-    recorded = {r["record"] for g in slo.rules([slo.Objective("m")])["groups"] for r in g["rules"] if "record" in r}
+    recorded = {r["record"] for g in slo.rules([slo.Objective("m")])["groups"] + token_slo.rules()["groups"] for r in g["rules"] if "record" in r}
     doc = dashboard()
     assert len(doc["panels"]) == len(PANELS)
     for panel in doc["panels"]:

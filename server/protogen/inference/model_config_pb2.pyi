@@ -198,8 +198,35 @@ class ModelResponseCache(_message.Message):
     enable: bool
     def __init__(self, enable: _Optional[bool] = ...) -> None: ...
 
+class ModelOptimizationPolicy(_message.Message):
+    __slots__ = ("execution_accelerators",)
+    class ExecutionAccelerators(_message.Message):
+        __slots__ = ("gpu_execution_accelerator", "cpu_execution_accelerator")
+        class Accelerator(_message.Message):
+            __slots__ = ("name", "parameters")
+            class ParametersEntry(_message.Message):
+                __slots__ = ("key", "value")
+                KEY_FIELD_NUMBER: _ClassVar[int]
+                VALUE_FIELD_NUMBER: _ClassVar[int]
+                key: str
+                value: str
+                def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+            NAME_FIELD_NUMBER: _ClassVar[int]
+            PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+            name: str
+            parameters: _containers.ScalarMap[str, str]
+            def __init__(self, name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, str]] = ...) -> None: ...
+        GPU_EXECUTION_ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+        CPU_EXECUTION_ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+        gpu_execution_accelerator: _containers.RepeatedCompositeFieldContainer[ModelOptimizationPolicy.ExecutionAccelerators.Accelerator]
+        cpu_execution_accelerator: _containers.RepeatedCompositeFieldContainer[ModelOptimizationPolicy.ExecutionAccelerators.Accelerator]
+        def __init__(self, gpu_execution_accelerator: _Optional[_Iterable[_Union[ModelOptimizationPolicy.ExecutionAccelerators.Accelerator, _Mapping]]] = ..., cpu_execution_accelerator: _Optional[_Iterable[_Union[ModelOptimizationPolicy.ExecutionAccelerators.Accelerator, _Mapping]]] = ...) -> None: ...
+    EXECUTION_ACCELERATORS_FIELD_NUMBER: _ClassVar[int]
+    execution_accelerators: ModelOptimizationPolicy.ExecutionAccelerators
+    def __init__(self, execution_accelerators: _Optional[_Union[ModelOptimizationPolicy.ExecutionAccelerators, _Mapping]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "ensemble_scheduling", "parameters", "backend", "model_transaction_policy", "response_cache", "runtime")
+    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "dynamic_batching", "ensemble_scheduling", "optimization", "parameters", "backend", "model_transaction_policy", "response_cache", "runtime")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +244,7 @@ class ModelConfig(_message.Message):
     DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
     ENSEMBLE_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZATION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -232,9 +260,10 @@ class ModelConfig(_message.Message):
     default_model_filename: str
     dynamic_batching: ModelDynamicBatching
     ensemble_scheduling: ModelEnsembling
+    optimization: ModelOptimizationPolicy
     parameters: _containers.MessageMap[str, ModelParameter]
     backend: str
     model_transaction_policy: ModelTransactionPolicy
     response_cache: ModelResponseCache
     runtime: str
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., backend: _Optional[str] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ..., response_cache: _Optional[_Union[ModelResponseCache, _Mapping]] = ..., runtime: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., optimization: _Optional[_Union[ModelOptimizationPolicy, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., backend: _Optional[str] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ..., response_cache: _Optional[_Union[ModelResponseCache, _Mapping]] = ..., runtime: _Optional[str] = ...) -> None: ...

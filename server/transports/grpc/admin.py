@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
+from pathlib import Path
 
 from server.dataplane.dataplane import DataPlane
 from server.errors import InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
@@ -99,7 +101,33 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return self.registry, self.deployer
 
     async def RegisterModel(self, request, context):
-        principal = self._admin(context, "RegisterModel")
+        return await self._register(request, request.artifact, context, "RegisterModel")
+
+    async def RegisterModelStream(self, request_iterator, context):
+        """Spool the streamed artifact to a temporary file chunk by chunk, then register the file."""
+        self._admin(context, "RegisterModel")
+        self._control()
+        header = None
+        with tempfile.TemporaryDirectory(prefix="inferplane-upload-") as folder:
+            path = Path(folder) / "artifact"
+            with open(path, "wb") as spool:
+                async for chunk in request_iterator:
+                    if header is None:
+                        if not chunk.HasField("header"):
+                            raise InvalidRequest("the first RegisterModelChunk must carry the header (the registration)")
+                        header = chunk.header
+                    elif chunk.HasField("header"):
+                        raise InvalidRequest("only the first RegisterModelChunk carries a header")
+                    if chunk.data:
+                        await asyncio.to_thread(spool.write, chunk.data)
+            if header is None:
+                raise InvalidRequest("an empty RegisterModelStream: send the header, then the artifact's bytes")
+            if header.artifact:
+                raise InvalidRequest("RegisterModelStream sends the artifact as data chunks, not in the header")
+            return await self._register(header, path, context, "RegisterModel")
+
+    async def _register(self, request, artifact, context, method: str):
+        principal = self._admin(context, method)
         registry, _ = self._control()
         try:
             signature = json.loads(request.signature_json or "null")
@@ -109,7 +137,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         record, created = await asyncio.to_thread(
             registry.register,
             request.name,
-            request.artifact,
+            artifact,
             signature=signature,
             filename=request.filename,
             format=request.format or None,

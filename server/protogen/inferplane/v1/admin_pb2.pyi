@@ -201,6 +201,14 @@ class RegisterModelRequest(_message.Message):
     artifact_signature: str
     def __init__(self, name: _Optional[str] = ..., artifact: _Optional[bytes] = ..., filename: _Optional[str] = ..., format: _Optional[str] = ..., signature_json: _Optional[str] = ..., validation_npz: _Optional[bytes] = ..., companions: _Optional[_Mapping[str, bytes]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tags: _Optional[_Mapping[str, str]] = ..., hardware_json: _Optional[str] = ..., training_run: _Optional[str] = ..., dataset_version: _Optional[str] = ..., experiment: _Optional[str] = ..., parent: _Optional[str] = ..., owner_team: _Optional[str] = ..., description: _Optional[str] = ..., artifact_signature: _Optional[str] = ...) -> None: ...
 
+class RegisterModelChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: RegisterModelRequest
+    data: bytes
+    def __init__(self, header: _Optional[_Union[RegisterModelRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class RegisterModelResponse(_message.Message):
     __slots__ = ("version", "created")
     VERSION_FIELD_NUMBER: _ClassVar[int]

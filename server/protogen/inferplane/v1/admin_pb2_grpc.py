@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.FromString,
                 _registered_method=True)
+        self.RegisterModelStream = channel.stream_unary(
+                '/inferplane.v1.Admin/RegisterModelStream',
+                request_serializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelChunk.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.FromString,
+                _registered_method=True)
         self.ListRegisteredModels = channel.unary_unary(
                 '/inferplane.v1.Admin/ListRegisteredModels',
                 request_serializer=inferplane_dot_v1_dot_admin__pb2.ListRegisteredModelsRequest.SerializeToString,
@@ -133,6 +138,15 @@ class AdminServicer:
     def RegisterModel(self, request, context):
         """---- registry: immutable versions, content-addressed artifacts (safe formats only) ----
         Register an artifact as the next version of a model; identical bytes return the existing version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterModelStream(self, request_iterator, context):
+        """The same for an artifact of any size: the first message carries the registration (its
+        artifact empty), the following ones the artifact's bytes in order (chunks of up to a few MiB);
+        the frontend spools them to disk, never holding the whole artifact in memory.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -228,6 +242,11 @@ def add_AdminServicer_to_server(servicer, server):
             'RegisterModel': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterModel,
                     request_deserializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.SerializeToString,
+            ),
+            'RegisterModelStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.RegisterModelStream,
+                    request_deserializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelChunk.FromString,
                     response_serializer=inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.SerializeToString,
             ),
             'ListRegisteredModels': grpc.unary_unary_rpc_method_handler(
@@ -388,6 +407,33 @@ class Admin:
             target,
             '/inferplane.v1.Admin/RegisterModel',
             inferplane_dot_v1_dot_admin__pb2.RegisterModelRequest.SerializeToString,
+            inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterModelStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/inferplane.v1.Admin/RegisterModelStream',
+            inferplane_dot_v1_dot_admin__pb2.RegisterModelChunk.SerializeToString,
             inferplane_dot_v1_dot_admin__pb2.RegisterModelResponse.FromString,
             options,
             channel_credentials,
