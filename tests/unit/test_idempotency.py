@@ -2,11 +2,18 @@
 (``redis_url``: a real redis-server, tests/conftest.py)."""
 
 import asyncio
+import struct
 
 import pytest
 
-from server.errors import BackendError, IdempotencyKeyReused
+from server.dataplane.builder import build_dataplane
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency, body_digest, scoped
+from server.dataplane.metrics import Metrics
+from server.dataplane.signature import ModelSignature, TensorSpec
+from server.errors import BackendError, IdempotencyKeyReused
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.settings import Settings
+from server.tenancy.identity import CallContext, Gatekeeper, KeyEntry, KeyRing, Tenant, hash_key, new_key
 
 
 class Counter:
@@ -98,3 +105,62 @@ async def test_redis_store_ttl(redis_url):
         assert await store.run("ttl", d, fn) == b"answer-2"
     finally:
         await store.close()
+
+
+class _EchoTriton:
+    """Answers each call with its input bytes and a run number: two answers are told apart by both."""
+
+    target = "echo:1"
+
+    def __init__(self):
+        self.runs = 0
+
+    def batch_codec(self):
+        from server.dataplane.batch_codec import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload, timeout, request=None):
+        self.runs += 1
+        parsed = pb.ModelInferRequest.FromString(payload)
+        answer = pb.ModelInferResponse(model_name=parsed.model_name, id=f"run-{self.runs}")
+        answer.outputs.add(name="y", datatype="FP32", shape=[1, 4])
+        answer.raw_output_contents.append(parsed.raw_input_contents[0])
+        return answer.SerializeToString()
+
+    async def close(self):
+        pass
+
+
+def _infer_request(value: float) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(struct.pack("<4f", value, value, value, value))
+    return request
+
+
+async def test_the_same_idempotency_key_from_two_tenants_is_two_keys():
+    """acme and globex both send key "order-1" with different bodies: each gets the answer to its own
+    body, never the other's stored one (and neither is refused as a reused key)."""
+    ring = KeyRing(b"pepper")
+    keys = {name: new_key()[1] for name in ("acme", "globex")}
+    ring.load([Tenant(name) for name in keys], [KeyEntry(f"{name:8.8}", hash_key(key, b"pepper"), name) for name, key in keys.items()])
+    backend = _EchoTriton()
+    dp = build_dataplane(Settings(), backend, metrics=Metrics(), gate=Gatekeeper(ring))
+    dp._table.signatures["m"] = ModelSignature(  # noqa: SLF001 - what refresh() fills in from Triton
+        "m", 8, {"x": TensorSpec("x", "FP32", (4,))}, {"y": TensorSpec("y", "FP32", (4,))}, frozenset({"1"})
+    )
+
+    async def call(tenant: str, value: float) -> pb.ModelInferResponse:
+        ctx = CallContext(keys[tenant], idempotency_key="order-1")
+        return pb.ModelInferResponse.FromString(await dp.infer(_infer_request(value), ctx=ctx))
+
+    acme = await call("acme", 1.0)
+    globex = await call("globex", 2.0)
+    assert struct.unpack("<4f", acme.raw_output_contents[0]) == (1.0,) * 4
+    assert struct.unpack("<4f", globex.raw_output_contents[0]) == (2.0,) * 4
+    assert (acme.id, globex.id, backend.runs) == ("run-1", "run-2", 2)
+    # within one tenant the key still replays: no third run
+    assert (await call("acme", 1.0)).id == "run-1" and backend.runs == 2
+    with pytest.raises(IdempotencyKeyReused):
+        await call("globex", 3.0)

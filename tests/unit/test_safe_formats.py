@@ -218,3 +218,13 @@ def test_safetensors_whose_header_length_reads_as_a_tiny_pickle_is_still_safeten
     data = struct.pack("<Q", len(header)) + header + tensor.tobytes()
     assert data[:2] == b"N." and sf.is_pickle(data)
     assert sf.check_model(data, "model.safetensors") == sf.SAFETENSORS
+
+
+@pytest.mark.parametrize("filename", ["model.pkl", "model.pickle", "model.joblib", "model.pt", "model.pth", "model.ckpt", "model.sav", "model.dill", "model.cloudpickle", "MODEL.PKL"])
+def test_a_pickle_extension_is_refused_even_when_the_bytes_are_valid_onnx(filename):
+    """The name alone refuses: a loader picks its reader by extension, so `model.pkl` would be unpickled."""
+    data = _onnx()
+    assert sf.check_model(data, "model.onnx") == sf.ONNX  # the same bytes under a safe name pass
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.check_model(data, filename)
+    assert filename in err.value.message and "pickle" in err.value.message

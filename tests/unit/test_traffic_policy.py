@@ -494,3 +494,34 @@ def test_cli_parsers():
     for bad in (lambda: parse_duration("soon"), lambda: parse_ref("ranker"), lambda: parse_arm("x=y:1")):
         with pytest.raises(typer.BadParameter):
             bad()
+
+
+def test_each_canary_step_lasts_its_whole_interval(tmp_path):
+    """Steps [10, 50, 100] every 30 s: an advance restarts the step's clock, so 50 % holds for 30 s."""
+
+    async def run():
+        clock = Clock()
+        controller, dp, registry = _controller(tmp_path, clock)
+        await controller.set_canary("m", 2, steps=[10, 50, 100], interval_s=30, window_s=600, thresholds=LIMITS)
+        _traffic(dp, clock, 200)
+        clock.now += 30
+        await controller.analyze()
+        assert [a.weight for a in dp.router.splits["m"].arms] == [50, 50]
+        weights = []
+        for _ in range(5):  # 29.5 s more of passing traffic: still the 50 % step
+            clock.now += 5.9
+            _traffic(dp, clock, 10)
+            await controller.analyze()
+            weights.append([a.weight for a in dp.router.splits["m"].arms])
+        assert weights == [[50, 50]] * 5 and controller.policies[("m", "split")].state["step"] == 1
+        clock.now += 1
+        await controller.analyze()
+        assert [a.weight for a in dp.router.splits["m"].arms] == [0, 100]
+        assert controller.deployer.deployed == []  # 100 % is a step too: promoted only after it
+        clock.now += 30
+        await controller.analyze()
+        return controller, dp, registry
+
+    controller, dp, registry = asyncio.run(run())
+    assert controller.deployer.deployed == ["m:2"] and "m" not in dp.router.splits
+    assert [a[1] for a in registry.audits] == ["canary.start", "canary.step", "canary.step", "canary.promote"]

@@ -179,3 +179,17 @@ def test_the_engine_priority_parameter_is_the_frontends_not_the_callers():
     check_parameters(request, violations)
     assert {v.field for v in violations} == {f"parameters.{PRIORITY_PARAMETER}", "parameters.inferplane_anything"}
     assert all("set by the frontend" in v.description for v in violations)
+
+
+def _two_inputs(x_rows: int, s_rows: int) -> pb.ModelInferRequest:
+    req = _request(shape=(x_rows, 4))
+    req.inputs.add(name="s", datatype="BYTES", shape=[s_rows, 1])
+    req.raw_input_contents.append(serialize_bytes([b"a"] * s_rows))
+    return req
+
+
+def test_inputs_of_one_request_must_share_one_batch_size():
+    validate_infer_request(_two_inputs(2, 2), _signature())  # the same shape[0]: one batch of 2
+    violations = _violations(_two_inputs(2, 3))
+    assert [v.field for v in violations] == ["input 's' shape[0]"]
+    assert "batch size 3 differs from the other inputs' 2" in violations[0].description
