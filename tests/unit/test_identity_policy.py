@@ -4,6 +4,8 @@ logic, no store; the live cross-tenant matrix is tests/integration/test_tenancy.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import math
 
@@ -307,3 +309,108 @@ async def test_the_platforms_own_call_for_a_caller_is_not_limited_to_its_grants(
     call = await pipeline.open(CallContext(on_behalf=Principal("aaaaaaaa", ACME)), "churn")  # a safety classifier
     assert call.principal.tenant is ACME
     await pipeline.exit(call, None)
+
+
+# ---- the rest of identity's contract, as callers and operators see it ------------------------------
+
+
+def test_a_key_carries_32_random_bytes_and_its_secret_may_hold_underscores():
+    key_id, key = new_key()
+    assert len(key_id) == 8 and len(key) == len("ipk_") + 8 + 1 + 43  # token_urlsafe(32): 43 characters
+    assert key_id_of("ipk_0123abcd_se_cr_et") == "0123abcd"  # the id ends at the first underscore
+
+
+def test_a_key_that_is_not_utf8_hashes_and_is_simply_unknown():
+    ring, _, _ = _ring()
+    odd = "ipk_0123abcd_\udcff"  # aiohttp's decoding of a header that is not UTF-8
+    assert len(hash_key(odd, PEPPER)) == 64
+    with pytest.raises(Unauthenticated, match="^invalid API key$"):
+        ring.authenticate(odd)
+
+
+def test_the_open_tenant_is_named_and_teamed_anonymous_with_no_key_id():
+    principal = Gatekeeper(None, default_quota=Quota(rpm=2)).authenticate(None)
+    assert principal == Principal("", Tenant(ANONYMOUS, team=ANONYMOUS, quota=Quota(rpm=2)))
+
+
+def test_a_fresh_ring_knows_nobody():
+    ring = KeyRing(PEPPER)
+    assert (len(ring), ring.tenants, ring.loaded_at, ring.binds_certificates) == (0, {}, 0.0, False)
+    with pytest.raises(Unauthenticated, match="^invalid API key$"):
+        ring.authenticate(new_key()[1])
+    assert ring.authenticate_certificate(_certificate(SPIFFE)) is None
+
+
+def test_a_key_of_an_unknown_tenant_does_not_hide_the_keys_after_it():
+    ring = KeyRing(PEPPER)
+    _, stray = new_key()
+    _, key = new_key()
+    ring.load([ACME], [KeyEntry("ssssssss", hash_key(stray, PEPPER), "gone"), KeyEntry("aaaaaaaa", hash_key(key, PEPPER), "acme")])
+    assert ring.authenticate(key).tenant is ACME
+
+
+def test_the_key_ring_messages_read_exactly():
+    now = [0.0]
+    ring = KeyRing(PEPPER, clock=lambda: now[0])
+    _, key = new_key()
+    ring.load([ACME], [KeyEntry("aaaaaaaa", hash_key(key, PEPPER), "acme", expires_at=1.0)])
+    with pytest.raises(Unauthenticated) as missing:
+        ring.authenticate(None)
+    assert missing.value.message == "missing API key: send 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+    now[0] = 1.0
+    with pytest.raises(Unauthenticated) as expired:
+        ring.authenticate(key)
+    assert expired.value.message == "API key expired"
+
+
+def test_an_unbound_certificate_message_lists_every_identity_it_proves():
+    gate, _ = _cert_ring()
+    with pytest.raises(Unauthenticated) as err:
+        gate.authenticate(CallContext(peer=_certificate("spiffe://example.org/other", common_name="svc")))
+    assert err.value.message == (
+        "missing API key, and the client certificate (spiffe://example.org/other; CN=svc) is bound to no tenant: "
+        "send 'authorization: Bearer <key>' or bind the certificate (inferplane tenants bind)"
+    )
+    with pytest.raises(Unauthenticated) as err:
+        gate.authenticate(CallContext(peer=b"junk"))
+    assert "client certificate (unreadable) is bound" in err.value.message
+
+
+def test_a_model_quota_is_found_by_the_model_name():
+    tenant = Tenant("acme", model_quotas={"fraud": Quota(rpm=1)})
+    assert tenant.model_quota("fraud") == Quota(rpm=1) and tenant.model_quota("churn") is None
+
+
+def test_a_deadline_under_a_second_is_a_deadline():
+    assert CallContext.from_headers({"x-request-timeout": "0.25"}).timeout == 0.25
+    with pytest.raises(InvalidRequest) as err:
+        CallContext.from_headers({"x-request-timeout": "soon"})
+    assert err.value.message == "x-request-timeout: expected seconds > 0, got 'soon'"
+
+
+async def test_the_ring_is_reloaded_periodically_and_a_failing_store_keeps_the_old_keys(caplog):
+    ring, key_a, _ = _ring()
+    gate = Gatekeeper(ring)
+    _, fresh = new_key()
+    loads = []
+
+    def load():
+        loads.append(1)
+        if len(loads) == 1:
+            raise OSError("database away")
+        return [ACME], [KeyEntry("ffffffff", hash_key(fresh, PEPPER), "acme")]
+
+    task = asyncio.create_task(gate.refresh_forever(load, every_s=0))
+    try:
+        async def reloaded():
+            while len(ring) != 1 or len(loads) < 2:
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(reloaded(), timeout=30)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert ring.authenticate(fresh).key_id == "ffffffff"
+    failures = [r for r in caplog.records if r.name == "server.tenancy.identity"]
+    assert [r.getMessage() for r in failures] == ["refreshing API keys failed: database away"]
