@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import io
 import json
@@ -19,6 +20,7 @@ from server.control import safe_formats as sf
 from server.errors import InvalidRequest
 
 
+@functools.cache  # the same bytes every call: built once per process (the mutation pass forks after it)
 def _onnx() -> bytes:
     from onnx import TensorProto, helper
 
@@ -30,6 +32,7 @@ def _onnx() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
+@functools.cache
 def _xgboost(raw_format: str) -> bytes:
     import xgboost as xgb
 
@@ -38,6 +41,7 @@ def _xgboost(raw_format: str) -> bytes:
     return bytes(booster.save_raw(raw_format=raw_format))
 
 
+@functools.cache
 def _lightgbm() -> bytes:
     import lightgbm as lgb
 
