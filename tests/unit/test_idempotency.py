@@ -164,3 +164,30 @@ async def test_the_same_idempotency_key_from_two_tenants_is_two_keys():
     assert (await call("acme", 1.0)).id == "run-1" and backend.runs == 2
     with pytest.raises(IdempotencyKeyReused):
         await call("globex", 3.0)
+
+
+async def test_runs_and_replays_are_counted_one_each():
+    store = MemoryIdempotency()
+    assert (store.runs, store.replays) == (0, 0)
+    fn, d = Counter(), body_digest(b"x")
+    await store.run("k", d, fn)
+    assert (store.runs, store.replays) == (1, 0)
+    await store.run("k", d, fn)
+    await store.run("k", d, fn)
+    assert (store.runs, store.replays) == (1, 2)
+    with pytest.raises(IdempotencyKeyReused):
+        await store.run("k", body_digest(b"y"), fn)
+    assert (store.runs, store.replays) == (1, 2)  # a conflict is neither
+
+
+async def test_the_store_keeps_max_entries_answers_and_drops_the_oldest_beyond():
+    assert MemoryIdempotency().max_entries == 100_000  # the documented default bound
+    store = MemoryIdempotency(max_entries=2)
+    fn, d = Counter(), body_digest(b"x")
+    await store.run("a", d, fn)
+    await store.run("b", d, fn)
+    assert await store.run("b", d, fn) == b"answer-2"  # two entries: at the bound, none dropped
+    assert await store.run("a", d, fn) == b"answer-1" and fn.calls == 2
+    await store.run("c", d, fn)  # a third: the oldest goes at the next call
+    await store.run("c", d, fn)
+    assert await store.run("a", d, fn) == b"answer-4" and fn.calls == 4
