@@ -10,7 +10,7 @@ from server.dataplane.builder import build_dataplane
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency, body_digest, scoped
 from server.dataplane.metrics import Metrics
 from server.dataplane.signature import ModelSignature, TensorSpec
-from server.errors import BackendError, IdempotencyKeyReused
+from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, IdempotencyKeyReused
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.settings import Settings
 from server.tenancy.identity import CallContext, Gatekeeper, KeyEntry, KeyRing, Tenant, hash_key, new_key
@@ -191,3 +191,81 @@ async def test_the_store_keeps_max_entries_answers_and_drops_the_oldest_beyond()
     await store.run("c", d, fn)  # a third: the oldest goes at the next call
     await store.run("c", d, fn)
     assert await store.run("a", d, fn) == b"answer-4" and fn.calls == 4
+
+
+async def test_redis_runs_and_replays_are_counted_one_each(redis_url):
+    store = RedisIdempotency(redis_url)
+    try:
+        await store.client.flushdb()
+        assert (store.runs, store.replays) == (0, 0)
+        fn, d = Counter(), body_digest(b"x")
+        await store.run(scoped("t", "count"), d, fn)
+        await store.run(scoped("t", "count"), d, fn)
+        await store.run(scoped("t", "count"), d, fn)
+        assert (store.runs, store.replays) == (1, 2)
+    finally:
+        await store.close()
+
+
+async def test_redis_keeps_a_claim_then_the_answer_under_its_key_with_their_expiries(redis_url):
+    """``P`` + digest while running (expiring after claim_ttl_s, should the process die), then ``D`` + digest
+    + answer (expiring after ttl_s), under ``inferplane:idem:<tenant>\\0<key>``: what every frontend reads."""
+    store = RedisIdempotency(redis_url, ttl_s=10)
+    try:
+        await store.client.flushdb()
+        gate = asyncio.Event()
+
+        async def slow():
+            await gate.wait()
+            return b"done"
+
+        key, d = scoped("t", "ttl"), body_digest(b"x")
+        name = b"inferplane:idem:t\x00ttl"
+        task = asyncio.create_task(store.run(key, d, slow))
+        while await store.client.get(name) is None:
+            await asyncio.sleep(0.001)
+        assert await store.client.get(name) == b"P" + d
+        assert 0 < await store.client.pttl(name) <= 60_000  # the default claim_ttl_s
+        gate.set()
+        assert await task == b"done"
+        assert await store.client.get(name) == b"D" + d + b"done"
+        assert 0 < await store.client.pttl(name) <= 10_000
+    finally:
+        await store.close()
+
+
+async def test_redis_a_duplicate_waits_at_most_its_deadline_or_max_wait(redis_url):
+    """While the first request runs, a duplicate waits for its answer: past the caller's deadline it is
+    DEADLINE_EXCEEDED; past max_wait_s (a deadline beyond it, or none) UNAVAILABLE with a retry hint."""
+    first = RedisIdempotency(redis_url)
+    try:
+        await first.client.flushdb()
+        gate = asyncio.Event()
+
+        async def slow():
+            await gate.wait()
+            return b"done"
+
+        key, d = scoped("t", "wait"), body_digest(b"x")
+        task = asyncio.create_task(first.run(key, d, slow))
+        while await first.client.get(b"inferplane:idem:t\x00wait") is None:
+            await asyncio.sleep(0.001)
+        with pytest.raises(DeadlineExceeded) as late:
+            await first.run(key, d, Counter(), timeout=0.05)  # the default max_wait_s is 60 s: the deadline decides
+        assert late.value.message == "deadline exceeded waiting for the first request with this idempotency key"
+        short = RedisIdempotency(redis_url, max_wait_s=0.05)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                await short.run(key, d, Counter(), timeout=0.05)  # a deadline of exactly max_wait_s is the caller's
+            for timeout in (None, 10.0):
+                with pytest.raises(BackendUnavailable) as busy:
+                    await short.run(key, d, Counter(), timeout=timeout)
+                assert busy.value.message == "the first request with this idempotency key is still running"
+                assert busy.value.retry_after_s == 1.0
+        finally:
+            await short.close()
+        gate.set()
+        assert await task == b"done"
+        assert await first.run(key, d, Counter(), timeout=0.05) == b"done"
+    finally:
+        await first.close()
