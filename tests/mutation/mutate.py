@@ -124,12 +124,18 @@ def _toml(table: dict) -> str:
     return "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
 
 
-def run_module(module: str, tests: list[str], children: int) -> None:
+def run_module(module: str, tests: list[str], children: int, survivors_only: bool = False) -> None:
+    """One mutmut pass over the module; ``survivors_only``: retest just the mutants the last pass left alive."""
     work = _workdir(module, tests)
     mutmut = Path(sys.executable).with_name("mutmut")
+    names: list[str] = []
+    if survivors_only and (work / "mutants").exists():
+        names = [v.name for v in score_module(module, {}).survivors]
+        if not names:
+            return
     log = work / "mutmut.log"  # mutmut's progress spinner: kept out of the terminal, read it there when a run fails
     with log.open("w") as out:
-        done = subprocess.run(["nice", "-n", "10", str(mutmut), "run", "--max-children", str(children)], cwd=work, stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run(["nice", "-n", "10", str(mutmut), "run", "--max-children", str(children), *names], cwd=work, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"mutmut failed on {module} (exit {done.returncode}): see {log.relative_to(ROOT)}")
 
@@ -214,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("modules", nargs="*", help=f"dotted names (default: all of {', '.join(MODULES)})")
     parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
     parser.add_argument("--report-only", action="store_true", help="score the last runs without running mutmut")
+    parser.add_argument("--survivors", action="store_true", help="retest only the mutants the last run left alive (after adding tests)")
     parser.add_argument("--min-score", type=float, default=0.0, help="exit 1 when a module scores below this percent")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in modules:
         if not args.report_only:
             print(f"== {module} ({' '.join(MODULES[module])})", flush=True)
-            run_module(module, MODULES[module], args.children)
+            run_module(module, MODULES[module], args.children, args.survivors)
     ran = [m for m in MODULES if (WORK / m / "mutants").exists()]
     scores = [score_module(m, equivalents) for m in ran]
     write_report(scores)
