@@ -295,3 +295,16 @@ async def test_the_snapshot_reports_every_counter():
         "rejected": 1, "shed": 0, "pushed_out": 0, "batch_inflight": 0, "batch_waiting": 0, "batch_admitted": 0,
     }  # fmt: skip
     _cancel({"A": tasks})
+
+
+async def test_a_waiter_cancelled_after_its_grant_leaves_the_counts_straight():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q.try_acquire()
+    t = asyncio.create_task(q.acquire("A"))
+    await _settle()
+    q.release(None)
+    t.cancel()
+    await asyncio.gather(t, return_exceptions=True)
+    assert (q.size, q.inflight) == (0, 0)
+    await q.acquire("A")  # the queue is usable as before
+    assert q.inflight == 1
