@@ -70,10 +70,11 @@ class Score:
     survivors: list[Survivor] = field(default_factory=list)
     equivalent: list[Survivor] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)  # listed equivalents whose diff no longer matches
+    unchecked: int = 0  # mutants the last run did not get to (interrupted): in no count
 
     @property
     def counted(self) -> int:
-        return self.total - len(self.equivalent)
+        return self.total - len(self.equivalent) - self.unchecked
 
     @property
     def percent(self) -> float:
@@ -154,6 +155,9 @@ def score_module(module: str, equivalents: dict[str, dict]) -> Score:
         for name, code in sorted(data.exit_code_by_key.items()):
             status = status_by_exit_code[code]
             score.total += 1
+            if status == "not checked":
+                score.unchecked += 1
+                continue
             if status in KILLED:
                 score.killed += 1
                 continue
@@ -181,6 +185,7 @@ def write_report(scores: list[Score], out: Path = REPORT) -> None:
             "killed": s.killed,
             "equivalent": len(s.equivalent),
             "survived": len(s.survivors),
+            "not_checked": s.unchecked,
             "score_percent": round(s.percent, 1),
             "survivors": [{"mutant": v.name, "status": v.status, "diff": v.diff} for v in s.survivors],
             "equivalents": [{"mutant": v.name, "reason": v.reason, "diff": v.diff} for v in s.equivalent],
@@ -193,13 +198,14 @@ def write_report(scores: list[Score], out: Path = REPORT) -> None:
         "# Mutation testing: survivors per module",
         "",
         "Written by `make mutate` (`tests/mutation/mutate.py`, mutmut, unit tests only). Score = killed /",
-        "(mutants - equivalent); an equivalent mutant is listed with the reason it cannot change behaviour.",
+        "(mutants - equivalent - not checked); an equivalent mutant is listed with the reason it cannot change",
+        "behaviour; \"not checked\": the last run was stopped before it got to them (they are in no count).",
         "",
-        "| module | mutants | killed | equivalent | survived | score |",
-        "|---|---|---|---|---|---|",
+        "| module | mutants | killed | equivalent | survived | not checked | score |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| `{s.module}` | {s.total} | {s.killed} | {len(s.equivalent)} | {len(s.survivors)} | {s.percent:.1f} % |"
+        f"| `{s.module}` | {s.total} | {s.killed} | {len(s.equivalent)} | {len(s.survivors)} | {s.unchecked} | {s.percent:.1f} % |"
         for s in scores
     ]
     for s in scores:
@@ -235,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ran = [m for m in MODULES if (WORK / m / "mutants").exists()]
     scores = [score_module(m, equivalents) for m in ran]
     write_report(scores)
-    print(f"\n{'module':40} {'mutants':>8} {'killed':>7} {'equiv':>6} {'survived':>9} {'score':>7}")
+    print(f"\n{'module':40} {'mutants':>8} {'killed':>7} {'equiv':>6} {'survived':>9} {'unchecked':>10} {'score':>7}")
     for s in scores:
-        print(f"{s.module:40} {s.total:8} {s.killed:7} {len(s.equivalent):6} {len(s.survivors):9} {s.percent:6.1f}%")
+        print(f"{s.module:40} {s.total:8} {s.killed:7} {len(s.equivalent):6} {len(s.survivors):9} {s.unchecked:10} {s.percent:6.1f}%")
     print(f"\nreport: {(REPORT / 'report.md').relative_to(ROOT)}")
     low = [s.module for s in scores if s.module in modules and s.percent < args.min_score]
     if low:
