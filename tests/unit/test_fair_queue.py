@@ -308,3 +308,44 @@ async def test_a_waiter_cancelled_after_its_grant_leaves_the_counts_straight():
     assert (q.size, q.inflight) == (0, 0)
     await q.acquire("A")  # the queue is usable as before
     assert q.inflight == 1
+
+
+async def test_deadline_shedding_reads_exactly_and_admits_a_deadline_met_to_the_millisecond():
+    q = FairQueue("m", AdmissionPolicy(slots=1, queue_rounds=100, initial_service_s=0.1))
+    q.try_acquire()
+    order: list[str] = []
+    tasks = await _enqueue(q, order, "A", 3)
+    with pytest.raises(DeadlineUnmeetable) as err:
+        await q.acquire("A", timeout=0.25)
+    assert err.value.message == "model 'm' cannot answer within the deadline: ~500.0 ms expected, 250.0 ms left"
+    assert q.shed == 1
+    met = await _arrive_with(q, "A", timeout=0.5)  # 3 ahead + itself, 100 ms each, and its own 100 ms: exactly 500 ms
+    assert q.shed == 1 and q.size == 4 and not met.done()
+    _cancel({"A": tasks + [met]})
+
+
+async def test_a_deadline_passing_in_the_queue_is_counted_as_shed():
+    q = FairQueue("m", AdmissionPolicy(slots=1))
+    q.try_acquire()
+    with pytest.raises(DeadlineUnmeetable) as err:
+        await q.acquire("A", timeout=0.01)
+    assert err.value.message == "deadline exceeded waiting for model 'm'" and (q.shed, q.size) == (1, 0)
+    with pytest.raises(DeadlineUnmeetable):
+        await q.acquire_batch("job", timeout=0.01)
+    assert q.shed == 1  # a batch request's wait is not a real-time deadline missed
+
+
+async def test_the_default_weight_is_one_and_the_service_time_is_a_moving_average():
+    q = FairQueue("m", AdmissionPolicy(slots=1, queue_rounds=100, ewma_alpha=0.05))
+    q.try_acquire()
+    order: list[str] = []
+    tasks = await _enqueue(q, order, "A", 3)  # the default weight
+    tasks += await _enqueue(q, order, "B", 3, weight=1.0)
+    q.release(0.02)
+    await _settle()
+    q.release(0.04)
+    await _settle()
+    assert q.service_s == pytest.approx(0.95 * 0.02 + 0.05 * 0.04)
+    await _serve(q, order, 4)
+    assert order == ["A0", "B0", "A1", "B1", "A2", "B2"]
+    await asyncio.gather(*tasks)
