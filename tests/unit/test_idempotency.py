@@ -207,23 +207,29 @@ async def test_redis_runs_and_replays_are_counted_one_each(redis_url):
         await store.close()
 
 
+async def _running_first(store, key: str, digest: bytes, name: bytes):
+    """Start a first request that runs until the returned event is set; return once its claim is in Redis."""
+    gate = asyncio.Event()
+
+    async def slow():
+        await gate.wait()
+        return b"done"
+
+    task = asyncio.create_task(store.run(key, digest, slow))
+    while await store.client.get(name) is None:
+        await asyncio.sleep(0.001)
+    return task, gate
+
+
 async def test_redis_keeps_a_claim_then_the_answer_under_its_key_with_their_expiries(redis_url):
     """``P`` + digest while running (expiring after claim_ttl_s, should the process die), then ``D`` + digest
     + answer (expiring after ttl_s), under ``inferplane:idem:<tenant>\\0<key>``: what every frontend reads."""
     store = RedisIdempotency(redis_url, ttl_s=10)
     try:
         await store.client.flushdb()
-        gate = asyncio.Event()
-
-        async def slow():
-            await gate.wait()
-            return b"done"
-
         key, d = scoped("t", "ttl"), body_digest(b"x")
         name = b"inferplane:idem:t\x00ttl"
-        task = asyncio.create_task(store.run(key, d, slow))
-        while await store.client.get(name) is None:
-            await asyncio.sleep(0.001)
+        task, gate = await _running_first(store, key, d, name)
         assert await store.client.get(name) == b"P" + d
         assert 0 < await store.client.pttl(name) <= 60_000  # the default claim_ttl_s
         gate.set()
@@ -240,16 +246,8 @@ async def test_redis_a_duplicate_waits_at_most_its_deadline_or_max_wait(redis_ur
     first = RedisIdempotency(redis_url)
     try:
         await first.client.flushdb()
-        gate = asyncio.Event()
-
-        async def slow():
-            await gate.wait()
-            return b"done"
-
         key, d = scoped("t", "wait"), body_digest(b"x")
-        task = asyncio.create_task(first.run(key, d, slow))
-        while await first.client.get(b"inferplane:idem:t\x00wait") is None:
-            await asyncio.sleep(0.001)
+        task, gate = await _running_first(first, key, d, b"inferplane:idem:t\x00wait")
         with pytest.raises(DeadlineExceeded) as late:
             await first.run(key, d, Counter(), timeout=0.05)  # the default max_wait_s is 60 s: the deadline decides
         assert late.value.message == "deadline exceeded waiting for the first request with this idempotency key"
