@@ -392,3 +392,8 @@ def test_parameters_are_checked_as_part_of_the_request():
     req = _request()
     req.parameters["inferplane_priority"].int64_param = 0
     assert [v.field for v in _violations(req)] == ["parameters.inferplane_priority"]
+
+
+def test_each_text_element_is_checked_on_its_own_bytes():
+    """The element ends where its length says: the next element's length prefix (200 = 0xc8, not UTF-8 alone) is not part of it."""
+    validate_infer_request(_t(("text", "BYTES", (2, 1), serialize_bytes([b"ok", b"x" * 200]))), _text_signature())
