@@ -178,6 +178,8 @@ async def test_runs_and_replays_are_counted_one_each():
     with pytest.raises(IdempotencyKeyReused):
         await store.run("k", body_digest(b"y"), fn)
     assert (store.runs, store.replays) == (1, 2)  # a conflict is neither
+    await store.run("k2", d, fn)
+    assert store.runs == 2
 
 
 async def test_the_store_keeps_max_entries_answers_and_drops_the_oldest_beyond():
@@ -203,6 +205,8 @@ async def test_redis_runs_and_replays_are_counted_one_each(redis_url):
         await store.run(scoped("t", "count"), d, fn)
         await store.run(scoped("t", "count"), d, fn)
         assert (store.runs, store.replays) == (1, 2)
+        await store.run(scoped("t", "other"), d, fn)
+        assert store.runs == 2
     finally:
         await store.close()
 
@@ -224,14 +228,15 @@ async def _running_first(store, key: str, digest: bytes, name: bytes):
 async def test_redis_keeps_a_claim_then_the_answer_under_its_key_with_their_expiries(redis_url):
     """``P`` + digest while running (expiring after claim_ttl_s, should the process die), then ``D`` + digest
     + answer (expiring after ttl_s), under ``inferplane:idem:<tenant>\\0<key>``: what every frontend reads."""
-    store = RedisIdempotency(redis_url, ttl_s=10)
+    assert RedisIdempotency(redis_url).claim_ttl_ms == 60_000  # the default claim outlives a slow answer by far
+    store = RedisIdempotency(redis_url, ttl_s=10, claim_ttl_s=1000)
     try:
         await store.client.flushdb()
         key, d = scoped("t", "ttl"), body_digest(b"x")
         name = b"inferplane:idem:t\x00ttl"
         task, gate = await _running_first(store, key, d, name)
         assert await store.client.get(name) == b"P" + d
-        assert 0 < await store.client.pttl(name) <= 60_000  # the default claim_ttl_s
+        assert 0 < await store.client.pttl(name) <= 1_000_000  # claim_ttl_s, in milliseconds
         gate.set()
         assert await task == b"done"
         assert await store.client.get(name) == b"D" + d + b"done"
