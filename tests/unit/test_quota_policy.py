@@ -356,3 +356,10 @@ async def test_a_zero_rate_never_refills():
     policy = QuotaPolicy(Clock())
     await policy.admit("a", "m", Quota(rps=0))
     assert (await _refused(policy, "a", "m", Quota(rps=0))).retry_after_s == float("inf")
+
+
+async def test_any_positive_token_level_admits():
+    policy = QuotaPolicy(Clock())
+    q = Quota(tpm=60)
+    await policy.release(await policy.admit("a", "m", q), tokens=60 - 5e-10)  # a sliver of a token left
+    await policy.release(await policy.admit("a", "m", q))
