@@ -41,7 +41,7 @@ async def test_free_slots_admit_at_once_without_waiting():
     assert q.try_acquire() and q.try_acquire() and not q.try_acquire()
     q.release(0.01)
     await q.acquire("a")  # returns immediately
-    assert q.inflight == 2 and q.size == 0
+    assert q.inflight == 2 and q.size == 0 and q.admitted == 3
 
 
 async def test_a_flooding_tenant_waits_behind_itself():
@@ -206,6 +206,9 @@ async def test_an_arrival_at_its_fair_share_pushes_nobody_out():
     with pytest.raises(QueueFull) as err:
         await q.acquire("B")  # B would hold 3 of 5 against A's 2: not under its share
     assert err.value.message == "model 'm' is saturated (4 requests waiting)" and q.pushed_out == 0 and q.rejected == 1
+    with pytest.raises(QueueFull):
+        await q.acquire("B")
+    assert q.rejected == 2
     q2, tasks2 = await _full({"A": (2, 1.0), "B": (1, 1.0), "C": (1, 1.0)}, bound=4)
     with pytest.raises(QueueFull):
         await q2.acquire("B")  # 2 and 2: equal, A is not over B's share
@@ -318,9 +321,11 @@ async def test_deadline_shedding_reads_exactly_and_admits_a_deadline_met_to_the_
     with pytest.raises(DeadlineUnmeetable) as err:
         await q.acquire("A", timeout=0.25)
     assert err.value.message == "model 'm' cannot answer within the deadline: ~500.0 ms expected, 250.0 ms left"
-    assert q.shed == 1
+    with pytest.raises(DeadlineUnmeetable):
+        await q.acquire("A", timeout=0.45)  # 400 ms of waiting fits, but not with its own 100 ms of service
+    assert q.shed == 2
     met = await _arrive_with(q, "A", timeout=0.5)  # 3 ahead + itself, 100 ms each, and its own 100 ms: exactly 500 ms
-    assert q.shed == 1 and q.size == 4 and not met.done()
+    assert q.shed == 2 and q.size == 4 and not met.done()
     _cancel({"A": tasks + [met]})
 
 
