@@ -20,6 +20,7 @@ from batching.autoscale_policy import (
     ScalingConfig,
     SeasonalProfile,
     decide,
+    recommend,
 )
 
 TICK = 1.0
@@ -218,8 +219,6 @@ def test_profile_knows_nothing_before_it_saw_a_slot():
 
 
 # ---- every decision's reason, the config's checks and the seasonal history (the mutation pass) ----------
-
-from batching.autoscale_policy import Observation, PolicyState, ScalingConfig, SeasonalProfile, decide, recommend  # noqa: E402
 
 
 def _decisions(config, steps, replicas):

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from batching.fair_queue import AdmissionPolicy, FairQueue, QueueFull
+from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
 
 
 async def _settle():
@@ -106,8 +106,6 @@ async def test_batch_queue_is_bounded():
 
 
 # ---- counts, bounds and order of the batch class (the mutation pass of fair_queue.py) ---------------
-
-from batching.fair_queue import DeadlineUnmeetable  # noqa: E402
 
 
 async def _batch_waiters(q, order, tenant, n, **kwargs):

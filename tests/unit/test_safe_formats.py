@@ -15,6 +15,7 @@ import zlib
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from server.control import safe_formats as sf
 from server.errors import InvalidRequest
@@ -235,8 +236,6 @@ def test_a_pickle_extension_is_refused_even_when_the_bytes_are_valid_onnx(filena
 
 
 # ---- the edges of each check (the mutation pass of safe_formats.py) --------------------------------
-
-from onnx import TensorProto, helper  # noqa: E402
 
 
 def _onnx_model(ir_version=8, nodes=1, outputs=1, graph=True) -> bytes:

@@ -22,6 +22,7 @@ from server.dataplane.traffic_policy import (
     CanaryPlan,
     CanaryThresholds,
     SmoothWeighted,
+    Verdict,
     WindowStats,
     canary_action,
     canary_arms,
@@ -529,10 +530,6 @@ def test_each_canary_step_lasts_its_whole_interval(tmp_path):
 
 # ---- the pure policy's exact answers (the mutation pass of traffic_policy.py) --------------------------
 
-from server.dataplane.traffic_policy import (  # noqa: E402
-    CanaryPlan, CanaryThresholds, SmoothWeighted, Verdict, WindowStats, canary_action, canary_arms, canary_verdict, check_arms,
-    percentile, unit_hash,
-)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from server.dataplane.codecs import bytes_element_count, serialize_bytes, to_num
 from server.errors import InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2 as mc
-from server.dataplane.signature import ModelSignature
-from server.dataplane.validation import validate_infer_request
+from server.dataplane.signature import ModelSignature, TensorSpec
+from server.dataplane.validation import check_parameters, validate_infer_request
 
 
 def _signature(max_batch=8):
@@ -196,9 +196,6 @@ def test_inputs_of_one_request_must_share_one_batch_size():
 
 
 # ---- every violation says exactly what was wrong (the caller reads these; the mutation pass checks them) ----
-
-from server.dataplane.signature import TensorSpec  # noqa: E402
-from server.dataplane.validation import check_parameters  # noqa: E402
 
 
 def _text_signature(max_batch=4):
