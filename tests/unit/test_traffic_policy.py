@@ -643,3 +643,23 @@ def test_a_step_advances_once_its_interval_has_passed_and_the_last_one_promotes(
     assert canary_action(plan, 1, 100.0, 130.0, passing) == "promote"
     assert canary_action(plan, 1, 100.0, 500.0, waiting) == "hold"
     assert canary_action(plan, 0, 100.0, 100.0, failing) == "rollback"
+
+
+def test_sticky_assignment_is_the_same_in_every_release():
+    """Moving a caller between arms mid-experiment spoils it: the assignment of these keys is pinned."""
+    arms = [Arm("stable", "1", 50), Arm("canary", "2", 50)]
+    assert "".join(sticky_arm(f"user-{i}", arms).name[0] for i in range(16)) == "scssscssscsscccc"
+
+
+def test_verdict_limits_are_exceeded_only_past_them():
+    t = CanaryThresholds(min_samples=10, max_error_rate=1.0, max_error_increase=0.25, max_p99_s=1.0, max_p99_ratio=2.0, p99_slack_s=0.375)
+    assert canary_verdict(WindowStats(100, 50, 1.0), WindowStats(100, 25, 0.5), t).decision == "pass"  # +0.25 errors, p99 at 1 s, 2x
+    assert canary_verdict(WindowStats(100, 0, 0.5), WindowStats(100, 0, 0.125), t).decision == "pass"  # 4x, but only the slack more
+    waiting = canary_verdict(WindowStats(5), WindowStats(), t)
+    assert waiting.numbers["canary_requests"] == 5.0 and waiting.numbers["stable_p99_ms"] == 0.0
+
+
+def test_small_steps_and_a_single_arm_are_valid():
+    assert CanaryPlan((0.5, 1, 100)).steps == (0.5, 1, 100)
+    rr = SmoothWeighted([Arm("only", "1", 1)])
+    assert [rr.next().name for _ in range(3)] == ["only"] * 3
