@@ -13,7 +13,7 @@ REPO ?= var/model_repository
 ARGS ?=
 FUZZ_ARGS ?=
 
-.PHONY: setup provision serve cluster test models proto bench clean
+.PHONY: setup provision serve cluster test models proto bench clean mutate
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,12 @@ test: setup provision
 	$(BIN)/python -m pytest --ignore=tests/fuzz $(ARGS)
 	INFERPLANE_TRITON_MODE=in-process $(BIN)/python -m pytest $(INPROCESS_SUITES)
 	$(BIN)/python -m pytest -m fuzz tests/fuzz $(FUZZ_ARGS)
+
+# mutation testing: each module of tests/mutation/mutate.py against its unit tests (survivors and the score per
+# module in benchmarks/mutation/); MUTATE_ARGS names modules or sets --min-score (TESTING.md)
+MUTATE_ARGS ?= --min-score 90
+mutate: $(STAMP)
+	$(BIN)/python tests/mutation/mutate.py $(MUTATE_ARGS)
 
 proto: setup
 	$(BIN)/python proto/generate.py

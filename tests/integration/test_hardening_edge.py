@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from google.rpc import error_details_pb2, status_pb2
+from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
+from server.control import safe_formats
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc, generate_pb2
 from tests.stack_health import assert_healthy, baseline, valid_request
@@ -314,3 +316,33 @@ def test_malformed_http_gets_the_json_error_shape(stack, data):
     assert error["code"] == "INVALID_ARGUMENT" and error["message"].startswith("malformed HTTP request"), error
     status, _, _ = _http(stack, "GET", "/v2/health/ready")
     assert status == 200
+
+
+def _valid_onnx() -> bytes:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["features"], ["y"])], "g",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, [None, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16])],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("filename", ["model.pkl", "model.pt", "model.joblib"])
+def test_valid_onnx_bytes_under_a_pickle_name_are_refused_at_register_and_never_deployable(stack, filename):
+    """The name alone refuses: a loader that picks its reader by extension would unpickle `model.pkl`."""
+    data = _valid_onnx()
+    assert safe_formats.detect_format(data) == safe_formats.ONNX  # the bytes themselves are a valid ONNX model
+    name = "renamed_" + filename.split(".")[1]
+    signature = {"inputs": [{"name": "features", "datatype": "FP32", "dims": [16]}], "outputs": [{"name": "y", "datatype": "FP32", "dims": [16]}]}
+    with grpc.insecure_channel(stack.grpc) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        request = admin_pb2.RegisterModelRequest(name=name, artifact=data, filename=filename, signature_json=json.dumps(signature))
+        with pytest.raises(grpc.RpcError) as err:
+            admin.RegisterModel(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"refusing {filename}" in err.value.details() and "pickle" in err.value.details(), err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            admin.Deploy(admin_pb2.DeployRequest(ref=name), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+        listed = admin.ListRegisteredModels(admin_pb2.ListRegisteredModelsRequest(), timeout=30)
+        assert name not in {m.name for m in listed.models}

@@ -511,3 +511,28 @@ def test_typed_apis_show_and_answer_only_granted_models(tenancy, tmp_path):
         "inferplane.models.fraud_xgboost.v1.FraudXgboostService", "inferplane.models.mlp_classifier.v1.MlpClassifierService",
     }  # fmt: skip
     assert listed(None) == set()
+
+
+def test_two_tenants_sending_one_idempotency_key_each_get_their_own_answer(tenancy):
+    """Keys are scoped by tenant: beta's "shared-order" is not idem's, so beta never receives idem's
+    stored answer (a cross-tenant read) nor a refusal for a body idem sent (a cross-tenant probe)."""
+    model = "lightgbm_regressor"
+    for transport in ("grpc", "rest"):
+        key = f"shared-order-{transport}"
+        answers = {}
+        for tenant, rows in (("idem", 2), ("beta", 3), ("idem", 2)):
+            if transport == "grpc":
+                code, out, _ = _grpc(tenancy, "ModelInfer", _infer_request(tenancy.repository, model, rows), tenancy.keys[tenant], (("idempotency-key", key),))
+                assert code == grpc.StatusCode.OK, out
+                answer = pb.ModelInferResponse.FromString(out)
+                got = (answer.outputs[0].shape[0], np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).tolist())
+            else:
+                headers = {**_bearer(tenancy.keys[tenant]), "Idempotency-Key": key, "Content-Type": "application/json"}
+                status, _, body = _http(tenancy, "POST", f"/v2/models/{model}/infer", _rest_infer_body(tenancy.repository, model, rows), headers)
+                assert status == 200, body
+                output = json.loads(body)["outputs"][0]
+                got = (output["shape"][0], [float(v) for v in output["data"]])
+            assert got[0] == rows, (transport, tenant, got)  # the answer to this tenant's own body
+            answers.setdefault(tenant, []).append(got)
+        assert answers["idem"][0] == answers["idem"][1]  # within a tenant the key still replays
+        assert answers["beta"][0] != answers["idem"][0]

@@ -23,6 +23,7 @@ from batching.autoscale_policy import (
     ScalingConfig,
     SeasonalProfile,
     decide,
+    recommend,
 )
 
 TICK = 1.0
@@ -242,3 +243,107 @@ def test_profile_knows_nothing_before_it_saw_a_slot():
     assert profile.means[1] == pytest.approx(2.0)
     with pytest.raises(ValueError):
         SeasonalProfile(period_s=10, slot_s=3)
+
+
+# ---- every decision's reason, the config's checks and the seasonal history (the mutation pass) ----------
+
+
+def _decisions(config, steps, replicas):
+    state = PolicyState.start(replicas, 0.0)
+    out = []
+    for now, *obs in steps:
+        decision, state = decide(config, state, Observation(now, *obs))
+        out.append((decision.replicas, decision.action, decision.reason))
+    return out
+
+
+def test_each_decision_says_why_in_full():
+    config = ScalingConfig(
+        min_replicas=0, max_replicas=6, target=10, scale_to_zero_after_s=100, up_cooldown_s=5, down_cooldown_s=20,
+        scale_down_window_s=30, max_step_up=2,
+    )  # fmt: skip
+    steps = [(0, 25), (1, 60), (10, 60), (11, 60), (50, 5), (70, 5), (100, 0), (250, 0), (251, 0), (252, 3), (253, 0, None, True)]
+    assert _decisions(config, steps, replicas=1) == [
+        (3, "up", "load 25 > 1 x 10"),
+        (3, "hold", "load 60 > 3 x 10; up cooldown (5s) not over"),
+        (5, "up", "load 60 > 3 x 10"),
+        (5, "hold", "load 60 > 5 x 10; up cooldown (5s) not over"),
+        (4, "down", "highest recommendation in the last 30s is 1"),
+        (3, "down", "highest recommendation in the last 30s is 1"),
+        (2, "down", "highest recommendation in the last 30s is 1"),
+        (0, "zero", "no load for 180s (scale to zero after 100s)"),
+        (0, "hold", "idle at zero replicas"),
+        (1, "wake", "load 3 at zero replicas: wake to 1"),
+        (1, "hold", "recommendation 0 not yet stable for 30s"),
+    ]
+
+
+def test_a_held_request_wakes_a_sleeping_endpoint_and_the_bounds_are_named():
+    config = ScalingConfig(min_replicas=0, max_replicas=6, target=10, scale_to_zero_after_s=100, max_step_up=2)
+    assert _decisions(config, [(1, 0, None, True)], replicas=0) == [(1, "wake", "load 0 and a held request at zero replicas: wake to 1")]
+    assert _decisions(config, [(1, 200)], replicas=5) == [(6, "up", "load 200 > 5 x 10; bounded to [1, 6]")]
+
+
+def test_a_forecast_scales_ahead_and_says_so():
+    config = ScalingConfig(min_replicas=1, max_replicas=8, target=10)
+    decision, _ = decide(config, PolicyState.start(1, 0.0), Observation(1, 5, 35))
+    assert (decision.replicas, decision.action, decision.reason) == (4, "up", "load 5 > 1 x 10 (forecast 35)")
+    assert decision.inputs == {
+        "load": 5, "forecast": 35, "target": 10, "signal": "inflight", "per_replica": 5.0, "reactive": 1, "predictive": 4,
+        "recommendation": 4, "demand": False, "idle_s": None, "up_recommendation": 4, "down_recommendation": 4,
+    }  # fmt: skip
+    assert recommend(ScalingConfig(max_replicas=9, target=10), 2, 22, None) == (3, 3, None)
+    assert recommend(ScalingConfig(max_replicas=9, target=10), 2, 23, 45) == (5, 3, 5)
+    assert recommend(ScalingConfig(max_replicas=9, target=10, predictive=False), 2, 0, 45) == (0, 0, None)
+
+
+def test_a_config_lists_every_problem_at_once():
+    with pytest.raises(ValueError) as err:
+        ScalingConfig(
+            min_replicas=-1, max_replicas=0, target=0, signal="x", unit="y", tolerance=1, scale_up_window_s=-1, max_step_up=0,
+            scale_to_zero_after_s=0, cold_start_budget_s=0,
+        )  # fmt: skip
+    assert str(err.value) == (
+        "min_replicas must be >= 0 (got -1); max_replicas must be >= max(1, min_replicas) (got 0, min -1); "
+        "target must be a positive number (got 0); unit must be one of replicas, instances (got 'y'); "
+        "signal must be one of inflight, queue, qps, tokens_per_s, triton_queue_ms (got 'x'); tolerance must be in [0, 1) (got 1); "
+        "scale_up_window_s must be >= 0 (got -1); max_step_up and max_step_down must be >= 1; "
+        "scale_to_zero_after_s must be > 0 (got 0); cold_start_budget_s must be > 0 (got 0)"
+    )
+    with pytest.raises(ValueError, match="^unknown autoscaling field\\(s\\): alpha, bogus$"):
+        ScalingConfig.from_dict({"max_replicas": 2, "bogus": 1, "alpha": 2})
+    config = ScalingConfig(min_replicas=2, max_replicas=8, target=3.0, unit="instances")
+    assert ScalingConfig.from_dict(config.as_dict()) == config
+    assert (config.floor, ScalingConfig(min_replicas=0, max_replicas=2).floor, ScalingConfig(min_replicas=0, max_replicas=2, scale_to_zero_after_s=5).floor) == (2, 0, 1)
+
+
+def test_the_seasonal_history_folds_each_finished_slot_with_its_weight():
+    profile = SeasonalProfile(period_s=4, slot_s=1, alpha=0.5)
+    for t, value in [(0.1, 10), (0.5, 20), (1.2, 30), (2.5, 40), (4.1, 50), (5.0, 60)]:
+        profile.observe(t, value)
+    assert profile.means == [32.5, 30.0, 40.0, None]  # slot 0: 15 then 50, half and half
+    assert profile.last == [50.0, 30.0, 40.0, None]
+    assert profile.forecast(0.5) == 32.5 and profile.forecast(1.0) == 31.25 and profile.forecast(3.9) is None
+    assert profile.table()[0] == {"slot": 0, "forecast": 32.5, "last": 50.0}
+    seeded = SeasonalProfile(period_s=4, slot_s=1)
+    seeded.seed([(0.2, 8), (1.3, 4)])
+    assert seeded.means == [8.0, 4.0, None, None]
+    assert seeded.forecast(0.6) == pytest.approx(7.6) and seeded.forecast(1.8) == 4.0 and seeded.forecast(2.2) is None
+    assert seeded.forecast(3.8) is None and seeded.forecast(4.2) == 8.0
+    assert SeasonalProfile().slots == 168  # hour of week
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"period_s": 0}, "period_s must be a positive whole multiple of slot_s"),
+        ({"slot_s": 0}, "period_s must be a positive whole multiple of slot_s"),
+        ({"period_s": 5, "slot_s": 2}, "period_s must be a positive whole multiple of slot_s"),
+        ({"alpha": 0}, "alpha must be in \\(0, 1\\]"),
+        ({"alpha": 1.5}, "alpha must be in \\(0, 1\\]"),
+    ],
+)
+def test_a_seasonal_profile_refuses_a_bad_shape(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        SeasonalProfile(**kwargs)
+    SeasonalProfile(alpha=1)

@@ -1,9 +1,11 @@
 """Circuit breaker: consecutive failures open, open refuses with a hint, half-open probes close."""
 
+import asyncio
+
 import pytest
 
-from server.dataplane.circuit_breaker import CLOSED, HALF_OPEN, OPEN, BreakerPolicy, BreakerSet, CircuitBreaker
-from server.errors import BackendUnavailable, Cancelled, InvalidRequest
+from server.dataplane.circuit_breaker import CLOSED, HALF_OPEN, OPEN, BreakerPolicy, BreakerSet, CircuitBreaker, counts_as_failure
+from server.errors import BackendError, BackendUnavailable, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 
 
 class Clock:
@@ -94,3 +96,74 @@ def test_one_breaker_per_replica():
     breakers["a"].record(BackendUnavailable("x"))
     breakers["b"].before()
     assert breakers.states() == {"a": OPEN, "b": CLOSED}
+
+
+# ---- the rest of the contract (the mutation pass of circuit_breaker.py) ----------------------------
+
+
+def test_the_default_policy_opens_after_five_failures_for_two_seconds_with_one_probe():
+    clock = Clock()
+    b = CircuitBreaker("t", clock=clock)
+    _fail(b, 4)
+    assert b.state == CLOSED
+    _fail(b, 1)
+    assert (b.state, b.opened_count) == (OPEN, 1)
+    clock.t += 1.999
+    with pytest.raises(BackendUnavailable) as err:
+        b.before()
+    assert err.value.message == "Triton replica t is failing; circuit open"
+    clock.t += 0.001  # exactly open_s later: the probe goes
+    b.before()
+    assert b.state == HALF_OPEN
+    with pytest.raises(BackendUnavailable) as err:
+        b.before()
+    assert err.value.message == "Triton replica t is being probed; circuit half-open" and err.value.retry_after_s == 0.1
+
+
+def test_a_closed_circuit_counts_failures_from_zero_again():
+    b, clock = _breaker(threshold=3)
+    _fail(b, 3)
+    clock.t += 2.0
+    b.before()
+    b.record(None)
+    assert (b.state, b.failures) == (CLOSED, 0)
+    _fail(b, 2)
+    assert b.state == CLOSED  # two of three: the failures before the opening are forgotten
+    _fail(b, 1)
+    assert (b.state, b.opened_count) == (OPEN, 2)
+
+
+def test_a_neutral_end_gives_back_only_a_probe_slot_that_was_taken():
+    b, clock = _breaker(threshold=1, probes=2)
+    _fail(b, 1)
+    clock.t += 2.0
+    b.before()
+    b.neutral()
+    b.neutral()  # a second neutral end frees nothing more: still two probes, not three
+    b.before()
+    b.before()
+    with pytest.raises(BackendUnavailable):
+        b.before()
+
+
+@pytest.mark.parametrize(
+    ("err", "counts"),
+    [
+        (BackendUnavailable("down"), True), (BackendError("boom"), True), (DeadlineExceeded("slow"), True),
+        (RuntimeError("bug"), True), (OSError("reset"), True),
+        (InferplaneError("generic"), False), (InvalidRequest("bad"), False), (Cancelled("gone"), False),
+        (KeyboardInterrupt(), False), (SystemExit(), False), (GeneratorExit(), False), (asyncio.CancelledError(), False),
+    ],
+)  # fmt: skip
+def test_only_errors_that_say_the_replica_is_sick_count(err, counts):
+    assert counts_as_failure(err) is counts
+
+
+def test_a_breaker_set_hands_out_one_breaker_per_replica_on_its_clock():
+    clock = Clock()
+    breakers = BreakerSet(BreakerPolicy(failure_threshold=1, open_s=5.0), clock)
+    assert breakers["a"] is breakers["a"] and breakers["a"].name == "a"
+    _fail(breakers["a"], 1)
+    clock.t += 5.0
+    breakers["a"].before()
+    assert breakers.states() == {"a": HALF_OPEN}

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from batching.fair_queue import AdmissionPolicy, FairQueue, QueueFull
+from batching.fair_queue import AdmissionPolicy, DeadlineUnmeetable, FairQueue, QueueFull
 
 
 async def _settle():
@@ -103,3 +103,141 @@ async def test_batch_queue_is_bounded():
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- counts, bounds and order of the batch class (the mutation pass of fair_queue.py) ---------------
+
+
+async def _batch_waiters(q, order, tenant, n, **kwargs):
+    tasks = [_start(q.acquire_batch(tenant, **kwargs), order, f"{tenant}{i}") for i in range(n)]
+    await _settle()
+    return tasks
+
+
+async def _release_batch(q, n):
+    for _ in range(n):
+        q.release(None, batch=True)
+        await _settle()
+
+
+async def test_batch_admissions_are_counted_one_each_on_both_paths():
+    q = FairQueue("m", AdmissionPolicy(slots=2, batch_share=1.0))
+    assert q.try_acquire_batch() and q.batch_admitted == 1
+    assert q.try_acquire_batch() and q.batch_admitted == 2
+    order: list[str] = []
+    tasks = await _batch_waiters(q, order, "job", 2)
+    await _release_batch(q, 2)
+    assert q.batch_admitted == 4 and (q.inflight, q.batch_inflight) == (2, 2)
+    await asyncio.gather(*tasks)
+
+
+async def test_a_full_batch_queue_names_its_size_and_hints_the_drain_time():
+    q = FairQueue("m", AdmissionPolicy(slots=2, batch_share=0.5, max_queue=2))
+    assert q.try_acquire_batch()  # the one batch slot
+    order: list[str] = []
+    tasks = await _batch_waiters(q, order, "job", 2)
+    with pytest.raises(QueueFull) as err:
+        await q.acquire_batch("job")
+    assert err.value.message == "model 'm' has 2 batch requests waiting" and err.value.retry_after_s == 0.001  # nothing measured yet
+    q.release(0.01, batch=True)  # 10 ms per request measured; it grants the next waiter
+    await _settle()
+    tasks += await _batch_waiters(q, order, "job", 1)
+    with pytest.raises(QueueFull) as err:
+        await q.acquire_batch("job")
+    assert err.value.retry_after_s == pytest.approx(0.01)  # 2 waiting x 10 ms over 2 slots
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_batch_grants_stop_at_the_free_slots_and_at_the_batch_share():
+    q = FairQueue("m", AdmissionPolicy(slots=2, batch_share=1.0))
+    assert q.try_acquire() and q.try_acquire()
+    order: list[str] = []
+    tasks = await _batch_waiters(q, order, "job", 3)
+    q.release(None)
+    await _settle()
+    assert (q.inflight, q.batch_inflight, order) == (2, 1, ["job0"])  # one slot freed: one grant
+    q2 = FairQueue("m", AdmissionPolicy(slots=4, batch_share=0.25))
+    for _ in range(4):
+        q2.try_acquire()
+    tasks2 = await _batch_waiters(q2, [], "job", 2)
+    q2.release(None)
+    q2.release(None)
+    await _settle()
+    assert (q2.inflight, q2.batch_inflight) == (3, 1)  # the batch share is one slot: the other stays free
+    for t in tasks + tasks2:
+        t.cancel()
+    await asyncio.gather(*tasks, *tasks2, return_exceptions=True)
+
+
+async def test_two_batch_grants_at_once_are_both_counted():
+    q = FairQueue("m", AdmissionPolicy(slots=4, batch_share=0.5))
+    for _ in range(4):
+        q.try_acquire()
+    order: list[str] = []
+    tasks = await _batch_waiters(q, order, "job", 3)
+    q.resize(6)  # two more slots: both go to batch waiters, the share (3) is not yet reached
+    await _settle()
+    assert q.batch_inflight == 2 and len(order) == 2
+    q.release(None)
+    await _settle()
+    assert q.batch_inflight == 3 and len(order) == 3
+    await asyncio.gather(*tasks)
+
+
+async def test_batch_tenants_share_by_weight_and_the_default_weight_is_one():
+    q = FairQueue("m", AdmissionPolicy(slots=1, batch_share=1.0))
+    assert q.try_acquire_batch()
+    order: list[str] = []
+    tasks = await _batch_waiters(q, order, "A", 4)  # the default weight
+    tasks += await _batch_waiters(q, order, "B", 2, weight=1.0)
+    await _release_batch(q, 6)
+    assert order == ["A0", "B0", "A1", "B1", "A2", "A3"]
+    q2 = FairQueue("m", AdmissionPolicy(slots=1, batch_share=1.0))
+    assert q2.try_acquire_batch()
+    order2: list[str] = []
+    tasks += await _batch_waiters(q2, order2, "A", 4, weight=2.0)
+    tasks += await _batch_waiters(q2, order2, "B", 2, weight=1.0)
+    await _release_batch(q2, 6)
+    assert order2 == ["A0", "A1", "B0", "A2", "A3", "B1"]  # A at twice B's weight: two turns to one
+    await asyncio.gather(*tasks)
+
+
+async def test_a_cancelled_batch_waiter_is_skipped_and_the_next_granted():
+    q = FairQueue("m", AdmissionPolicy(slots=1, batch_share=1.0))
+    assert q.try_acquire_batch()
+    order: list[str] = []
+    tasks = await _batch_waiters(q, order, "job", 2)
+    tasks[0].cancel()
+    await _settle()
+    assert q.batch_size == 1
+    await _release_batch(q, 1)
+    assert order == ["job1"] and q.batch_size == 0
+    q.release(None, batch=True)
+    q.try_acquire()  # a real-time request holds the slot: the next batch request must wait in the emptied queue
+    late = _start(q.acquire_batch("late"), order, "late")
+    await _settle()
+    q.release(None)
+    await _settle()
+    assert order[-1] == "late"  # after the batch queue emptied, a waiting batch request still works
+    await asyncio.gather(*tasks[1:], late)
+
+
+async def test_a_batch_waiter_leaves_at_its_deadline():
+    q = FairQueue("m", AdmissionPolicy(slots=1, batch_share=1.0))
+    assert q.try_acquire()
+    with pytest.raises(DeadlineUnmeetable) as err:
+        await q.acquire_batch("job", timeout=0.01)
+    assert err.value.message == "deadline exceeded waiting for model 'm' (batch)" and q.batch_size == 0
+
+
+async def test_a_batch_waiter_cancelled_after_its_grant_leaves_the_counts_straight():
+    q = FairQueue("m", AdmissionPolicy(slots=1, batch_share=1.0))
+    assert q.try_acquire()
+    task = asyncio.create_task(q.acquire_batch("job"))
+    await _settle()
+    q.release(None)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert (q.batch_size, q.inflight, q.batch_inflight) == (0, 0, 0)

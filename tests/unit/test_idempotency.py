@@ -2,11 +2,18 @@
 (``redis_url``: a real redis-server, tests/conftest.py)."""
 
 import asyncio
+import struct
 
 import pytest
 
-from server.errors import BackendError, IdempotencyKeyReused
+from server.dataplane.builder import build_dataplane
 from server.dataplane.idempotency import MemoryIdempotency, RedisIdempotency, body_digest, scoped
+from server.dataplane.metrics import Metrics
+from server.dataplane.signature import ModelSignature, TensorSpec
+from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, IdempotencyKeyReused
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.settings import Settings
+from server.tenancy.identity import CallContext, Gatekeeper, KeyEntry, KeyRing, Tenant, hash_key, new_key
 
 
 class Counter:
@@ -98,3 +105,170 @@ async def test_redis_store_ttl(redis_url):
         assert await store.run("ttl", d, fn) == b"answer-2"
     finally:
         await store.close()
+
+
+class _EchoTriton:
+    """Answers each call with its input bytes and a run number: two answers are told apart by both."""
+
+    target = "echo:1"
+
+    def __init__(self):
+        self.runs = 0
+
+    def batch_codec(self):
+        from server.dataplane.batch_codec import CODEC
+
+        return CODEC
+
+    async def send_batch(self, payload, timeout, request=None):
+        self.runs += 1
+        parsed = pb.ModelInferRequest.FromString(payload)
+        answer = pb.ModelInferResponse(model_name=parsed.model_name, id=f"run-{self.runs}")
+        answer.outputs.add(name="y", datatype="FP32", shape=[1, 4])
+        answer.raw_output_contents.append(parsed.raw_input_contents[0])
+        return answer.SerializeToString()
+
+    async def close(self):
+        pass
+
+
+def _infer_request(value: float) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(struct.pack("<4f", value, value, value, value))
+    return request
+
+
+async def test_the_same_idempotency_key_from_two_tenants_is_two_keys():
+    """acme and globex both send key "order-1" with different bodies: each gets the answer to its own
+    body, never the other's stored one (and neither is refused as a reused key)."""
+    ring = KeyRing(b"pepper")
+    keys = {name: new_key()[1] for name in ("acme", "globex")}
+    ring.load([Tenant(name) for name in keys], [KeyEntry(f"{name:8.8}", hash_key(key, b"pepper"), name) for name, key in keys.items()])
+    backend = _EchoTriton()
+    dp = build_dataplane(Settings(), backend, metrics=Metrics(), gate=Gatekeeper(ring))
+    dp._table.signatures["m"] = ModelSignature(  # noqa: SLF001 - what refresh() fills in from Triton
+        "m", 8, {"x": TensorSpec("x", "FP32", (4,))}, {"y": TensorSpec("y", "FP32", (4,))}, frozenset({"1"})
+    )
+
+    async def call(tenant: str, value: float) -> pb.ModelInferResponse:
+        ctx = CallContext(keys[tenant], idempotency_key="order-1")
+        return pb.ModelInferResponse.FromString(await dp.infer(_infer_request(value), ctx=ctx))
+
+    acme = await call("acme", 1.0)
+    globex = await call("globex", 2.0)
+    assert struct.unpack("<4f", acme.raw_output_contents[0]) == (1.0,) * 4
+    assert struct.unpack("<4f", globex.raw_output_contents[0]) == (2.0,) * 4
+    assert (acme.id, globex.id, backend.runs) == ("run-1", "run-2", 2)
+    # within one tenant the key still replays: no third run
+    assert (await call("acme", 1.0)).id == "run-1" and backend.runs == 2
+    with pytest.raises(IdempotencyKeyReused):
+        await call("globex", 3.0)
+
+
+async def test_runs_and_replays_are_counted_one_each():
+    store = MemoryIdempotency()
+    assert (store.runs, store.replays) == (0, 0)
+    fn, d = Counter(), body_digest(b"x")
+    await store.run("k", d, fn)
+    assert (store.runs, store.replays) == (1, 0)
+    await store.run("k", d, fn)
+    await store.run("k", d, fn)
+    assert (store.runs, store.replays) == (1, 2)
+    with pytest.raises(IdempotencyKeyReused):
+        await store.run("k", body_digest(b"y"), fn)
+    assert (store.runs, store.replays) == (1, 2)  # a conflict is neither
+    await store.run("k2", d, fn)
+    assert store.runs == 2
+
+
+async def test_the_store_keeps_max_entries_answers_and_drops_the_oldest_beyond():
+    assert MemoryIdempotency().max_entries == 100_000  # the documented default bound
+    store = MemoryIdempotency(max_entries=2)
+    fn, d = Counter(), body_digest(b"x")
+    await store.run("a", d, fn)
+    await store.run("b", d, fn)
+    assert await store.run("b", d, fn) == b"answer-2"  # two entries: at the bound, none dropped
+    assert await store.run("a", d, fn) == b"answer-1" and fn.calls == 2
+    await store.run("c", d, fn)  # a third: the oldest goes at the next call
+    await store.run("c", d, fn)
+    assert await store.run("a", d, fn) == b"answer-4" and fn.calls == 4
+
+
+async def test_redis_runs_and_replays_are_counted_one_each(redis_url):
+    store = RedisIdempotency(redis_url)
+    try:
+        await store.client.flushdb()
+        assert (store.runs, store.replays) == (0, 0)
+        fn, d = Counter(), body_digest(b"x")
+        await store.run(scoped("t", "count"), d, fn)
+        await store.run(scoped("t", "count"), d, fn)
+        await store.run(scoped("t", "count"), d, fn)
+        assert (store.runs, store.replays) == (1, 2)
+        await store.run(scoped("t", "other"), d, fn)
+        assert store.runs == 2
+    finally:
+        await store.close()
+
+
+async def _running_first(store, key: str, digest: bytes, name: bytes):
+    """Start a first request that runs until the returned event is set; return once its claim is in Redis."""
+    gate = asyncio.Event()
+
+    async def slow():
+        await gate.wait()
+        return b"done"
+
+    task = asyncio.create_task(store.run(key, digest, slow))
+    while await store.client.get(name) is None:
+        await asyncio.sleep(0.001)
+    return task, gate
+
+
+async def test_redis_keeps_a_claim_then_the_answer_under_its_key_with_their_expiries(redis_url):
+    """``P`` + digest while running (expiring after claim_ttl_s, should the process die), then ``D`` + digest
+    + answer (expiring after ttl_s), under ``inferplane:idem:<tenant>\\0<key>``: what every frontend reads."""
+    assert RedisIdempotency(redis_url).claim_ttl_ms == 60_000  # the default claim outlives a slow answer by far
+    store = RedisIdempotency(redis_url, ttl_s=10, claim_ttl_s=1000)
+    try:
+        await store.client.flushdb()
+        key, d = scoped("t", "ttl"), body_digest(b"x")
+        name = b"inferplane:idem:t\x00ttl"
+        task, gate = await _running_first(store, key, d, name)
+        assert await store.client.get(name) == b"P" + d
+        assert 0 < await store.client.pttl(name) <= 1_000_000  # claim_ttl_s, in milliseconds
+        gate.set()
+        assert await task == b"done"
+        assert await store.client.get(name) == b"D" + d + b"done"
+        assert 0 < await store.client.pttl(name) <= 10_000
+    finally:
+        await store.close()
+
+
+async def test_redis_a_duplicate_waits_at_most_its_deadline_or_max_wait(redis_url):
+    """While the first request runs, a duplicate waits for its answer: past the caller's deadline it is
+    DEADLINE_EXCEEDED; past max_wait_s (a deadline beyond it, or none) UNAVAILABLE with a retry hint."""
+    first = RedisIdempotency(redis_url)
+    try:
+        await first.client.flushdb()
+        key, d = scoped("t", "wait"), body_digest(b"x")
+        task, gate = await _running_first(first, key, d, b"inferplane:idem:t\x00wait")
+        with pytest.raises(DeadlineExceeded) as late:
+            await first.run(key, d, Counter(), timeout=0.05)  # the default max_wait_s is 60 s: the deadline decides
+        assert late.value.message == "deadline exceeded waiting for the first request with this idempotency key"
+        short = RedisIdempotency(redis_url, max_wait_s=0.05)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                await short.run(key, d, Counter(), timeout=0.05)  # a deadline of exactly max_wait_s is the caller's
+            for timeout in (None, 10.0):
+                with pytest.raises(BackendUnavailable) as busy:
+                    await short.run(key, d, Counter(), timeout=timeout)
+                assert busy.value.message == "the first request with this idempotency key is still running"
+                assert busy.value.retry_after_s == 1.0
+        finally:
+            await short.close()
+        gate.set()
+        assert await task == b"done"
+        assert await first.run(key, d, Counter(), timeout=0.05) == b"done"
+    finally:
+        await first.close()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.control.placement import DEFAULT_MEMORY_BYTES, Demand, memory_need, place
+from server.control.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, memory_need, place
 
 MB = 1 << 20
 
@@ -72,3 +73,48 @@ def test_every_copy_is_placed_once_per_replica_without_overcommitting(demands, c
         for model in models:
             if model in wanted and wanted[model].copies >= sum(1 for r in start.values() if model in r):
                 assert model in plan.assignment[replica]
+
+
+# ---- exact plans (the mutation pass of placement.py) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hardware", "need"),
+    [
+        ({"memory_bytes": 1000}, 1000),
+        ({"memory_mb": 2}, 2 << 20),
+        ({"memory_mb": 0.5}, 1 << 19),
+        ({"memory_gb": 1.5}, 3 << 29),
+        ({"memory_gib": 2}, 2 << 30),
+        ({"memory_bytes": 7, "memory_gb": 1}, 7),  # the most precise key wins
+        ({"memory_mb": 0}, DEFAULT_MEMORY_BYTES),
+        ({"memory_mb": -1}, DEFAULT_MEMORY_BYTES),
+        ({"memory_gb": True}, DEFAULT_MEMORY_BYTES),
+        ({"memory_gb": "2"}, DEFAULT_MEMORY_BYTES),
+        (None, DEFAULT_MEMORY_BYTES),
+    ],
+)
+def test_memory_need_reads_each_key_with_its_unit(hardware, need):
+    assert memory_need(hardware) == need
+
+
+def test_the_largest_model_is_placed_first():
+    plan = place({"a": Demand(1, 3), "z": Demand(1, 8)}, {}, capacity=10)
+    assert plan.assignment == {"local-0": {"z"}, "local-1": {"a"}} and plan.opened == ["local-0", "local-1"]
+    tie = place({"b": Demand(1, 6), "a": Demand(1, 6)}, {}, capacity=10)
+    assert tie.assignment == {"local-0": {"a"}, "local-1": {"b"}}  # equal sizes: by name
+
+
+def test_new_replicas_get_ids_no_replica_has():
+    plan = place({"m": Demand(4, 5)}, {"local-0": {"m"}, "local-2": {"m"}}, capacity=5)
+    assert plan.opened == ["local-3", "local-4"] and plan.replicas_of("m") == ["local-0", "local-2", "local-3", "local-4"]
+
+
+def test_a_copy_that_fills_a_replica_exactly_is_not_oversized():
+    assert place({"m": Demand(1, 10)}, {}, capacity=10).oversized == []
+    assert place({"m": Demand(1, 11)}, {}, capacity=10).oversized == ["m"]
+
+
+def test_a_replica_the_plan_does_not_know_uses_nothing():
+    assert Plan({}).used({"m": Demand(1, 5)}, "local-9") == 0
+    assert Plan({"r": {"m", "gone"}}).used({"m": Demand(1, 5)}, "r") == 5

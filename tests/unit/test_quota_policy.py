@@ -284,3 +284,82 @@ def test_quota_dict_round_trip():
     q = Quota(rps=1.5, tpm=1000, concurrency=4)
     assert Quota.from_dict(q.to_dict()) == q
     assert Quota.from_dict(None).unlimited
+
+
+# ---- the in-process policy's edges (the mutation pass of quota_policy.py) ---------------------------------
+
+
+async def _refused(policy, *args) -> Overloaded:
+    with pytest.raises(Overloaded) as err:
+        await policy.admit(*args)
+    return err.value
+
+
+async def test_refusals_are_counted_one_each():
+    policy = QuotaPolicy(Clock())
+    assert policy.refused == 0
+    await policy.admit("a", "m", Quota(rps=1))
+    for n in (1, 2):
+        await _refused(policy, "a", "m", Quota(rps=1))
+        assert policy.refused == n
+
+
+async def test_requests_in_flight_are_counted_per_tenant_and_per_model():
+    policy = QuotaPolicy(Clock())
+    assert policy.inflight("a") == 0 and policy.inflight("a", "m") == 0
+    ticket = await policy.admit("a", "m", Quota(concurrency=5), Quota(concurrency=5))
+    await policy.admit("a", "other", Quota(concurrency=5))
+    assert (policy.inflight("a"), policy.inflight("a", "m"), policy.inflight("a", "other"), policy.inflight("b")) == (2, 1, 0, 0)
+    await policy.release(ticket)
+    assert (policy.inflight("a"), policy.inflight("a", "m")) == (1, 0)
+
+
+async def test_on_a_tie_the_tenants_own_limit_is_named():
+    policy = QuotaPolicy(Clock())
+    await policy.admit("a", "m", Quota(rps=1), Quota(rps=1))
+    assert (await _refused(policy, "a", "m", Quota(rps=1), Quota(rps=1))).message == "tenant 'a': quota of 1 requests/s exceeded"
+    both_full = QuotaPolicy(Clock())
+    await both_full.admit("a", "m", Quota(concurrency=1), Quota(concurrency=1))
+    err = await _refused(both_full, "a", "m", Quota(concurrency=1), Quota(concurrency=1))
+    assert err.message == "tenant 'a': 1 concurrent requests in flight" and err.retry_after_s == 0.05
+
+
+async def test_a_token_bucket_blocks_at_zero_and_admits_with_any_tokens_left():
+    clock = Clock()
+    policy = QuotaPolicy(clock)
+    q = Quota(tpm=60)
+    await policy.release(await policy.admit("a", "m", q), tokens=59.5)
+    await policy.release(await policy.admit("a", "m", q), tokens=0.5)  # 0.5 left: admitted, now exactly 0
+    err = await _refused(policy, "a", "m", q)
+    assert err.message == "tenant 'a': quota of 60 tokens/min exceeded" and err.retry_after_s == pytest.approx(1e-9)
+    clock.t += 1.0  # one token refilled
+    await policy.release(await policy.admit("a", "m", q))
+
+
+async def test_token_debt_on_both_scopes_names_the_tenant():
+    policy = QuotaPolicy(Clock())
+    q = Quota(tpm=60)
+    await policy.release(await policy.admit("a", "m", q, q), tokens=61)
+    err = await _refused(policy, "a", "m", q, q)
+    assert err.message == "tenant 'a': quota of 60 tokens/min exceeded" and err.retry_after_s == pytest.approx(1.0)
+
+
+async def test_a_release_without_tokens_charges_none_and_a_scope_without_a_token_limit_ignores_them():
+    policy = QuotaPolicy(Clock())
+    for _ in range(3):
+        await policy.release(await policy.admit("a", "m", Quota(tpm=1)))  # no tokens used: never in debt
+    await policy.release(await policy.admit("a", "m", Quota(rps=100)), tokens=5)
+    assert policy.inflight("a") == 0
+
+
+async def test_a_zero_rate_never_refills():
+    policy = QuotaPolicy(Clock())
+    await policy.admit("a", "m", Quota(rps=0))
+    assert (await _refused(policy, "a", "m", Quota(rps=0))).retry_after_s == float("inf")
+
+
+async def test_any_positive_token_level_admits():
+    policy = QuotaPolicy(Clock())
+    q = Quota(tpm=60)
+    await policy.release(await policy.admit("a", "m", q), tokens=60 - 5e-10)  # a sliver of a token left
+    await policy.release(await policy.admit("a", "m", q))

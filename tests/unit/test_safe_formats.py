@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import io
 import json
@@ -14,11 +15,13 @@ import zlib
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from server.control import safe_formats as sf
 from server.errors import InvalidRequest
 
 
+@functools.cache  # the same bytes every call: built once per process (the mutation pass forks after it)
 def _onnx() -> bytes:
     from onnx import TensorProto, helper
 
@@ -30,6 +33,7 @@ def _onnx() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
+@functools.cache
 def _xgboost(raw_format: str) -> bytes:
     import xgboost as xgb
 
@@ -38,6 +42,7 @@ def _xgboost(raw_format: str) -> bytes:
     return bytes(booster.save_raw(raw_format=raw_format))
 
 
+@functools.cache
 def _lightgbm() -> bytes:
     import lightgbm as lgb
 
@@ -218,3 +223,137 @@ def test_safetensors_whose_header_length_reads_as_a_tiny_pickle_is_still_safeten
     data = struct.pack("<Q", len(header)) + header + tensor.tobytes()
     assert data[:2] == b"N." and sf.is_pickle(data)
     assert sf.check_model(data, "model.safetensors") == sf.SAFETENSORS
+
+
+@pytest.mark.parametrize("filename", ["model.pkl", "model.pickle", "model.joblib", "model.pt", "model.pth", "model.ckpt", "model.sav", "model.dill", "model.cloudpickle", "MODEL.PKL"])
+def test_a_pickle_extension_is_refused_even_when_the_bytes_are_valid_onnx(filename):
+    """The name alone refuses: a loader picks its reader by extension, so `model.pkl` would be unpickled."""
+    data = _onnx()
+    assert sf.check_model(data, "model.onnx") == sf.ONNX  # the same bytes under a safe name pass
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.check_model(data, filename)
+    assert filename in err.value.message and "pickle" in err.value.message
+
+
+# ---- the edges of each check (the mutation pass of safe_formats.py) --------------------------------
+
+
+def _onnx_model(ir_version=8, nodes=1, outputs=1, graph=True) -> bytes:
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Relu", ["x"], ["y"])][:nodes], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])][:outputs],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )  # fmt: skip
+    model.ir_version = ir_version
+    if not graph:
+        model.ClearField("graph")
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("case", "data"),
+    [
+        ("ir_version 1", _onnx_model(ir_version=1)),
+        ("nodes, no output", _onnx_model(outputs=0)),
+        ("an output, no node", _onnx_model(nodes=0)),
+    ],
+)
+def test_an_onnx_model_needs_a_version_a_graph_and_something_in_it(case, data):
+    assert sf.detect_format(data) == sf.ONNX, case
+
+
+@pytest.mark.parametrize(
+    ("case", "data"),
+    [
+        ("ir_version 0", _onnx_model(ir_version=0)),
+        ("no graph", _onnx_model(graph=False)),
+        ("an empty graph", _onnx_model(nodes=0, outputs=0)),
+    ],
+)
+def test_protobuf_that_is_not_a_usable_onnx_model_is_refused(case, data):
+    with pytest.raises(sf.UnsafeArtifact, match="not a recognised safe format"):
+        sf.detect_format(data)
+
+
+def test_a_plan_header_of_exactly_24_bytes_is_a_plan():
+    assert sf.detect_format(b"ptrt" + bytes(20)) == sf.TENSORRT_PLAN
+    with pytest.raises(sf.UnsafeArtifact):
+        sf.detect_format(b"ptrt" + bytes(19))
+
+
+def test_a_stream_cut_short_is_a_pickle_only_with_two_opcodes_of_evidence():
+    assert sf.is_pickle(b"\x80\x04B\x10\x00")  # PROTO, then BINBYTES cut inside its length
+    assert sf.is_pickle(b"\x80\x04N\xff")  # two whole opcodes before an unknown byte at the very end
+    assert not sf.is_pickle(b"\x80")  # one opcode byte alone is no evidence
+    assert not sf.is_pickle(b"B\x10")
+    assert not sf.is_pickle(b"N\xff")
+
+
+def _zip(*members: tuple[str, bytes], directory: str = "") -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        if directory:
+            zf.writestr(zipfile.ZipInfo(directory), b"")
+        for name, data in members:
+            zf.writestr(name, data)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "member"),
+    [
+        (_zip(("archive/DATA.PKL", b"not even a pickle")), "archive/DATA.PKL"),  # by name, any case
+        (_zip(("model/state.pickle", b"x")), "model/state.pickle"),
+        (_zip(("archive/version", b"3\n"), ("archive/weights", pickle.dumps([1, 2], protocol=2))), "archive/weights"),  # by content
+    ],
+)
+def test_a_zip_holding_a_pickle_names_the_member(data, member):
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.check_model(data, "model.bin")
+    assert f"holding the pickle '{member}'" in err.value.message
+
+
+def test_a_zip_without_a_pickle_is_still_not_a_model():
+    with pytest.raises(sf.UnsafeArtifact, match="zip archives are not a model format"):
+        sf.check_model(_zip(("archive/version", b"3\n"), ("archive/empty", b""), directory="archive/sub/"), "model.bin")
+
+
+TORCH_ADVICE = "export the network to ONNX (torch.onnx.export) or save its weights with safetensors (safetensors.torch.save_file)"
+XGB_ADVICE = "save the booster as XGBoost JSON or UBJ (booster.save_model('model.json'))"
+LGB_ADVICE = "save the booster as LightGBM text (booster.save_model('model.txt'))"
+SKL_ADVICE = "convert the estimator to ONNX (skl2onnx.to_onnx) or use XGBoost JSON / LightGBM text"
+
+
+@pytest.mark.parametrize(
+    ("filename", "hint", "advice"),
+    [
+        ("model.pt", "", TORCH_ADVICE),
+        ("", "a PyTorch checkpoint (pickle)", TORCH_ADVICE),
+        ("", "a zip archive holding the pickle 'archive/data.pkl'", TORCH_ADVICE),
+        ("best.ckpt", "", TORCH_ADVICE),
+        ("weights.bin", "", TORCH_ADVICE),
+        ("MODEL.PT", "", TORCH_ADVICE),
+        ("xgb_model.pkl", "", XGB_ADVICE),
+        ("my_xgboost.sav", "", XGB_ADVICE),
+        ("lgb.pkl", "", LGB_ADVICE),
+        ("lightgbm_model.pkl", "", LGB_ADVICE),
+        ("model.joblib", "", SKL_ADVICE),
+        ("sklearn_pipeline.pkl", "", SKL_ADVICE),
+        ("model.pkl", "", f"save the model as {sf.SAFE_LIST}"),
+    ],
+)
+def test_the_advice_fits_what_the_file_looks_like(filename, hint, advice):
+    assert sf.alternative(filename, hint) == advice
+    assert sf.alternative() == f"save the model as {sf.SAFE_LIST}"
+
+
+def test_a_companion_is_checked_under_its_own_name_and_named_when_refused():
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.check_companion(_onnx(), "tokenizer.onnx")
+    assert err.value.message == "companion file tokenizer.onnx must be JSON or safetensors, got onnx"
+    with pytest.raises(sf.UnsafeArtifact, match="refusing tokenizer.pkl"):
+        sf.check_companion(b'{"vocab": {}}', "tokenizer.pkl")  # JSON bytes, but a pickle name
+    sf.check_companion(b'{"vocab": {}}', "tokenizer.json")

@@ -22,6 +22,7 @@ from server.dataplane.traffic_policy import (
     CanaryPlan,
     CanaryThresholds,
     SmoothWeighted,
+    Verdict,
     WindowStats,
     canary_action,
     canary_arms,
@@ -494,3 +495,171 @@ def test_cli_parsers():
     for bad in (lambda: parse_duration("soon"), lambda: parse_ref("ranker"), lambda: parse_arm("x=y:1")):
         with pytest.raises(typer.BadParameter):
             bad()
+
+
+def test_each_canary_step_lasts_its_whole_interval(tmp_path):
+    """Steps [10, 50, 100] every 30 s: an advance restarts the step's clock, so 50 % holds for 30 s."""
+
+    async def run():
+        clock = Clock()
+        controller, dp, registry = _controller(tmp_path, clock)
+        await controller.set_canary("m", 2, steps=[10, 50, 100], interval_s=30, window_s=600, thresholds=LIMITS)
+        _traffic(dp, clock, 200)
+        clock.now += 30
+        await controller.analyze()
+        assert [a.weight for a in dp.router.splits["m"].arms] == [50, 50]
+        weights = []
+        for _ in range(5):  # 29.5 s more of passing traffic: still the 50 % step
+            clock.now += 5.9
+            _traffic(dp, clock, 10)
+            await controller.analyze()
+            weights.append([a.weight for a in dp.router.splits["m"].arms])
+        assert weights == [[50, 50]] * 5 and controller.policies[("m", "split")].state["step"] == 1
+        clock.now += 1
+        await controller.analyze()
+        assert [a.weight for a in dp.router.splits["m"].arms] == [0, 100]
+        assert controller.deployer.deployed == []  # 100 % is a step too: promoted only after it
+        clock.now += 30
+        await controller.analyze()
+        return controller, dp, registry
+
+    controller, dp, registry = asyncio.run(run())
+    assert controller.deployer.deployed == ["m:2"] and "m" not in dp.router.splits
+    assert [a[1] for a in registry.audits] == ["canary.start", "canary.step", "canary.step", "canary.promote"]
+
+
+# ---- the pure policy's exact answers (the mutation pass of traffic_policy.py) --------------------------
+
+
+
+@pytest.mark.parametrize(
+    ("arms", "message"),
+    [
+        ([], "a split needs at least one arm"),
+        ([Arm("a", "1", 1), Arm("a", "2", 1)], "arm names must be distinct, got ['a', 'a']"),
+        ([Arm("", "1", 1)], "every arm needs a name and a version"),
+        ([Arm("a", "", 1)], "every arm needs a name and a version"),
+        ([Arm("a", "1", -1)], "arm 'a': weight must be a finite number >= 0, got -1"),
+        ([Arm("a", "1", float("inf"))], "arm 'a': weight must be a finite number >= 0, got inf"),
+        ([Arm("a", "1", 0), Arm("b", "2", 0)], "the arms' weights sum to 0"),
+    ],
+)
+def test_a_bad_split_is_refused_naming_the_problem(arms, message):
+    with pytest.raises(ValueError) as err:
+        check_arms(arms)
+    assert str(err.value) == message
+    check_arms([Arm("a", "1", 0), Arm("b", "2", 1)])
+
+
+def test_the_unit_hash_is_stable_and_inside_zero_one():
+    assert unit_hash("k", "s") == 0.8324650035011413  # the same in every process and release: sticky keys stay put
+    values = [unit_hash(str(i), "salt") for i in range(2000)]
+    assert all(0 < v < 1 for v in values) and 0.45 < sum(values) / len(values) < 0.55
+    assert unit_hash("k", "a") != unit_hash("k", "b")
+
+
+def test_an_arm_without_weight_wins_no_key():
+    arms = [Arm("a", "1", 0), Arm("b", "2", 1)]
+    assert {sticky_arm(str(i), arms).name for i in range(200)} == {"b"}
+
+
+def test_smooth_weighted_round_robin_spreads_the_minority_arms():
+    rr = SmoothWeighted([Arm("a", "1", 5), Arm("b", "2", 1), Arm("c", "3", 1)])
+    assert "".join(rr.next().name for _ in range(14)) == "aabacaa" * 2
+
+
+def test_canary_percentages_are_clamped_to_zero_and_a_hundred():
+    assert canary_arms("1", "2", 150) == [Arm("stable", "1", 0.0), Arm("canary", "2", 100.0)]
+    assert canary_arms("1", "2", -5) == [Arm("stable", "1", 100.0), Arm("canary", "2", 0.0)]
+    assert canary_arms("1", "2", "25") == [Arm("stable", "1", 75.0), Arm("canary", "2", 25.0)]
+
+
+def test_percentiles_interpolate_linearly():
+    assert percentile([3, 1, 2, 4], 50) == 2.5 and percentile([1], 99) == 1.0 and percentile([], 50) == 0.0
+    assert percentile([1, 2, 3, 4, 5], 99) == pytest.approx(4.96) and percentile([10, 20], 25) == 12.5
+    assert WindowStats(4, 1).error_rate == 0.25 and WindowStats().error_rate == 0.0
+
+
+def test_a_failing_canary_lists_every_reason_with_its_figures():
+    verdict = canary_verdict(WindowStats(100, 10, 1.5, 0.1), WindowStats(100, 1, 0.2, 0.1), CanaryThresholds(min_samples=10))
+    assert verdict.describe() == (
+        "fail: canary error rate 10.00% > 5.00%; canary error rate 10.00% exceeds stable's 1.00% by more than 2.00%; "
+        "canary p99 1500.0 ms > 1000.0 ms; canary p99 1500.0 ms > 2x stable's 200.0 ms "
+        "[canary_requests=100 canary_errors=10 canary_error_rate=0.1 canary_p99_ms=1500 "
+        "stable_requests=100 stable_errors=1 stable_error_rate=0.01 stable_p99_ms=200]"
+    )
+    waiting = canary_verdict(WindowStats(5), WindowStats(), CanaryThresholds(min_samples=10))
+    assert waiting.decision == "wait" and waiting.reasons == ("5 of 10 canary samples",)
+    assert canary_verdict(WindowStats(10), WindowStats(), CanaryThresholds(min_samples=10)).describe().startswith("pass: within thresholds [")
+
+
+def test_relative_limits_wait_for_enough_stable_samples_and_ignore_sub_slack_latency():
+    t = CanaryThresholds(min_samples=10)
+    assert canary_verdict(WindowStats(100, 4, 0.4), WindowStats(9, 0, 0.1), t).decision == "pass"  # stable too thin to compare
+    assert canary_verdict(WindowStats(100, 4, 0.4), WindowStats(10, 0, 0.1), t).decision == "fail"  # 4% vs 0%, 4x p99
+    assert canary_verdict(WindowStats(100, 0, 0.007), WindowStats(100, 0, 0.003), t).decision == "pass"  # 2.3x, but 4 ms
+    assert canary_verdict(WindowStats(100, 0, 0.020), WindowStats(100, 0, 0.003), t).reasons == ("canary p99 20.0 ms > 2x stable's 3.0 ms",)
+    assert canary_verdict(WindowStats(100, 5, 0.1), WindowStats(100, 5, 0.1), t).decision == "pass"  # 5% is the limit, not over it
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_samples": 0}, "min_samples must be >= 1"),
+        ({"max_error_rate": -0.1}, "max_error_rate must be >= 0"),
+        ({"max_error_increase": -1}, "max_error_increase must be >= 0"),
+        ({"max_p99_s": -1}, "max_p99_s must be >= 0"),
+        ({"max_p99_ratio": float("nan")}, "max_p99_ratio must be >= 0"),
+        ({"p99_slack_s": -1}, "p99_slack_s must be >= 0"),
+    ],
+)
+def test_thresholds_refuse_negative_limits(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        CanaryThresholds(**kwargs)
+    CanaryThresholds(min_samples=1, max_error_rate=0, max_error_increase=0, max_p99_s=0, max_p99_ratio=0, p99_slack_s=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"steps": ()}, "a canary plan needs at least one step"),
+        ({"steps": (0,)}, "canary steps are percentages in \\(0, 100\\], got 0"),
+        ({"steps": (101,)}, "canary steps are percentages in \\(0, 100\\], got 101"),
+        ({"steps": (50, 10)}, "canary steps must not decrease, got \\[50, 10\\]"),
+        ({"interval_s": 0}, "the step interval must be > 0 seconds"),
+    ],
+)
+def test_a_canary_plan_refuses_bad_steps(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        CanaryPlan(**kwargs)
+    assert CanaryPlan((10, 10, 100)).steps == (10, 10, 100) and CanaryPlan().steps == (5.0,) and CanaryPlan().interval_s == 60.0
+
+
+def test_a_step_advances_once_its_interval_has_passed_and_the_last_one_promotes():
+    plan = CanaryPlan((10, 50), 30.0)
+    passing, failing, waiting = Verdict("pass"), Verdict("fail"), Verdict("wait")
+    assert canary_action(plan, 0, 100.0, 129.9, passing) == "hold"
+    assert canary_action(plan, 0, 100.0, 130.0, passing) == "advance"
+    assert canary_action(plan, 1, 100.0, 130.0, passing) == "promote"
+    assert canary_action(plan, 1, 100.0, 500.0, waiting) == "hold"
+    assert canary_action(plan, 0, 100.0, 100.0, failing) == "rollback"
+
+
+def test_sticky_assignment_is_the_same_in_every_release():
+    """Moving a caller between arms mid-experiment spoils it: the assignment of these keys is pinned."""
+    arms = [Arm("stable", "1", 50), Arm("canary", "2", 50)]
+    assert "".join(sticky_arm(f"user-{i}", arms).name[0] for i in range(16)) == "scssscssscsscccc"
+
+
+def test_verdict_limits_are_exceeded_only_past_them():
+    t = CanaryThresholds(min_samples=10, max_error_rate=1.0, max_error_increase=0.25, max_p99_s=1.0, max_p99_ratio=2.0, p99_slack_s=0.375)
+    assert canary_verdict(WindowStats(100, 50, 1.0), WindowStats(100, 25, 0.5), t).decision == "pass"  # +0.25 errors, p99 at 1 s, 2x
+    assert canary_verdict(WindowStats(100, 0, 0.5), WindowStats(100, 0, 0.125), t).decision == "pass"  # 4x, but only the slack more
+    waiting = canary_verdict(WindowStats(5), WindowStats(), t)
+    assert waiting.numbers["canary_requests"] == 5.0 and waiting.numbers["stable_p99_ms"] == 0.0
+
+
+def test_small_steps_and_a_single_arm_are_valid():
+    assert CanaryPlan((0.5, 1, 100)).steps == (0.5, 1, 100)
+    rr = SmoothWeighted([Arm("only", "1", 1)])
+    assert [rr.next().name for _ in range(3)] == ["only"] * 3

@@ -8,8 +8,8 @@ from server.dataplane.codecs import bytes_element_count, serialize_bytes, to_num
 from server.errors import InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2 as mc
-from server.dataplane.signature import ModelSignature
-from server.dataplane.validation import validate_infer_request
+from server.dataplane.signature import ModelSignature, TensorSpec
+from server.dataplane.validation import check_parameters, validate_infer_request
 
 
 def _signature(max_batch=8):
@@ -195,3 +195,218 @@ def test_the_engine_priority_parameter_is_the_frontends_not_the_callers():
     check_parameters(request, violations)
     assert {v.field for v in violations} == {f"parameters.{PRIORITY_PARAMETER}", "parameters.inferplane_anything"}
     assert all("set by the frontend" in v.description for v in violations)
+
+
+def _two_inputs(x_rows: int, s_rows: int) -> pb.ModelInferRequest:
+    req = _request(shape=(x_rows, 4))
+    req.inputs.add(name="s", datatype="BYTES", shape=[s_rows, 1])
+    req.raw_input_contents.append(serialize_bytes([b"a"] * s_rows))
+    return req
+
+
+def test_inputs_of_one_request_must_share_one_batch_size():
+    validate_infer_request(_two_inputs(2, 2), _signature())  # the same shape[0]: one batch of 2
+    violations = _violations(_two_inputs(2, 3))
+    assert [v.field for v in violations] == ["input 's' shape[0]"]
+    assert "batch size 3 differs from the other inputs' 2" in violations[0].description
+
+
+# ---- every violation says exactly what was wrong (the caller reads these; the mutation pass checks them) ----
+
+
+def _text_signature(max_batch=4):
+    inputs = {
+        "text": TensorSpec("text", "BYTES", (1,)),
+        "blob": TensorSpec("blob", "BYTES", (1,), optional=True),
+        "h": TensorSpec("h", "FP16", (2,), optional=True),
+        "v": TensorSpec("v", "FP32", (-1,), optional=True),
+    }
+    return ModelSignature("t", max_batch, inputs, {"y": TensorSpec("y", "FP32", (1,))}, frozenset({"1"}), text_inputs=frozenset({"text"}))
+
+
+def _raw(req, name, datatype, shape, data):
+    req.inputs.add(name=name, datatype=datatype, shape=list(shape))
+    req.raw_input_contents.append(data)
+    return req
+
+
+def _pairs(req, sig):
+    return [(v.field, v.description) for v in _violations(req, sig)]
+
+
+def _t(*inputs):
+    req = pb.ModelInferRequest(model_name="t")
+    for name, datatype, shape, data in inputs:
+        _raw(req, name, datatype, shape, data)
+    return req
+
+
+TEXT_OK = ("text", "BYTES", (1, 1), serialize_bytes([b"hello"]))
+
+
+@pytest.mark.parametrize(
+    ("req", "expected"),
+    [
+        (_request(datatype=""), [("input 'x' datatype", "expected FP32, got (empty)")]),
+        (_request(shape=(2, 4, 1)), [("input 'x' shape", "expected rank 2 [-1, 4], got rank 3 [2, 4, 1]")]),
+        (_request(shape=(9, 4)), [("input 'x' shape[0]", "batch size must be 1..8 (max_batch_size), got 9")]),
+        (_request(shape=(2, 5)), [("input 'x' shape[1]", "expected 4, got 5 (shape [2, 5], expected [-1, 4])")]),
+        (_request(nbytes=31), [("raw_input_contents[0] (input 'x')", "expected 32 bytes (8 x FP32 for shape [2, 4]), got 31")]),
+        (_request(name="z"), [("inputs[0].name", "unknown input 'z': model 'm' takes ['s', 'x']"), ("input 'x'", "required input missing: expected FP32 [-1, 4]")]),
+    ],
+)
+def test_each_violation_reads_exactly(req, expected):
+    assert [(v.field, v.description) for v in _violations(req)] == expected
+
+
+def test_a_batch_may_fill_max_batch_size_exactly():
+    validate_infer_request(_request(shape=(8, 4)), _signature())
+    validate_infer_request(_request(shape=(1, 4)), _signature(max_batch=1))
+    assert [v.field for v in _violations(_request(shape=(2, 4)), _signature(max_batch=1))] == ["input 'x' shape[0]"]
+
+
+def test_a_model_without_batching_checks_every_axis_against_its_dims():
+    sig = _signature(max_batch=0)
+    validate_infer_request(_request(shape=(4,)), sig)
+    assert _pairs(_request(shape=(5,)), sig) == [("input 'x' shape[0]", "expected 4, got 5 (shape [5], expected [4])")]
+    assert _pairs(_request(shape=(1, 4)), sig) == [("input 'x' shape", "expected rank 1 [4], got rank 2 [1, 4]")]
+
+
+def test_a_variable_axis_takes_zero_but_not_a_negative_size():
+    sig = _text_signature()
+    validate_infer_request(_t(TEXT_OK, ("v", "FP32", (1, 0), b"")), sig)
+    assert _pairs(_t(TEXT_OK, ("v", "FP32", (1, -1), b"")), sig) == [
+        ("input 'v' shape[1]", "expected >= 0, got -1 (shape [1, -1], expected [-1, -1])")
+    ]
+
+
+def test_bytes_payloads_name_the_framing_or_the_count():
+    sig = _text_signature()
+    framed = serialize_bytes([b"a", b"b"])
+    assert _pairs(_t(TEXT_OK, ("blob", "BYTES", (1, 1), framed)), sig) == [
+        ("raw_input_contents[1] (input 'blob')", "expected 1 BYTES elements for shape [1, 1], got 2")
+    ]
+    assert _pairs(_t(TEXT_OK, ("blob", "BYTES", (1, 1), b"\x05\x00")), sig) == [
+        ("raw_input_contents[1] (input 'blob')", "BYTES framing: 2 trailing bytes cannot hold a 4-byte length")
+    ]
+
+
+def test_typed_contents_name_their_field_and_half_floats_must_come_raw():
+    sig = _text_signature()
+    req = _t()
+    req.inputs.add(name="text", datatype="BYTES", shape=[1, 1]).contents.bytes_contents.append(b"hi")
+    req.inputs.add(name="h", datatype="FP16", shape=[1, 2])
+    v = req.inputs.add(name="v", datatype="FP32", shape=[1, 3])
+    v.contents.fp32_contents.extend([1.0, 2.0])
+    assert _pairs(req, sig) == [
+        ("input 'h' contents", "FP16 must be sent in raw_input_contents"),
+        ("input 'v' contents.fp32_contents", "expected 3 elements for shape [1, 3], got 2"),
+    ]
+
+
+def test_a_text_input_must_be_utf8_and_other_bytes_need_not_be():
+    sig = _text_signature()
+    bad = serialize_bytes([b"ok", b"caf\xe9"])
+    assert _pairs(_t(("text", "BYTES", (2, 1), bad)), sig) == [
+        ("raw_input_contents[0] (input 'text')", "element 1 is not valid UTF-8 (byte 3): input 'text' takes text")
+    ]
+    validate_infer_request(_t(TEXT_OK, ("blob", "BYTES", (1, 1), serialize_bytes([b"\xff\xfe"]))), sig)  # not text: opaque
+    req = _t()
+    req.inputs.add(name="text", datatype="BYTES", shape=[2, 1]).contents.bytes_contents.extend([b"\xff", b"ok"])
+    assert _pairs(req, sig) == [("input 'text' contents.bytes_contents", "element 0 is not valid UTF-8 (byte 0): input 'text' takes text")]
+    validate_infer_request(_t(("text", "BYTES", (3, 1), serialize_bytes([b"a", "é".encode(), b""]))), sig)
+
+
+def test_a_text_input_with_a_broken_frame_reports_the_frame_only():
+    sig = _text_signature()
+    assert _pairs(_t(("text", "BYTES", (1, 1), serialize_bytes([b"\xff"]) + b"\x01")), sig) == [
+        ("raw_input_contents[0] (input 'text')", "BYTES framing: 1 trailing bytes cannot hold a 4-byte length")
+    ]
+
+
+def test_a_bad_input_does_not_stop_the_check_of_the_next():
+    sig = _text_signature()
+    shape_bad = ("v", "FP32", (1, -1), b"")
+    assert [f for f, _ in _pairs(_t(("nope", "FP32", (1,), b""), TEXT_OK, shape_bad), sig)] == ["inputs[0].name", "input 'v' shape[1]"]
+    assert _pairs(_t(TEXT_OK, TEXT_OK, shape_bad), sig) == [
+        ("inputs[1].name", "input 'text' given twice"),
+        ("input 'v' shape[1]", "expected >= 0, got -1 (shape [1, -1], expected [-1, -1])"),
+    ]
+
+
+def test_raw_contents_must_be_one_per_input_and_outputs_must_exist():
+    req = _request()
+    req.raw_input_contents.append(b"1234")
+    assert _pairs(req, _signature()) == [("raw_input_contents", "expected 1 entries, one per input, got 2")]
+    req = _request()
+    req.outputs.add(name="nope")
+    assert _pairs(req, _signature()) == [("outputs[0].name", "unknown output 'nope': model 'm' gives ['y']")]
+
+
+def test_the_error_message_lists_three_violations_then_counts_the_rest():
+    req = _request(shape=(2, 5))
+    for name in ("o1", "o2"):
+        req.outputs.add(name=name)
+    with pytest.raises(InvalidRequest) as err:
+        validate_infer_request(req, _signature())
+    assert err.value.message == (
+        "model 'm': input 'x' shape[1]: expected 4, got 5 (shape [2, 5], expected [-1, 4]); "
+        "outputs[0].name: unknown output 'o1': model 'm' gives ['y']; outputs[1].name: unknown output 'o2': model 'm' gives ['y']"
+    )
+    req.outputs.add(name="o3")
+    req.outputs.add(name="o4")
+    with pytest.raises(InvalidRequest) as err:
+        validate_infer_request(req, _signature())
+    assert err.value.message.endswith("gives ['y'] (+2 more)") and len(err.value.violations) == 5
+
+
+def _parameters(**kinds):
+    request = pb.ModelInferRequest(model_name="m")
+    for key, (kind, value) in kinds.items():
+        setattr(request.parameters[key], kind, value)
+    violations = []
+    check_parameters(request, violations)
+    return [(v.field, v.description) for v in violations]
+
+
+def test_each_refused_parameter_reads_exactly():
+    assert _parameters(**{"": ("int64_param", 1)}) == [("parameters", "a parameter needs a name")]
+    assert _parameters(inferplane_adapter=("string_param", "a")) == [("parameters.inferplane_adapter", "is set by the frontend, not by callers")]
+    assert _parameters(sequence_start=("int64_param", 1)) == [("parameters.sequence_start", "expected bool_param, got int64_param")]
+    assert _parameters(priority=("double_param", 1.0)) == [("parameters.priority", "expected int64_param or uint64_param, got double_param")]
+    request = pb.ModelInferRequest(model_name="m")
+    request.parameters["knob"].SetInParent()  # named, but no value
+    violations = []
+    check_parameters(request, violations)
+    assert [(v.field, v.description) for v in violations] == [("parameters.knob", "expected int64_param or bool_param or string_param, got no value")]
+    assert _parameters(timeout=("int64_param", -5)) == [("parameters.timeout", "must be >= 0, got -5")]
+    assert _parameters(priority=("int64_param", 0), timeout=("int64_param", 0), other=("int64_param", -1)) == []
+
+
+def test_tensor_parameters_refuse_shared_memory_and_wrong_kinds():
+    request = pb.ModelInferRequest(model_name="m")
+    x = request.inputs.add(name="x")
+    x.parameters["shared_memory_byte_size"].int64_param = 16
+    x.parameters["my_tag"].double_param = 1.0  # not a known tensor parameter: the model's business
+    out = request.outputs.add(name="y")
+    out.parameters["binary_data"].int64_param = 1
+    out.parameters["classification"].int64_param = 2
+    out.parameters["binary_data_size"].SetInParent()
+    violations = []
+    check_parameters(request, violations)
+    assert sorted((v.field, v.description) for v in violations) == [  # a map: no order to rely on
+        ("inputs[0].parameters.shared_memory_byte_size", "shared memory is not offered through the frontend; send the tensor's bytes"),
+        ("outputs[0].parameters.binary_data", "expected bool_param, got int64_param"),
+        ("outputs[0].parameters.binary_data_size", "expected int64_param, got no value"),
+    ]
+
+
+def test_parameters_are_checked_as_part_of_the_request():
+    req = _request()
+    req.parameters["inferplane_priority"].int64_param = 0
+    assert [v.field for v in _violations(req)] == ["parameters.inferplane_priority"]
+
+
+def test_each_text_element_is_checked_on_its_own_bytes():
+    """The element ends where its length says: the next element's length prefix (200 = 0xc8, not UTF-8 alone) is not part of it."""
+    validate_infer_request(_t(("text", "BYTES", (2, 1), serialize_bytes([b"ok", b"x" * 200]))), _text_signature())
