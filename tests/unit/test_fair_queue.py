@@ -295,7 +295,7 @@ async def test_the_snapshot_reports_every_counter():
     await _settle()
     assert q.snapshot() == {
         "inflight": 1, "waiting": 1, "bound": 2, "service_ms": pytest.approx(20.0), "admitted": 2, "queued": 2,
-        "rejected": 1, "shed": 0, "pushed_out": 0, "batch_inflight": 0, "batch_waiting": 0, "batch_admitted": 0,
+        "rejected": 1, "shed": 0, "pushed_out": 0, "standing": False, "dropped": 0, "batch_inflight": 0, "batch_waiting": 0, "batch_admitted": 0,
     }  # fmt: skip
     _cancel({"A": tasks})
 
