@@ -528,7 +528,10 @@ class Engine:
             if p.temperature <= 0 or seq.generator is None:
                 tokens.append(int(greedy[i]))
                 continue
-            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+            # shifted by the row's max before the division (the same softmax) and the temperature kept above float32's
+            # smallest normal: a tiny one (5.8e-126 underflows to 0) gives -inf and 0, never inf - inf or 0 / 0 (NaN)
+            temperature = max(p.temperature, torch.finfo(logits.dtype).tiny)
+            probs = torch.softmax((logits[i] - logits[i].max()) / temperature, dim=-1)
             if p.top_p < 1.0:
                 sorted_probs, order = torch.sort(probs, descending=True)
                 cumulative = torch.cumsum(sorted_probs, dim=-1)

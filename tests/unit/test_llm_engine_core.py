@@ -51,3 +51,20 @@ def test_engine_batches_and_finishes_in_each_dtype(tmp_path, dtype):
         assert engine.snapshot()["dtype"] == dtype
     finally:
         engine.stop()
+
+
+def test_a_vanishing_temperature_samples_the_greedy_token(tmp_path):
+    """temperature 5.8e-126 (found by the fuzz step): logits / t overflowed to inf and softmax gave NaN, a 500."""
+    engine = Engine(build_tiny_llama(tmp_path / "tiny"), EngineConfig(kv_cache_memory="16MiB"))
+    engine.start()
+    try:
+        sinks = {t: _Collect() for t in (0.0, 5.7953623333423295e-126)}
+        prompt = engine.encode_prompt("hello hello")
+        for t, sink in sinks.items():
+            engine.submit(f"t{t}", prompt, SamplingParams(max_tokens=6, temperature=t, seed=0, ignore_eos=True), sink)
+        for sink in sinks.values():
+            assert sink.done.wait(30)
+            assert sink.info["finish_reason"] == "length", sink.info
+        assert sinks[5.7953623333423295e-126].text == sinks[0.0].text
+    finally:
+        engine.stop()
