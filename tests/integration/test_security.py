@@ -333,6 +333,15 @@ def _served_serial(secure, address: str, alpn: str) -> int:
             return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
 
 
+def _serial_once_reloaded(secure, address: str, alpn: str) -> int | None:
+    """The served serial while the server swaps its pair: a handshake cut by the swap is "not yet" (seen once in a
+    module run: SSLEOFError), any other failure is the test's."""
+    try:
+        return _served_serial(secure, address, alpn)
+    except ssl.SSLEOFError:
+        return None
+
+
 def test_a_renewed_server_certificate_is_served_without_a_restart(secure):
     pki = secure.pki
     old = x509.load_pem_x509_certificate(pki.server_cert.read_bytes()).serial_number
@@ -343,8 +352,8 @@ def test_a_renewed_server_certificate_is_served_without_a_restart(secure):
     tmp_cert, tmp_key = renewed.write(pki.folder, "renewed")
     os.replace(tmp_key, pki.server_key)  # the key first: in between the pair does not load and the old one keeps serving
     os.replace(tmp_cert, pki.server_cert)
-    assert wait_until(lambda: _served_serial(secure, secure.http, "http/1.1") == new, timeout=30)
-    assert wait_until(lambda: _served_serial(secure, secure.grpc, "h2") == new, timeout=30)
+    assert wait_until(lambda: _serial_once_reloaded(secure, secure.http, "http/1.1") == new, timeout=30)
+    assert wait_until(lambda: _serial_once_reloaded(secure, secure.grpc, "h2") == new, timeout=30)
     client = _grpc_client(secure, pki.acme)  # and a real client still gets answers
     try:
         assert client.infer(EMBED, [_text_input("after the reload")]).as_numpy("embedding").shape == (1, 384)
