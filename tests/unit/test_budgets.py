@@ -5,20 +5,17 @@ action at 100 %: a deploy is refused with a clear error and the refusal is in th
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from server.control.budgets import BudgetExceeded, BudgetGuard, assess, forecast, month_bounds
 from server.control.cost_store import Budget, CostStore
 from server.control.prices import parse_prices
 from server.errors import grpc_status, http_error
-from tests.services import require
+from tests.promtool import promtool, rules_test_with_alert_changed
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-budget-rules.yaml"
@@ -51,26 +48,20 @@ def test_assessment_thresholds_and_forecast_overrun():
 
 @pytest.mark.service("promtool")
 def test_promtool_checks_the_budget_rules():
-    out = subprocess.run([require("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.service("promtool")
 def test_budget_alerts_fire_and_stay_silent_as_written():
-    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=DEPLOY)
+    out = promtool("test", "rules", TESTS.name, cwd=DEPLOY)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.service("promtool")
 def test_promtool_catches_a_band_that_overlaps(tmp_path):
     """The unit tests can fail: with the 50 % band open at the top, the 90 % team fires it too."""
-    doc = yaml.safe_load(RULES.read_text())
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            if rule.get("alert") == "InferplaneBudget50":
-                rule["expr"] = "inferplane:budget_spent:ratio >= 0.5"
-    (tmp_path / RULES.name).write_text(yaml.safe_dump(doc, sort_keys=False))
-    shutil.copy(TESTS, tmp_path / TESTS.name)
-    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
+    out = rules_test_with_alert_changed(RULES, TESTS, tmp_path, "InferplaneBudget50", lambda _: "inferplane:budget_spent:ratio >= 0.5")
     assert out.returncode != 0 and "InferplaneBudget50" in out.stdout + out.stderr
 
 

@@ -6,14 +6,11 @@ own rule engine has evaluated them."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.services import require
+from tests.promtool import promtool, rules_test_with_alert_changed
 from server.control.slo import ALERTS, Objective, objective_for, repository_objectives, rules, rules_yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
@@ -34,28 +31,21 @@ def test_the_rules_file_is_generated_from_the_demo_endpoints(tmp_path):
 
 @pytest.mark.service("promtool")
 def test_promtool_checks_the_rules():
-    out = subprocess.run([require("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
 
 
 @pytest.mark.service("promtool")
 def test_promtool_unit_tests_fire_and_stay_silent_as_written():
-    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=DEPLOY)
+    out = promtool("test", "rules", TESTS.name, cwd=DEPLOY)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.service("promtool")
 def test_promtool_catches_a_rule_that_pages_too_early(tmp_path):
     """The unit tests can fail: with the fast page at 2x instead of 14.4x, the ticket-only endpoint pages."""
-    doc = yaml.safe_load(RULES.read_text())
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            if rule.get("alert") == "InferplaneSLOBurnPageFast":
-                rule["expr"] = rule["expr"].replace("(14.4 *", "(2 *")
-    (tmp_path / RULES.name).write_text(yaml.safe_dump(doc, sort_keys=False))
-    shutil.copy(TESTS, tmp_path / TESTS.name)
-    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
+    out = rules_test_with_alert_changed(RULES, TESTS, tmp_path, "InferplaneSLOBurnPageFast", lambda expr: expr.replace("(14.4 *", "(2 *"))
     assert out.returncode != 0
     assert "lightgbm_regressor" in out.stdout + out.stderr
 

@@ -6,7 +6,6 @@ inferplane-token-rules.test.yaml under `promtool test rules`."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from server.control import token_slo
 from server.dataplane.metrics import Metrics
 from server.dataplane.observe import NO_CLOCK, Observer, token_clock
-from tests.services import require
+from tests.promtool import promtool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-token-rules.yaml"
@@ -31,9 +30,9 @@ def test_the_token_rules_file_is_generated():
 
 @pytest.mark.service("promtool")
 def test_promtool_checks_and_tests_the_token_rules(tmp_path):
-    out = subprocess.run([require("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run([require("promtool"), "test", "rules", str(TESTS)], capture_output=True, text=True, cwd=DEPLOY)
+    out = promtool("test", "rules", str(TESTS), cwd=DEPLOY)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
@@ -43,7 +42,7 @@ def test_the_alert_tests_fail_when_the_objective_is_wrong(tmp_path):
     loose = tuple(token_slo.TokenObjective(o.slo, o.metric, 1.0 if o.slo == "ttft_p99" else o.threshold_s, o.target) for o in token_slo.OBJECTIVES)
     (tmp_path / RULES.name).write_text(token_slo.rules_yaml(loose))
     shutil.copy(TESTS, tmp_path / TESTS.name)
-    out = subprocess.run([require("promtool"), "test", "rules", TESTS.name], capture_output=True, text=True, cwd=tmp_path)
+    out = promtool("test", "rules", TESTS.name, cwd=tmp_path)
     assert out.returncode != 0 and "InferplaneTokenSLOBurnPageFast" in out.stdout + out.stderr
 
 
