@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from batching.coalescer import Coalescer
 from batching.overload_policy import LoopGate
-from server.dataplane import triton_stats
+from server.dataplane import stage_timing, triton_stats
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.loop_gate import UnaryAdmission
@@ -367,15 +367,23 @@ class DataPlane:
         return answer
 
     async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
-        """The coalescer's call; a traced request is registered there so its batch's span finds it."""
+        """The coalescer's call; a traced or timed request is registered there so its batch finds it."""
         trace = call.trace
-        if trace is None:
+        timer = call.ctx.timing if call.ctx is not None else None
+        if trace is None and timer is None:
             return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
-        trace.submitting(request)
+        if trace is not None:
+            trace.submitting(request)
+        if timer is not None:
+            stage_timing.PENDING[id(request)] = timer
         try:
             return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)
         finally:
-            trace.submitted(request)
+            if trace is not None:
+                trace.submitted(request)
+            if timer is not None:
+                stage_timing.PENDING.pop(id(request), None)
+                timer.mark("answer")
 
     async def _refuse_unscreened_stream(self, call) -> None:
         """Triton's stream answers pass through as bytes: an endpoint with output filters is not served here."""

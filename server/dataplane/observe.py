@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from server.dataplane import stage_timing
 from server.dataplane.metrics import OTHER_LABEL, UNKNOWN_MODEL_LABEL, Metrics
 
 log = logging.getLogger(__name__)
@@ -298,9 +299,17 @@ class Observer:
         pair[0].observe(rows)
         pair[1].observe(len(requests))
         tracing = self.tracing
-        if tracing is not None and tracing.pending:
-            return tracing.on_batch(requests, rows, self.replica)
-        return None
+        traced = tracing.on_batch(requests, rows, self.replica) if tracing is not None and tracing.pending else None
+        timed = stage_timing.batch_started(requests) if stage_timing.PENDING else None
+        if timed is None:
+            return traced
+
+        def done(err: BaseException | None = None) -> None:
+            if traced is not None:
+                traced(err)
+            timed()
+
+        return done
 
     # ---- label housekeeping ---------------------------------------------------------------------
 

@@ -178,8 +178,9 @@ class Pipeline:
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
         trace = call.trace = self.tracing.begin(call) if self.tracing is not None else None  # None unless sampled
+        ctx = call.ctx
+        timer = ctx.timing if ctx is not None else None  # None unless the caller asked (server.dataplane.stage_timing)
         try:
-            ctx = call.ctx
             if ctx is not None:
                 ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
@@ -187,6 +188,8 @@ class Pipeline:
                 raise ModelNotFound(f"unknown model '{call.endpoint}'")
             if trace is not None:
                 trace.hop("auth")
+            if timer is not None:
+                timer.mark("auth")
             if not call.version:
                 call.version, call.arm = self.router.choose(call.name, ctx)
                 call.routed = bool(call.version)
@@ -197,6 +200,8 @@ class Pipeline:
             tenant = principal.tenant
             if trace is not None:
                 trace.hop("route")
+            if timer is not None:
+                timer.mark("route")
             # a batch job's rows have their own charge (the tenant's limits, a bucket of their own): a
             # batch never spends the quota the tenant's real-time callers need
             scope = tenant.name + BATCH_SCOPE if call.batch else tenant.name
@@ -207,12 +212,16 @@ class Pipeline:
                 ctx.quota_headers = call.ticket.headers  # the monthly allowance left, for the transport
             if trace is not None:
                 trace.hop("quota")
+            if timer is not None:
+                timer.mark("quota")
             if validate is not None:
                 validate(signature)
             if self.safety is not None:
                 await self._screen_input(call, texts)
             if trace is not None:
                 trace.hop("validation")
+            if timer is not None:
+                timer.mark("validation")
             call.latency, call.inflight = self.metrics.model(call.name)
             call.inflight.inc()
             queue = call.queue = self._queue(call.name, signature)
@@ -238,6 +247,8 @@ class Pipeline:
             call.admitted = True
             if trace is not None:
                 trace.hop("admission")
+            if timer is not None:
+                timer.mark("admission")
             call.dispatched_at = time.perf_counter()
             call.dispatch_timeout = call.timeout
             return call
@@ -281,6 +292,8 @@ class Pipeline:
                 self._observe(call, err)
             if call.ctx is not None:
                 call.ctx.version, call.ctx.arm = call.version, call.arm
+                if call.ctx.timing is not None:
+                    call.ctx.timing.mark("exit")
             if resolved and (call.arm or self.router.shadows):
                 try:
                     sent, answer = call.shadow or (None, None)

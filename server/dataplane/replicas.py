@@ -77,6 +77,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from batching import route_policy
+from server.dataplane import stage_timing
 from server.dataplane.locality_policy import local_first
 from server.dataplane.triton_client import ConnectionLost, NotSent
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
@@ -442,6 +443,7 @@ class ReplicaSet:
         model = model or request_model(request)
         deadline = None if timeout is None else self._clock() + timeout
         member = self._choose(model) or await self._wait_for_member(model, deadline, None)
+        stage_timing.replica_chosen()
         try:
             return await self._send(member, request, _left(deadline, self._clock()) if deadline is not None else None, model, parsed)
         except InferplaneError as err:

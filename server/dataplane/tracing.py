@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 TRACEPARENT = "traceparent"
 # hops of ``Pipeline.enter``, in order (a refusal ends the hop that was running)
 HOPS = ("auth", "route", "quota", "validation", "admission")
+# the stages of a timed request (server.dataplane.stage_timing) that get a span of their own here
+# (the others are the hops above, ``coalesce`` and the live ``triton infer`` span)
+UNTRACED_STAGES = ("decode", "replica", "answer")
 
 # gRPC metadata for the Triton call being made in this task (set only around a traced call)
 _OUTGOING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("inferplane_triton_metadata", default=None)
@@ -242,6 +245,11 @@ class RequestTrace:
             failed = tracer.start_span(HOPS[len(self.hops)], context=self.context, start_time=self.last_ns)
             failed.set_status(trace.Status(trace.StatusCode.ERROR, call.code))
             failed.end(now)
+        timer = call.ctx.timing if call.ctx is not None else None
+        if timer is not None:  # the stages the hops above do not cover (server.dataplane.stage_timing)
+            for name, start, end in timer.spans(now):
+                if name in UNTRACED_STAGES:
+                    tracer.start_span(name, context=self.context, start_time=start).end(end)
         if self.batch is not None:
             batch_id, started, linked = self.batch
             links = [trace.Link(linked)] if linked is not None else None

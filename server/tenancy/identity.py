@@ -154,6 +154,9 @@ class CallContext:
     # a call the platform makes on a caller's behalf (a safety classifier): already authenticated, and
     # not limited to the caller's grants; no transport ever sets it
     on_behalf: Principal | None = None
+    # the caller asked for a per-stage breakdown (``inferplane-timing``): a
+    # server.dataplane.stage_timing.StageTimer the stages mark; None (the default): nothing is timed
+    timing: object = None
 
     @classmethod
     def from_headers(cls, headers, max_timeout_s: float | None = None) -> "CallContext":

@@ -169,6 +169,26 @@ def test_traceparent_from_an_http_header_is_followed(observed):
     assert root.parent_span_id == "1111111111111111"
 
 
+def test_a_timed_traced_request_gets_its_decode_replica_and_answer_spans(observed):
+    """A traced request that also asks for ``inferplane-timing``: the stages the hops do not cover
+    (``server.dataplane.stage_timing``) become spans of its trace, inside the request's span."""
+    stack, receiver = observed, observed.receiver
+    trace_id = "6d0a3f3577b34da6a3ce929d0e0e47a1"
+    client = grpcclient.InferenceServerClient(stack.grpc)
+    headers = {"authorization": f"Bearer {stack.keys['alpha']}", "traceparent": f"00-{trace_id}-2222222222222222-01", "inferplane-timing": "1"}
+    _infer(client, DRIFT_MODEL, _rows(stack, DRIFT_MODEL)[:2], headers)
+    client.close()
+    needed = {"inferplane infer", "replica", "answer"}
+    assert wait_until(lambda: needed <= {s.name for s in receiver.by_trace(trace_id)}, timeout=30, explain=lambda: sorted(s.name for s in receiver.by_trace(trace_id)))
+    spans = {s.name: s for s in receiver.by_trace(trace_id)}
+    root = spans["inferplane infer"]
+    for stage in ("replica", "answer"):
+        assert spans[stage].parent_span_id == root.span_id, stage
+        assert spans[stage].start_ns <= spans[stage].end_ns, stage
+    assert spans["replica"].end_ns <= spans["answer"].start_ns
+    assert "decode" in spans  # before the request's span opened (the transport's stage): still in its trace
+
+
 # ---- metrics and SLOs ------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import logging
 
 import grpc
 
+from server.dataplane.stage_timing import TIMING_HEADER, StageTimer
 from server.errors import InferplaneError, grpc_status
 from server.tenancy.identity import CallContext, bearer_token, clamp_timeout
 from server.tenancy.tls import grpc_peer_cert
@@ -17,9 +18,11 @@ from server.tenancy.tls import grpc_peer_cert
 log = logging.getLogger(__name__)
 
 
-def call_context(context: grpc.aio.ServicerContext) -> CallContext:
-    """The caller's key (``authorization: Bearer`` or ``x-api-key``), idempotency key and deadline."""
-    authorization = api_key = idempotency_key = None
+def call_context(context: grpc.aio.ServicerContext, timed: bool = False) -> CallContext:
+    """The caller's key (``authorization: Bearer`` or ``x-api-key``), idempotency key and deadline;
+    ``timed``: a call that offers a per-stage breakdown (``server.dataplane.stage_timing``) starts its
+    timer here when the caller asked for it."""
+    authorization = api_key = idempotency_key = timing = None
     metadata = context.invocation_metadata() or ()
     for key, value in metadata:
         if key == "authorization":
@@ -28,10 +31,12 @@ def call_context(context: grpc.aio.ServicerContext) -> CallContext:
             api_key = value
         elif key == "idempotency-key":
             idempotency_key = value
+        elif timed and key == TIMING_HEADER:
+            timing = StageTimer()
     timeout = clamp_timeout(context.time_remaining())  # a deadline of years would overflow on the way to Triton
     # the client certificate is read only if the call authenticates by it (mTLS, no API key)
     peer = functools.partial(grpc_peer_cert, context)
-    return CallContext(bearer_token(authorization, api_key), idempotency_key, timeout, headers=metadata, peer=peer)
+    return CallContext(bearer_token(authorization, api_key), idempotency_key, timeout, headers=metadata, peer=peer, timing=timing)
 
 
 async def abort(context: grpc.aio.ServicerContext, err: InferplaneError):

@@ -13,6 +13,7 @@ import grpc
 from server import __version__
 from server.dataplane.dataplane import DataPlane, parse_infer_request
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
+from server.dataplane.stage_timing import SERVER_TIMING
 from server.errors import InferplaneError, InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.transports.grpc.context import call_context
@@ -86,9 +87,17 @@ class InferenceService:
 
     async def model_infer(self, raw: bytes, context):
         with self.dp.unary_admission:  # refused before decode while the frontend's loop stands behind
-            ctx = call_context(context)
-            answer = await self.dp.infer(parse_infer_request(raw), raw, ctx.timeout, ctx)
-        context.set_trailing_metadata(((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm), *ctx.quota_headers))  # who answered; allowance left
+            ctx = call_context(context, timed=True)
+            request = parse_infer_request(raw)
+            timer = ctx.timing
+            if timer is not None:
+                timer.mark("decode")
+            answer = await self.dp.infer(request, raw, ctx.timeout, ctx)
+        answered = ((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm), *ctx.quota_headers)  # who answered; allowance left
+        if timer is not None:
+            timer.mark("encode")
+            answered = (*answered, (SERVER_TIMING, timer.header()))
+        context.set_trailing_metadata(answered)
         return answer
 
     async def model_stream_infer(self, request_iterator, context):

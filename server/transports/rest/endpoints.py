@@ -33,6 +33,7 @@ from server.transports.rest.status_page import ROUTES as STATUS_ROUTES
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
+from server.dataplane.stage_timing import TIMING_HEADER, StageTimer
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +144,23 @@ async def model_infer(request: web.Request) -> web.Response:
     """v2 infer: JSON tensors, or Triton's binary tensor extension (Inference-Header-Content-Length)."""
     dp = request.app[DATAPLANE]
     with dp.unary_admission:  # refused before the body is read while the frontend's loop stands behind
+        timer = StageTimer() if TIMING_HEADER in request.headers else None  # the caller asked for Server-Timing
         name, version = _model(request)
         ctx = _context(request)
+        ctx.timing = timer
         dp.authorize(ctx, name)  # an unknown key or ungranted model answers before the body is read
         _require_content_type(request, (JSON, BINARY))
         body = await _read_body(request)
         header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
         infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
+        if timer is not None:
+            timer.mark("decode")
         raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
     payload, header_len = await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
     answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm, **dict(ctx.quota_headers)}  # which version (and arm) answered; allowance left
+    if timer is not None:
+        timer.mark("encode")
+        answered["Server-Timing"] = timer.header()
     if header_len is None:
         return web.Response(body=payload, content_type=JSON, headers=answered)
     return web.Response(body=payload, content_type=BINARY, headers={rest_codec.HEADER_LENGTH: str(header_len), **answered})
