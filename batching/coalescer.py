@@ -144,10 +144,41 @@ class Coalescer:
             elif not lane.tick_scheduled:
                 # a free slot: go at the end of this loop tick, with whoever else arrives in it
                 lane.tick_scheduled = True
-                asyncio.get_running_loop().call_soon(self._tick, key, lane, policy)
+                return await self._lead(key, lane, policy, member)
         elif policy.window_s > 0 and lane.timer is None:
             hold = policy.window_s if timeout is None else max(0.0, min(policy.window_s, timeout * 0.1))
             lane.timer = asyncio.create_task(self._expire(key, lane, policy, hold))
+        return await member.future
+
+    async def _lead(self, key, lane: _Lane, policy: CoalescePolicy, member: _Member) -> bytes:
+        """The member that found a free slot waits out this loop tick (the same turn ``call_soon``
+        would give the lane's tick) for others to join. Still alone then, it makes the call in its
+        own task — no task, future or wake-up of the loop per request for a lone caller; joined, the
+        batch goes as any other (its own task: no member's cancellation cancels the others' call)."""
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            member.future.cancel()  # drops out of the batch; the others still go at this tick's end
+            asyncio.get_running_loop().call_soon(self._tick, key, lane, policy)
+            raise
+        lane.tick_scheduled = False
+        if len(lane.pending) == 1 and lane.pending[0] is member and lane.inflight < policy.max_inflight:
+            lane.pending.popleft()
+            lane.rows -= member.rows
+            lane.inflight += 1
+            done = self._on_call([member.request], member.rows) if self._on_call is not None else None
+            failure = None
+            try:
+                return (await self._call([member]))[0]
+            except BaseException as err:
+                failure = err
+                raise
+            finally:
+                if done is not None:
+                    done(failure)
+                lane.inflight -= 1
+                self._on_slot_free(key, lane, policy)
+        self._tick(key, lane, policy)  # joined (or already sent with a full batch): as every batch
         return await member.future
 
     async def _observed_send(self, raw: bytes, timeout: float | None, request: Any, policy: CoalescePolicy) -> bytes:

@@ -1,6 +1,7 @@
 """Where a single caller's latency goes: the per-stage budget at c=1 against Triton direct.
 
     python -m loadtest.stage_budget --out benchmarks/stage_budget [--model fraud_xgboost] [--requests 2000]
+        [--triton-mode in-process] [--baseline-root DIR]
 
 Starts the real stack (frontend + its child Triton; ``--triton-mode in-process`` for Triton in the
 frontend's process, the direct baseline then a second stack's child) and sends, from one caller
@@ -10,6 +11,11 @@ load at the same moments. Per target: the client-side round trip (p50, p99, mean
 frontend, each stage's mean and p50 from its ``server-timing`` trailer, the server's total, and
 what the caller saw outside it (``outside``: the gRPC transport of the frontend's hop, client and
 server side). Means are additive (stages sum to the total), medians are not.
+
+``--baseline-root DIR``: another checkout (e.g. the commit before a change) whose frontend is started
+too (same interpreter, its code) and measured in the same rounds: a before / after in one run, as
+ratios. With a child Triton both frontends then reach the first stack's Triton as an external one
+(``--triton-url``: one Triton behind both); in process each has its own inside.
 
 Writes results.json and report.md (the table for BENCHMARKS.md) under ``--out``.
 """
@@ -36,62 +42,83 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(frontend: str, triton: str, model: str, requests: int, warmup: int, pool: list[bytes]) -> dict:
-    """Alternate direct and frontend calls from one thread; the per-stage budget and both round trips."""
+def measure(frontends: dict[str, str], triton: str, model: str, requests: int, warmup: int, pool: list[bytes]) -> dict:
+    """One caller, one thread: each round sends the same request to Triton direct and to each
+    frontend (``{label: HOST:PORT}``), in an order that rotates every round; per target the round
+    trips, per frontend the stages of its ``server-timing`` trailer."""
     import grpc
 
     from server.dataplane.stage_timing import SERVER_TIMING, TIMING_HEADER, parse
 
     timed = ((TIMING_HEADER, "1"),)
-    with grpc.insecure_channel(triton) as direct_ch, grpc.insecure_channel(frontend) as front_ch:
-        direct = direct_ch.unary_unary(INFER, request_serializer=None, response_deserializer=None)
-        front = front_ch.unary_unary(INFER, request_serializer=None, response_deserializer=None)
-        rtt_direct: list[float] = []
-        rtt_front: list[float] = []
-        stages: dict[str, list[float]] = {}
+    channels = {"direct": grpc.insecure_channel(triton), **{label: grpc.insecure_channel(a) for label, a in frontends.items()}}
+    try:
+        calls = {label: ch.unary_unary(INFER, request_serializer=None, response_deserializer=None) for label, ch in channels.items()}
+        order = list(calls)
+        rtt: dict[str, list[float]] = {label: [] for label in order}
+        stages: dict[str, dict[str, list[float]]] = {label: {} for label in frontends}
         for i in range(warmup + requests):
             body = pool[i % len(pool)]
-            t0 = time.perf_counter()
-            direct(body, timeout=30)
-            t1 = time.perf_counter()
-            _, call = front.with_call(body, metadata=timed, timeout=30)
-            t2 = time.perf_counter()
-            if i < warmup:
-                continue
-            rtt_direct.append((t1 - t0) * 1000)
-            rtt_front.append((t2 - t1) * 1000)
-            breakdown = parse(dict(call.trailing_metadata())[SERVER_TIMING])
-            breakdown["outside"] = rtt_front[-1] - breakdown["total"]
-            for name, ms in breakdown.items():
-                stages.setdefault(name, []).append(ms)
-    summary = lambda v: {"mean": statistics.fmean(v), "p50": _quantile(v, 0.5), "p99": _quantile(v, 0.99)}  # noqa: E731
+            k = i % len(order)
+            for label in order[k:] + order[:k]:
+                t0 = time.perf_counter()
+                if label == "direct":
+                    calls[label](body, timeout=30)
+                    call = None
+                else:
+                    _, call = calls[label].with_call(body, metadata=timed, timeout=30)
+                ms = (time.perf_counter() - t0) * 1000
+                if i < warmup:
+                    continue
+                rtt[label].append(ms)
+                if call is not None:
+                    breakdown = parse(dict(call.trailing_metadata())[SERVER_TIMING])
+                    breakdown["outside"] = ms - breakdown["total"]
+                    for name, value in breakdown.items():
+                        stages[label].setdefault(name, []).append(value)
+    finally:
+        for ch in channels.values():
+            ch.close()
+    direct = rtt["direct"]
     return {
         "model": model,
         "requests": requests,
-        "direct": summary(rtt_direct),
-        "frontend": summary(rtt_front),
-        "added_p50_ms": _quantile(rtt_front, 0.5) - _quantile(rtt_direct, 0.5),
-        "added_p99_ms": _quantile(rtt_front, 0.99) - _quantile(rtt_direct, 0.99),
-        "stages": {name: summary(values) for name, values in stages.items()},
+        "targets": {label: _summary(values) for label, values in rtt.items()},
+        "added_ms": {
+            label: {"p50": _quantile(rtt[label], 0.5) - _quantile(direct, 0.5), "p99": _quantile(rtt[label], 0.99) - _quantile(direct, 0.99)}
+            for label in frontends
+        },
+        "stages": {label: {name: _summary(values) for name, values in per.items()} for label, per in stages.items()},
     }
 
 
+def _summary(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "p50": _quantile(values, 0.5), "p99": _quantile(values, 0.99)}
+
+
 def report(result: dict, command: str, load: str) -> str:
-    d, f = result["direct"], result["frontend"]
+    targets, labels = result["targets"], list(result["stages"])
     lines = [
-        f"`{command}` — {result['model']}, {result['requests']} requests per target, c=1, alternating; load: {load}",
+        f"`{command}` — {result['model']}, {result['requests']} requests per target, c=1, rotating order; load: {load}",
         "",
-        "| target | p50 ms | p99 ms | mean ms |",
-        "|---|---|---|---|",
-        f"| Triton direct | {d['p50']:.3f} | {d['p99']:.3f} | {d['mean']:.3f} |",
-        f"| frontend | {f['p50']:.3f} | {f['p99']:.3f} | {f['mean']:.3f} |",
-        f"| added | {result['added_p50_ms']:.3f} | {result['added_p99_ms']:.3f} | {f['mean'] - d['mean']:.3f} |",
-        "",
-        "| stage | mean ms | p50 ms | share of the frontend's mean |",
-        "|---|---|---|---|",
+        "| target | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, s in result["stages"].items():
-        lines.append(f"| {name} | {s['mean']:.3f} | {s['p50']:.3f} | {s['mean'] / f['mean']:.0%} |")
+    for label, t in targets.items():
+        added = result["added_ms"].get(label)
+        extra = f"{added['p50']:.3f} | {added['p99']:.3f}" if added else "— | —"
+        lines.append(f"| {label} | {t['p50']:.3f} | {t['p99']:.3f} | {t['mean']:.3f} | {extra} |")
+    if len(labels) == 2:
+        a, b = labels
+        lines.append(f"| {b} / {a} | {targets[b]['p50'] / targets[a]['p50']:.3f} | {targets[b]['p99'] / targets[a]['p99']:.3f} | {targets[b]['mean'] / targets[a]['mean']:.3f} | | |")
+    lines += ["", "| stage | " + " | ".join(f"{label} mean ms | {label} p50 ms" for label in labels) + " |", "|---|" + "---|---|" * len(labels)]
+    names = list(dict.fromkeys(name for label in labels for name in result["stages"][label]))
+    for name in names:
+        cells = []
+        for label in labels:
+            s = result["stages"][label].get(name)
+            cells.append(f"{s['mean']:.3f} | {s['p50']:.3f}" if s else "— | —")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--triton-mode", choices=("process", "in-process"), default="process")
     ap.add_argument("--frontend", default=None, help="HOST:PORT of a running frontend (with --triton): start nothing")
     ap.add_argument("--triton", default=None, help="HOST:PORT of the Triton to compare against")
+    ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout: its frontend measured beside this one's (label 'baseline')")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m loadtest.stage_budget " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -122,15 +150,35 @@ def main(argv: list[str] | None = None) -> int:
 
                 repo = args.out / "model_repository"
                 build_demo_repository(repo)
-            stacks.append(start_stack(repo, args.out / "stack", "--auth", "off"))
-            triton, frontend = stacks[0].triton, stacks[0].grpc
-            if args.triton_mode == "in-process":
-                stacks.append(start_stack(repo, args.out / "stack-inprocess", "--auth", "off", "--triton-mode", "in-process"))
-                frontend = stacks[1].grpc
+            mode = ("--triton-mode", "in-process") if args.triton_mode == "in-process" else ()
+            first = start_stack(repo, args.out / "stack", "--auth", "off")
+            stacks.append(first)
+            triton = first.triton  # the direct baseline: a tritonserver child either way
+            frontends = {}
+            if args.baseline_root is not None and not mode:
+                # before / after on one Triton: both frontends reach the first stack's Triton as an
+                # external one (the same interpreter; the baseline runs the other checkout's code)
+                shared = ("--triton-url", first.triton)
+                root = args.baseline_root.resolve()
+                stacks.append(start_stack(repo, args.out / "stack-baseline", "--auth", "off", *shared, python=sys.executable, cwd=root))
+                frontends["baseline"] = stacks[-1].grpc
+                stacks.append(start_stack(repo, args.out / "stack-candidate", "--auth", "off", *shared))
+                frontends["frontend"] = stacks[-1].grpc
+            elif args.baseline_root is not None:  # in process: each frontend has its Triton inside
+                root = args.baseline_root.resolve()
+                stacks.append(start_stack(repo, args.out / "stack-baseline", "--auth", "off", *mode, python=sys.executable, cwd=root))
+                frontends["baseline"] = stacks[-1].grpc
+            if "frontend" in frontends:
+                pass
+            elif mode:
+                stacks.append(start_stack(repo, args.out / "stack-inprocess", "--auth", "off", *mode))
+                frontends["frontend"] = stacks[-1].grpc
+            else:
+                frontends["frontend"] = first.grpc
         else:
-            frontend, triton = args.frontend, args.triton
+            frontends, triton = {"frontend": args.frontend}, args.triton
         pool = prepare_pool(f"grpc://{triton}", args.model, size=64)
-        result = measure(frontend, triton, args.model, args.requests, args.warmup, pool)
+        result = measure(frontends, triton, args.model, args.requests, args.warmup, pool)
     finally:
         from loadtest.stack import stop_stack
 
@@ -138,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_stack(s)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     result.update(
-        command=command, load=load, triton_mode=args.triton_mode,
+        command=command, load=load, triton_mode=args.triton_mode, baseline_root=str(args.baseline_root or ""),
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         machine={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     )  # fmt: skip

@@ -81,11 +81,30 @@ def _streaming(behaviour):
     return wrapper
 
 
+# services whose handlers never change while the server runs (registered once, never forwarded to
+# the leader): their wrapped handler is made once per method, not per call. The typed per-model
+# services come and go at deploy, and the control RPCs may be forwarded: those are wrapped per call.
+STATIC_SERVICES = ("/inference.GRPCInferenceService/",)
+
+
 class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps every ``InferplaneError`` a handler raises to the error table's status and details."""
 
+    def __init__(self) -> None:
+        self._static: dict[str, grpc.RpcMethodHandler] = {}
+
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        wrapped = self._static.get(method)
+        if wrapped is not None:  # the hot path: no inner interceptors, no new handler per call
+            return wrapped
+        wrapped = self._wrap(await continuation(handler_call_details))
+        if wrapped is not None and method.startswith(STATIC_SERVICES):
+            self._static[method] = wrapped
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler):
         if handler is None:
             return None
         if handler.unary_unary is not None:
