@@ -3,7 +3,8 @@
 Per lane (model, version and request shape), at most ``max_inflight`` merged calls are at Triton
 at once (by default one per Triton instance of the model). A request that finds a free slot goes
 at the end of the current event-loop tick together with whatever else arrived in that tick — a
-lone caller is never held. While every slot is busy, arrivals wait in the lane's pending batch;
+lone caller is never held (and, still alone at the tick's end, makes its call in its own task:
+no task or future per request at c=1). While every slot is busy, arrivals wait in the lane's pending batch;
 the moment a call returns, the pending batch (up to ``max_batch`` rows) goes as the next call.
 Merging therefore engages by itself under load, without a timer: the longer a call takes, the
 more requests ride the next one. ``window_s`` (default 0: off) additionally caps how long a

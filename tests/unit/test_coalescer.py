@@ -227,3 +227,42 @@ def test_in_flight_calls_default_to_the_models_instances():
     assert CoalescePolicy.from_parameters({}, 64, instances=3).max_inflight == 3
     assert CoalescePolicy.from_parameters({"inferplane.coalesce_max_inflight": "2"}, 64, instances=3).max_inflight == 2
     assert CoalescePolicy.from_parameters({}, 64).window_s == 0.0
+
+
+async def test_a_lone_request_makes_its_call_in_the_callers_task():
+    """At c=1 no task is created per request: the caller's own task sends (issue 30)."""
+    senders = []
+
+    async def send(raw, timeout, request=None):
+        senders.append(asyncio.current_task())
+        return await EchoModel()(raw, timeout)
+
+    coalescer = Coalescer(send, CODEC)
+    req = _request(1, 3)
+    _check(req, await coalescer.submit(req, req.SerializeToString(), CoalescePolicy()))
+    assert senders == [asyncio.current_task()]
+    assert not coalescer._lanes  # the lane is gone once idle
+
+
+async def test_requests_of_one_tick_still_merge_when_the_first_found_the_lane_idle():
+    model = EchoModel()
+    coalescer = Coalescer(model, CODEC)
+    requests = [_request(1, i) for i in range(4)]
+    answers = await asyncio.gather(*(coalescer.submit(r, r.SerializeToString(), CoalescePolicy()) for r in requests))
+    for req, answer in zip(requests, answers):
+        _check(req, answer)
+    assert model.calls == [4]  # one call: the first waited out the tick and the rest joined it
+
+
+async def test_the_first_cancelled_during_its_tick_does_not_strand_the_others():
+    model = EchoModel()
+    coalescer = Coalescer(model, CODEC)
+    first, second = _request(1, 1), _request(1, 2)
+    t1 = asyncio.create_task(coalescer.submit(first, first.SerializeToString(), CoalescePolicy()))
+    t2 = asyncio.create_task(coalescer.submit(second, second.SerializeToString(), CoalescePolicy()))
+    await asyncio.sleep(0)  # both are pending; the first waits out its tick
+    t1.cancel()
+    results = await asyncio.gather(t1, t2, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    _check(second, results[1])
+    assert model.calls == [1]
