@@ -167,16 +167,9 @@ class Coalescer:
             lane.pending.popleft()
             lane.rows -= member.rows
             lane.inflight += 1
-            done = self._on_call([member.request], member.rows) if self._on_call is not None else None
-            failure = None
             try:
-                return (await self._call([member]))[0]
-            except BaseException as err:
-                failure = err
-                raise
+                return (await self._observed([member.request], member.rows, lambda: self._call([member])))[0]
             finally:
-                if done is not None:
-                    done(failure)
                 lane.inflight -= 1
                 self._on_slot_free(key, lane, policy)
         self._tick(key, lane, policy)  # joined (or already sent with a full batch): as every batch
@@ -184,10 +177,14 @@ class Coalescer:
 
     async def _observed_send(self, raw: bytes, timeout: float | None, request: Any, policy: CoalescePolicy) -> bytes:
         """A call of one unmerged request, with ``on_call`` told before and after."""
-        done = self._on_call([request], self._codec.rows(request) if policy.enabled else 1)
+        return await self._observed([request], self._codec.rows(request) if policy.enabled else 1, lambda: self._send(raw, timeout, request))
+
+    async def _observed(self, requests: list, rows: int, call: Callable[[], Awaitable]):
+        """``await call()`` in this task, with ``on_call`` (when set) told before and after."""
+        done = self._on_call(requests, rows) if self._on_call is not None else None
         failure = None
         try:
-            return await self._send(raw, timeout, request)
+            return await call()
         except BaseException as err:
             failure = err
             raise
