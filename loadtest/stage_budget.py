@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout: its frontend measured beside this one's (label 'baseline')")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.out = args.out.resolve()  # a baseline frontend runs in another directory
     command = "python -m loadtest.stage_budget " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
 
     from loadtest.runner import prepare_pool
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 repo = args.out / "model_repository"
                 build_demo_repository(repo)
+            repo = Path(repo).resolve()
             mode = ("--triton-mode", "in-process") if args.triton_mode == "in-process" else ()
             first = start_stack(repo, args.out / "stack", "--auth", "off")
             stacks.append(first)
