@@ -5,6 +5,7 @@ the timed members of a call."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 from server.dataplane import stage_timing
 from server.dataplane.stage_timing import PENDING, StageTimer, batch_started, parse, replica_chosen
@@ -66,8 +67,7 @@ def test_the_batch_timers_stay_in_the_calling_task():
 
     async def main():
         done = batch_started([request])
-        await asyncio.get_running_loop().create_task(asyncio.sleep(0))
-        other = asyncio.get_running_loop().create_task(other_task(), context=__import__("contextvars").Context())
+        other = asyncio.get_running_loop().create_task(other_task(), context=contextvars.Context())
         await other
         done()
 
