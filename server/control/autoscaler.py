@@ -1,7 +1,9 @@
 """The autoscaler: per endpoint, every ``interval_s``: signals -> forecast -> policy -> executor.
 
 * **Signals** come from :class:`server.control.signals.SignalSampler` (in flight, queue, QPS,
-  tokens/s, Triton queue/compute time per model).
+  tokens/s, Triton queue/compute time per model), summed over every frontend and worker process that
+  reports (:mod:`server.control.signal_reports`): the autoscaler runs in the leader, the traffic
+  reaches the others.
 * **Forecast**: an hour-of-week profile of the endpoint's request rate
   (:class:`batching.autoscale_policy.SeasonalProfile`, exponentially weighted), seeded from the
   metered history (the tenancy store's usage rows) and fed every tick; the rate predicted for
@@ -279,7 +281,7 @@ class Autoscaler:
                 continue
             if ep.waker is None:
                 ep.state = replace(ep.state, replicas=await self._count(name, ep.config))
-            demand = bool(ep.waker is not None and ep.waker.waiting) or bool(self.replicas is not None and self.replicas.waiting.get(name))
+            demand = bool(self.sampler.held(name))  # held here, or by any frontend or worker that reports (signal_reports)
             decision, ep.state = decide(ep.config, ep.state, Observation(now, load, forecast, demand))
             if decision.action == HOLD:
                 if not ep.decisions or ep.decisions[-1].get("action") != HOLD or ep.decisions[-1].get("reason") != decision.reason:
