@@ -55,8 +55,10 @@ class PeerLoad:
 
 
 class SignalReporter:
-    def __init__(self, sampler, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time):
+    def __init__(self, sampler, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time,
+                 wanted: set[str] | None = None):  # fmt: skip
         self.sampler = sampler  # server.control.signals.SignalSampler (this process's own)
+        self.wanted = wanted if wanted is not None else set()  # scaled-to-zero endpoints a request here asked to wake
         self._session = session_factory(engine)
         self.reporter = reporter
         self.every_s = every_s
@@ -69,9 +71,11 @@ class SignalReporter:
 
     def collect(self) -> list[dict]:
         rows, at = [], self._clock()
-        for model in self.sampler.models():
+        for model in sorted(set(self.sampler.models()) | self.wanted):
             latest = self.sampler.latest(model)
             held = float(self.sampler.own_held(model))  # now, not at the last sample: a nudge reports it at once
+            if model in self.wanted:  # a wake was asked for here: one held request's worth of demand until it is served
+                held = max(held, 1.0)
             row = {"reporter": self.reporter, "model": model, "inflight": 0.0, "queue": held, "held": held, "qps": 0.0, "tokens_per_s": 0.0, "at": at}
             if latest is not None:
                 row.update(inflight=latest.inflight, queue=max(latest.queue, held), qps=latest.qps, tokens_per_s=latest.tokens_per_s)

@@ -79,6 +79,7 @@ class StateWatcher:
         self.wakers = wakers if wakers is not None else {}  # the model table's (FleetHooks.wakers)
         self.on_held = on_held
         self.held: set[str] = set()  # endpoints asleep behind a waker of this watcher
+        self.wanted: set[str] = set()  # endpoints a request here asked to wake (demand until the leader has loaded them)
         self.store = store
         self.database_url = database_url
         self.poll_s = poll_s
@@ -132,6 +133,7 @@ class StateWatcher:
         if row.get("wake_budget_s") is None and name in self.held:
             self.held.discard(name)
             self.wakers.pop(name, None)
+            log.info("endpoint %s serves again (generation %d)", name, row["generation"])
         return True
 
     def _sleep(self, name: str, budget_s: float) -> None:
@@ -144,15 +146,20 @@ class StateWatcher:
         if waker is None:
             self.wakers[name] = Waker(name, lambda: self._until_served(name), budget_s)
             self.held.add(name)
+            log.info("endpoint %s is scaled to zero: its requests are held here until the leader has loaded it", name)
         else:
             waker.budget_s = budget_s
         self.dp.release(name)
 
     async def _until_served(self, name: str) -> None:
         """A held request's load: ask the leader (by reporting the demand now), wait for the model back in the table."""
+        self.wanted.add(name)  # demand even after the request that asked gave up (past its budget, cancelled)
         self.on_held()
-        while self.dp.signature(name) is None:
-            await asyncio.sleep(self.poll_s)
+        try:
+            while self.dp.signature(name) is None:
+                await asyncio.sleep(self.poll_s)
+        finally:
+            self.wanted.discard(name)
 
     async def run(self) -> None:
         postgres = self.store.postgres
@@ -204,10 +211,11 @@ async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | No
     """What a serving process that does not lead runs: the desired state applied, its arms' outcomes and its load
     signals (``sampler``: server.control.signals.SignalSampler) reported; ``wakers``: the model table's."""
     reporter = holder_id() if reporter is None else reporter
-    loads = SignalReporter(sampler, engine, reporter) if sampler is not None else None
     watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
-                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers,
-                           on_held=loads.nudge if loads is not None else lambda: None)  # fmt: skip
+                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers)  # fmt: skip
+    loads = SignalReporter(sampler, engine, reporter, wanted=watcher.wanted) if sampler is not None else None
+    if loads is not None:
+        watcher.on_held = loads.nudge
     arms = ArmReporter(dataplane.router, engine, reporter)
     await asyncio.gather(watcher.run(), arms.run(), *((loads.run(),) if loads is not None else ()))
 

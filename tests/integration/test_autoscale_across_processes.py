@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -112,4 +114,29 @@ def test_a_scaled_to_zero_endpoint_wakes_for_first_requests_on_every_frontend(fr
     explained = leader.explain(LGBM)
     assert len(explained["cold_starts"]) == before + 1, explained["cold_starts"]  # one load for every frontend's requests
     assert explained["state"] == "serving"
+    leader.configure(LGBM, scale_to_zero_after_s=0)
+
+
+def test_past_the_cold_start_budget_a_frontend_that_does_not_lead_answers_503_and_the_wake_goes_on(frontends, leader):
+    a, b = frontends
+    leader.configure(LGBM, min_replicas=1, max_replicas=1, scale_to_zero_after_s=1.0, cold_start_budget_s=0.001, **QUICK)
+    wait_until(lambda: leader.explain(LGBM)["state"] == "asleep", 60, explain=lambda: leader.explain(LGBM)["decisions"][-3:])
+    assert wait_until(lambda: not triton_ready(a.triton, LGBM), 30)
+    body = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}).encode()
+    request = urllib.request.Request(f"http://{b.http}/v2/models/{LGBM}/infer", data=body, headers={"Content-Type": "application/json"})
+    try:  # B's worker holds it for the leader's cold-start budget, not for its own replica wait
+        urllib.request.urlopen(request, timeout=30)
+        pytest.fail(f"answered while asleep; the leader's last decisions: {leader.explain(LGBM)['decisions'][-6:]}")
+    except urllib.error.HTTPError as refused:
+        assert refused.code == 503 and int(refused.headers["Retry-After"]) >= 1
+        error = json.loads(refused.read())
+    assert error["code"] == "MODEL_NOT_READY" and "cold-start budget" in error["error"], error
+
+    def answered():
+        try:
+            return urllib.request.urlopen(request, timeout=30).status == 200
+        except urllib.error.HTTPError:
+            return False
+
+    assert wait_until(answered, 90)  # the refused caller's demand stayed reported: the leader loaded it
     leader.configure(LGBM, scale_to_zero_after_s=0)

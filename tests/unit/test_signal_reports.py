@@ -139,5 +139,8 @@ def test_a_held_request_past_the_budget_gets_model_not_ready(engine):
         with pytest.raises(ModelNotReady) as refused:
             await wakers["m"].wait(None)
         assert refused.value.retry_after_s >= 1.0
+        assert watcher.wanted == {"m"}  # the refused caller's wake still stands: the leader sees the demand
+        reporter = SignalReporter(_Sampler({}, {}), engine, "frontend-b", wanted=watcher.wanted)
+        assert [(r["model"], r["held"]) for r in reporter.collect()] == [("m", 1.0)]
 
     asyncio.run(scenario())
