@@ -111,6 +111,7 @@ class SignalPeers:
         self.stale_s = stale_s
         self.keep_s = keep_s
         self._clock = clock
+        self._swept = 0.0
 
     def read(self) -> dict[str, PeerLoad]:
         now = self._clock()
@@ -118,8 +119,10 @@ class SignalPeers:
             rows = session.execute(
                 select(signal_reports).where(signal_reports.c.at >= now - self.stale_s, signal_reports.c.reporter != self.own)
             ).all()
-            session.execute(delete(signal_reports).where(signal_reports.c.at < now - self.keep_s))
-            session.commit()
+            if now - self._swept >= self.keep_s / 10:  # the rows of processes gone, now and then (a write: not every round)
+                session.execute(delete(signal_reports).where(signal_reports.c.at < now - self.keep_s))
+                session.commit()
+                self._swept = now
         out: dict[str, PeerLoad] = {}
         for row in rows:
             load = out.setdefault(row.model, PeerLoad())

@@ -9,10 +9,11 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from sqlalchemy import func, select
 
 from server.control.autoscaler import Waker
 from server.control.desired_state import DesiredStateStore
-from server.control.signal_reports import SignalPeers, SignalReporter
+from server.control.signal_reports import SignalPeers, SignalReporter, signal_reports
 from server.control.signals import Sample, SignalSampler
 from server.control.state_watch import StatePublisher, StateWatcher
 from server.dataplane.fleet_hooks import FleetHooks
@@ -61,6 +62,10 @@ def test_the_leader_reads_the_fresh_reports_of_every_other_process_summed(engine
     assert peers.read()["m"].inflight == 5.0
     now[0] += 5.0  # nobody reported since: stale, not load
     assert peers.read() == {}
+    now[0] += 60.0  # past keep_s: the rows of processes gone are deleted
+    peers.read()
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(signal_reports)).scalar_one() == 0
 
 
 def test_the_leaders_sampler_adds_the_peers_to_what_the_autoscaler_reads_not_to_its_gauges(engine):
