@@ -19,8 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
-from server.runtime.supervisor import free_port
-from tests.conftest import start_stack, stop_stack, wait_until
+from tests.conftest import start_two_frontends, wait_until
 from tests.integration.test_fleet import FAST, LGBM, QUICK, Load, infer, triton_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,16 +33,8 @@ def frontends(demo_repository, tmp_path_factory):
     repository = root / "model_repository"
     shutil.copytree(demo_repository / LGBM, repository / LGBM)
     env = {**FAST, "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts")}
-    ports = lambda: ("--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()))  # noqa: E731
-    a = start_stack(repository, root / "a", *ports(), env=env)
-    try:
-        b = start_stack(repository, root / "b", *ports(), "--triton-url", a.triton, env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
-    except BaseException:
-        stop_stack(a)
-        raise
-    yield a, b
-    stop_stack(b)
-    stop_stack(a)
+    with start_two_frontends(repository, root, env) as pair:
+        yield pair
 
 
 class Leader:
