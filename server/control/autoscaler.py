@@ -164,6 +164,8 @@ class Autoscaler:
         self.replicas = replicas
         self._clock, self._wall = clock, wall
         self.endpoints: dict[str, EndpointScaler] = {}
+        # before a scale to zero unloads: every other serving process holds the endpoint's requests (the control plane's)
+        self.announce: Callable[[str], Awaitable[None]] | None = None
         self._task: asyncio.Task | None = None
         if replicas is not None:
             replicas.on_missing = self._on_missing
@@ -338,6 +340,8 @@ class Autoscaler:
         name = ep.name
         ep.waker = Waker(name, lambda: self._wake_load(name), ep.config.cold_start_budget_s, self._clock, ep.provision_s or DEFAULT_READY_S)
         self.hooks.wakers[name] = ep.waker
+        if self.announce is not None:
+            await self.announce(name)
         await self.dp.unload_model(name, missing_ok=True)  # the table first: nothing new reaches the replicas
         await self.executor.set_replicas(name, 0)
         if self.evict_on_zero and self.weight_cache is not None and self.repository is not None:

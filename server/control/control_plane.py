@@ -59,6 +59,7 @@ class ControlPlane:
         # join late, restart or were down during a change (none for the embedded Triton: it is the deployer's own)
         self.deployer.placements = placements = PlacementStore(self.registry.engine)
         self.writers += [_Loop(r.run, settings.reconcile_interval_s) for r in reconcilers(settings, placements)]
+        self.publisher: StatePublisher | None = None  # while this process leads
         self.ledger = None  # server.control.replica_ledger.ReplicaLedger: what the replicas reserve (the owner view of cost)
         self.retention: RetentionJob | None = None
         self.fleet_started = False  # set by the wiring once the fleet runs: a late leader starts the autoscaler itself
@@ -102,6 +103,8 @@ class ControlPlane:
             self.fleet.sampler.peers = SignalPeers(self.registry.engine, self.reporter)
         if self.fleet.autoscaler is None:
             self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store)
+        if self.fleet.autoscaler is not None:
+            self.fleet.autoscaler.announce = self._announce_sleep
         if self.fleet_started and self.fleet.autoscaler is not None:
             await self.fleet.autoscaler.start()
         loop = asyncio.get_running_loop()
@@ -112,7 +115,7 @@ class ControlPlane:
         self.retention = RetentionJob(s, self.audit)
         self.retention.start()
         wakers = self.fleet.hooks.wakers if self.fleet.hooks is not None else {}  # scaled to zero: held on every frontend
-        publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s, asleep=lambda: {n: w.budget_s for n, w in wakers.items()})
+        self.publisher = publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s, asleep=lambda: {n: w.budget_s for n, w in wakers.items()})
         self._tasks.append(loop.create_task(publisher.run(), name="desired-state-publish"))
         collector = ArmCollector(self.dp.router, self.registry.engine)  # canary verdicts on every frontend's outcomes
         self._tasks.append(loop.create_task(collector.run(), name="arm-reports"))
@@ -120,6 +123,23 @@ class ControlPlane:
         self.ledger.start()
         for writer in self.writers:
             await writer.start()
+
+    async def _announce_sleep(self, name: str, timeout_s: float = 3.0) -> None:
+        """Before the autoscaler unloads ``name`` (scaled to zero): its sleep published, and every serving process
+        that reports (signal_reports) has applied it — its requests are held there, none reaches the unloading
+        Triton. A process that does not answer within ``timeout_s`` (the reports' staleness) is not waited for."""
+        if self.publisher is None:
+            return
+        await self.publisher.publish_once()
+        generation = await asyncio.to_thread(self.desired.generation)
+        peers = SignalPeers(self.registry.engine, self.reporter)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while lagging := await asyncio.to_thread(peers.lagging, generation):
+            if loop.time() >= deadline:
+                log.warning("endpoint %s: unloading while %d process(es) have not applied its sleep: %s", name, len(lagging), ", ".join(lagging))
+                return
+            await asyncio.sleep(0.05)
 
     async def _stop_writers(self) -> None:
         for writer in reversed(self.writers):

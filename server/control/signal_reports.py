@@ -10,6 +10,10 @@ other process through ``SignalPeers`` and adds them to its own samples, so the p
 load of all frontends and workers, and a request held on any of them is the leader's ``demand`` to wake.
 A row older than ``stale_s`` (its process died or stalled) counts for nothing; the leader deletes rows
 older than ``keep_s``. The gauges on /metrics stay each process's own (they are summed by Prometheus).
+
+Each report also carries the desired-state generation the process has applied, so the leader can wait,
+before it unloads an endpoint it scales to zero, until every reporting process holds that endpoint's
+requests (``SignalPeers.lagging``): none is sent to a Triton that is unloading it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import Column, Engine, Float, MetaData, String, Table, delete, insert, select
+from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, delete, func, insert, select
 
 from server.db import session_factory
 
@@ -38,7 +42,9 @@ signal_reports = Table(
     Column("qps", Float, nullable=False),
     Column("tokens_per_s", Float, nullable=False),
     Column("at", Float, nullable=False),
+    Column("generation", BigInteger, nullable=False, server_default="0"),  # the desired state it has applied
 )
+PROCESS = ""  # the model of the row every reporter writes, models or not: its applied generation
 SUMMED = ("inflight", "queue", "held", "qps", "tokens_per_s")
 
 
@@ -56,8 +62,9 @@ class PeerLoad:
 
 class SignalReporter:
     def __init__(self, sampler, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time,
-                 wanted: set[str] | None = None):  # fmt: skip
+                 wanted: set[str] | None = None, applied: Callable[[], int] = lambda: 0):  # fmt: skip
         self.sampler = sampler  # server.control.signals.SignalSampler (this process's own)
+        self.applied = applied  # the desired-state generation this process has applied (its StateWatcher's)
         self.wanted = wanted if wanted is not None else set()  # scaled-to-zero endpoints a request here asked to wake
         self._session = session_factory(engine)
         self.reporter = reporter
@@ -70,13 +77,16 @@ class SignalReporter:
         self._now.set()
 
     def collect(self) -> list[dict]:
-        rows, at = [], self._clock()
+        at, generation = self._clock(), int(self.applied())
+        rows = [{"reporter": self.reporter, "model": PROCESS, "inflight": 0.0, "queue": 0.0, "held": 0.0, "qps": 0.0, "tokens_per_s": 0.0,
+                 "at": at, "generation": generation}]  # fmt: skip
         for model in sorted(set(self.sampler.models()) | self.wanted):
             latest = self.sampler.latest(model)
             held = float(self.sampler.own_held(model))  # now, not at the last sample: a nudge reports it at once
             if model in self.wanted:  # a wake was asked for here: one held request's worth of demand until it is served
                 held = max(held, 1.0)
-            row = {"reporter": self.reporter, "model": model, "inflight": 0.0, "queue": held, "held": held, "qps": 0.0, "tokens_per_s": 0.0, "at": at}
+            row = {"reporter": self.reporter, "model": model, "inflight": 0.0, "queue": held, "held": held, "qps": 0.0, "tokens_per_s": 0.0, "at": at,
+                   "generation": generation}  # fmt: skip
             if latest is not None:
                 row.update(inflight=latest.inflight, queue=max(latest.queue, held), qps=latest.qps, tokens_per_s=latest.tokens_per_s)
             rows.append(row)
@@ -125,8 +135,21 @@ class SignalPeers:
                 self._swept = now
         out: dict[str, PeerLoad] = {}
         for row in rows:
+            if row.model == PROCESS:
+                continue
             load = out.setdefault(row.model, PeerLoad())
             for name in SUMMED:
                 setattr(load, name, getattr(load, name) + float(getattr(row, name)))
             load.reporters += 1
         return out
+
+    def lagging(self, generation: int) -> list[str]:
+        """The reporting processes (fresh rows, not this one) that have not applied ``generation`` yet."""
+        now = self._clock()
+        with self._session() as session:
+            rows = session.execute(
+                select(signal_reports.c.reporter, func.max(signal_reports.c.generation))
+                .where(signal_reports.c.at >= now - self.stale_s, signal_reports.c.reporter != self.own)
+                .group_by(signal_reports.c.reporter)
+            ).all()
+        return sorted(reporter for reporter, applied in rows if int(applied) < generation)

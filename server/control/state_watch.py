@@ -15,7 +15,8 @@ ready yet stays pending and is tried again at each wake-up; nothing older is eve
 A row with ``wake_budget_s`` (the leader scaled the endpoint to zero) takes the model out of this
 process's table, Triton untouched, behind a ``Waker``: a request for it is held, ``on_held`` reports
 the demand to the leader at once, and the held requests go on when a later row (the leader loaded it
-again) brings the model back — or get MODEL_NOT_READY past the budget.
+again) brings the model back — or get MODEL_NOT_READY past the budget. ``on_held`` also reports at once
+that such a row is applied (``applied_generation``): the leader unloads the endpoint only then.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class StateWatcher:
         self.database_url = database_url
         self.poll_s = poll_s
         self.reconcile_s = reconcile_s
-        self.generation = 0  # the newest row applied
+        self.generation = 0  # the newest row read
+        self.applied_generation = 0  # every row up to this one applied (reported to the leader: signal_reports)
         self.pending: dict[str, dict] = {}  # endpoint -> the newest row not applicable yet
         self.applied = asyncio.Event()  # set after each pass (tests and benchmarks wait on it)
 
@@ -94,11 +96,16 @@ class StateWatcher:
         for row in rows:
             self.pending[row["endpoint"]] = row
             self.generation = max(self.generation, row["generation"])
-        done = 0
+        done, slept = 0, False
         for name, row in list(self.pending.items()):
             if await self._apply(row):
                 self.pending.pop(name, None)
                 done += 1
+                slept = slept or row.get("wake_budget_s") is not None
+        waiting = [row["generation"] for row in self.pending.values()]
+        self.applied_generation = min(waiting) - 1 if waiting else self.generation
+        if slept:  # the leader waits for every process to hold the endpoint's requests before it unloads it
+            self.on_held()
         self.applied.set()
         return done
 
@@ -213,7 +220,7 @@ async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | No
     reporter = holder_id() if reporter is None else reporter
     watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
                            reconcile_s=settings.desired_state_reconcile_s, wakers=wakers)  # fmt: skip
-    loads = SignalReporter(sampler, engine, reporter, wanted=watcher.wanted) if sampler is not None else None
+    loads = SignalReporter(sampler, engine, reporter, wanted=watcher.wanted, applied=lambda: watcher.applied_generation) if sampler is not None else None
     if loads is not None:
         watcher.on_held = loads.nudge
     arms = ArmReporter(dataplane.router, engine, reporter)

@@ -120,9 +120,10 @@ def test_a_frontend_holds_a_scaled_to_zero_endpoint_until_the_leader_loads_it_ag
         assert await publisher.publish_once() == 1 and store.all()["m"]["wake_budget_s"] == 30.0
         await watcher.sync()
         assert dp.released == ["m"] and dp.signature("m") is None and wakers["m"].budget_s == 30.0
+        assert watcher.applied_generation == store.generation() and asked == [1]  # the sleep applied: reported at once
         held = asyncio.create_task(wakers["m"].wait(None))  # what the pipeline does with the Asleep error
         await asyncio.sleep(0.05)
-        assert not held.done() and asked == [1] and wakers["m"].waiting == 1  # the demand, reported at once
+        assert not held.done() and asked == [1, 1] and wakers["m"].waiting == 1  # the demand, reported at once
         del leader_wakers["m"]  # the leader loaded it again
         assert await publisher.publish_once() == 1 and "wake_budget_s" not in store.all()["m"]
         await watcher.sync()
@@ -146,6 +147,21 @@ def test_a_held_request_past_the_budget_gets_model_not_ready(engine):
         assert refused.value.retry_after_s >= 1.0
         assert watcher.wanted == {"m"}  # the refused caller's wake still stands: the leader sees the demand
         reporter = SignalReporter(_Sampler({}, {}), engine, "frontend-b", wanted=watcher.wanted)
-        assert [(r["model"], r["held"]) for r in reporter.collect()] == [("m", 1.0)]
+        assert [(r["model"], r["held"]) for r in reporter.collect()] == [("", 0.0), ("m", 1.0)]  # "": the process's own row
 
     asyncio.run(scenario())
+
+
+def test_the_leader_knows_which_processes_have_not_applied_a_generation(engine):
+    now = [1000.0]
+    applied = {"worker-1": 7, "worker-2": 5, "idle": 7}
+    for name, generation in applied.items():  # "idle" serves no model: its process row still says what it applied
+        sampler = _Sampler({"m": Sample(t=1.0)} if name != "idle" else {}, {})
+        reporter = SignalReporter(sampler, engine, name, clock=lambda: now[0], applied=lambda g=generation: g)
+        reporter.write(reporter.collect())
+    peers = SignalPeers(engine, own="leader", clock=lambda: now[0])
+    assert peers.lagging(7) == ["worker-2"] and peers.lagging(5) == []
+    assert peers.lagging(8) == ["idle", "worker-1", "worker-2"]
+    assert set(peers.read()) == {"m"}  # the process rows are no model's load
+    now[0] += 5.0
+    assert peers.lagging(8) == []  # gone quiet: not waited for

@@ -2,7 +2,8 @@
 desired state (issue 27).
 
 ``signal_reports``: one row per (reporting process, model) — its latest in-flight, queue, held,
-request-rate and token-rate sample — replaced at each report (server/control/signal_reports.py).
+request-rate and token-rate sample, and the desired-state generation it has applied — replaced at each
+report (server/control/signal_reports.py).
 ``desired_state.wake_budget_s``: set while an endpoint is scaled to zero (its cold-start budget), so
 every frontend holds its first request and asks the leader to wake it.
 
@@ -30,6 +31,7 @@ def upgrade() -> None:
         sa.Column("qps", sa.Float, nullable=False),
         sa.Column("tokens_per_s", sa.Float, nullable=False),
         sa.Column("at", sa.Float, nullable=False),
+        sa.Column("generation", sa.BigInteger, nullable=False, server_default="0"),
     )
     with op.batch_alter_table("desired_state") as batch:
         batch.add_column(sa.Column("wake_budget_s", sa.Float, nullable=True))
