@@ -114,8 +114,7 @@ class ControlPlane:
             self._tasks.append(loop.create_task(worker.run(), name="batch-worker"))
         self.retention = RetentionJob(s, self.audit)
         self.retention.start()
-        wakers = self.fleet.hooks.wakers if self.fleet.hooks is not None else {}  # scaled to zero: held on every frontend
-        self.publisher = publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s, asleep=lambda: {n: w.budget_s for n, w in wakers.items()})
+        self.publisher = publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s, asleep=self._asleep)
         self._tasks.append(loop.create_task(publisher.run(), name="desired-state-publish"))
         collector = ArmCollector(self.dp.router, self.registry.engine)  # canary verdicts on every frontend's outcomes
         self._tasks.append(loop.create_task(collector.run(), name="arm-reports"))
@@ -123,6 +122,14 @@ class ControlPlane:
         self.ledger.start()
         for writer in self.writers:
             await writer.start()
+
+    def _asleep(self) -> dict[str, float]:
+        """The endpoints the autoscaler scaled to zero -> their cold-start budget (held on every frontend); a model
+        group's models waiting for their first pod are each frontend's own business (Fleet.hold_group_models)."""
+        autoscaler = self.fleet.autoscaler
+        if autoscaler is None:
+            return {}
+        return {name: ep.waker.budget_s for name, ep in list(autoscaler.endpoints.items()) if ep.waker is not None}
 
     async def _announce_sleep(self, name: str, timeout_s: float = 3.0) -> None:
         """Before the autoscaler unloads ``name`` (scaled to zero): its sleep published, and every serving process
