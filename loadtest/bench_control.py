@@ -18,6 +18,14 @@ the frontend from 4 threads; ``kill -9`` of the leading replica; reported: the t
 names the other replica (no leader meanwhile), the time until a Deploy through the frontend succeeds
 again, and the failed data-plane requests (goal 0). The killed replica is started again before the next
 kill.
+
+``throughput``: the data plane of one frontend at ``--workers 1`` against ``--workers 2``, the control plane
+out of process (one ``control run`` replica; both frontends with ``INFERPLANE_CONTROL_PLANE=external``, on
+one Triton: the first frontend's embedded one), closed-loop ModelInfer of ``--model`` at ``--concurrency``
+callers, ``--rounds`` interleaved rounds (loadtest.compare: A = one worker, B = two); the figure is the
+ratio B/A of the throughput per round (whether the split into workers costs or gains anything here).
+
+    python -m loadtest.bench_control throughput --out benchmarks/control --repository var/model_repository [--model mlp_classifier]
 """
 
 from __future__ import annotations
@@ -192,9 +200,48 @@ def failover(kills: int, database_url: str, root: Path, repository: Path, bundle
             "requests_ok": sum(r["requests_ok"] for r in rounds)}  # fmt: skip
 
 
+def throughput(args, database_url: str, root: Path) -> dict:
+    from loadtest.compare import compare
+    from loadtest.engine import LoadSpec
+    from loadtest.runner import RunConfig, prepare_pool
+
+    repository = root / "throughput_repository"
+    shutil.copytree(args.repository / args.model, repository / args.model)
+    env = {**ENV, "INFERPLANE_DATABASE_URL": database_url, "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"), "INFERPLANE_CONTROL_PLANE": "external"}
+    one = start_stack(repository, root / "workers1", "--workers", "1", env=env)
+    stacks = [one]
+    try:
+        stacks.append(start_control(repository, root / "control", database_url, one.triton, env=env))
+        two = start_stack(repository, root / "workers2", "--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()),
+                          "--triton-url", one.triton, env=env)  # fmt: skip
+        stacks.append(two)
+        spec = LoadSpec(concurrency=args.concurrency, warmup=args.warmup, duration=args.duration)
+        a, b = f"grpc://{one.grpc}", f"grpc://{two.grpc}"
+        pool_a = prepare_pool(a, args.model, data="validation", repository=str(repository), size=256)
+        pool_b = prepare_pool(b, args.model, data="validation", repository=str(repository), size=256)
+        outcome = compare(RunConfig(a, args.model, spec, channels=args.channels, processes=args.client_processes, label="workers=1"),
+                          RunConfig(b, args.model, spec, channels=args.channels, processes=args.client_processes, label="workers=2"),
+                          pool_a, pool_b, rounds=args.rounds)  # fmt: skip
+    finally:
+        for stack in reversed(stacks):
+            stop_stack(stack)
+    summary = outcome["summary"]
+    return {"model": args.model, "concurrency": args.concurrency, "rounds": args.rounds, "duration_s": args.duration, "load_average": os.getloadavg(),
+            "throughput_rps": {"workers1": summary["a"]["throughput_rps"], "workers2": summary["b"]["throughput_rps"]},
+            "ratio_workers2_over_workers1": summary["ratio_b_over_a"]["throughput_rps"], "compare": outcome}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["convergence", "failover"])
+    parser.add_argument("mode", choices=["convergence", "failover", "throughput"])
+    parser.add_argument("--repository", type=Path, default=Path("var/model_repository"), help="throughput: the demo repository")
+    parser.add_argument("--model", default="mlp_classifier")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--channels", type=int, default=8, help="throughput: client connections (spread over the workers)")
+    parser.add_argument("--client-processes", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/control"))
     parser.add_argument("--workers", default="2,4,8")
     parser.add_argument("--deploys", type=int, default=20)
@@ -210,6 +257,16 @@ def main() -> None:
             results = [convergence(int(n), args.deploys, root, repository, bundles) for n in args.workers.split(",")]
             for r in results:
                 print(f"workers={r['workers']}: convergence p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms max {r['max_ms']:.1f} ms ({r['deploys']} deploys)")
+        elif args.mode == "throughput":
+            database = _fresh_database(args.database_url, root)
+            try:
+                results = throughput(args, database, root)
+            finally:
+                _drop_database(args.database_url, database)
+            tp, ratio = results["throughput_rps"], results["ratio_workers2_over_workers1"]
+            print(f"throughput {args.model} c={args.concurrency}: workers=1 median {tp['workers1']['median']:.0f} req/s, workers=2 median "
+                  f"{tp['workers2']['median']:.0f} req/s; ratio 2/1 median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f}); "
+                  f"load average {results['load_average'][0]:.1f}")  # fmt: skip
         else:
             database = _fresh_database(args.database_url, root)
             try:

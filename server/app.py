@@ -190,7 +190,7 @@ class Frontend:
         s = self.settings
         self._engine = engine = make_engine(s.database_url)
         self._directory = LeaderDirectory(engine)
-        self._tasks.append(asyncio.create_task(follow(self.dataplane, engine, s), name="desired-state-watch"))
+        self._tasks.append(asyncio.create_task(follow(self.dataplane, engine, s, sampler=self.fleet.sampler, wakers=self.fleet.hooks.wakers), name="desired-state-watch"))
 
     async def _inprocess(self):
         """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""

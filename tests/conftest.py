@@ -66,6 +66,28 @@ def start_stack(repository: Path, workdir: Path, *extra: str, env: dict[str, str
     return _start_stack(repository, workdir, *extra, env={**TEST_ENV, **registry, **(env or {})}, **kwargs)
 
 
+@contextlib.contextmanager
+def start_two_frontends(repository: Path, root: Path, env: dict[str, str]):
+    """Frontend A (``--workers 2``, control plane in its parent, its Triton) and frontend B (``--workers 2``,
+    control plane external, A's Triton) on one database (``env``): issue 27's multi-process tests."""
+    from server.runtime.supervisor import free_port
+
+    def ports() -> tuple[str, ...]:
+        return ("--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()))
+
+    a = start_stack(repository, root / "a", *ports(), env=env)
+    try:
+        b = start_stack(repository, root / "b", *ports(), "--triton-url", a.triton, env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
+    except BaseException:
+        stop_stack(a)
+        raise
+    try:
+        yield a, b
+    finally:
+        stop_stack(b)
+        stop_stack(a)
+
+
 @pytest.fixture(scope="session")
 def stack(demo_repository, tmp_path_factory):
     s = start_stack(demo_repository, tmp_path_factory.mktemp("stack"))

@@ -22,9 +22,10 @@ def cluster(
     controls: int = typer.Option(2, min=1, help="Control-plane replicas (one leads)."),
     frontends: int = typer.Option(2, min=1, help="Frontends (stateless)."),
     workers: int = typer.Option(2, min=1, help="Workers per frontend."),
+    tritons: int = typer.Option(3, min=1, help="Triton processes, all reading the one repository folder."),
     auth: str = typer.Option("off", help="off: development mode (no API keys); on: keys required."),
 ) -> None:
-    """PostgreSQL + Redis (this machine's), Triton, CONTROLS control-plane replicas, FRONTENDS frontends with
+    """PostgreSQL + Redis (this machine's), TRITONS Triton processes, CONTROLS control-plane replicas, FRONTENDS frontends with
     WORKERS workers each, all on loopback; prints the addresses; Ctrl-C stops everything."""
     import asyncio
     import logging
@@ -42,7 +43,7 @@ def cluster(
         if redis_url:
             check_redis(redis_url)
         local = LocalCluster(database_url, redis_url or None, model_repository.resolve(), workdir.resolve(), controls, frontends, workers,
-                             env={"INFERPLANE_AUTH": "true" if auth == "on" else "false"})  # fmt: skip
+                             env={"INFERPLANE_AUTH": "true" if auth == "on" else "false"}, tritons=tritons)  # fmt: skip
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,7 +1,9 @@
 """The autoscaler: per endpoint, every ``interval_s``: signals -> forecast -> policy -> executor.
 
 * **Signals** come from :class:`server.control.signals.SignalSampler` (in flight, queue, QPS,
-  tokens/s, Triton queue/compute time per model).
+  tokens/s, Triton queue/compute time per model), summed over every frontend and worker process that
+  reports (:mod:`server.control.signal_reports`): the autoscaler runs in the leader, the traffic
+  reaches the others.
 * **Forecast**: an hour-of-week profile of the endpoint's request rate
   (:class:`batching.autoscale_policy.SeasonalProfile`, exponentially weighted), seeded from the
   metered history (the tenancy store's usage rows) and fed every tick; the rate predicted for
@@ -162,6 +164,8 @@ class Autoscaler:
         self.replicas = replicas
         self._clock, self._wall = clock, wall
         self.endpoints: dict[str, EndpointScaler] = {}
+        # before a scale to zero unloads: every other serving process holds the endpoint's requests (the control plane's)
+        self.announce: Callable[[str], Awaitable[None]] | None = None
         self._task: asyncio.Task | None = None
         if replicas is not None:
             replicas.on_missing = self._on_missing
@@ -279,7 +283,7 @@ class Autoscaler:
                 continue
             if ep.waker is None:
                 ep.state = replace(ep.state, replicas=await self._count(name, ep.config))
-            demand = bool(ep.waker is not None and ep.waker.waiting) or bool(self.replicas is not None and self.replicas.waiting.get(name))
+            demand = bool(self.sampler.held(name))  # held here, or by any frontend or worker that reports (signal_reports)
             decision, ep.state = decide(ep.config, ep.state, Observation(now, load, forecast, demand))
             if decision.action == HOLD:
                 if not ep.decisions or ep.decisions[-1].get("action") != HOLD or ep.decisions[-1].get("reason") != decision.reason:
@@ -336,6 +340,8 @@ class Autoscaler:
         name = ep.name
         ep.waker = Waker(name, lambda: self._wake_load(name), ep.config.cold_start_budget_s, self._clock, ep.provision_s or DEFAULT_READY_S)
         self.hooks.wakers[name] = ep.waker
+        if self.announce is not None:
+            await self.announce(name)
         await self.dp.unload_model(name, missing_ok=True)  # the table first: nothing new reaches the replicas
         await self.executor.set_replicas(name, 0)
         if self.evict_on_zero and self.weight_cache is not None and self.repository is not None:

@@ -1,7 +1,9 @@
 """The control plane as one unit (issue 27): every writer behind one leader lease.
 
 The writers — the deployer (routes restored from the registry, retired versions unloaded after their
-grace period), the traffic controller (canary steps, automatic rollback), the autoscaler, the batch
+grace period), the traffic controller (canary steps, automatic rollback), the autoscaler (on the load
+every serving process reports: server.control.signal_reports; it exists where an executor does — the
+embedded Triton's replicas, or Kubernetes), the batch
 runner, retention, and the publisher of the desired state — run only in the process that holds the
 lease (server.control.leader). Every other replica stands by: it keeps the registry open for reads,
 watches the desired state like any frontend (server.control.state_watch.StateWatcher), and takes
@@ -28,6 +30,7 @@ from server.control.placement_store import PlacementStore
 from server.control.reconciler import from_settings as reconcilers
 from server.control.replica_ledger import fleet_ledger
 from server.control.retention import RetentionJob
+from server.control.signal_reports import SignalPeers
 from server.control.state_watch import StatePublisher, follow, stop_task
 from server.control.traffic import TrafficController
 
@@ -48,6 +51,7 @@ class ControlPlane:
         self.batches = BatchStore(self.registry.engine, file_store(settings))
         self.desired = DesiredStateStore(self.registry.engine)
         self.directory = LeaderDirectory(self.registry.engine)
+        self.reporter = holder_id()  # this process's rows in arm_reports / signal_reports while it stands by
         self.lease = lease_for(self.registry.engine, self.registry.url, holder_id(), "", ttl_s=settings.control_lease_ttl_s)
         self.leadership = Leadership(self.lease, self._lead, self._lost)
         self.writers: list = []  # more writers: async start()/stop(), run while this process leads
@@ -55,6 +59,7 @@ class ControlPlane:
         # join late, restart or were down during a change (none for the embedded Triton: it is the deployer's own)
         self.deployer.placements = placements = PlacementStore(self.registry.engine)
         self.writers += [_Loop(r.run, settings.reconcile_interval_s) for r in reconcilers(settings, placements)]
+        self.publisher: StatePublisher | None = None  # while this process leads
         self.ledger = None  # server.control.replica_ledger.ReplicaLedger: what the replicas reserve (the owner view of cost)
         self.retention: RetentionJob | None = None
         self.fleet_started = False  # set by the wiring once the fleet runs: a late leader starts the autoscaler itself
@@ -82,7 +87,10 @@ class ControlPlane:
             await self.lease.renew()
 
     def _watch(self) -> None:
-        self._watcher = asyncio.get_running_loop().create_task(follow(self.dp, self.registry.engine, self.settings), name="desired-state-watch")
+        fleet = self.fleet
+        watch = follow(self.dp, self.registry.engine, self.settings, sampler=fleet.sampler, wakers=fleet.hooks.wakers if fleet.hooks is not None else None,
+                       reporter=self.reporter)  # fmt: skip
+        self._watcher = asyncio.get_running_loop().create_task(watch, name="desired-state-watch")
 
     async def _lead(self) -> None:
         s = self.settings
@@ -91,13 +99,14 @@ class ControlPlane:
         await self.deployer.start()
         await self.traffic.start()
         await self.fleet.read_memory_needs(self.registry)
-        if s.workers == 1 and not s.control_only:
+        if self.fleet.sampler is not None:  # the load of every other frontend and worker, added to this process's own
+            self.fleet.sampler.peers = SignalPeers(self.registry.engine, self.reporter)
+        if self.fleet.autoscaler is None:
             self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store)
-            if self.fleet_started and self.fleet.autoscaler is not None:
-                await self.fleet.autoscaler.start()
-        else:  # its load signals are this process's own, and it serves none of the traffic: it would scale everything down
-            log.warning("the autoscaler runs only in a process that serves the traffic it measures (--workers 1, not `control run`): "
-                        "signals aggregated across processes are not implemented yet")  # fmt: skip
+        if self.fleet.autoscaler is not None:
+            self.fleet.autoscaler.announce = self._announce_sleep
+        if self.fleet_started and self.fleet.autoscaler is not None:
+            await self.fleet.autoscaler.start()
         loop = asyncio.get_running_loop()
         if self.row_runner is not None:
             worker = BatchWorker(self.batches, self.row_runner, lease_s=s.batch_lease_s, concurrency=s.batch_concurrency,
@@ -105,7 +114,7 @@ class ControlPlane:
             self._tasks.append(loop.create_task(worker.run(), name="batch-worker"))
         self.retention = RetentionJob(s, self.audit)
         self.retention.start()
-        publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s)
+        self.publisher = publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s, asleep=self._asleep)
         self._tasks.append(loop.create_task(publisher.run(), name="desired-state-publish"))
         collector = ArmCollector(self.dp.router, self.registry.engine)  # canary verdicts on every frontend's outcomes
         self._tasks.append(loop.create_task(collector.run(), name="arm-reports"))
@@ -113,6 +122,31 @@ class ControlPlane:
         self.ledger.start()
         for writer in self.writers:
             await writer.start()
+
+    def _asleep(self) -> dict[str, float]:
+        """The endpoints the autoscaler scaled to zero -> their cold-start budget (held on every frontend); a model
+        group's models waiting for their first pod are each frontend's own business (Fleet.hold_group_models)."""
+        autoscaler = self.fleet.autoscaler
+        if autoscaler is None:
+            return {}
+        return {name: ep.waker.budget_s for name, ep in list(autoscaler.endpoints.items()) if ep.waker is not None}
+
+    async def _announce_sleep(self, name: str, timeout_s: float = 3.0) -> None:
+        """Before the autoscaler unloads ``name`` (scaled to zero): its sleep published, and every serving process
+        that reports (signal_reports) has applied it — its requests are held there, none reaches the unloading
+        Triton. A process that does not answer within ``timeout_s`` (the reports' staleness) is not waited for."""
+        if self.publisher is None:
+            return
+        await self.publisher.publish_once()
+        generation = await asyncio.to_thread(self.desired.generation)
+        peers = SignalPeers(self.registry.engine, self.reporter)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while lagging := await asyncio.to_thread(peers.lagging, generation):
+            if loop.time() >= deadline:
+                log.warning("endpoint %s: unloading while %d process(es) have not applied its sleep: %s", name, len(lagging), ", ".join(lagging))
+                return
+            await asyncio.sleep(0.05)
 
     async def _stop_writers(self) -> None:
         for writer in reversed(self.writers):
@@ -131,6 +165,8 @@ class ControlPlane:
             self.ledger = None
         if self.fleet.autoscaler is not None:
             await self.fleet.autoscaler.stop()
+        if self.fleet.sampler is not None:
+            self.fleet.sampler.peers = None
         await self.traffic.stop()
         await self.deployer.stop()
 

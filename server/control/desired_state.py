@@ -9,6 +9,9 @@ the watchers LISTEN for; on SQLite they poll ``PRAGMA data_version``.
 
 The leader's router (``server.dataplane.routing.Router``: routes and splits) is the source: the
 deployer and the traffic controller switch it as before, and ``route_snapshot`` reads what to publish.
+An endpoint the leader's autoscaler scaled to zero carries ``wake_budget_s`` (its cold-start budget)
+while it sleeps: every serving process then holds its requests and reports them as demand
+(server.control.signal_reports) until the leader has loaded it again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ desired_state = Table(
     Column("live", String(32), nullable=True),
     Column("split", JSON, nullable=True),
     Column("updated_at", Float, nullable=False),
+    Column("wake_budget_s", Float, nullable=True),  # scaled to zero: its cold-start budget (migration 0015)
 )
 
 
@@ -45,13 +49,18 @@ def split_state(split) -> dict[str, Any]:
     }
 
 
-def route_snapshot(router) -> dict[str, dict[str, Any]]:
-    """Every endpoint the router knows: {endpoint: {"live": version | None, "split": split_state | None}}."""
-    names = set(router.routes) | set(router.splits)
-    return {
+def route_snapshot(router, asleep: Mapping[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """Every endpoint the router knows: {endpoint: {"live": version | None, "split": split_state | None}}, and
+    ``"wake_budget_s"`` for each of ``asleep`` (scaled to zero: endpoint -> cold-start budget)."""
+    asleep = asleep or {}
+    names = set(router.routes) | set(router.splits) | set(asleep)
+    out = {
         name: {"live": router.routes.get(name), "split": split_state(router.splits[name]) if name in router.splits else None}
         for name in sorted(names)
     }
+    for name, budget in asleep.items():
+        out[name]["wake_budget_s"] = float(budget)
+    return out
 
 
 def changes(published: Mapping[str, dict], now: Mapping[str, dict]) -> dict[str, dict]:
@@ -80,7 +89,8 @@ class DesiredStateStore:
             generation = session.execute(select(func.coalesce(func.max(desired_state.c.generation), 0))).scalar_one()
             for name, state in sorted(states.items()):
                 generation += 1
-                row = {"generation": generation, "live": state.get("live"), "split": state.get("split"), "updated_at": self._clock()}
+                row = {"generation": generation, "live": state.get("live"), "split": state.get("split"), "updated_at": self._clock(),
+                       "wake_budget_s": state.get("wake_budget_s")}  # fmt: skip
                 done = session.execute(update(desired_state).where(desired_state.c.endpoint == name).values(**row))
                 if not done.rowcount:
                     session.execute(insert(desired_state).values(endpoint=name, **row))
@@ -93,14 +103,20 @@ class DesiredStateStore:
         """Rows newer than ``generation``, oldest first."""
         with self._session() as session:
             rows = session.execute(
-                select(desired_state.c.endpoint, desired_state.c.generation, desired_state.c.live, desired_state.c.split)
+                select(desired_state.c.endpoint, desired_state.c.generation, desired_state.c.live, desired_state.c.split, desired_state.c.wake_budget_s)
                 .where(desired_state.c.generation > generation)
                 .order_by(desired_state.c.generation)
             ).all()
-        return [{"endpoint": e, "generation": int(g), "live": live, "split": split} for e, g, live, split in rows]
+        return [{"endpoint": e, "generation": int(g), "live": live, "split": split, "wake_budget_s": wake} for e, g, live, split, wake in rows]
 
     def all(self) -> dict[str, dict[str, Any]]:
-        return {row["endpoint"]: {"live": row["live"], "split": row["split"]} for row in self.since(0)}
+        """Each endpoint's state as ``route_snapshot`` gives it (``wake_budget_s`` only while asleep)."""
+        out = {}
+        for row in self.since(0):
+            out[row["endpoint"]] = {"live": row["live"], "split": row["split"]}
+            if row["wake_budget_s"] is not None:
+                out[row["endpoint"]]["wake_budget_s"] = row["wake_budget_s"]
+        return out
 
     def generation(self) -> int:
         with self._session() as session:

@@ -13,11 +13,14 @@ series; the gauges are what KEDA and dashboards read:
   — the same summed over a model group's models (the KEDA ScaledObjects' query);
 * ``inferplane_replica_up{replica}``, ``inferplane_replica_outstanding{replica}`` — each member.
 
-All gauges sum over frontend worker processes (``livesum``).
+All gauges sum over frontend worker processes (``livesum``) and are this process's own load. In the
+process that leads the control plane, ``peers`` (``server.control.signal_reports.SignalPeers``) adds
+what every other serving process reports to the samples the autoscaler reads (not to the gauges).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -85,6 +88,8 @@ class SignalSampler:
         self._rounds = 0
         self._groups_seen: set[str] = set()
         self._replicas_seen: set[str] = set()
+        self.peers = None  # server.control.signal_reports.SignalPeers: the other processes' load (the leader's)
+        self._peer_loads: dict = {}  # model -> PeerLoad, read at each sample
         kw = {"registry": registry}
         self.signal_gauge = Gauge("inferplane_autoscale_signal", "The autoscaler's latest load sample per model and signal.", ("model", "signal"), multiprocess_mode="livesum", **kw)
         self.group_queue = Gauge(
@@ -104,21 +109,37 @@ class SignalSampler:
         series = self.series.get(model)
         return series[-1] if series else None
 
-    def held(self, model: str) -> int:
+    def own_held(self, model: str) -> int:
+        """Requests this process holds for the model (for a replica, or for its load from zero)."""
         waker = self.hooks.wakers.get(model)
         held = getattr(waker, "waiting", 0) if waker is not None else 0
         if self.replicas is not None:
             held += self.replicas.waiting.get(model, 0)
         return held
 
+    def held(self, model: str) -> int:
+        """Held here and, in the leader, by every other process that reports."""
+        peer = self._peer_loads.get(model)
+        return self.own_held(model) + (int(peer.held) if peer is not None else 0)
+
     def models(self) -> list[str]:
-        return sorted(set(self.hooks.queues) | set(self.hooks.wakers) | set(self.series))
+        return sorted(set(self.hooks.queues) | set(self.hooks.wakers) | set(self.series) | set(self._peer_loads))
+
+    async def _read_peers(self) -> None:
+        if self.peers is None:
+            return
+        try:
+            self._peer_loads = await asyncio.to_thread(self.peers.read)
+        except Exception as err:  # the database is away: this round decides on this process's own load
+            log.warning("reading the other processes' load signals failed: %s", err)
+            self._peer_loads = {}
 
     async def sample(self) -> dict[str, Sample]:
         now = self._clock()
         self._rounds += 1
         if self.replicas is not None and (self._rounds - 1) % self.stats_every == 0:
             await self._read_triton()
+        await self._read_peers()
         samples: dict[str, Sample] = {}
         groups_queue: dict[str, float] = {}
         groups_inflight: dict[str, float] = {}
@@ -126,7 +147,8 @@ class SignalSampler:
             queue = self.hooks.queues.get(model)
             inflight = float(queue.inflight) if queue is not None else 0.0
             waiting = float(queue.size) if queue is not None else 0.0
-            held = float(self.held(model))
+            peer = self._peer_loads.get(model)
+            held = float(self.own_held(model))
             admitted = queue.admitted if queue is not None else 0
             tokens = self.hooks.usage.tokens.get(model, 0)
             last = self._last.get(model)
@@ -142,11 +164,14 @@ class SignalSampler:
             tq, tc = self._triton_means.get(model, (None, None))
             serving = self.replicas.hosting_count(model) if self.replicas is not None else 1
             s = Sample(now, inflight, waiting + held, wait_ms, qps, tokens_per_s, tq, tc, serving)
-            samples[model] = s
+            summed = s if peer is None else Sample(
+                now, inflight + peer.inflight, s.queue + peer.queue, wait_ms, qps + peer.qps, tokens_per_s + peer.tokens_per_s, tq, tc, serving
+            )  # fmt: skip
+            samples[model] = summed
             series = self.series.get(model)
             if series is None:
                 series = self.series[model] = deque(maxlen=self.history)
-            series.append(s)
+            series.append(summed)
             for name in ("inflight", "queue", "qps", "tokens_per_s"):
                 self.signal_gauge.labels(model, name).set(getattr(s, name))
             self.signal_gauge.labels(model, "wait_ms").set(wait_ms)

@@ -12,6 +12,11 @@ named, then the live version, then the split. It wakes on ``NOTIFY`` (PostgreSQL
 ``reconcile_s`` is the safety net for a lost connection) or when SQLite's ``PRAGMA data_version``
 moves (another connection committed). A row naming a version this process's Triton does not have
 ready yet stays pending and is tried again at each wake-up; nothing older is ever applied over it.
+A row with ``wake_budget_s`` (the leader scaled the endpoint to zero) takes the model out of this
+process's table, Triton untouched, behind a ``Waker``: a request for it is held, ``on_held`` reports
+the demand to the leader at once, and the held requests go on when a later row (the leader loaded it
+again) brings the model back — or get MODEL_NOT_READY past the budget. ``on_held`` also reports at once
+that such a row is applied (``applied_generation``): the leader unloads the endpoint only then.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+from collections.abc import Callable, Mapping
 
 import psycopg
 from sqlalchemy.engine import make_url
 
 from server.control.arm_reports import ArmReporter
+from server.control.signal_reports import SignalReporter
 from server.control.desired_state import CHANNEL, DesiredStateStore, changes, route_snapshot
 from server.control.leader import holder_id
 from server.dataplane.routing import Split
@@ -36,15 +43,16 @@ log = logging.getLogger(__name__)
 
 
 class StatePublisher:
-    def __init__(self, router, store: DesiredStateStore, interval_s: float = 0.02):
+    def __init__(self, router, store: DesiredStateStore, interval_s: float = 0.02, asleep: Callable[[], Mapping[str, float]] | None = None):
         self.router = router
         self.store = store
+        self.asleep = asleep  # endpoints scaled to zero -> their cold-start budget (the leader's wakers)
         self.interval_s = interval_s
         self._published: dict[str, dict] = {}
         self._seen: set[str] = set()  # endpoints this leader's router held: only those may be published as gone
 
     async def publish_once(self) -> int:
-        now = route_snapshot(self.router)
+        now = route_snapshot(self.router, self.asleep() if self.asleep is not None else None)
         self._seen |= set(now)
         mine = {name: state for name, state in self._published.items() if name in self._seen or name in now}
         todo = changes(mine, now)
@@ -66,13 +74,19 @@ class StatePublisher:
 
 
 class StateWatcher:
-    def __init__(self, dataplane, store: DesiredStateStore, database_url: str, *, poll_s: float = 0.02, reconcile_s: float = 1.0):
+    def __init__(self, dataplane, store: DesiredStateStore, database_url: str, *, poll_s: float = 0.02, reconcile_s: float = 1.0,
+                 wakers: dict | None = None, on_held: Callable[[], None] = lambda: None):  # fmt: skip
         self.dp = dataplane
+        self.wakers = wakers if wakers is not None else {}  # the model table's (FleetHooks.wakers)
+        self.on_held = on_held
+        self.held: set[str] = set()  # endpoints asleep behind a waker of this watcher
+        self.wanted: set[str] = set()  # endpoints a request here asked to wake (demand until the leader has loaded them)
         self.store = store
         self.database_url = database_url
         self.poll_s = poll_s
         self.reconcile_s = reconcile_s
-        self.generation = 0  # the newest row applied
+        self.generation = 0  # the newest row read
+        self.applied_generation = 0  # every row up to this one applied (reported to the leader: signal_reports)
         self.pending: dict[str, dict] = {}  # endpoint -> the newest row not applicable yet
         self.applied = asyncio.Event()  # set after each pass (tests and benchmarks wait on it)
 
@@ -82,18 +96,31 @@ class StateWatcher:
         for row in rows:
             self.pending[row["endpoint"]] = row
             self.generation = max(self.generation, row["generation"])
-        done = 0
+        done, slept = 0, False
         for name, row in list(self.pending.items()):
             if await self._apply(row):
                 self.pending.pop(name, None)
                 done += 1
+                slept = slept or row.get("wake_budget_s") is not None
+        waiting = [row["generation"] for row in self.pending.values()]
+        self.applied_generation = min(waiting) - 1 if waiting else self.generation
+        if slept:  # the leader waits for every process to hold the endpoint's requests before it unloads it
+            self.on_held()
         self.applied.set()
         return done
 
     async def _apply(self, row: dict) -> bool:
         name, live, split = row["endpoint"], row["live"], row["split"]
+        if row.get("wake_budget_s") is not None:
+            self._sleep(name, float(row["wake_budget_s"]))
+        elif name in self.held and not self.dp.is_loaded(name):  # awake again: back into the table before the routes
+            try:
+                await self.dp.adopt(name)
+            except InferplaneError as err:
+                log.info("endpoint %s: generation %d waits for Triton to serve it again (%s)", name, row["generation"], err.message)
+                return False
         needed = {v for v in ([live] if live else []) + [a[1] for a in (split or {}).get("arms", [])]}
-        if needed - self.dp.ready_versions(name):
+        if row.get("wake_budget_s") is None and needed - self.dp.ready_versions(name):
             try:
                 await (self.dp.refresh(name) if self.dp.is_loaded(name) else self.dp.adopt(name))
             except InferplaneError as err:
@@ -110,7 +137,36 @@ class StateWatcher:
             router.splits.pop(name, None)
         else:
             router.splits[name] = _split(router, split, router.splits.get(name))
+        if row.get("wake_budget_s") is None and name in self.held:
+            self.held.discard(name)
+            self.wakers.pop(name, None)
+            log.info("endpoint %s serves again (generation %d)", name, row["generation"])
         return True
+
+    def _sleep(self, name: str, budget_s: float) -> None:
+        """The leader scaled ``name`` to zero: requests for it are held here from now."""
+        from server.control.autoscaler import Waker
+
+        if name in self.wakers and name not in self.held:
+            return  # this process's own waker (a model group's): it knows when its model is served
+        waker = self.wakers.get(name)
+        if waker is None:
+            self.wakers[name] = Waker(name, lambda: self._until_served(name), budget_s)
+            self.held.add(name)
+            log.info("endpoint %s is scaled to zero: its requests are held here until the leader has loaded it", name)
+        else:
+            waker.budget_s = budget_s
+        self.dp.release(name)
+
+    async def _until_served(self, name: str) -> None:
+        """A held request's load: ask the leader (by reporting the demand now), wait for the model back in the table."""
+        self.wanted.add(name)  # demand even after the request that asked gave up (past its budget, cancelled)
+        self.on_held()
+        try:
+            while self.dp.signature(name) is None:
+                await asyncio.sleep(self.poll_s)
+        finally:
+            self.wanted.discard(name)
 
     async def run(self) -> None:
         postgres = self.store.postgres
@@ -158,12 +214,17 @@ def _split(router, state: dict, current: Split | None) -> Split:
     return Split(state["kind"], arms, state.get("key_header", ""), state.get("salt", ""), float(state.get("window_s", 60.0)), router.clock)
 
 
-async def follow(dataplane, engine, settings) -> None:
-    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes reported."""
+async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | None = None, reporter: str | None = None) -> None:
+    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes and its load
+    signals (``sampler``: server.control.signals.SignalSampler) reported; ``wakers``: the model table's."""
+    reporter = holder_id() if reporter is None else reporter
     watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
-                           reconcile_s=settings.desired_state_reconcile_s)  # fmt: skip
-    reporter = ArmReporter(dataplane.router, engine, holder_id())
-    await asyncio.gather(watcher.run(), reporter.run())
+                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers)  # fmt: skip
+    loads = SignalReporter(sampler, engine, reporter, wanted=watcher.wanted, applied=lambda: watcher.applied_generation) if sampler is not None else None
+    if loads is not None:
+        watcher.on_held = loads.nudge
+    arms = ArmReporter(dataplane.router, engine, reporter)
+    await asyncio.gather(watcher.run(), arms.run(), *((loads.run(),) if loads is not None else ()))
 
 
 async def stop_task(task: asyncio.Task | None) -> None:

@@ -163,14 +163,19 @@ class DataPlane:
             raise InvalidRequest(f"'{name}' is a composite endpoint: its versions come and go with deploy and rollback")
         if name not in t.signatures and name not in t.loaded and not missing_ok:
             raise ModelNotFound(f"model '{name}' is not loaded")
-        t.loaded.discard(name)
-        t.signatures.pop(name, None)
-        self._pipeline.forget(name)
+        self.release(name)
         try:
             await self._backend.unload_model(name)
         except InferplaneError:
             if not missing_ok:
                 raise
+
+    def release(self, name: str) -> None:
+        """The model leaves this process's table, Triton untouched (the leader scaled it to zero and unloads it)."""
+        t = self._table
+        t.loaded.discard(name)
+        t.signatures.pop(name, None)
+        self._pipeline.forget(name)
 
     async def adopt(self, name: str) -> ModelSignature:
         """A model another process loaded into the same Triton (a worker of ``--workers N``)."""

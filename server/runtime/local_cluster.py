@@ -1,7 +1,9 @@
 """``inferplane dev cluster`` (issue 27): the production topology on loopback, one command.
 
 PostgreSQL and Redis are the machine's (checked first, with a clear message where one is missing);
-then Triton (supervised here, reading the one repository folder), the control-plane replicas
+then ``tritons`` Triton processes (supervised here, explicit model control, all reading the one
+repository folder: the frontends load the repository's models on each, the leader's reconciler places
+what is deployed later and brings a Triton that returns up to date), the control-plane replicas
 (``inferplane control run``: one leads, the others stand by), and the frontends (``inferplane serve
 --workers N`` with ``INFERPLANE_CONTROL_PLANE=external``: stateless, they watch the desired state and
 carry control RPCs to the leader). Every process is a child that dies with this one; Ctrl-C stops them
@@ -56,21 +58,26 @@ class LocalCluster:
     frontends: int = 2
     workers: int = 2
     env: dict[str, str] = field(default_factory=dict)
-    triton: TritonSupervisor | None = None
+    tritons: int = 3
+    triton_processes: list[TritonSupervisor] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
+
+    @property
+    def triton_urls(self) -> str:
+        return ",".join(t.grpc_target for t in self.triton_processes)
 
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.triton = TritonSupervisor(self.repository, self.workdir / "triton")
-        await self.triton.start()
+        self.triton_processes = [TritonSupervisor(self.repository, self.workdir / f"triton{i}", tag=f"t{i}") for i in range(self.tritons)]
+        await asyncio.gather(*(t.start() for t in self.triton_processes))
         common = {"INFERPLANE_DATABASE_URL": self.database_url, **({"INFERPLANE_REDIS_URL": self.redis_url} if self.redis_url else {})}
         for i in range(self.controls):  # one after the other: the first migrates an empty database
-            args = ["control", "run", "--triton-url", self.triton.grpc_target, "--model-repository", str(self.repository),
+            args = ["control", "run", "--triton-url", self.triton_urls, "--model-repository", str(self.repository),
                     "--workdir", str(self.workdir / f"control{i}")]  # fmt: skip
             await self._spawn("control", f"control{i}", args, common)
         for i in range(self.frontends):
             args = ["serve", "--workers", str(self.workers), "--grpc-port", str(free_port()), "--http-port", str(free_port()),
-                    "--metrics-port", str(free_port()), "--triton-url", self.triton.grpc_target,
+                    "--metrics-port", str(free_port()), "--triton-url", self.triton_urls,
                     "--model-repository", str(self.repository), "--workdir", str(self.workdir / f"frontend{i}")]  # fmt: skip
             await self._spawn("frontend", f"frontend{i}", args, {**common, "INFERPLANE_CONTROL_PLANE": "external"})
 
@@ -100,7 +107,7 @@ class LocalCluster:
 
     def describe(self) -> str:
         lines = [f"database  {self.database_url}", f"redis     {self.redis_url or '(none: quotas per worker)'}",
-                 f"triton    {self.triton.grpc_target} (repository {self.repository})"]  # fmt: skip
+                 *(f"triton{i:<3} {t.grpc_target} (repository {self.repository})" for i, t in enumerate(self.triton_processes))]  # fmt: skip
         for m in self.members:
             if m.role == "control":
                 lines.append(f"{m.name:<9} control RPCs grpc={m.grpc} (pid {m.process.pid})")
@@ -111,8 +118,7 @@ class LocalCluster:
     async def stop(self, timeout: float = 15.0) -> None:
         for role in ("frontend", "control"):
             await stop_processes([m.process for m in self.members if m.role == role and m.process.returncode is None], timeout)
-        if self.triton is not None:
-            await self.triton.stop()
+        await asyncio.gather(*(t.stop() for t in self.triton_processes))
 
 
 def check_postgres(url: str) -> None:

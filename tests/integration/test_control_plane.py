@@ -18,12 +18,11 @@ import tritonclient.grpc as grpcclient
 
 from model_repository import demo
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
-from server.runtime.supervisor import free_port
 from loadtest.bench_control import deploy_retrying
 from loadtest.stack import start_control
 from server.control.leader import lease_row
 from server.db import make_engine
-from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack
+from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack, start_two_frontends
 from tests.integration.test_deploy import ACTOR, _bundle_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -51,17 +50,8 @@ def two_frontends(demo_repository, tmp_path_factory):
         "INFERPLANE_ROLLBACK_GRACE_S": "600",
         "INFERPLANE_DEPLOY_TIMEOUT_S": "60",
     }
-    two = ("--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()))
-    a = start_stack(repository, root / "a", *two, env=env)
-    try:
-        b_ports = ("--workers", "2", "--grpc-port", str(free_port()), "--http-port", str(free_port()))
-        b = start_stack(repository, root / "b", *b_ports, "--triton-url", a.triton, env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
-    except BaseException:
-        stop_stack(a)
-        raise
-    yield a, b
-    stop_stack(b)
-    stop_stack(a)
+    with start_two_frontends(repository, root, env) as pair:
+        yield pair
 
 
 def _versions_answered(address: str, bundle, channels: int = CHANNELS) -> list[str]:

@@ -22,6 +22,7 @@ from server.control.cost_store import metadata as cost_metadata
 from server.control.desired_state import metadata as desired_metadata
 from server.control.leader import metadata as leader_metadata
 from server.control.arm_reports import metadata as arm_metadata
+from server.control.signal_reports import metadata as signal_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
 
 V1_TABLES = {"models", "model_versions", "audit_log"}
@@ -35,6 +36,7 @@ HEAD_TABLES |= {"tenancy_identities"}  # 0009: server/tenancy/store.py (mTLS cer
 HEAD_TABLES |= {"desired_state", "control_lease", "arm_reports"}  # 0010: server/control/desired_state.py, leader.py, arm_reports.py (issue 27)
 HEAD_TABLES |= {"replica_intervals", "cost_budgets"}  # 0011: server/control/cost_store.py
 HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/placement_store.py (the Triton reconciler's desired state)
+HEAD_TABLES |= {"signal_reports"}  # 0015: server/control/signal_reports.py (every serving process's load signals)
 
 
 def _tables(engine) -> set[str]:
@@ -62,7 +64,7 @@ def test_the_models_match_the_newest_migration(db_url):
     try:
         migrations.upgrade(engine)
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata, batches_metadata, placement_metadata, cost_metadata, desired_metadata, leader_metadata, arm_metadata])
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata, batches_metadata, placement_metadata, cost_metadata, desired_metadata, leader_metadata, arm_metadata, signal_metadata])
         assert diff == []
     finally:
         engine.dispose()
