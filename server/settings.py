@@ -175,6 +175,9 @@ class Settings(BaseSettings):
     zone_spill_outstanding: int = Field(8, ge=1)  # ... this many in flight each; past it they spill to other zones
     local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
     warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
+    # spot capacity (server.dataplane.capacity_policy): the local replicas started at once are, in turn, of these
+    # capacities ("on_demand,spot": local-0 on demand, local-1 spot, ...; --capacity); replicas opened later are on demand
+    local_capacity: str = Field("on_demand", pattern=r"^\s*(on[_-]demand|spot)\s*(,\s*(on[_-]demand|spot)\s*)*$")
     default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
     # cost (issue 32): what the replicas are, for the replica ledger the owner view of cost prices
     hardware_class: str = "cpu"  # a class of the price list (deploy/prices/*.yaml): cpu, a100, h100-mig-1g.10gb, ...
@@ -324,6 +327,13 @@ class Settings(BaseSettings):
     @property
     def zones(self) -> tuple[str, ...]:
         return tuple(z.strip() for z in self.local_zones.split(",") if z.strip())
+
+    def capacity_of(self, i: int) -> str:
+        """The capacity of local replica ``i`` of those started at once (``local_capacity`` in turn)."""
+        from server.dataplane.capacity_policy import parse_capacity
+
+        capacities = [c for c in self.local_capacity.split(",") if c.strip()]
+        return parse_capacity(capacities[i % len(capacities)])
 
     @property
     def triton_urls(self) -> list[str]:

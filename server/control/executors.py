@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from server.control.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place
+from server.dataplane.capacity_policy import ON_DEMAND, SPOT, parse_capacity
 from server.dataplane.replicas import Member, ReplicaSet
 from server.errors import InvalidRequest, ModelNotFound
 
@@ -288,7 +289,8 @@ class KubernetesGroupExecutor:
 class ModelGroups:
     """The frontends' model-group table (``INFERPLANE_MODEL_GROUPS_FILE``, the ConfigMap's
     ``model-groups.json``): ``{group: {"service": NAME, "grpc_port": 8001, "models": [...]}}``; a
-    group listing ``"*"`` serves every model no other group names."""
+    group listing ``"*"`` serves every model no other group names. ``"capacity": "spot"`` marks a
+    group whose pods run on the spot node pool (``server.dataplane.capacity_policy``)."""
 
     def __init__(self, groups: dict):
         if not isinstance(groups, dict) or not groups:
@@ -305,9 +307,20 @@ class ModelGroups:
         defaults = [n for n, s in groups.items() if "*" in s.get("models", [])]
         if len(defaults) > 1:
             raise InvalidRequest(f"only one model group may serve '*' (got {', '.join(defaults)})")
-        self.groups = {n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", []))} for n, s in groups.items()}
+        for name, spec in groups.items():
+            try:
+                parse_capacity(spec.get("capacity", ON_DEMAND))
+            except ValueError as err:
+                raise InvalidRequest(f"model group '{name}': {err}") from None
+        self.groups = {
+            n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", [])),
+                "capacity": parse_capacity(s.get("capacity", ON_DEMAND))}
+            for n, s in groups.items()
+        }  # fmt: skip
         self.default = defaults[0] if defaults else None
-        self._by_model = {m: n for n, s in self.groups.items() for m in s["models"] if m != "*"}
+        # a model an on-demand group and a spot group both name is the on-demand group's (its KEDA queue, its scaling)
+        self._by_model = {m: n for n, s in self.groups.items() if s["capacity"] == SPOT for m in s["models"] if m != "*"}
+        self._by_model.update({m: n for n, s in self.groups.items() if s["capacity"] != SPOT for m in s["models"] if m != "*"})
 
     @classmethod
     def load(cls, path: Path) -> "ModelGroups":
