@@ -236,7 +236,8 @@ class LocalExecutor:
         members = self._local()
         return {
             "executor": "local",
-            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone} for m in members],
+            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone,
+                          "capacity": m.capacity, "state": m.state, "reclaimed": m.reclaimed} for m in members],
             "warm": [pid for pid in self.pool.warm_pids() if pid is not None],  # the warm pool's idle Tritons
             "from_warm": sorted(self.pool.from_warm),
             "capacity_mb": self.capacity_bytes >> 20,
