@@ -305,14 +305,17 @@ class ModelGroups:
             models = spec.get("models", [])
             if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
                 raise InvalidRequest(f"model group '{name}': models must be a list of names (or '*')")
-        defaults = [n for n, s in groups.items() if "*" in s.get("models", [])]
-        if len(defaults) > 1:
-            raise InvalidRequest(f"only one model group may serve '*' (got {', '.join(defaults)})")
         for name, spec in groups.items():
             try:
                 parse_capacity(spec.get("capacity", ON_DEMAND))
             except ValueError as err:
                 raise InvalidRequest(f"model group '{name}': {err}") from None
+        defaults = []  # the on-demand group serving '*' first (requests with no group of their own go there), then a spot one
+        for spot in (False, True):
+            star = [n for n, s in groups.items() if "*" in s.get("models", []) and (parse_capacity(s.get("capacity", ON_DEMAND)) == SPOT) == spot]
+            if len(star) > 1:
+                raise InvalidRequest(f"only one {'spot' if spot else 'on-demand'} model group may serve '*' (got {', '.join(star)})")
+            defaults += star
         self.groups = {
             n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", [])),
                 "capacity": parse_capacity(s.get("capacity", ON_DEMAND))}

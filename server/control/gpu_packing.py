@@ -460,7 +460,10 @@ def overlay_files(packing: Packing, *, template: str = "../../../../base/triton"
         }
     )
     # the frontends' routing table: the base's general group takes every model no GPU group names
-    routing: dict[str, dict] = {"general": {"service": "triton-general", "grpc_port": 8001, "models": ["*"]}}
+    routing: dict[str, dict] = {
+        "general": {"service": "triton-general", "grpc_port": 8001, "models": ["*"]},
+        "general-spot": {"service": "triton-general-spot", "grpc_port": 8001, "models": ["*"], "capacity": "spot"},  # the base's spot pool
+    }
     for g in groups:
         resource, count = g.resource, g.count
         # no `replicas:` (the ScaledObject below holds the group at its packed count) and no model list:

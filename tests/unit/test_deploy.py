@@ -168,7 +168,8 @@ def test_pdb_hpa_and_scaledobjects_point_at_deployments_that_exist():
             target = so["spec"]["scaleTargetRef"]["name"]
             assert target in deployments and target.startswith("triton-"), (overlay, target)
             group = deployments[target]["metadata"]["labels"]["inferplane.io/model-group"]
-            assert f'model_group="{group}"' in so["spec"]["triggers"][0]["metadata"]["query"]
+            # a spot pool scales on the load of the on-demand group whose models it serves (its own signal is that group's)
+            assert f'model_group="{group.removesuffix("-spot")}"' in so["spec"]["triggers"][0]["metadata"]["query"]
         for pdb in _kind(objs, "PodDisruptionBudget"):
             sel = pdb["spec"]["selector"]["matchLabels"]
             assert any(_matches(sel, d["spec"]["template"]["metadata"]["labels"]) for d in deployments.values())
@@ -208,7 +209,7 @@ def test_gpu_overlay_requests_gpus_and_mig_slices_and_the_general_group_none():
     config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "inferplane-config")
     routing = json.loads(config["data"]["model-groups.json"])
     gpu_groups = {d["metadata"]["labels"]["inferplane.io/model-group"] for d in _kind(objs, "Deployment") if d["metadata"]["name"].startswith("triton-gpu-")}
-    assert set(routing) == {"general"} | gpu_groups
+    assert set(routing) == {"general", "general-spot"} | gpu_groups
     assert all(routing[g]["service"] == f"triton-{g}" for g in routing)
 
 
@@ -518,3 +519,23 @@ def test_lifecycle_handlers_exist_in_the_oldest_kubernetes_the_readme_names():
                 for handler in c.get("lifecycle", {}).values():
                     if "sleep" in handler:
                         assert int(minimum.group(1)) >= 30, f"{overlay}: {obj['metadata']['name']}: preStop.sleep on 1.{minimum.group(1)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_spot_pool_runs_only_on_spot_nodes_and_the_frontends_know_it_is_spot(overlay):
+    from server.control.executors import ModelGroups
+
+    objs = objects(overlay)
+    spot = _deployment(objs, "triton-general-spot")
+    spec = spot["spec"]["template"]["spec"]
+    assert spec["nodeSelector"]["inferplane.io/capacity"] == "spot"
+    assert {"key": "inferplane.io/capacity", "operator": "Equal", "value": "spot", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["terminationGracePeriodSeconds"] <= 30  # inside the shortest reclaim notice
+    general = _deployment(objs, "triton-general")["spec"]["template"]["spec"]
+    assert "inferplane.io/capacity" not in general.get("nodeSelector", {})  # the on-demand group stays off the spot pool
+    (config,) = [c for c in _kind(objs, "ConfigMap") if "model-groups.json" in c.get("data", {})]
+    groups = ModelGroups(json.loads(config["data"]["model-groups.json"]))
+    assert groups.groups["general-spot"] == {"service": "triton-general-spot", "grpc_port": 8001, "models": ["*"], "capacity": "spot"}
+    assert groups.groups["general"]["capacity"] == "on_demand" and groups.group_of("any_model") == "general"
+    (scaled,) = [o for o in _kind(objs, "ScaledObject") if o["spec"]["scaleTargetRef"]["name"] == "triton-general-spot"]
+    assert scaled["spec"]["minReplicaCount"] == 0 and 'model_group="general"' in scaled["spec"]["triggers"][0]["metadata"]["query"]

@@ -177,5 +177,12 @@ def test_a_model_group_can_be_spot_and_its_models_stay_the_on_demand_groups():
     })  # fmt: skip
     assert groups.groups["tabular-spot"]["capacity"] == cp.SPOT and groups.groups["general"]["capacity"] == cp.ON_DEMAND
     assert groups.group_of("fraud") == "tabular"
+    both = ModelGroups({
+        "general": {"service": "triton-general", "models": ["*"]},
+        "general-spot": {"service": "triton-general-spot", "models": ["*"], "capacity": "spot"},
+    })  # fmt: skip
+    assert both.group_of("anything") == "general"  # a spot pool next to the general one serves the same models
+    with pytest.raises(InvalidRequest, match="only one spot"):
+        ModelGroups({"a": {"service": "a", "models": ["*"], "capacity": "spot"}, "b": {"service": "b", "models": ["*"], "capacity": "spot"}})
     with pytest.raises(InvalidRequest, match="capacity"):
         ModelGroups({"g": {"service": "s", "models": ["*"], "capacity": "cheap"}})
