@@ -335,3 +335,14 @@ class ModelGroups:
 
     def group_of(self, model: str) -> str | None:
         return self._by_model.get(model, self.default)
+
+    def serves(self, group: str, model: str) -> bool:
+        """Whether ``group``'s Tritons load ``model``: the model's own group, and a spot group naming it
+        (by name, or by ``*`` when it is the on-demand default group's) — a spot pool mirrors its models."""
+        if self.group_of(model) == group:
+            return True
+        spec = self.groups.get(group)
+        if spec is None or spec["capacity"] != SPOT:
+            return False
+        owner = self.group_of(model)
+        return model in spec["models"] or ("*" in spec["models"] and owner is not None and "*" in self.groups[owner]["models"])
