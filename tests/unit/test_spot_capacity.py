@@ -186,3 +186,40 @@ def test_a_model_group_can_be_spot_and_its_models_stay_the_on_demand_groups():
         ModelGroups({"a": {"service": "a", "models": ["*"], "capacity": "spot"}, "b": {"service": "b", "models": ["*"], "capacity": "spot"}})
     with pytest.raises(InvalidRequest, match="capacity"):
         ModelGroups({"g": {"service": "s", "models": ["*"], "capacity": "cheap"}})
+
+
+# ---- shadow copies through the replica set -----------------------------------------------------------
+
+
+def test_shadow_copies_go_to_spot_and_pause_while_it_is_reclaimed():
+    from server.dataplane.routing import Shadow
+
+    async def main():
+        rs, od, sp = spot_set()
+        shadow = Shadow(version="2")
+        shadow.start(rs.infer_raw, workers=1)
+        try:
+            shadow.offer(request(), b"", 0.001)
+            assert await _until(lambda: sp.calls == 1)
+            assert od.calls == 0
+            sp.state = EXITING  # the reclaim notice
+            await rs.check_health()
+            for _ in range(3):
+                shadow.offer(request(), b"", 0.001)
+            assert await _until(lambda: shadow.stats.paused == 3)
+            assert od.calls == 0 and sp.calls == 1  # paused: neither the spot nor an on-demand replica got them
+            assert shadow.stats.as_dict()["paused"] == 3
+        finally:
+            await shadow.stop()
+
+    asyncio.run(main())
+
+
+async def _until(predicate, timeout=5.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        if loop.time() > end:
+            return False
+        await asyncio.sleep(0.01)
+    return True
