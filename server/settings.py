@@ -328,13 +328,6 @@ class Settings(BaseSettings):
     def zones(self) -> tuple[str, ...]:
         return tuple(z.strip() for z in self.local_zones.split(",") if z.strip())
 
-    def capacity_of(self, i: int) -> str:
-        """The capacity of local replica ``i`` of those started at once (``local_capacity`` in turn)."""
-        from server.dataplane.capacity_policy import parse_capacity
-
-        capacities = [c for c in self.local_capacity.split(",") if c.strip()]
-        return parse_capacity(capacities[i % len(capacities)])
-
     @property
     def triton_urls(self) -> list[str]:
         """``triton_url`` as a list (several replicas: ``host1:8001,host2:8001``)."""

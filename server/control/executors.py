@@ -314,7 +314,7 @@ class ModelGroups:
         for spot in (False, True):
             star = [n for n, s in groups.items() if "*" in s.get("models", []) and (parse_capacity(s.get("capacity", ON_DEMAND)) == SPOT) == spot]
             if len(star) > 1:
-                raise InvalidRequest(f"only one {'spot' if spot else 'on-demand'} model group may serve '*' (got {', '.join(star)})")
+                raise InvalidRequest(f"only one model group may serve '*' per capacity ({'spot' if spot else 'on demand'}: got {', '.join(star)})")
             defaults += star
         self.groups = {
             n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", [])),

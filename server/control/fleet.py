@@ -24,7 +24,7 @@ from server.control import isolation
 from server.control.backend_configs import TritonTarget, observe_backends, observe_gpus
 from server.control.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
 from server.control.placement import memory_need
-from server.dataplane.capacity_policy import spot_opt_in
+from server.dataplane.capacity_policy import parse_capacity, spot_opt_in
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
 from server.dataplane.triton_client import TritonClient
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
@@ -81,7 +81,7 @@ class Fleet:
                 response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url, warm_pool=s.warm_pool,
             )  # fmt: skip
             pool.adopt(PRIMARY, supervisor)
-            primary = Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0], capacity=s.capacity_of(0))
+            primary = Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0], capacity=_capacity_of(s, 0))
             replicas._add(primary)
         for i, url in enumerate(s.triton_urls if not groups else []):
             replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
@@ -104,7 +104,7 @@ class Fleet:
             targets = await asyncio.gather(*(self.pool.start(r) for r in extra))
             for i, (replica_id, target) in enumerate(zip(extra, targets), start=1):
                 zone = s.zones[i % len(s.zones)] if s.zones else ""
-                member = Member(replica_id, client(s, target), group="local", local=True, zone=zone, capacity=s.capacity_of(i))
+                member = Member(replica_id, client(s, target), group="local", local=True, zone=zone, capacity=_capacity_of(s, i))
                 await self.replicas.add_member(member, probe=False)
             await self.pool.fill_warm()
         self.replicas.start()
@@ -321,6 +321,12 @@ def client(settings: Settings, target: str, remote: bool = False) -> TritonClien
     c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)
     c.connect()
     return c
+
+
+def _capacity_of(settings: Settings, i: int) -> str:
+    """The capacity of local replica ``i`` of those started at once (``local_capacity`` in turn)."""
+    capacities = [c for c in settings.local_capacity.split(",") if c.strip()]
+    return parse_capacity(capacities[i % len(capacities)])
 
 
 def _installed_backends() -> Path:

@@ -182,7 +182,7 @@ def test_a_model_group_can_be_spot_and_its_models_stay_the_on_demand_groups():
         "general-spot": {"service": "triton-general-spot", "models": ["*"], "capacity": "spot"},
     })  # fmt: skip
     assert both.group_of("anything") == "general"  # a spot pool next to the general one serves the same models
-    with pytest.raises(InvalidRequest, match="only one spot"):
+    with pytest.raises(InvalidRequest, match="only one model group.*spot"):
         ModelGroups({"a": {"service": "a", "models": ["*"], "capacity": "spot"}, "b": {"service": "b", "models": ["*"], "capacity": "spot"}})
     with pytest.raises(InvalidRequest, match="capacity"):
         ModelGroups({"g": {"service": "s", "models": ["*"], "capacity": "cheap"}})
