@@ -16,10 +16,14 @@ import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
+
+from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
 from tests.conftest import stop_stack, wait_until
 from tests.integration.test_failure_domains import FRAUD, WIDTH, Load, replicas, tree_stack
@@ -40,10 +44,6 @@ SAFETY_S = 240  # a job that never ends fails the test instead of hanging it (no
 
 @pytest.fixture(scope="module")
 def spot(demo_repository, tmp_path_factory):
-    from server.protogen.inferplane.v1 import autoscale_pb2 as apb
-    from server.protogen.inferplane.v1 import autoscale_pb2_grpc
-    import grpc
-
     stack = tree_stack(demo_repository, tmp_path_factory.mktemp("spot"), ENV)
     with grpc.insecure_channel(stack.grpc) as channel:  # an autoscaling config (two copies) makes it explainable
         config = apb.AutoscaleConfig(min_replicas=2, max_replicas=2)
