@@ -539,3 +539,27 @@ def test_the_spot_pool_runs_only_on_spot_nodes_and_the_frontends_know_it_is_spot
     assert groups.groups["general"]["capacity"] == "on_demand" and groups.group_of("any_model") == "general"
     (scaled,) = [o for o in _kind(objs, "ScaledObject") if o["spec"]["scaleTargetRef"]["name"] == "triton-general-spot"]
     assert scaled["spec"]["minReplicaCount"] == 0 and 'model_group="general"' in scaled["spec"]["triggers"][0]["metadata"]["query"]
+
+
+def test_a_tier_one_models_group_spreads_over_zones_strictly_and_the_others_leniently():
+    """The inventory's tier-1 model (llama_8b, two replicas): its group's pods never share a zone
+    while another has room (DoNotSchedule); every other Triton group keeps ScheduleAnyway."""
+    spec = json.loads((DEPLOY / "overlays" / "gpu" / "inventory.json").read_text())
+    tier_one = {m["name"] for m in spec["models"] if m.get("tier") == 1}
+    assert tier_one == {"llama_8b"}
+    objs = objects("gpu")
+    (config,) = [c for c in _kind(objs, "ConfigMap") if "model-groups.json" in c.get("data", {})]
+    routing = json.loads(config["data"]["model-groups.json"])
+    strict = set()
+    for d in _kind(objs, "Deployment"):
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") != "triton":
+            continue
+        group = d["metadata"]["labels"]["inferplane.io/model-group"]
+        (spread,) = d["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+        if set(routing[group]["models"]) & tier_one:
+            assert spread["whenUnsatisfiable"] == "DoNotSchedule", group
+            strict.add(group)
+        else:
+            assert spread["whenUnsatisfiable"] == "ScheduleAnyway", group
+    assert strict  # the tier-1 model has a group
