@@ -111,7 +111,8 @@ def test_a_reclaim_mid_batch_loses_no_row_and_no_real_time_request(spot):
                 time.sleep(0.2)
             load.served(20)
         assert b.status == "completed", b
-        assert b.request_counts.completed == ROWS and b.request_counts.failed == 0, b.request_counts
+        errors = sdk.files.content(b.error_file_id).content.splitlines()[:3] if b.error_file_id else []
+        assert b.request_counts.completed == ROWS and b.request_counts.failed == 0, (b.request_counts, errors)
         lines = [json.loads(x) for x in sdk.files.content(b.output_file_id).content.splitlines()]
         assert sorted(x["custom_id"] for x in lines) == sorted(f"row-{i}" for i in range(ROWS))  # every row exactly once
         assert all(x["response"]["status_code"] == 200 for x in lines)

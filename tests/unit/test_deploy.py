@@ -65,7 +65,8 @@ def test_overlay_renders_the_platform(overlay):
     names = {o["metadata"]["name"] for o in _kind(objs, "Deployment")}
     assert {"frontend", "control-plane", "triton-general"} <= names
     namespace = "inferplane-dev" if overlay == "dev" else "inferplane"
-    assert {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"} == {namespace}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    assert {o["metadata"].get("namespace") for o in objs if o["kind"] not in cluster_scoped} == {namespace}
     assert [o["metadata"]["name"] for o in _kind(objs, "Namespace")] == [namespace]
 
 
@@ -240,11 +241,26 @@ def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothin
     for binding in bindings:
         assert binding["roleRef"]["apiGroup"] == "rbac.authorization.k8s.io" and binding["roleRef"]["kind"] == "Role"
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "inferplane"}]
-    assert not _kind(objs, "ClusterRole") and not _kind(objs, "ClusterRoleBinding")
-    # nobody else gets a token
+    # the one cluster-wide grant: the frontend pod's zone init step reads nodes (get), nothing more
+    (cluster_role,) = _kind(objs, "ClusterRole")
+    assert cluster_role["metadata"]["name"] == "inferplane-read-nodes"
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    (cluster_binding,) = _kind(objs, "ClusterRoleBinding")
+    assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "inferplane-read-nodes"}
+    assert cluster_binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-frontend", "namespace": "inferplane"}]
+    # nobody else gets a token; in the frontend pod only the zone init step has one (projected, mounted there alone)
     for d in _kind(objs, "Deployment"):
         if d is not control:
             assert d["spec"]["template"]["spec"].get("automountServiceAccountToken") is False
+    frontend = _deployment(objs, "frontend")["spec"]["template"]["spec"]
+    (reader,) = [v for v in frontend["volumes"] if "projected" in v]
+    assert any("serviceAccountToken" in src for src in reader["projected"]["sources"])
+    (zone_step,) = frontend["initContainers"]
+    assert reader["name"] in {m["name"] for m in zone_step["volumeMounts"]}
+    assert all(reader["name"] not in {m["name"] for m in c.get("volumeMounts", [])} for c in frontend["containers"])
+    (dev_cluster_binding,) = _kind(objects("dev"), "ClusterRoleBinding")
+    assert dev_cluster_binding["metadata"]["name"] != cluster_binding["metadata"]["name"]
+    assert dev_cluster_binding["subjects"][0]["namespace"] == "inferplane-dev"
     dev_binding = _kind(objects("dev"), "RoleBinding")[0]
     assert dev_binding["subjects"][0]["namespace"] == "inferplane-dev"
 
@@ -563,3 +579,21 @@ def test_a_tier_one_models_group_spreads_over_zones_strictly_and_the_others_leni
         else:
             assert spread["whenUnsatisfiable"] == "ScheduleAnyway", group
     assert strict  # the tier-1 model has a group
+
+
+def test_the_frontend_reads_its_zone_from_its_nodes_label_through_the_init_step():
+    objs = objects("cpu")
+    spec = _deployment(objs, "frontend")["spec"]["template"]["spec"]
+    (step,) = spec["initContainers"]
+    assert step["command"] == ["python", "-m", "server.runtime.node_zone"]
+    assert "--node=$(NODE_NAME)" in step["args"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in step["env"]
+    out = next(a.split("=", 1)[1] for a in step["args"] if a.startswith("--out="))
+    (frontend,) = [c for c in spec["containers"] if c["name"] == "frontend"]
+    assert {"name": "INFERPLANE_ZONE_FILE", "value": out} in frontend["env"]
+    mounts = {m["name"]: m["mountPath"] for m in frontend["volumeMounts"]}
+    assert out.startswith(mounts["zone"] + "/")
+    assert step["resources"]["requests"] and step["resources"]["limits"]
+    # the init step reaches the API server through the frontends' network policy
+    (policy,) = [p for p in _kind(objs, "NetworkPolicy") if p["metadata"]["name"] == "frontend"]
+    assert any({"protocol": "TCP", "port": 443} in rule.get("ports", []) for rule in policy["spec"]["egress"])
