@@ -80,7 +80,7 @@ from batching import route_policy
 from server.dataplane import capacity_policy
 from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
-from server.dataplane.triton_client import EXITING, LIVE, ConnectionLost, NotSent
+from server.dataplane.triton_client import EXITING, EXITING_MARKERS, LIVE, ConnectionLost, NotSent
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.protogen.inference import grpc_service_pb2 as pb
 
@@ -534,6 +534,9 @@ class ReplicaSet:
 
     def _failed(self, member: Member, model: str, err: InferplaneError) -> None:
         member.errors += 1
+        if any(marker in err.message.lower() for marker in EXITING_MARKERS):  # SIGTERM: drained now, not at the next probe
+            self.reclaim(member.id)
+            return
         if _refused(err):
             if model in member.models:  # Triton says it does not serve it (any more): stop sending it there
                 member.models.discard(model)

@@ -223,3 +223,28 @@ async def _until(predicate, timeout=5.0):
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+def test_a_request_triton_refuses_while_stopping_goes_to_another_member_and_drains_the_exiting_one():
+    from server.dataplane.triton_client import NotSent
+
+    async def main():
+        rs, od, sp = spot_set()
+        # what Triton answers a new request after SIGTERM, before the next probe sees it exiting
+        sp.fail = [NotSent("Triton is exiting: Server is stopping, scheduler for model has stopped accepting new inference requests")]
+        answer = await asyncio.create_task(_as(cp.BATCH, rs.infer_raw(request())))
+        assert answer == b"od" and sp.calls == 1  # re-sent on demand: the row is not failed
+        assert rs.member("sp").state == DRAINING and rs.member("sp").reclaimed == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "INTERNAL"])
+def test_tritons_answers_while_stopping_read_as_not_sent(code):
+    import grpc
+
+    from server.dataplane.triton_client import NotSent, translate
+
+    message = "[request id: <id_unknown>] Server is stopping, scheduler for model has stopped accepting new inference requests"
+    err = grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
+    assert isinstance(translate(err), NotSent)
