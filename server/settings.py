@@ -172,9 +172,13 @@ class Settings(BaseSettings):
     # the tree/ONNX models; each = one Triton per model; none = all in the embedded one
     isolation: str = Field("llm", pattern="^(none|llm|each)$")
     zone: str = ""  # this frontend's zone: its requests prefer replicas in it (--zone), below ...
+    zone_file: Path | None = None  # ... or, with no zone given, the zone this file holds (Kubernetes: server.runtime.node_zone)
     zone_spill_outstanding: int = Field(8, ge=1)  # ... this many in flight each; past it they spill to other zones
     local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
     warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
+    # spot capacity (server.dataplane.capacity_policy): the local replicas started at once are, in turn, of these
+    # capacities ("on_demand,spot": local-0 on demand, local-1 spot, ...; --capacity); replicas opened later are on demand
+    local_capacity: str = Field("on_demand", pattern=r"^\s*(on[_-]demand|spot)\s*(,\s*(on[_-]demand|spot)\s*)*$")
     default_model_memory_mb: int = Field(512, ge=1)  # a model without hardware metadata in the registry
     # cost (issue 32): what the replicas are, for the replica ledger the owner view of cost prices
     hardware_class: str = "cpu"  # a class of the price list (deploy/prices/*.yaml): cpu, a100, h100-mig-1g.10gb, ...
@@ -287,6 +291,11 @@ class Settings(BaseSettings):
             self.artifact_store = str(self.data_dir / "artifacts")
         if not self.shadow_record_destination:
             self.shadow_record_destination = str(self.data_dir / "shadow_records")
+        if not self.zone and self.zone_file is not None:
+            try:
+                self.zone = self.zone_file.read_text().strip()
+            except OSError as err:
+                raise ValueError(f"zone_file {self.zone_file} cannot be read: {err}") from None
         self._check_security()
         ports = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.health_port) if p]
         if len(ports) != len(set(ports)):

@@ -63,6 +63,9 @@ def serve(
     tls_key: Optional[Path] = typer.Option(None, help="The certificate's PEM private key (unencrypted)."),
     tls_client_ca: Optional[Path] = typer.Option(None, help="PEM CA bundle: mutual TLS, client certificates required on every port."),
     zone: Optional[str] = typer.Option(None, help="This frontend's zone: requests prefer replicas in it, spilling over when they are down or saturated."),
+    capacity: Optional[str] = typer.Option(
+        None, help="Capacity of the local Tritons started at once, in turn: on_demand or spot (preemptible: batch rows and shadow copies go there first), e.g. on_demand,spot."
+    ),
     isolation: Optional[str] = typer.Option(
         None, help="Embedded Tritons per failure domain: llm (the LLMs apart from the other models), each (one per model), none [default: llm]."
     ),
@@ -84,6 +87,7 @@ def serve(
         "workdir": workdir, "database_url": database_url, "data_dir": data_dir, "models": model or None, "workers": workers,
         "log_level": log_level, "auth": None if auth is None else _on_off(auth, "--auth"),
         "tls_cert": tls_cert, "tls_key": tls_key, "tls_client_ca": tls_client_ca, "zone": zone, "isolation": isolation,
+        "local_capacity": capacity,
     }  # fmt: skip
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})

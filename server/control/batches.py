@@ -20,6 +20,8 @@
   limits in a quota scope of their own (``server.dataplane.pipeline.BATCH_SCOPE``: a batch never
   spends what the tenant's live callers need) and metered as ``traffic_class=batch``. A row refused
   for overload or quota stays pending and is tried again after a back-off; it is never failed for it.
+  So is a row no replica could take (UNAVAILABLE, MODEL_NOT_READY: its spot replica reclaimed and
+  the work not yet on another); rows go to spot replicas first (``server.dataplane.capacity_policy``).
 
 Synchronous SQLAlchemy Core over the tables of migration ``0008_composites_batches``; the async
 worker calls the store with ``asyncio.to_thread``.
@@ -61,7 +63,7 @@ from sqlalchemy import (
 )
 
 from server.control.artifacts import ArtifactStore
-from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Overloaded, Violation
+from server.errors import BackendUnavailable, Conflict, InferplaneError, InvalidRequest, ModelNotFound, ModelNotReady, Overloaded, Violation
 
 log = logging.getLogger(__name__)
 
@@ -502,8 +504,10 @@ class BatchWorker:
         try:
             async with self._slots:
                 code, body = await self.run_row(job.endpoint, json.loads(row.body), job.tenant)
-        except Overloaded:
-            return None  # stays pending: tried again after a back-off
+        except (Overloaded, BackendUnavailable, ModelNotReady):
+            # refused for load, or no replica could take it (a spot replica reclaimed under it and no
+            # other serving yet): it stays pending and is tried again after a back-off, never failed for it
+            return None
         except asyncio.CancelledError:
             raise
         except InferplaneError as err:

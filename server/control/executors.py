@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from server.control.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place
+from server.dataplane.capacity_policy import ON_DEMAND, SPOT, parse_capacity
 from server.dataplane.replicas import Member, ReplicaSet
 from server.errors import InvalidRequest, ModelNotFound
 
@@ -235,7 +236,8 @@ class LocalExecutor:
         members = self._local()
         return {
             "executor": "local",
-            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone} for m in members],
+            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone,
+                          "capacity": m.capacity, "state": m.state, "reclaimed": m.reclaimed} for m in members],
             "warm": [pid for pid in self.pool.warm_pids() if pid is not None],  # the warm pool's idle Tritons
             "from_warm": sorted(self.pool.from_warm),
             "capacity_mb": self.capacity_bytes >> 20,
@@ -288,7 +290,8 @@ class KubernetesGroupExecutor:
 class ModelGroups:
     """The frontends' model-group table (``INFERPLANE_MODEL_GROUPS_FILE``, the ConfigMap's
     ``model-groups.json``): ``{group: {"service": NAME, "grpc_port": 8001, "models": [...]}}``; a
-    group listing ``"*"`` serves every model no other group names."""
+    group listing ``"*"`` serves every model no other group names. ``"capacity": "spot"`` marks a
+    group whose pods run on the spot node pool (``server.dataplane.capacity_policy``)."""
 
     def __init__(self, groups: dict):
         if not isinstance(groups, dict) or not groups:
@@ -302,12 +305,26 @@ class ModelGroups:
             models = spec.get("models", [])
             if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
                 raise InvalidRequest(f"model group '{name}': models must be a list of names (or '*')")
-        defaults = [n for n, s in groups.items() if "*" in s.get("models", [])]
-        if len(defaults) > 1:
-            raise InvalidRequest(f"only one model group may serve '*' (got {', '.join(defaults)})")
-        self.groups = {n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", []))} for n, s in groups.items()}
+        for name, spec in groups.items():
+            try:
+                parse_capacity(spec.get("capacity", ON_DEMAND))
+            except ValueError as err:
+                raise InvalidRequest(f"model group '{name}': {err}") from None
+        defaults = []  # the on-demand group serving '*' first (requests with no group of their own go there), then a spot one
+        for spot in (False, True):
+            star = [n for n, s in groups.items() if "*" in s.get("models", []) and (parse_capacity(s.get("capacity", ON_DEMAND)) == SPOT) == spot]
+            if len(star) > 1:
+                raise InvalidRequest(f"only one model group may serve '*' per capacity ({'spot' if spot else 'on demand'}: got {', '.join(star)})")
+            defaults += star
+        self.groups = {
+            n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", [])),
+                "capacity": parse_capacity(s.get("capacity", ON_DEMAND))}
+            for n, s in groups.items()
+        }  # fmt: skip
         self.default = defaults[0] if defaults else None
-        self._by_model = {m: n for n, s in self.groups.items() for m in s["models"] if m != "*"}
+        # a model an on-demand group and a spot group both name is the on-demand group's (its KEDA queue, its scaling)
+        self._by_model = {m: n for n, s in self.groups.items() if s["capacity"] == SPOT for m in s["models"] if m != "*"}
+        self._by_model.update({m: n for n, s in self.groups.items() if s["capacity"] != SPOT for m in s["models"] if m != "*"})
 
     @classmethod
     def load(cls, path: Path) -> "ModelGroups":
@@ -318,3 +335,14 @@ class ModelGroups:
 
     def group_of(self, model: str) -> str | None:
         return self._by_model.get(model, self.default)
+
+    def serves(self, group: str, model: str) -> bool:
+        """Whether ``group``'s Tritons load ``model``: the model's own group, and a spot group naming it
+        (by name, or by ``*`` when it is the on-demand default group's) — a spot pool mirrors its models."""
+        if self.group_of(model) == group:
+            return True
+        spec = self.groups.get(group)
+        if spec is None or spec["capacity"] != SPOT:
+            return False
+        owner = self.group_of(model)
+        return model in spec["models"] or ("*" in spec["models"] and owner is not None and "*" in self.groups[owner]["models"])

@@ -24,6 +24,7 @@ from server.control import isolation
 from server.control.backend_configs import TritonTarget, observe_backends, observe_gpus
 from server.control.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
 from server.control.placement import memory_need
+from server.dataplane.capacity_policy import parse_capacity, spot_opt_in
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
 from server.dataplane.triton_client import TritonClient
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
@@ -80,12 +81,13 @@ class Fleet:
                 response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url, warm_pool=s.warm_pool,
             )  # fmt: skip
             pool.adopt(PRIMARY, supervisor)
-            replicas._add(Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0]))
+            primary = Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0], capacity=_capacity_of(s, 0))
+            replicas._add(primary)
         for i, url in enumerate(s.triton_urls if not groups else []):
             replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
         if groups is not None:
             for name, spec in groups.groups.items():
-                replicas.add_source(DnsSource(spec["service"], spec["grpc_port"], group=name))
+                replicas.add_source(DnsSource(spec["service"], spec["grpc_port"], group=name, capacity=spec["capacity"]))
         fleet = cls(s, replicas, pool=pool, groups=groups)
         if pool is not None:
             pool.on_down = replicas.mark_down
@@ -102,7 +104,8 @@ class Fleet:
             targets = await asyncio.gather(*(self.pool.start(r) for r in extra))
             for i, (replica_id, target) in enumerate(zip(extra, targets), start=1):
                 zone = s.zones[i % len(s.zones)] if s.zones else ""
-                await self.replicas.add_member(Member(replica_id, client(s, target), group="local", local=True, zone=zone), probe=False)
+                member = Member(replica_id, client(s, target), group="local", local=True, zone=zone, capacity=_capacity_of(s, i))
+                await self.replicas.add_member(member, probe=False)
             await self.pool.fill_warm()
         self.replicas.start()
 
@@ -166,6 +169,7 @@ class Fleet:
         self.hooks = hooks
         self.replicas.on_change = self._hosting_changed
         self.replicas.routing_of = self._routing_of
+        self.replicas.spot_ok = self._spot_ok
         self.sampler = SignalSampler(hooks, self.replicas, registry=metrics.registry, group_of=self.group_of)
         s = self.settings
         if self.pool is not None and s.autoscale_executor == "local" and not s.worker:
@@ -203,6 +207,11 @@ class Fleet:
         """An LLM endpoint's own routing policy (its config's ``inferplane.routing``), if it names one."""
         signature = self.dataplane.signature(model) if self.dataplane is not None else None
         return signature.params.get(ROUTING_PARAMETER) if signature is not None else None
+
+    def _spot_ok(self, model: str) -> bool:
+        """Whether the endpoint lets its real-time traffic use spot replicas (its config's ``inferplane.spot``)."""
+        signature = self.dataplane.signature(model) if self.dataplane is not None else None
+        return signature is not None and spot_opt_in(signature.params)
 
     def memory_of(self, model: str) -> int:
         return self._memory.get(model, self.settings.default_model_memory_mb << 20)
@@ -312,6 +321,12 @@ def client(settings: Settings, target: str, remote: bool = False) -> TritonClien
     c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)
     c.connect()
     return c
+
+
+def _capacity_of(settings: Settings, i: int) -> str:
+    """The capacity of local replica ``i`` of those started at once (``local_capacity`` in turn)."""
+    capacities = [c for c in settings.local_capacity.split(",") if c.strip()]
+    return parse_capacity(capacities[i % len(capacities)])
 
 
 def _installed_backends() -> Path:

@@ -118,10 +118,13 @@ class Model:
     compute: float = 0.0  # fraction of one whole GPU's SMs
     replicas: int = 1
     dedicated: bool = False
+    tier: int = 2  # availability tier (server.control.isolation): a tier-1 model's group spreads over zones strictly
 
     def __post_init__(self) -> None:
         if not self.name:
             raise PackingError("a model needs a name")
+        if self.tier not in (1, 2, 3):
+            raise PackingError(f"model {self.name}: tier must be 1, 2 or 3, got {self.tier}")
         if not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):
             raise PackingError(f"model {self.name}: memory_gb must be > 0, got {self.memory_gb}")
         if not (0 <= self.compute and math.isfinite(self.compute)):
@@ -134,7 +137,7 @@ class Model:
         try:
             return cls(
                 name=str(d["name"]), memory_gb=float(d["memory_gb"]), compute=float(d.get("compute", 0.0)),
-                replicas=int(d.get("replicas", 1)), dedicated=bool(d.get("dedicated", False)),
+                replicas=int(d.get("replicas", 1)), dedicated=bool(d.get("dedicated", False)), tier=int(d.get("tier", 2)),
             )  # fmt: skip
         except KeyError as err:
             raise PackingError(f"model {d!r} lacks {err.args[0]!r}") from None
@@ -200,6 +203,7 @@ class Packing:
     memory_of_used_gpus_gb: float
     baseline: dict  # one model (copy) per whole GPU
     dedicated: list[str]
+    tier_one: list[str] = field(default_factory=list)  # tier-1 models: their groups' pods never share a zone while one is free
 
     @property
     def utilization(self) -> float:
@@ -331,6 +335,7 @@ def pack(nodes: list[Node], models: list[Model], *, reserve_gb: float = 0.5) -> 
         memory_of_used_gpus_gb=sum(gpu_memory[g] for g in used_gpus),
         baseline=one_model_per_gpu(nodes, models, reserve_gb=reserve_gb),
         dedicated=dedicated,
+        tier_one=sorted(m.name for m in models if m.tier == 1),
     )
 
 
@@ -438,6 +443,15 @@ def groups_of(packing: Packing) -> list[Group]:
     ]
 
 
+def _strict_spread(group: Group, packing: Packing) -> list[dict]:
+    """A group serving a tier-1 model spreads its pods over zones with ``DoNotSchedule`` (a pod waits
+    rather than doubling up in one zone); the others keep the template's ``ScheduleAnyway``."""
+    if not set(group.models) & set(packing.tier_one):
+        return []
+    op = {"op": "replace", "path": "/spec/template/spec/topologySpreadConstraints/0/whenUnsatisfiable", "value": "DoNotSchedule"}
+    return [{"target": {"kind": "Deployment"}, "patch": json.dumps([op])}]
+
+
 def _dump(obj) -> str:
     import yaml
 
@@ -460,7 +474,10 @@ def overlay_files(packing: Packing, *, template: str = "../../../../base/triton"
         }
     )
     # the frontends' routing table: the base's general group takes every model no GPU group names
-    routing: dict[str, dict] = {"general": {"service": "triton-general", "grpc_port": 8001, "models": ["*"]}}
+    routing: dict[str, dict] = {
+        "general": {"service": "triton-general", "grpc_port": 8001, "models": ["*"]},
+        "general-spot": {"service": "triton-general-spot", "grpc_port": 8001, "models": ["*"], "capacity": "spot"},  # the base's spot pool
+    }
     for g in groups:
         resource, count = g.resource, g.count
         # no `replicas:` (the ScaledObject below holds the group at its packed count) and no model list:
@@ -511,6 +528,7 @@ def overlay_files(packing: Packing, *, template: str = "../../../../base/triton"
                             ]
                         ),
                     },
+                    *_strict_spread(g, packing),
                 ],
             }
         )

@@ -261,7 +261,7 @@ def for_groups(groups, store, *, repository: str | Path, **kwargs) -> list[Trito
     no other group names)."""
     return [
         TritonReconciler(store, DnsSource(spec["service"], spec["grpc_port"], group=name), repository=repository,
-                         owns=lambda model, name=name: groups.group_of(model) == name, **kwargs)  # fmt: skip
+                         owns=lambda model, name=name: groups.serves(name, model), **kwargs)  # fmt: skip
         for name, spec in groups.groups.items()
     ]
 

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from batching.coalescer import Coalescer
 from batching.overload_policy import LoopGate
 from server.dataplane import stage_timing, triton_stats
+from server.dataplane.capacity_policy import BATCH, TRAFFIC
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.loop_gate import UnaryAdmission
@@ -374,6 +375,12 @@ class DataPlane:
     async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
         """The coalescer's call; a traced or timed request is registered there so its batch finds it."""
         trace = call.trace
+        if call.batch:  # a batch job's row: merged with rows only, sent at the batch class (spot replicas first)
+            token = TRAFFIC.set(BATCH)
+            try:
+                return await self._coalescer.submit(request, data, signature.coalesce, call.timeout, lane=BATCH)
+            finally:
+                TRAFFIC.reset(token)
         timer = call.ctx.timing if call.ctx is not None else None
         if trace is None and timer is None:
             return await self._coalescer.submit(request, data, signature.coalesce, call.timeout)

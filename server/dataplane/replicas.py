@@ -78,8 +78,10 @@ from dataclasses import dataclass, field
 
 from batching import route_policy
 from server.dataplane import stage_timing
+from server.dataplane import capacity_policy
+from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
-from server.dataplane.triton_client import ConnectionLost, NotSent
+from server.dataplane.triton_client import EXITING, EXITING_MARKERS, LIVE, ConnectionLost, NotSent
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.protogen.inference import grpc_service_pb2 as pb
 
@@ -122,11 +124,17 @@ class ReplicaPolicy:
 class Member:
     """One Triton of the set and what the set knows about it."""
 
-    def __init__(self, member_id: str, client, *, group: str = "", source: str = "", local: bool = False, zone: str = ""):
+    def __init__(
+        self, member_id: str, client, *, group: str = "", source: str = "", local: bool = False, zone: str = "",
+        capacity: str = capacity_policy.ON_DEMAND,
+    ):  # fmt: skip
         self.id = member_id
         self.client = client
         self.group = group
         self.zone = zone  # its failure domain (--zone; topology.kubernetes.io/zone on Kubernetes); '' unknown
+        self.capacity = capacity_policy.parse_capacity(capacity)  # on_demand | spot (preemptible: server.dataplane.capacity_policy)
+        self.reclaimed = 0  # reclaim notices it drained for (its Triton said it is exiting)
+        self.exiting = False  # draining for one now
         self.source = source  # the discovery source that found it ('' for members added by hand)
         self.local = local
         self.state = UP
@@ -166,7 +174,8 @@ class Member:
 
     def snapshot(self, now: float) -> dict:
         return {
-            "id": self.id, "target": self.target, "group": self.group, "zone": self.zone, "local": self.local, "state": self.state,
+            "id": self.id, "target": self.target, "group": self.group, "zone": self.zone, "capacity": self.capacity, "local": self.local,
+            "state": self.state, "reclaimed": self.reclaimed,
             "ejected_for_s": max(0.0, self.ejected_until - now), "ejections": self.ejections,
             "models": sorted(self.models), "draining": sorted(self.draining_models), "wanted": sorted(self.wanted),
             "outstanding": self.outstanding, "served": self.served, "errors": self.errors,
@@ -201,6 +210,7 @@ class ReplicaSet:
         self.placer: Callable[[str], list[str] | None] | None = None  # picks members for a model with no placement
         self.wait_budget: Callable[[str], float | None] = lambda model: None
         self.routing_of: Callable[[str], str | None] = lambda model: None  # an endpoint's own LLM routing policy
+        self.spot_ok: Callable[[str], bool] = lambda model: False  # the endpoint lets real-time traffic use spot replicas
         self._turns: dict[str, int] = {}  # round robin's position, by model
         self.on_missing: Callable[[str], None] | None = None
         self.on_change: Callable[[set[str]], None] | None = None
@@ -267,9 +277,22 @@ class ReplicaSet:
         """The member's process died (its supervisor says so): no traffic until it rejoins."""
         member = self._members.get(member_id)
         if member is not None and member.state != DOWN:
-            member.state = DOWN
+            member.state, member.exiting = DOWN, False
             models, member.models = member.models, set()
             self._notify(models)
+
+    def reclaim(self, member_id: str) -> None:
+        """The member's Triton is exiting (SIGTERM with a notice period before the SIGKILL: a spot
+        reclaim, a pod terminating): it takes nothing new from now on — what it has in flight it
+        finishes (Triton does), and a request it can no longer answer goes to another member
+        (``NotSent``/``ConnectionLost`` retries). It serves again once it rejoins (restarted)."""
+        member = self._members.get(member_id)
+        if member is None or member.exiting or member.state != UP:
+            return
+        member.state, member.exiting = DRAINING, True
+        member.reclaimed += 1
+        log.warning("replica %s (%s, %s) is exiting: drained for its reclaim notice", member.id, member.target, member.capacity)
+        self._notify(set(member.models))
 
     def revive(self, member_id: str) -> None:
         """Back in the rotation at once, empty: the caller loads its models itself (a lone
@@ -320,9 +343,9 @@ class ReplicaSet:
     def _choose(self, model: str, exclude: Member | None = None, affinity: str | None = None) -> Member | None:
         """``affinity``: an LLM generation's prefix key (None for every other request)."""
         now = self._clock()
-        candidates = [m for m in self._list if m is not exclude and m.serves(model, now)]
+        candidates = self._eligible(model, [m for m in self._list if m is not exclude and m.serves(model, now)])
         if not candidates:  # everyone serving it is ejected: better them than nobody
-            candidates = [m for m in self._list if m is not exclude and m.serves(model, now, ejected_ok=True)]
+            candidates = self._eligible(model, [m for m in self._list if m is not exclude and m.serves(model, now, ejected_ok=True)])
             if not candidates:
                 return None
         candidates = local_first(candidates, self.policy.zone, self.policy.zone_spill_outstanding)
@@ -339,6 +362,16 @@ class ReplicaSet:
         if a.outstanding != b.outstanding:
             return a if a.outstanding < b.outstanding else b
         return a  # a tie: the random pick (ordering ties by latency starves whoever measured slower once)
+
+    def _eligible(self, model: str, candidates: list[Member]) -> list[Member]:
+        """The candidates this task's traffic class may use (``server.dataplane.capacity_policy``)."""
+        spot_hosts = sum(1 for m in self._list if m.capacity == capacity_policy.SPOT and (model in m.wanted or model in m.models))
+        if not spot_hosts:  # no spot capacity for the model: every class goes anywhere
+            return candidates
+        spot_ok = False
+        with contextlib.suppress(Exception):
+            spot_ok = bool(self.spot_ok(model))
+        return capacity_policy.eligible(candidates, TRAFFIC.get(), spot_ok=spot_ok, spot_hosts=spot_hosts)
 
     def routing(self, model: str) -> str:
         """The LLM routing policy for ``model``: the endpoint's own, else the set's."""
@@ -503,6 +536,9 @@ class ReplicaSet:
 
     def _failed(self, member: Member, model: str, err: InferplaneError) -> None:
         member.errors += 1
+        if any(marker in err.message.lower() for marker in EXITING_MARKERS):  # SIGTERM: drained now, not at the next probe
+            self.reclaim(member.id)
+            return
         if _refused(err):
             if model in member.models:  # Triton says it does not serve it (any more): stop sending it there
                 member.models.discard(model)
@@ -754,7 +790,18 @@ class ReplicaSet:
 
     async def _probe_once(self, member: Member) -> None:
         client = member.client
-        live = await client.server_live(self.policy.health_timeout_s)
+        liveness = getattr(client, "liveness", None)
+        if liveness is not None:
+            found = await liveness(self.policy.health_timeout_s)
+        else:
+            found = LIVE if await client.server_live(self.policy.health_timeout_s) else "down"
+        if found == EXITING:  # SIGTERM (a spot reclaim's notice, a pod terminating): drain it now
+            self.reclaim(member.id)
+            return
+        live = found == LIVE
+        if live and member.exiting:  # it came back without its process dying (or the probe missed the death): rejoin
+            member.exiting = False
+            member.state, member.models = DOWN, set()
         if not live:
             member.failed_probes += 1
             # a probe that times out on a busy replica that just answered requests says nothing; a
@@ -848,7 +895,7 @@ class ReplicaSet:
             if self._client_factory is None:
                 raise RuntimeError("discovery needs a client_factory")
             client = self._client_factory(target)
-            await self.add_member(Member(f"{source.name}/{target}", client, group=source.group, source=source.name))
+            await self.add_member(Member(f"{source.name}/{target}", client, group=source.group, source=source.name, capacity=source.capacity))
             joined.append(target)
         for target in sorted(set(have) - targets):
             await self.remove_member(have[target].id)
@@ -978,6 +1025,7 @@ class DnsSource:
     port: int = 8001
     group: str = ""
     resolver: Callable[[str], list[str]] = field(default=resolve_dns)
+    capacity: str = capacity_policy.ON_DEMAND  # its pods' capacity (a spot node pool's group: "spot")
 
     async def targets(self) -> set[str]:
         try:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from server.dataplane.capacity_policy import SHADOW, TRAFFIC, ShadowPaused
 from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
 
@@ -180,6 +181,7 @@ class ShadowStats:
     sent: int = 0  # copies queued
     dropped: int = 0  # queue full
     errors: int = 0  # the shadow version failed (or could not be reached)
+    paused: int = 0  # not sent: the model's spot replicas were away (server.dataplane.capacity_policy)
     compared: int = 0  # both answered
     agreed: int = 0  # every output equal within tolerance
     abs_diff_sum: float = 0.0
@@ -190,7 +192,7 @@ class ShadowStats:
     def as_dict(self) -> dict[str, Any]:
         deltas = self.latency_deltas
         return {
-            "sent": self.sent, "dropped": self.dropped, "errors": self.errors, "compared": self.compared,
+            "sent": self.sent, "dropped": self.dropped, "errors": self.errors, "paused": self.paused, "compared": self.compared,
             "agreement": self.agreed / self.compared if self.compared else 0.0,
             "mean_abs_diff": self.abs_diff_sum / self.abs_diff_count if self.abs_diff_count else 0.0,
             "latency_delta_mean_ms": (sum(deltas) / len(deltas) * 1000.0) if deltas else 0.0,
@@ -247,6 +249,7 @@ class Shadow:
     async def _work(self, send: Callable, timeout_s: float) -> None:
         from server.dataplane.dataplane import pin_version  # imported here: the data plane imports this module
 
+        TRAFFIC.set(SHADOW)  # this task's calls are shadow copies: spot replicas first, paused while they are away
         while True:
             raw, answer, primary_s, tenant = await self.queue.get()
             started = time.perf_counter()
@@ -254,6 +257,9 @@ class Shadow:
                 shadow_answer = await send(pin_version(raw, self.version), timeout=timeout_s)
             except asyncio.CancelledError:
                 raise
+            except ShadowPaused:
+                self.stats.paused += 1
+                continue
             except Exception as err:  # the shadow version is down or failing: counted, never surfaced
                 self.stats.errors += 1
                 self.stats.last_error = str(getattr(err, "message", err))[:300]

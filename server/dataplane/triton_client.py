@@ -119,10 +119,16 @@ class TritonClient:
         return response_type.FromString(raw)
 
     async def server_live(self, timeout: float = 1.0) -> bool:
+        return await self.liveness(timeout) == LIVE
+
+    async def liveness(self, timeout: float = 1.0) -> str:
+        """LIVE, EXITING (Triton got SIGTERM — a spot reclaim's notice, a pod terminating — and answers
+        "Server exiting" while it finishes what it has) or DOWN."""
         try:
-            return (await self._typed("ServerLive", pb.ServerLiveRequest(), pb.ServerLiveResponse, timeout)).live
-        except InferplaneError:
-            return False
+            live = (await self._typed("ServerLive", pb.ServerLiveRequest(), pb.ServerLiveResponse, timeout)).live
+        except InferplaneError as err:
+            return EXITING if _EXITING in err.message.lower() else DOWN
+        return LIVE if live else DOWN
 
     async def server_ready(self, timeout: float = 1.0) -> bool:
         try:
@@ -202,11 +208,18 @@ _NOT_CONNECTED = (
 )  # fmt: skip
 _TRANSPORT_LOST = ("socket closed", "connection reset", "goaway", "broken pipe", "stream removed", "rst_stream", "end of tcp stream", "connection aborted")
 _TRITON_REFUSED = ("unknown model", "is not ready", "has no available versions", "server not ready", "is not found")
+LIVE, EXITING, DOWN = "live", "exiting", "down"  # liveness(): what a ServerLive probe found
+_EXITING = "server exiting"  # Triton's ServerLive answer once it got SIGTERM
+# ... and its answers to new requests meanwhile (refused before any work)
+EXITING_MARKERS = (_EXITING, "server is stopping", "stopped accepting new inference requests")
 
 
 def translate(err: grpc.aio.AioRpcError) -> InferplaneError:
     code = err.code()
     message = err.details() or code.name
+    if any(marker in message.lower() for marker in EXITING_MARKERS):
+        # Triton got SIGTERM (a spot reclaim's notice, a pod terminating) and refused the request up front
+        return NotSent(f"Triton is exiting: {message}", retry_after_s=1.0)
     if code == grpc.StatusCode.UNAVAILABLE:
         lowered = message.lower()
         if any(marker in lowered for marker in _NOT_CONNECTED) or any(marker in lowered for marker in _TRITON_REFUSED):

@@ -65,7 +65,8 @@ def test_overlay_renders_the_platform(overlay):
     names = {o["metadata"]["name"] for o in _kind(objs, "Deployment")}
     assert {"frontend", "control-plane", "triton-general"} <= names
     namespace = "inferplane-dev" if overlay == "dev" else "inferplane"
-    assert {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"} == {namespace}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    assert {o["metadata"].get("namespace") for o in objs if o["kind"] not in cluster_scoped} == {namespace}
     assert [o["metadata"]["name"] for o in _kind(objs, "Namespace")] == [namespace]
 
 
@@ -168,7 +169,8 @@ def test_pdb_hpa_and_scaledobjects_point_at_deployments_that_exist():
             target = so["spec"]["scaleTargetRef"]["name"]
             assert target in deployments and target.startswith("triton-"), (overlay, target)
             group = deployments[target]["metadata"]["labels"]["inferplane.io/model-group"]
-            assert f'model_group="{group}"' in so["spec"]["triggers"][0]["metadata"]["query"]
+            # a spot pool scales on the load of the on-demand group whose models it serves (its own signal is that group's)
+            assert f'model_group="{group.removesuffix("-spot")}"' in so["spec"]["triggers"][0]["metadata"]["query"]
         for pdb in _kind(objs, "PodDisruptionBudget"):
             sel = pdb["spec"]["selector"]["matchLabels"]
             assert any(_matches(sel, d["spec"]["template"]["metadata"]["labels"]) for d in deployments.values())
@@ -208,7 +210,7 @@ def test_gpu_overlay_requests_gpus_and_mig_slices_and_the_general_group_none():
     config = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "inferplane-config")
     routing = json.loads(config["data"]["model-groups.json"])
     gpu_groups = {d["metadata"]["labels"]["inferplane.io/model-group"] for d in _kind(objs, "Deployment") if d["metadata"]["name"].startswith("triton-gpu-")}
-    assert set(routing) == {"general"} | gpu_groups
+    assert set(routing) == {"general", "general-spot"} | gpu_groups
     assert all(routing[g]["service"] == f"triton-{g}" for g in routing)
 
 
@@ -239,11 +241,26 @@ def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothin
     for binding in bindings:
         assert binding["roleRef"]["apiGroup"] == "rbac.authorization.k8s.io" and binding["roleRef"]["kind"] == "Role"
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "inferplane"}]
-    assert not _kind(objs, "ClusterRole") and not _kind(objs, "ClusterRoleBinding")
-    # nobody else gets a token
+    # the one cluster-wide grant: the frontend pod's zone init step reads nodes (get), nothing more
+    (cluster_role,) = _kind(objs, "ClusterRole")
+    assert cluster_role["metadata"]["name"] == "inferplane-read-nodes"
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    (cluster_binding,) = _kind(objs, "ClusterRoleBinding")
+    assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "inferplane-read-nodes"}
+    assert cluster_binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-frontend", "namespace": "inferplane"}]
+    # nobody else gets a token; in the frontend pod only the zone init step has one (projected, mounted there alone)
     for d in _kind(objs, "Deployment"):
         if d is not control:
             assert d["spec"]["template"]["spec"].get("automountServiceAccountToken") is False
+    frontend = _deployment(objs, "frontend")["spec"]["template"]["spec"]
+    (reader,) = [v for v in frontend["volumes"] if "projected" in v]
+    assert any("serviceAccountToken" in src for src in reader["projected"]["sources"])
+    (zone_step,) = frontend["initContainers"]
+    assert reader["name"] in {m["name"] for m in zone_step["volumeMounts"]}
+    assert all(reader["name"] not in {m["name"] for m in c.get("volumeMounts", [])} for c in frontend["containers"])
+    (dev_cluster_binding,) = _kind(objects("dev"), "ClusterRoleBinding")
+    assert dev_cluster_binding["metadata"]["name"] != cluster_binding["metadata"]["name"]
+    assert dev_cluster_binding["subjects"][0]["namespace"] == "inferplane-dev"
     dev_binding = _kind(objects("dev"), "RoleBinding")[0]
     assert dev_binding["subjects"][0]["namespace"] == "inferplane-dev"
 
@@ -518,3 +535,65 @@ def test_lifecycle_handlers_exist_in_the_oldest_kubernetes_the_readme_names():
                 for handler in c.get("lifecycle", {}).values():
                     if "sleep" in handler:
                         assert int(minimum.group(1)) >= 30, f"{overlay}: {obj['metadata']['name']}: preStop.sleep on 1.{minimum.group(1)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_spot_pool_runs_only_on_spot_nodes_and_the_frontends_know_it_is_spot(overlay):
+    from server.control.executors import ModelGroups
+
+    objs = objects(overlay)
+    spot = _deployment(objs, "triton-general-spot")
+    spec = spot["spec"]["template"]["spec"]
+    assert spec["nodeSelector"]["inferplane.io/capacity"] == "spot"
+    assert {"key": "inferplane.io/capacity", "operator": "Equal", "value": "spot", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["terminationGracePeriodSeconds"] <= 30  # inside the shortest reclaim notice
+    general = _deployment(objs, "triton-general")["spec"]["template"]["spec"]
+    assert "inferplane.io/capacity" not in general.get("nodeSelector", {})  # the on-demand group stays off the spot pool
+    (config,) = [c for c in _kind(objs, "ConfigMap") if "model-groups.json" in c.get("data", {})]
+    groups = ModelGroups(json.loads(config["data"]["model-groups.json"]))
+    assert groups.groups["general-spot"] == {"service": "triton-general-spot", "grpc_port": 8001, "models": ["*"], "capacity": "spot"}
+    assert groups.groups["general"]["capacity"] == "on_demand" and groups.group_of("any_model") == "general"
+    (scaled,) = [o for o in _kind(objs, "ScaledObject") if o["spec"]["scaleTargetRef"]["name"] == "triton-general-spot"]
+    assert scaled["spec"]["minReplicaCount"] == 0 and 'model_group="general"' in scaled["spec"]["triggers"][0]["metadata"]["query"]
+
+
+def test_a_tier_one_models_group_spreads_over_zones_strictly_and_the_others_leniently():
+    """The inventory's tier-1 model (llama_8b, two replicas): its group's pods never share a zone
+    while another has room (DoNotSchedule); every other Triton group keeps ScheduleAnyway."""
+    spec = json.loads((DEPLOY / "overlays" / "gpu" / "inventory.json").read_text())
+    tier_one = {m["name"] for m in spec["models"] if m.get("tier") == 1}
+    assert tier_one == {"llama_8b"}
+    objs = objects("gpu")
+    (config,) = [c for c in _kind(objs, "ConfigMap") if "model-groups.json" in c.get("data", {})]
+    routing = json.loads(config["data"]["model-groups.json"])
+    strict = set()
+    for d in _kind(objs, "Deployment"):
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") != "triton":
+            continue
+        group = d["metadata"]["labels"]["inferplane.io/model-group"]
+        (spread,) = d["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+        if set(routing[group]["models"]) & tier_one:
+            assert spread["whenUnsatisfiable"] == "DoNotSchedule", group
+            strict.add(group)
+        else:
+            assert spread["whenUnsatisfiable"] == "ScheduleAnyway", group
+    assert strict  # the tier-1 model has a group
+
+
+def test_the_frontend_reads_its_zone_from_its_nodes_label_through_the_init_step():
+    objs = objects("cpu")
+    spec = _deployment(objs, "frontend")["spec"]["template"]["spec"]
+    (step,) = spec["initContainers"]
+    assert step["command"] == ["python", "-m", "server.runtime.node_zone"]
+    assert "--node=$(NODE_NAME)" in step["args"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in step["env"]
+    out = next(a.split("=", 1)[1] for a in step["args"] if a.startswith("--out="))
+    (frontend,) = [c for c in spec["containers"] if c["name"] == "frontend"]
+    assert {"name": "INFERPLANE_ZONE_FILE", "value": out} in frontend["env"]
+    mounts = {m["name"]: m["mountPath"] for m in frontend["volumeMounts"]}
+    assert out.startswith(mounts["zone"] + "/")
+    assert step["resources"]["requests"] and step["resources"]["limits"]
+    # the init step reaches the API server through the frontends' network policy
+    (policy,) = [p for p in _kind(objs, "NetworkPolicy") if p["metadata"]["name"] == "frontend"]
+    assert any({"protocol": "TCP", "port": 443} in rule.get("ports", []) for rule in policy["spec"]["egress"])

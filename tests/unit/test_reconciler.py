@@ -240,3 +240,36 @@ def test_cli_reconcile_once_names_an_unreachable_triton_and_migrates_the_databas
     monkeypatch.delenv("INFERPLANE_MODEL_GROUPS_FILE", raising=False)
     missing = CliRunner().invoke(app, ["control", "reconcile", "--once"])
     assert missing.exit_code == 2 and "name the Tritons" in missing.output
+
+
+def test_a_spot_group_loads_what_the_on_demand_group_it_mirrors_loads(tmp_path):
+    """The base's spot pool (``*``, capacity spot): the general group's models, never a GPU group's."""
+    for name in ("trees", "resnet50_trt"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\n')
+    groups = ModelGroups({
+        "general": {"service": "triton-general", "models": ["*"]},
+        "general-spot": {"service": "triton-general-spot", "models": ["*"], "capacity": "spot"},
+        "gpu-01": {"service": "triton-gpu-01", "models": ["resnet50_trt"]},
+    })  # fmt: skip
+    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
+    migrations.upgrade(engine)
+    store = PlacementStore(engine)
+    store.place("trees", 1)
+    store.place("resnet50_trt", 1)
+    tritons = {"10.0.0.1:8001": FakeTriton(), "10.0.0.2:8001": FakeTriton(), "10.0.0.3:8001": FakeTriton()}
+    addresses = {"triton-general": ["10.0.0.1"], "triton-gpu-01": ["10.0.0.2"], "triton-general-spot": ["10.0.0.3"]}
+    reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
+    for rec in reconcilers:
+        rec.source.resolver = addresses.__getitem__
+
+    async def scenario():
+        for rec in reconcilers:
+            await rec.reconcile_once()
+
+    try:
+        asyncio.run(scenario())
+        assert tritons["10.0.0.3:8001"].loaded == {"trees": {1}} == tritons["10.0.0.1:8001"].loaded
+        assert tritons["10.0.0.2:8001"].loaded == {"resnet50_trt": {1}}
+    finally:
+        engine.dispose()
