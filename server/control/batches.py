@@ -61,7 +61,7 @@ from sqlalchemy import (
 )
 
 from server.control.artifacts import ArtifactStore
-from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Overloaded, Violation
+from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Overloaded, Violation, http_error
 
 log = logging.getLogger(__name__)
 
@@ -506,8 +506,8 @@ class BatchWorker:
             return None  # stays pending: tried again after a back-off
         except asyncio.CancelledError:
             raise
-        except InferplaneError as err:
-            code, body = 500, {"error": {"message": err.message, "code": err.reason}}
+        except InferplaneError as err:  # the status and body the endpoint's transport answers it with
+            code, body, _headers = http_error(err, openai=job.endpoint in OPENAI_ENDPOINTS)
         except Exception as err:  # noqa: BLE001 - one row's bug must not stop the job
             log.exception("batch %s row %d failed", job.id, row.index)
             code, body = 500, {"error": {"message": f"internal error ({type(err).__name__})", "code": "INTERNAL"}}

@@ -39,6 +39,7 @@ from server.dataplane.metrics import LATENCY_BUCKETS
 from server.dataplane.pipeline import INFER
 from server.dataplane.signature import ModelSignature, TensorSpec, version_key
 from server.dataplane.validation import validate_infer_request
+from server.dataplane.wire import rename
 from server.errors import (
     BackendError,
     BackendUnavailable,
@@ -265,11 +266,11 @@ class Composites:
             return answer
 
     async def _ensemble(self, call, request: pb.ModelInferRequest, raw: bytes | None, plan: Plan) -> bytes:
-        data = _rename(raw if raw is not None else request.SerializeToString(), plan.triton_model)
+        data = rename(raw if raw is not None else request.SerializeToString(), plan.triton_model)
         request.model_name, request.model_version = plan.triton_model, ""
         call.computed = True
         answer = await self._dp._submit(call, request, data, call.signature)  # noqa: SLF001 - the data plane's coalesced Triton call
-        return _rename(answer, plan.name, plan.version)  # the caller sees the composite's name and version
+        return rename(answer, plan.name, plan.version)  # the caller sees the composite's name and version
 
     async def _dag(self, call, request: pb.ModelInferRequest, plan: Plan, ctx: CallContext | None) -> bytes:
         tensors = _request_tensors(request)
@@ -536,15 +537,6 @@ def _member_error(composite: str, node: NodePlan, err: InferplaneError) -> Infer
     what = f"{node.kind} '{node.model}'" if node.model else node.kind
     out = type(mapped)(f"composite '{composite}': node '{node.name}' ({what}) failed: {public_message(err)}", list(err.violations), mapped.retry_after_s)
     return out
-
-
-def _rename(raw: bytes, name: str, version: str = "") -> bytes:
-    """The same ModelInferRequest / ModelInferResponse with fields 1 (model_name) and 2
-    (model_version) overridden by appending them (a parser keeps a scalar's last occurrence)."""
-    from server.dataplane.dataplane import _varint
-
-    n, v = name.encode(), version.encode()
-    return raw + b"\x0a" + _varint(len(n)) + n + b"\x12" + _varint(len(v)) + v
 
 
 def _request_tensors(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from batching.coalescer import Coalescer
 from batching.overload_policy import LoopGate
 from server.dataplane import triton_stats
+from server.dataplane.backend import Backend
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.loop_gate import UnaryAdmission
@@ -31,13 +32,14 @@ from server.dataplane.safety import infer_texts, tensor_texts
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import StreamLedger
 from server.dataplane.validation import validate_infer_request
+from server.dataplane.wire import pin_version
 from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound, public_message
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, Gatekeeper, Principal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataPlane", "UNKNOWN_MODEL_LABEL", "parse_infer_request", "parse_message", "pin_version"]
+__all__ = ["DataPlane", "UNKNOWN_MODEL_LABEL", "parse_infer_request", "parse_message"]
 
 
 def parse_message(message_type, raw: bytes):
@@ -55,7 +57,7 @@ def parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
 class DataPlane:
     def __init__(
         self,
-        backend,  # server.dataplane.triton_client.TritonClient (or another object with its surface)
+        backend: Backend,
         *,
         metrics: Metrics,
         pipeline: Pipeline,
@@ -193,10 +195,9 @@ class DataPlane:
 
     async def read_statistics(self) -> None:
         """Triton's per-model statistics into metrics: response-cache hits and queue time."""
-        raw = await self._backend.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
+        response = await self._backend.model_statistics()
         previous = self._queue_readings
         self._queue_readings = {}
-        response = pb.ModelStatisticsResponse.FromString(raw)
         self._stat_readings = triton_stats.export_statistics(self.metrics, response, set(self._table.signatures), self._stat_readings)
         for stats in response.model_stats:
             if stats.name not in self._table.signatures:
@@ -501,25 +502,6 @@ _DESCRIBE = {
     "ModelConfig": pb.ModelConfigRequest,
     "ModelStatistics": pb.ModelStatisticsRequest,
 }
-
-
-def pin_version(raw: bytes, version: str) -> bytes:
-    """The same request with ``model_version`` set, without re-serializing it.
-
-    A protobuf parser keeps the last occurrence of a scalar field, so appending field 2
-    (``model_version``) to the caller's bytes overrides whatever they carried.
-    """
-    data = version.encode()
-    return raw + b"\x12" + _varint(len(data)) + data
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _stream_error(err: InferplaneError, request) -> bytes:

@@ -28,6 +28,7 @@ import numpy as np
 
 from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
+from server.dataplane.wire import pin_version
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,6 @@ class Shadow:
         self.tasks = []
 
     async def _work(self, send: Callable, timeout_s: float) -> None:
-        from server.dataplane.dataplane import pin_version  # imported here: the data plane imports this module
 
         while True:
             raw, answer, primary_s, tenant = await self.queue.get()
