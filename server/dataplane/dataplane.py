@@ -79,7 +79,7 @@ class DataPlane:
         self.llm = LLMService(self, pipeline, backend)
         self.loop_gate = LoopGate()  # fed by server.dataplane.loop_gate.watch (started with the servers)
         self.unary_admission = UnaryAdmission(self.loop_gate)
-        self.composites = Composites(self, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
+        self.composites = Composites(self, self.llm, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
         self.features = None  # server.dataplane.feature_store.FeatureFetcher, with INFERPLANE_FEATURE_STORE_URL
 
     # ---- collaborators others may read ----------------------------------------------------
@@ -335,7 +335,7 @@ class DataPlane:
 
                 async def forward() -> bytes:
                     call.computed = True
-                    answer = await self._submit(call, request, data, signature)
+                    answer = await self.submit(call, request, data, signature)
                     if count_tokens is not None:
                         call.tokens_in = count_tokens(answer)
                     return answer
@@ -367,7 +367,7 @@ class DataPlane:
             return response.SerializeToString()
         return answer
 
-    async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
+    async def submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
         """The coalescer's call; a traced request is registered there so its batch's span finds it."""
         trace = call.trace
         if trace is None:

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -34,15 +34,13 @@ from server.dataplane.backend import Backend
 from server.dataplane.backend_errors import stream_error
 from server.dataplane.observe import token_clock
 from server.dataplane.pipeline import GENERATE, Pipeline
+from server.dataplane.port import ModelPort
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, plan_priority
-
-if TYPE_CHECKING:
-    from server.dataplane.dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +162,8 @@ async def within_stall(source, stall_s: float, describe) -> AsyncIterator:
 class LLMService:
     """Generation and embeddings for the transports; built by the data plane it belongs to."""
 
-    def __init__(self, dataplane: "DataPlane", pipeline: Pipeline, backend: Backend):
-        self._dp = dataplane
+    def __init__(self, port: ModelPort, pipeline: Pipeline, backend: Backend):
+        self._dp = port
         self._pipeline = pipeline
         self._backend = backend
         self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
