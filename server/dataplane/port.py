@@ -17,13 +17,9 @@ from server.tenancy.identity import CallContext
 
 class ModelPort(Protocol):
     async def infer(
-        self,
-        request: pb.ModelInferRequest,
-        raw: bytes | None = None,
-        timeout: float | None = None,
-        ctx: CallContext | None = None,
+        self, request: pb.ModelInferRequest, raw: bytes | None = None, timeout: float | None = None, ctx: CallContext | None = None,
         count_tokens: Callable[[bytes], int] | None = None,
-    ) -> bytes:
+    ) -> bytes:  # fmt: skip
         """One request through the admission pipeline to the backend: the serialized answer."""
 
     async def submit(self, call: Any, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
