@@ -506,8 +506,8 @@ class BatchWorker:
             return None  # stays pending: tried again after a back-off
         except asyncio.CancelledError:
             raise
-        except InferplaneError as err:  # the status and body the endpoint's transport answers it with
-            code, body, _headers = http_error(err, openai=job.endpoint in OPENAI_ENDPOINTS)
+        except InferplaneError as err:  # the status and body of the error table, in the batch output's (OpenAI) shape, as the row runner answers
+            code, body, _headers = http_error(err, openai=True)
         except Exception as err:  # noqa: BLE001 - one row's bug must not stop the job
             log.exception("batch %s row %d failed", job.id, row.index)
             code, body = 500, {"error": {"message": f"internal error ({type(err).__name__})", "code": "INTERNAL"}}
