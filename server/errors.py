@@ -136,18 +136,6 @@ _TABLE: dict[type[InferplaneError], _Entry] = {
     InferplaneError: _Entry(grpc.StatusCode.INTERNAL, 500, "INTERNAL"),
 }
 
-# The reverse direction: a status Triton answered with becomes the domain error it means.
-_FROM_GRPC: dict[grpc.StatusCode, type[InferplaneError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.NOT_FOUND: ModelNotFound,
-    grpc.StatusCode.UNAVAILABLE: BackendUnavailable,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.CANCELLED: Cancelled,
-    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
-}
-
-
 def _entry_class(cls: type) -> type[InferplaneError]:
     for klass in cls.__mro__:
         if klass in _TABLE:
@@ -157,11 +145,6 @@ def _entry_class(cls: type) -> type[InferplaneError]:
 
 def entry(err: InferplaneError) -> _Entry:
     return _TABLE[_entry_class(type(err))]
-
-
-def from_grpc_code(code: grpc.StatusCode, message: str) -> InferplaneError:
-    """The domain error for a status returned by Triton (an unknown code is a BackendError)."""
-    return _FROM_GRPC.get(code, BackendError)(message)
 
 
 # ---- what an error may echo ----------------------------------------------------------------

@@ -63,7 +63,7 @@ from sqlalchemy import (
 )
 
 from server.control.artifacts import ArtifactStore
-from server.errors import BackendUnavailable, Conflict, InferplaneError, InvalidRequest, ModelNotFound, ModelNotReady, Overloaded, Violation
+from server.errors import BackendUnavailable, Conflict, InferplaneError, InvalidRequest, ModelNotFound, ModelNotReady, Overloaded, Violation, http_error
 
 log = logging.getLogger(__name__)
 
@@ -510,8 +510,8 @@ class BatchWorker:
             return None
         except asyncio.CancelledError:
             raise
-        except InferplaneError as err:
-            code, body = 500, {"error": {"message": err.message, "code": err.reason}}
+        except InferplaneError as err:  # the status and body of the error table, in the batch output's (OpenAI) shape, as the row runner answers
+            code, body, _headers = http_error(err, openai=True)
         except Exception as err:  # noqa: BLE001 - one row's bug must not stop the job
             log.exception("batch %s row %d failed", job.id, row.index)
             code, body = 500, {"error": {"message": f"internal error ({type(err).__name__})", "code": "INTERNAL"}}

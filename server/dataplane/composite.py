@@ -28,17 +28,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from prometheus_client import Counter, Histogram
 
 from batching.coalescer import CoalescePolicy
 from server.dataplane import codecs
+from server.dataplane.generation import GenerateParams, LLMService
 from server.dataplane.metrics import LATENCY_BUCKETS
 from server.dataplane.pipeline import INFER
+from server.dataplane.port import ModelPort
 from server.dataplane.signature import ModelSignature, TensorSpec, version_key
 from server.dataplane.validation import validate_infer_request
+from server.dataplane.wire import rename
 from server.errors import (
     BackendError,
     BackendUnavailable,
@@ -51,10 +54,7 @@ from server.errors import (
 )
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
-from server.tenancy.identity import CallContext
-
-if TYPE_CHECKING:
-    from server.dataplane.dataplane import DataPlane
+from server.tenancy.identity import CallContext, Delegation
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,9 @@ class Composites:
     """name -> {version: Plan}, kept in the model table's signatures as well (so a composite
     resolves, lists and is validated like any model); runs requests to them."""
 
-    def __init__(self, dataplane: "DataPlane", pipeline, coalescer, table, metrics):
-        self._dp = dataplane
+    def __init__(self, port: ModelPort, llm: LLMService, pipeline, coalescer, table, metrics):
+        self._dp = port
+        self._llm = llm
         self._pipeline = pipeline
         self._coalescer = coalescer
         self._table = table
@@ -265,11 +266,11 @@ class Composites:
             return answer
 
     async def _ensemble(self, call, request: pb.ModelInferRequest, raw: bytes | None, plan: Plan) -> bytes:
-        data = _rename(raw if raw is not None else request.SerializeToString(), plan.triton_model)
+        data = rename(raw if raw is not None else request.SerializeToString(), plan.triton_model)
         request.model_name, request.model_version = plan.triton_model, ""
         call.computed = True
-        answer = await self._dp._submit(call, request, data, call.signature)  # noqa: SLF001 - the data plane's coalesced Triton call
-        return _rename(answer, plan.name, plan.version)  # the caller sees the composite's name and version
+        answer = await self._dp.submit(call, request, data, call.signature)
+        return rename(answer, plan.name, plan.version)  # the caller sees the composite's name and version
 
     async def _dag(self, call, request: pb.ModelInferRequest, plan: Plan, ctx: CallContext | None) -> bytes:
         tensors = _request_tensors(request)
@@ -424,13 +425,12 @@ class _Run:
             raise _NodeFailed(node.name, err) from None
 
     async def _endpoint(self, node: NodePlan, inputs: dict[str, np.ndarray], ctx: CallContext) -> dict[str, np.ndarray]:
-        llm = self.c._dp.llm  # noqa: SLF001
+        llm = self.c._llm  # noqa: SLF001
         (array,) = inputs.values()
         texts = [_text(v) for v in array.reshape(-1)]
         if node.endpoint == "embeddings":
             vectors, _tokens = await llm.embed(node.model, texts, self._left(), ctx)
             return {"embedding": np.ascontiguousarray(vectors, dtype=np.float32)}
-        from server.dataplane.generation import GenerateParams
 
         def params(text: str) -> GenerateParams:
             p = GenerateParams(**{k: v for k, v in node.params.items() if k in ("max_tokens", "temperature", "top_p", "seed")})
@@ -495,9 +495,7 @@ class _Run:
             headers = {"traceparent": format_traceparent(context.trace_id, context.span_id)}
         else:
             headers = {"traceparent": _UNSAMPLED}
-        ctx = CallContext(timeout=None, principal=self.call.principal, headers=headers)
-        ctx.preauthenticated = True
-        ctx.via = self.plan.name
+        ctx = CallContext(timeout=None, headers=headers, delegation=Delegation(self.call.principal, self.plan.name))
         if self.ctx is not None:
             ctx.priority = self.ctx.priority
         return ctx
@@ -536,15 +534,6 @@ def _member_error(composite: str, node: NodePlan, err: InferplaneError) -> Infer
     what = f"{node.kind} '{node.model}'" if node.model else node.kind
     out = type(mapped)(f"composite '{composite}': node '{node.name}' ({what}) failed: {public_message(err)}", list(err.violations), mapped.retry_after_s)
     return out
-
-
-def _rename(raw: bytes, name: str, version: str = "") -> bytes:
-    """The same ModelInferRequest / ModelInferResponse with fields 1 (model_name) and 2
-    (model_version) overridden by appending them (a parser keeps a scalar's last occurrence)."""
-    from server.dataplane.dataplane import _varint
-
-    n, v = name.encode(), version.encode()
-    return raw + b"\x0a" + _varint(len(n)) + n + b"\x12" + _varint(len(v)) + v
 
 
 def _request_tensors(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:

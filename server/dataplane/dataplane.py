@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from batching.coalescer import Coalescer
 from batching.overload_policy import LoopGate
 from server.dataplane import stage_timing, triton_stats
+from server.dataplane.backend import Backend
 from server.dataplane.capacity_policy import BATCH, TRAFFIC
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
@@ -32,13 +33,14 @@ from server.dataplane.safety import infer_texts, tensor_texts
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.stream_ledger import StreamLedger
 from server.dataplane.validation import validate_infer_request
+from server.dataplane.wire import pin_version
 from server.errors import BackendError, BackendUnavailable, InferplaneError, InvalidRequest, ModelNotFound, public_message
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, Gatekeeper, Principal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataPlane", "UNKNOWN_MODEL_LABEL", "parse_infer_request", "parse_message", "pin_version"]
+__all__ = ["DataPlane", "UNKNOWN_MODEL_LABEL", "parse_infer_request", "parse_message"]
 
 
 def parse_message(message_type, raw: bytes):
@@ -56,7 +58,7 @@ def parse_infer_request(raw: bytes) -> pb.ModelInferRequest:
 class DataPlane:
     def __init__(
         self,
-        backend,  # server.dataplane.triton_client.TritonClient (or another object with its surface)
+        backend: Backend,
         *,
         metrics: Metrics,
         pipeline: Pipeline,
@@ -78,7 +80,7 @@ class DataPlane:
         self.llm = LLMService(self, pipeline, backend)
         self.loop_gate = LoopGate()  # fed by server.dataplane.loop_gate.watch (started with the servers)
         self.unary_admission = UnaryAdmission(self.loop_gate)
-        self.composites = Composites(self, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
+        self.composites = Composites(self, self.llm, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
         self.features = None  # server.dataplane.feature_store.FeatureFetcher, with INFERPLANE_FEATURE_STORE_URL
 
     # ---- collaborators others may read ----------------------------------------------------
@@ -199,10 +201,9 @@ class DataPlane:
 
     async def read_statistics(self) -> None:
         """Triton's per-model statistics into metrics: response-cache hits and queue time."""
-        raw = await self._backend.unary_raw("ModelStatistics", pb.ModelStatisticsRequest().SerializeToString(), timeout=5)
+        response = await self._backend.model_statistics()
         previous = self._queue_readings
         self._queue_readings = {}
-        response = pb.ModelStatisticsResponse.FromString(raw)
         self._stat_readings = triton_stats.export_statistics(self.metrics, response, set(self._table.signatures), self._stat_readings)
         for stats in response.model_stats:
             if stats.name not in self._table.signatures:
@@ -340,7 +341,7 @@ class DataPlane:
 
                 async def forward() -> bytes:
                     call.computed = True
-                    answer = await self._submit(call, request, data, signature)
+                    answer = await self.submit(call, request, data, signature)
                     if count_tokens is not None:
                         call.tokens_in = count_tokens(answer)
                     return answer
@@ -372,7 +373,7 @@ class DataPlane:
             return response.SerializeToString()
         return answer
 
-    async def _submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
+    async def submit(self, call, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
         """The coalescer's call; a traced or timed request is registered there so its batch finds it."""
         trace = call.trace
         if call.batch:  # a batch job's row: merged with rows only, sent at the batch class (spot replicas first)
@@ -521,25 +522,6 @@ _DESCRIBE = {
     "ModelConfig": pb.ModelConfigRequest,
     "ModelStatistics": pb.ModelStatisticsRequest,
 }
-
-
-def pin_version(raw: bytes, version: str) -> bytes:
-    """The same request with ``model_version`` set, without re-serializing it.
-
-    A protobuf parser keeps the last occurrence of a scalar field, so appending field 2
-    (``model_version``) to the caller's bytes overrides whatever they carried.
-    """
-    data = version.encode()
-    return raw + b"\x12" + _varint(len(data)) + data
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _stream_error(err: InferplaneError, request) -> bytes:

@@ -24,24 +24,23 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from batching.route_policy import prefix_key
 from server.dataplane import codecs
+from server.dataplane.backend import Backend
+from server.dataplane.backend_errors import stream_error
 from server.dataplane.observe import token_clock
 from server.dataplane.pipeline import GENERATE, Pipeline
+from server.dataplane.port import ModelPort
 from server.dataplane.routing import REQUEST_ID_HEADER, header
 from server.dataplane.signature import ModelSignature, is_llm
-from server.dataplane.stream_ledger import engine_error
 from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext, plan_priority
-
-if TYPE_CHECKING:
-    from server.dataplane.dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ async def _stream_outputs(call, request: pb.ModelInferRequest) -> AsyncIterator[
     async for raw in call:
         response = pb.ModelStreamInferResponse.FromString(raw)
         if response.error_message:
-            raise engine_error(response.error_message)
+            raise stream_error(response.error_message)
         yield _outputs(response.infer_response)
 
 
@@ -163,8 +162,8 @@ async def within_stall(source, stall_s: float, describe) -> AsyncIterator:
 class LLMService:
     """Generation and embeddings for the transports; built by the data plane it belongs to."""
 
-    def __init__(self, dataplane: "DataPlane", pipeline: Pipeline, backend):
-        self._dp = dataplane
+    def __init__(self, port: ModelPort, pipeline: Pipeline, backend: Backend):
+        self._dp = port
         self._pipeline = pipeline
         self._backend = backend
         self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
@@ -275,7 +274,7 @@ class LLMService:
                     call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
                     clock.tokens(call.tokens_out, time.perf_counter())
                     reason = info.get("finish_reason")
-                    if "kv_utilization" in info and hasattr(stream, "report_kv"):  # the replica set scores members by it
+                    if "kv_utilization" in info:  # a replica set scores its members by it
                         stream.report_kv(info["kv_utilization"])
                     if reason is not None:
                         call.compute_s = time.perf_counter() - call.dispatched_at
@@ -285,7 +284,7 @@ class LLMService:
                     if reason == "cancelled":
                         raise Cancelled("the generation was cancelled")
                     if reason == "error":
-                        raise engine_error(info.get("error", "engine error"))
+                        raise stream_error(info.get("error", "engine error"))
                     chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
                     if screen is not None:
                         chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter

@@ -184,7 +184,7 @@ class Pipeline:
             if ctx is not None:
                 ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
-            if not granted(principal, call.endpoint, ctx) and (ctx is None or ctx.on_behalf is None):
+            if not granted(principal, call.endpoint, ctx):
                 raise ModelNotFound(f"unknown model '{call.endpoint}'")
             if trace is not None:
                 trace.hop("auth")
@@ -442,9 +442,10 @@ class _Admitted:
 
 
 def granted(principal: Principal, name: str, ctx: CallContext | None) -> bool:
-    """May this principal call ``name``? A composite's node call is covered by the composite's grant."""
+    """May this principal call ``name``? A delegated call may be covered beyond its own grants (a
+    composite's node by the composite's grant, the platform's own call by none: ``Delegation``)."""
     tenant = principal.tenant
-    return tenant.may_use(name) or (ctx is not None and bool(ctx.via) and ctx.preauthenticated and tenant.may_use(ctx.via))
+    return tenant.may_use(name) or (ctx is not None and ctx.delegation is not None and ctx.delegation.grants(tenant, name))
 
 
 def model_slots(signature: ModelSignature) -> int:

@@ -77,11 +77,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from batching import route_policy
-from server.dataplane import stage_timing
-from server.dataplane import capacity_policy
+from server.dataplane import capacity_policy, stage_timing
+from server.dataplane.backend import DOWN as DOWN_STATE, EXITING, LIVE, Backend, BackendStream, typed_call
+from server.dataplane.backend_errors import EXITING_MARKERS, ConnectionLost, NotSent
 from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
-from server.dataplane.triton_client import EXITING, EXITING_MARKERS, LIVE, ConnectionLost, NotSent
+from server.dataplane.wire import request_model
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.protogen.inference import grpc_service_pb2 as pb
 
@@ -125,7 +126,7 @@ class Member:
     """One Triton of the set and what the set knows about it."""
 
     def __init__(
-        self, member_id: str, client, *, group: str = "", source: str = "", local: bool = False, zone: str = "",
+        self, member_id: str, client: Backend, *, group: str = "", source: str = "", local: bool = False, zone: str = "",
         capacity: str = capacity_policy.ON_DEMAND,
     ):  # fmt: skip
         self.id = member_id
@@ -192,7 +193,7 @@ class ReplicaSet:
         *,
         name: str = "replica-set",
         policy: ReplicaPolicy = ReplicaPolicy(),
-        client_factory: Callable[[str], object] | None = None,
+        client_factory: Callable[[str], Backend] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         codec=None,
@@ -318,6 +319,9 @@ class ReplicaSet:
         return sum(1 for m in self._list if m.state == UP and model in m.models and model not in m.draining_models)
 
     # ---- lifecycle ----------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Nothing to connect: each member's client is connected when it joins (``Backend`` parity)."""
 
     def start(self) -> None:
         """The health checks (and discovery, when there are sources); needs a running loop."""
@@ -467,7 +471,7 @@ class ReplicaSet:
 
         return CODEC
 
-    async def send_batch(self, payload, timeout: float | None, request=None):
+    async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest | None = None):
         """A lone request's bytes or a merged batch (``request``: the first member, parsed) to one member."""
         return await self.infer_raw(payload, timeout, model=request.model_name if request is not None else "", parsed=request)
 
@@ -619,10 +623,10 @@ class ReplicaSet:
             raise error or BackendUnavailable(f"{self.name} has no replica that is up", retry_after_s=1.0)
         return merge_statistics(answers).SerializeToString()
 
-    async def model_config(self, name: str):
+    async def model_config(self, name: str, version: str = ""):
         """The model's config as the set serves it: instance counts summed over its replicas."""
         members = self._hosts_first(name)
-        config = await self._first_answer(members, lambda m: m.client.model_config(name))
+        config = await self._first_answer(members, lambda m: m.client.model_config(name, version))
         copies = self.hosting_count(name)
         if copies > 1:
             config = type(config).FromString(config.SerializeToString())
@@ -632,6 +636,14 @@ class ReplicaSet:
                 for group in config.instance_group:
                     group.count = max(1, group.count) * copies
         return config
+
+    async def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
+        return await typed_call(self.unary_raw, "ModelMetadata", pb.ModelMetadataRequest(name=name, version=version), pb.ModelMetadataResponse)
+
+    async def model_statistics(self, name: str = "", version: str = "") -> pb.ModelStatisticsResponse:
+        """Triton's statistics summed over the members."""
+        ask = pb.ModelStatisticsRequest(name=name, version=version)
+        return await typed_call(self.unary_raw, "ModelStatistics", ask, pb.ModelStatisticsResponse, 5.0)
 
     async def repository_index(self, ready_only: bool = False) -> list:
         members = [m for m in self._list if m.state == UP]
@@ -749,6 +761,9 @@ class ReplicaSet:
                 return True
         return False
 
+    async def liveness(self, timeout: float = 1.0) -> str:
+        return LIVE if await self.server_live(timeout) else DOWN_STATE
+
     async def server_ready(self, timeout: float = 1.0) -> bool:
         for member in self._list:
             if member.state != DOWN and await member.client.server_ready(timeout):
@@ -790,11 +805,7 @@ class ReplicaSet:
 
     async def _probe_once(self, member: Member) -> None:
         client = member.client
-        liveness = getattr(client, "liveness", None)
-        if liveness is not None:
-            found = await liveness(self.policy.health_timeout_s)
-        else:
-            found = LIVE if await client.server_live(self.policy.health_timeout_s) else "down"
+        found = await client.liveness(self.policy.health_timeout_s)
         if found == EXITING:  # SIGTERM (a spot reclaim's notice, a pod terminating): drain it now
             self.reclaim(member.id)
             return
@@ -929,7 +940,7 @@ class ReplicaStream:
         self._timeout = timeout
         self._metadata = metadata
         self._model = model
-        self._stream = None
+        self._stream: BackendStream | None = None
         self._member: Member | None = None
         self._bound = asyncio.Event()
         self._cancelled = False
@@ -1037,42 +1048,6 @@ class DnsSource:
 
 
 # ---- helpers -----------------------------------------------------------------------------------------
-
-
-def request_model(raw: bytes) -> str:
-    """Field 1 (``model_name`` / ``name``) of a serialized request, read without parsing the rest."""
-    i, n = 0, len(raw)
-    try:
-        while i < n:
-            key, i = _varint(raw, i)
-            field_number, wire = key >> 3, key & 7
-            if wire == 2:
-                length, i = _varint(raw, i)
-                if field_number == 1:
-                    return raw[i : i + length].decode("utf-8", "replace")
-                i += length
-            elif wire == 0:
-                _, i = _varint(raw, i)
-            elif wire == 1:
-                i += 8
-            elif wire == 5:
-                i += 4
-            else:
-                return ""
-    except IndexError:
-        return ""
-    return ""
-
-
-def _varint(raw: bytes, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        byte = raw[i]
-        i += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, i
-        shift += 7
 
 
 def merge_statistics(answers: list) -> pb.ModelStatisticsResponse:

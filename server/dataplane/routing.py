@@ -29,6 +29,7 @@ import numpy as np
 from server.dataplane.capacity_policy import SHADOW, TRAFFIC, ShadowPaused
 from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
+from server.dataplane.wire import pin_version
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,6 @@ class Shadow:
         self.tasks = []
 
     async def _work(self, send: Callable, timeout_s: float) -> None:
-        from server.dataplane.dataplane import pin_version  # imported here: the data plane imports this module
 
         TRAFFIC.set(SHADOW)  # this task's calls are shadow copies: spot replicas first, paused while they are away
         while True:

@@ -47,7 +47,7 @@ from server.dataplane import codecs
 from server.dataplane.safety_rules import ALLOW, BLOCK, FLAG, REDACT, Finding, PolicyError, Screen, StreamScanner, Verdict, compile_screen
 from server.errors import ContentFiltered, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.tenancy.identity import CallContext
+from server.tenancy.identity import ALL_MODELS, CallContext, Delegation
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class SafetyStage:
 
     def policy(self, call) -> SafetyPolicy | None:
         ctx = call.ctx
-        if ctx is not None and ctx.on_behalf is not None:
+        if ctx is not None and ctx.delegation is not None and ctx.delegation.platform:
             return None  # the platform's own call (a classifier): never screened itself
         policy = self._policy_for(call.name, call.signature)
         if policy is not None and policy.error:
@@ -309,7 +309,7 @@ class SafetyStage:
             request = pb.ModelInferRequest(model_name=classifier.model)
             request.inputs.add(name=CLASSIFIER_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            ctx = CallContext(timeout=call.timeout, on_behalf=call.principal)
+            ctx = CallContext(timeout=call.timeout, delegation=Delegation(call.principal, ALL_MODELS))
             raw = await self._infer(request, ctx=ctx)
             answer = pb.ModelInferResponse.FromString(raw)
             names = [o.name for o in answer.outputs]

@@ -39,28 +39,16 @@ import time
 from dataclasses import dataclass
 
 from server.dataplane import codecs
+from server.dataplane.backend_errors import stream_error
 from server.dataplane.pipeline import AdmittedCall, Pipeline
 from server.dataplane.signature import is_llm
-from server.errors import BackendError, Cancelled, InferplaneError, InvalidRequest, ModelNotFound
+from server.errors import BackendError, Cancelled
 from server.protogen.inference import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 FINAL_PARAMETER = "triton_final_response"
-# the engine adapter prefixes caller mistakes with this (Triton's stream error carries no code)
-INVALID_PREFIX = "invalid request: "
-NOT_FOUND_PREFIX = "not found: "  # model_repository/adapters/_lora.py: an adapter the model does not hold
 _CODED = re.compile(r"^[A-Z][A-Z_]+: ")
-
-
-def engine_error(message: str) -> InferplaneError:
-    """The domain error an in-stream error message from Triton or the LLM engine means."""
-    text = message.split("] ", 1)[-1] if message.startswith("[") else message
-    if INVALID_PREFIX in text:
-        return InvalidRequest(text.split(INVALID_PREFIX, 1)[1])
-    if text.startswith(NOT_FOUND_PREFIX):  # the engine knows no such LoRA adapter
-        return ModelNotFound(text[len(NOT_FOUND_PREFIX) :])
-    return BackendError(f"generation failed: {text}")
 
 
 @dataclass(slots=True, eq=False)  # identity: two alike requests are still two
@@ -96,7 +84,7 @@ class StreamLedger:
         response = pb.ModelStreamInferResponse.FromString(raw)
         error = None
         if response.error_message and not _CODED.match(response.error_message):
-            error = engine_error(response.error_message)
+            error = stream_error(response.error_message)
             response.error_message = f"{error.reason}: {response.error_message}"
             raw = response.SerializeToString()
         answer = response.infer_response

@@ -11,16 +11,19 @@ import itertools
 
 import grpc
 
+from server.dataplane.backend import DOWN, EXITING, LIVE, typed_call
+from server.dataplane.backend_errors import EXITING_MARKERS, backend_error
 from server.dataplane.tracing import outgoing_metadata
-from server.errors import BackendUnavailable, InferplaneError, from_grpc_code
+from server.errors import InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
 
 _SERVICE = "/inference.GRPCInferenceService/"
-_STUB_DOWN = "Stub process"  # Triton's python backend: "Stub process '…' is not healthy." and alike
 
 
 class TritonClient:
+    """One Triton over gRPC: a ``server.dataplane.backend.Backend``."""
+
     def __init__(
         self, target: str, *, channels: int = 1, max_message_bytes: int = 64 << 20, credentials=None, server_name: str | None = None,
     ):  # fmt: skip
@@ -94,7 +97,7 @@ class TritonClient:
 
         return CODEC
 
-    async def send_batch(self, payload: bytes, timeout: float | None, request=None) -> bytes:
+    async def send_batch(self, payload: bytes, timeout: float | None, request: pb.ModelInferRequest | None = None) -> bytes:
         return await self.infer_raw(payload, timeout, model=request.model_name if request is not None else "")
 
     def stream_raw(self, timeout: float | None = None, metadata: tuple | None = None, *, model: str = "", affinity: str | None = None) -> "RawStream":
@@ -115,8 +118,7 @@ class TritonClient:
     # ---- control -----------------------------------------------------------------------
 
     async def _typed(self, method: str, request, response_type, timeout: float | None = 30.0):
-        raw = await self.unary_raw(method, request.SerializeToString(), timeout=timeout)
-        return response_type.FromString(raw)
+        return await typed_call(self.unary_raw, method, request, response_type, timeout)
 
     async def server_live(self, timeout: float = 1.0) -> bool:
         return await self.liveness(timeout) == LIVE
@@ -136,9 +138,15 @@ class TritonClient:
         except InferplaneError:
             return False
 
-    async def model_config(self, name: str) -> model_config_pb2.ModelConfig:
-        resp = await self._typed("ModelConfig", pb.ModelConfigRequest(name=name), pb.ModelConfigResponse)
+    async def model_config(self, name: str, version: str = "") -> model_config_pb2.ModelConfig:
+        resp = await self._typed("ModelConfig", pb.ModelConfigRequest(name=name, version=version), pb.ModelConfigResponse)
         return resp.config
+
+    async def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
+        return await self._typed("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version), pb.ModelMetadataResponse)
+
+    async def model_statistics(self, name: str = "", version: str = "") -> pb.ModelStatisticsResponse:
+        return await self._typed("ModelStatistics", pb.ModelStatisticsRequest(name=name, version=version), pb.ModelStatisticsResponse, 5.0)
 
     async def repository_index(self, ready_only: bool = False) -> list:
         resp = await self._typed("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready_only), pb.RepositoryIndexResponse)
@@ -179,6 +187,9 @@ class RawStream:
     def cancel(self) -> bool:
         return self._call.cancel()
 
+    def report_kv(self, utilisation: float) -> None:
+        """One Triton: no member to score."""
+
     async def __aiter__(self):
         try:
             async for raw in self._call:
@@ -187,47 +198,9 @@ class RawStream:
             raise translate(err) from None
 
 
-class NotSent(BackendUnavailable):
-    """UNAVAILABLE before Triton started the request: no connection could be made (grpc fails the
-    call without writing it), or Triton refused it up front because the model is not there or not
-    ready. Safe to send to another replica."""
-
-
-class ConnectionLost(BackendUnavailable):
-    """UNAVAILABLE because the connection broke after the request was written (socket closed or
-    reset, GOAWAY): Triton may have started it, and its answer is lost with the connection."""
-
-
-# How the two are told apart: grpc's own UNAVAILABLE details. A call on a channel that cannot
-# connect fails before anything is written ("failed to connect to all addresses", "Connection
-# refused", DNS); a connection that drops under a written call reports the transport's end
-# ("Socket closed", "Connection reset", "GOAWAY", "Broken pipe"); anything else came from Triton.
-_NOT_CONNECTED = (
-    "failed to connect", "connection refused", "connections to all backends failing", "dns resolution failed",
-    "no route to host", "network is unreachable", "name resolution", "channel is not ready",
-)  # fmt: skip
-_TRANSPORT_LOST = ("socket closed", "connection reset", "goaway", "broken pipe", "stream removed", "rst_stream", "end of tcp stream", "connection aborted")
-_TRITON_REFUSED = ("unknown model", "is not ready", "has no available versions", "server not ready", "is not found")
-LIVE, EXITING, DOWN = "live", "exiting", "down"  # liveness(): what a ServerLive probe found
-_EXITING = "server exiting"  # Triton's ServerLive answer once it got SIGTERM
-# ... and its answers to new requests meanwhile (refused before any work)
-EXITING_MARKERS = (_EXITING, "server is stopping", "stopped accepting new inference requests")
+_EXITING = EXITING_MARKERS[0]  # Triton's ServerLive answer once it got SIGTERM
 
 
 def translate(err: grpc.aio.AioRpcError) -> InferplaneError:
-    code = err.code()
-    message = err.details() or code.name
-    if any(marker in message.lower() for marker in EXITING_MARKERS):
-        # Triton got SIGTERM (a spot reclaim's notice, a pod terminating) and refused the request up front
-        return NotSent(f"Triton is exiting: {message}", retry_after_s=1.0)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        lowered = message.lower()
-        if any(marker in lowered for marker in _NOT_CONNECTED) or any(marker in lowered for marker in _TRITON_REFUSED):
-            return NotSent(f"Triton is unavailable: {message}", retry_after_s=1.0)
-        if any(marker in lowered for marker in _TRANSPORT_LOST):
-            return ConnectionLost(f"Triton is unavailable: {message}", retry_after_s=1.0)
-        return BackendUnavailable(f"Triton is unavailable: {message}", retry_after_s=1.0)
-    if code == grpc.StatusCode.INTERNAL and _STUB_DOWN in message:
-        # the model's Python process died (Triton restarts it): the backend is sick, not the request
-        return BackendUnavailable(f"model process unavailable: {message}", retry_after_s=1.0)
-    return from_grpc_code(code, message)
+    """A failed call's status as a domain error (``server.dataplane.backend_errors``)."""
+    return backend_error(err.code(), err.details() or "")

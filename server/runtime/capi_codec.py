@@ -16,7 +16,9 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Unimplemented, from_grpc_code
+from server.dataplane.wire import tag, varint
+from server.dataplane.backend_errors import backend_error, stub_died
+from server.errors import InferplaneError, InvalidRequest, Unimplemented
 from server.protogen.inference import grpc_service_pb2 as pb
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -33,26 +35,19 @@ _GRPC_OF_CODE = {
     7: grpc.StatusCode.CANCELLED,
 }
 
-# what the Python backend answers once a model's stub process is gone (python_be.cc, stub_launcher.cc)
-STUB_DEAD_MARKERS = ("is not healthy", "Failed to obtain the health mutex", "Stub process")
-
 
 def grpc_code(code: int) -> grpc.StatusCode:
     return _GRPC_OF_CODE.get(int(code), grpc.StatusCode.UNKNOWN)
 
 
 def domain_error(code: int, message: str) -> InferplaneError:
-    """The domain error for a Triton error, exactly as ``triton_client.translate`` maps the status
-    the remote Triton would have answered with (UNAVAILABLE carries a 1 s retry hint)."""
-    status = grpc_code(code)
-    if status == grpc.StatusCode.UNAVAILABLE:
-        return BackendUnavailable(f"Triton is unavailable: {message}", retry_after_s=1.0)
-    return from_grpc_code(status, message)
+    """The domain error for a Triton error: what the remote Triton's status for it translates to."""
+    return backend_error(grpc_code(code), message)
 
 
 def is_stub_death(code: int, message: str) -> bool:
     """An INTERNAL error that says the model's Python stub process died (killed, crashed)."""
-    return int(code) == 1 and any(marker in message for marker in STUB_DEAD_MARKERS)
+    return stub_died(grpc_code(code), message)
 
 
 def parse_version(version: str) -> int:
@@ -124,29 +119,12 @@ def model_statistics_message(doc: dict) -> pb.ModelStatisticsResponse:
     return pb.ModelStatisticsResponse.FromString(model_statistics(doc))
 
 
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # int64 negatives: ten bytes of two's complement, as protobuf does
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _tag(number: int, wire: int) -> bytes:
-    return _varint((number << 3) | wire)
-
-
-RAW_OUTPUT_TAG = _tag(6, 2)  # ModelInferResponse.raw_output_contents
+RAW_OUTPUT_TAG = tag(6, 2)  # ModelInferResponse.raw_output_contents
 
 
 def raw_output_field(data) -> list:
     """The wire pieces of one ``raw_output_contents`` entry (tag, length, the data itself)."""
-    return [RAW_OUTPUT_TAG, _varint(len(data)), data]
+    return [RAW_OUTPUT_TAG, varint(len(data)), data]
 
 
 # ---- OIP request -> C API request ---------------------------------------------------------------

@@ -1,8 +1,6 @@
 """Triton in the frontend's own process, through its C API: a drop-in for ``TritonClient``.
 
-``InProcessTriton`` offers the async surface the data plane uses on ``TritonClient``
-(``server_live``, ``server_ready``, ``model_config``, ``repository_index``, ``load_model``,
-``unload_model``, ``unary_raw``, ``infer_raw``, ``stream_raw``, ``close``) plus the fast paths
+``InProcessTriton`` is a ``server.dataplane.backend.Backend`` like ``TritonClient`` plus the fast paths
 ``infer(pb.ModelInferRequest) -> pb.ModelInferResponse`` and ``infer_tensors`` (one Triton
 request from buffers the caller owns, several buffers per input allowed: a merged batch costs no
 copy on the way in). Every answer is what Triton's gRPC frontend would have sent for the same
@@ -94,6 +92,7 @@ import signal
 import time
 from pathlib import Path
 
+from server.dataplane.backend import DOWN, LIVE
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, InvalidRequest, Unimplemented
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
@@ -329,6 +328,9 @@ class InProcessTriton:
         flag = ffi.new("bool*")
         return self._library.take_error(self._lib.TRITONSERVER_ServerIsLive(self._server, flag)) is None and bool(flag[0])
 
+    async def liveness(self, timeout: float = 1.0) -> str:
+        return LIVE if await self.server_live(timeout) else DOWN
+
     async def server_ready(self, timeout: float = 1.0) -> bool:
         if self._stopped:
             return False
@@ -402,6 +404,14 @@ class InProcessTriton:
         for key in [k for k in self._decoupled if k[0] == name]:
             del self._decoupled[key]
 
+    async def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
+        self._check_running()
+        v = capi_codec.parse_version(version)
+        return capi_codec.model_metadata(self._json(lambda out: self._lib.TRITONSERVER_ServerModelMetadata(self._server, name.encode(), v, out)))
+
+    async def model_statistics(self, name: str = "", version: str = "") -> pb.ModelStatisticsResponse:
+        return pb.ModelStatisticsResponse.FromString(self.statistics(name, version))
+
     def statistics(self, name: str = "", version: str = "") -> bytes:
         self._check_running()
         v = capi_codec.parse_version(version)
@@ -446,12 +456,14 @@ class InProcessTriton:
 
         return CODEC
 
-    async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest):
-        """A lone request (its bytes; ``request`` is the same request parsed) or a merged batch."""
+    async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest | None = None):
+        """A lone request (its bytes; ``request``, when given, is the same request parsed) or a merged batch."""
         from server.runtime.inprocess_batch import MergedBatch
 
         if isinstance(payload, MergedBatch):
             return await self.infer_tensors(payload.model, payload.tensors, model_version=payload.version, outputs=payload.outputs, timeout=timeout)
+        if request is None:
+            return await self.infer_raw(payload, timeout)
         return await self.infer_bytes(request, timeout)
 
     async def infer_raw(self, request: bytes, timeout: float | None = None, *, model: str = "") -> bytes:

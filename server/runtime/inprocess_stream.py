@@ -70,6 +70,9 @@ class InProcessStream:
         self._wake()
         return True
 
+    def report_kv(self, utilisation: float) -> None:
+        """One Triton: no member to score (``server.dataplane.backend.BackendStream``)."""
+
     def __aiter__(self):
         return self
 

@@ -36,9 +36,7 @@ async def _server_metadata(t: "InProcessTriton", _req, _timeout):
 
 
 async def _model_metadata(t: "InProcessTriton", req: pb.ModelMetadataRequest, _timeout):
-    t._check_running()
-    v = capi_codec.parse_version(req.version)
-    return capi_codec.model_metadata(t._json(lambda out: t._lib.TRITONSERVER_ServerModelMetadata(t._server, req.name.encode(), v, out)))
+    return await t.model_metadata(req.name, req.version)
 
 
 async def _model_config(t: "InProcessTriton", req: pb.ModelConfigRequest, _timeout):

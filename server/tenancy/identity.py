@@ -117,6 +117,29 @@ class Principal:
         return self.tenant.name
 
 
+@dataclass(frozen=True, slots=True)
+class Delegation:
+    """A call the frontend makes itself on behalf of a principal it authenticated before; only the
+    frontend makes one, never a transport from what a caller sent.
+
+    ``principal``: who the call runs as (its quotas, its metering). ``covers``: whose grant covers
+    the call — "" the principal's own grants (a batch job's row), a composite's name (its node call
+    is covered by the composite's grant, if the principal has that), or ``ALL_MODELS`` (the
+    platform's own call for the caller, e.g. a safety classifier: not limited to the caller's
+    grants, and never screened itself)."""
+
+    principal: Principal
+    covers: str = ""
+
+    @property
+    def platform(self) -> bool:
+        return self.covers == ALL_MODELS
+
+    def grants(self, tenant: Tenant, name: str) -> bool:
+        """Does the delegation cover a call of ``name`` by ``tenant`` beyond the tenant's own grants?"""
+        return self.platform or (bool(self.covers) and tenant.may_use(self.covers))
+
+
 def anonymous(quota: Quota = Quota()) -> Principal:
     """Who calls when authentication is off: one tenant that sees every model."""
     return Principal("", Tenant(ANONYMOUS, team=ANONYMOUS, quota=quota))
@@ -141,19 +164,15 @@ class CallContext:
     headers: object = None
     version: str = ""
     arm: str = ""
-    # set only inside the frontend, never from a caller's headers: a call made on behalf of an
-    # already authenticated principal (a composite's node, a batch job's row), the composite
-    # whose grant covers it, and the traffic class (``batch`` waits for capacity real-time
-    # traffic leaves: batching.fair_queue)
-    preauthenticated: bool = False
-    via: str = ""
+    # set only inside the frontend, never from a caller's headers: the call's traffic class (``batch``
+    # waits for capacity real-time traffic leaves: batching.fair_queue), and a call made on behalf
+    # of an already authenticated principal (a composite's node, a batch job's row, a safety
+    # classifier: ``Delegation``)
     priority: str = "realtime"
+    delegation: Delegation | None = None
     # mTLS (server.tenancy.tls): a getter of the client certificate (DER or PEM), read only when the
     # call sends no API key and some tenant is bound to a certificate identity
     peer: object = None
-    # a call the platform makes on a caller's behalf (a safety classifier): already authenticated, and
-    # not limited to the caller's grants; no transport ever sets it
-    on_behalf: Principal | None = None
     # the caller asked for a per-stage breakdown (``inferplane-timing``): a
     # server.dataplane.stage_timing.StageTimer the stages mark; None (the default): nothing is timed
     timing: object = None
@@ -285,12 +304,10 @@ class Gatekeeper:
         return self.keyring is not None
 
     def authenticate(self, ctx: CallContext | None) -> Principal:
-        if ctx is not None and getattr(ctx, "preauthenticated", False) and ctx.principal is not None:
-            return ctx.principal  # an in-process call for a principal authenticated before (see CallContext)
-        on_behalf = getattr(ctx, "on_behalf", None)
-        if on_behalf is not None:
-            ctx.principal = on_behalf
-            return on_behalf  # the platform's own call for an authenticated caller
+        delegation = getattr(ctx, "delegation", None)
+        if delegation is not None:  # a call the frontend makes for a principal authenticated before
+            ctx.principal = delegation.principal
+            return delegation.principal
         if self.keyring is None:
             principal = self._anonymous
         elif ctx is not None and not ctx.api_key and getattr(ctx, "peer", None) is not None and self.keyring.binds_certificates:

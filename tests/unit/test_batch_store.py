@@ -150,6 +150,17 @@ async def test_cancel_stops_within_one_row_batch_and_expiry_keeps_completed_rows
     assert [o["custom_id"] for o in _lines(store, "acme", doc["output_file_id"])] == ["r0", "r1", "r2", "r3"]
 
 
+async def test_a_rows_domain_error_has_the_error_tables_status_and_code(store):
+    async def run_row(endpoint, body, tenant):
+        raise ModelNotFound(f"unknown model 'm{body['x']}'")
+
+    job = _job(store, 1)
+    await BatchWorker(store, run_row, owner="w").work(store.claim("w", 30))
+    (line,) = _lines(store, "acme", store.retrieve("acme", job)["error_file_id"])
+    assert line["response"]["status_code"] == 404  # not a 500: the caller's model does not exist
+    assert line["error"] == {"code": "NOT_FOUND", "message": "unknown model 'm0'"}
+
+
 def _finished(store: BatchStore) -> str:
     job = _job(store, 1)
     store.claim("f", 30)

@@ -150,11 +150,6 @@ def test_statistics_bytes_carry_what_the_project_proto_lacks():
     assert pb.ModelStatisticsResponse.FromString(raw).model_stats[0].inference_count == 12
 
 
-def test_varint_of_a_negative_int64_is_ten_bytes():
-    assert capi_codec._varint(-1) == b"\xff" * 9 + b"\x01"
-    assert capi_codec._varint(300) == b"\xac\x02"
-
-
 # ---- requests -----------------------------------------------------------------------------------
 
 

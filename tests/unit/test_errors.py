@@ -79,9 +79,19 @@ def test_retry_hint_on_both_transports():
 
 
 def test_triton_statuses_map_back_to_domain_errors():
-    assert isinstance(e.from_grpc_code(grpc.StatusCode.INVALID_ARGUMENT, "x"), e.InvalidRequest)
-    assert isinstance(e.from_grpc_code(grpc.StatusCode.NOT_FOUND, "x"), e.ModelNotFound)
-    assert isinstance(e.from_grpc_code(grpc.StatusCode.DATA_LOSS, "x"), e.BackendError)
+    from server.dataplane.backend_errors import ConnectionLost, NotSent, backend_error, stream_error
+
+    assert isinstance(backend_error(grpc.StatusCode.INVALID_ARGUMENT, "x"), e.InvalidRequest)
+    assert isinstance(backend_error(grpc.StatusCode.NOT_FOUND, "x"), e.ModelNotFound)
+    assert type(backend_error(grpc.StatusCode.DATA_LOSS, "x")) is e.BackendError
+    assert type(backend_error(grpc.StatusCode.UNAVAILABLE, "x")) is e.BackendUnavailable
+    assert isinstance(backend_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), NotSent)
+    assert isinstance(backend_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"), ConnectionLost)
+    stub = backend_error(grpc.StatusCode.INTERNAL, "Stub process 'm_0' is not healthy.")
+    assert type(stub) is e.BackendUnavailable and stub.retry_after_s == 1.0  # the model's process, not the request
+    assert type(stream_error("[request id: 7] invalid request: max_tokens must be positive")) is e.InvalidRequest
+    assert type(stream_error("not found: adapter 'pirate'")) is e.ModelNotFound
+    assert type(stream_error("CUDA out of memory")) is e.BackendError
 
 
 # ---- issue 15, class 4: what an error echoes is capped in one place ----------------------------

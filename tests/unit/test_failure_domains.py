@@ -115,11 +115,11 @@ def test_streams_reads_the_decoupled_policy_of_the_config(tmp_path):
 
 
 def _zoned_set(zones: dict[str, str], frontend_zone: str, spill: int = 2):
-    from tests.unit.test_replicas import MODEL, Clock, FakeTriton
+    from tests.unit.test_replicas import MODEL, Clock, fake
 
     members = []
     for name, zone in zones.items():
-        member = Member(name, FakeTriton(name), zone=zone)
+        member = Member(name, fake(name), zone=zone)
         member.models = {MODEL}
         members.append(member)
     policy = ReplicaPolicy(wait_for_member_s=0.5, zone=frontend_zone, zone_spill_outstanding=spill)
@@ -167,16 +167,16 @@ def test_a_model_loaded_after_start_without_a_replica_of_its_group_prefers_its_g
     would open a replica; until a scale-up does, the new LLM goes to its group's replica, not to the
     tree models' local-0 (both host one model)."""
     from server.control.executors import LocalExecutor
-    from tests.unit.test_replicas import Clock, FakeTriton
+    from tests.unit.test_replicas import Clock, fake
 
     members = []
     for name, wanted in (("local-0", {"fraud"}), ("local-1", {"tiny_llama"})):
-        member = Member(name, FakeTriton(name, models=wanted), local=True)
+        member = Member(name, fake(name, models=wanted), local=True)
         member.models, member.wanted = set(wanted), set(wanted)
         members.append(member)
     rs = ReplicaSet(members, clock=Clock(), rng=random.Random(7))
     groups = {"fraud": "", "tiny_llama": "llm", "smollm2": "llm"}
-    executor = LocalExecutor(rs, pool=None, client_factory=FakeTriton, capacity_bytes=600 << 20, group_of=groups.get)
+    executor = LocalExecutor(rs, pool=None, client_factory=fake, capacity_bytes=600 << 20, group_of=groups.get)
     assert executor.plan({"smollm2": 1}).opened  # the plan wants a replica of its own
     assert executor.place_one("smollm2") == ["local-1"]
 

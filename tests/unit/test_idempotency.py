@@ -14,6 +14,7 @@ from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, Id
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.settings import Settings
 from server.tenancy.identity import CallContext, Gatekeeper, KeyEntry, KeyRing, Tenant, hash_key, new_key
+from tests.backend_fake import FakeBackend
 
 
 class Counter:
@@ -107,29 +108,17 @@ async def test_redis_store_ttl(redis_url):
         await store.close()
 
 
-class _EchoTriton:
+def _echo(backend: FakeBackend):
     """Answers each call with its input bytes and a run number: two answers are told apart by both."""
 
-    target = "echo:1"
+    def answer(raw: bytes) -> bytes:
+        parsed = pb.ModelInferRequest.FromString(raw)
+        response = pb.ModelInferResponse(model_name=parsed.model_name, id=f"run-{backend.calls}")
+        response.outputs.add(name="y", datatype="FP32", shape=[1, 4])
+        response.raw_output_contents.append(parsed.raw_input_contents[0])
+        return response.SerializeToString()
 
-    def __init__(self):
-        self.runs = 0
-
-    def batch_codec(self):
-        from server.dataplane.batch_codec import CODEC
-
-        return CODEC
-
-    async def send_batch(self, payload, timeout, request=None):
-        self.runs += 1
-        parsed = pb.ModelInferRequest.FromString(payload)
-        answer = pb.ModelInferResponse(model_name=parsed.model_name, id=f"run-{self.runs}")
-        answer.outputs.add(name="y", datatype="FP32", shape=[1, 4])
-        answer.raw_output_contents.append(parsed.raw_input_contents[0])
-        return answer.SerializeToString()
-
-    async def close(self):
-        pass
+    return answer
 
 
 def _infer_request(value: float) -> pb.ModelInferRequest:
@@ -145,7 +134,8 @@ async def test_the_same_idempotency_key_from_two_tenants_is_two_keys():
     ring = KeyRing(b"pepper")
     keys = {name: new_key()[1] for name in ("acme", "globex")}
     ring.load([Tenant(name) for name in keys], [KeyEntry(f"{name:8.8}", hash_key(key, b"pepper"), name) for name, key in keys.items()])
-    backend = _EchoTriton()
+    backend = FakeBackend("echo:1", ["m"])
+    backend.answer = _echo(backend)
     dp = build_dataplane(Settings(), backend, metrics=Metrics(), gate=Gatekeeper(ring))
     dp._table.signatures["m"] = ModelSignature(  # noqa: SLF001 - what refresh() fills in from Triton
         "m", 8, {"x": TensorSpec("x", "FP32", (4,))}, {"y": TensorSpec("y", "FP32", (4,))}, frozenset({"1"})
@@ -159,9 +149,9 @@ async def test_the_same_idempotency_key_from_two_tenants_is_two_keys():
     globex = await call("globex", 2.0)
     assert struct.unpack("<4f", acme.raw_output_contents[0]) == (1.0,) * 4
     assert struct.unpack("<4f", globex.raw_output_contents[0]) == (2.0,) * 4
-    assert (acme.id, globex.id, backend.runs) == ("run-1", "run-2", 2)
+    assert (acme.id, globex.id, backend.calls) == ("run-1", "run-2", 2)
     # within one tenant the key still replays: no third run
-    assert (await call("acme", 1.0)).id == "run-1" and backend.runs == 2
+    assert (await call("acme", 1.0)).id == "run-1" and backend.calls == 2
     with pytest.raises(IdempotencyKeyReused):
         await call("globex", 3.0)
 

@@ -21,7 +21,7 @@ from server.dataplane.routing import Router
 from server.dataplane.signature import ModelSignature, TensorSpec
 from server.errors import InvalidRequest, ModelNotFound, PermissionDenied, Unauthenticated
 from server.tenancy.identity import (
-    ANONYMOUS, MAX_TIMEOUT_S, CallContext, Gatekeeper, KeyEntry, KeyRing, Principal, Tenant,
+    ALL_MODELS, ANONYMOUS, MAX_TIMEOUT_S, CallContext, Delegation, Gatekeeper, KeyEntry, KeyRing, Principal, Tenant,
     bearer_token, clamp_timeout, hash_key, key_id_of, new_key, plan_priority,
 )  # fmt: skip
 from server.tenancy.quota_policy import Quota, QuotaPolicy
@@ -187,21 +187,22 @@ def test_with_auth_on_a_call_needs_a_valid_key():
     assert gate.authenticate(CallContext(key_a)).tenant is ACME
 
 
-def test_a_preauthenticated_context_keeps_its_principal_and_only_then():
+def test_a_delegated_call_runs_as_its_principal_and_only_a_delegation_says_so():
     ring, key_a, _ = _ring()
     gate = Gatekeeper(ring)
     other = Principal("gggggggg", GLOBEX)
-    assert gate.authenticate(CallContext(preauthenticated=True, principal=other)) is other
-    # a principal a transport left on the context is not trusted without the flag: the key decides
+    ctx = CallContext(delegation=Delegation(other))
+    assert gate.authenticate(ctx) is other and ctx.principal is other
+    # a principal a transport left on the context is not trusted without a delegation: the key decides
     assert gate.authenticate(CallContext(key_a, principal=other)).tenant is ACME
     with pytest.raises(Unauthenticated):
-        gate.authenticate(CallContext(preauthenticated=True))  # flagged, but nobody authenticated before
+        gate.authenticate(CallContext(principal=other))  # no key, no delegation
 
 
-def test_an_on_behalf_call_runs_as_the_caller_it_serves():
+def test_the_platforms_own_call_runs_as_the_caller_it_serves():
     ring, _, _ = _ring()
     caller = Principal("aaaaaaaa", ACME)
-    ctx = CallContext(on_behalf=caller)
+    ctx = CallContext(delegation=Delegation(caller, ALL_MODELS))
     assert Gatekeeper(ring).authenticate(ctx) is caller and ctx.principal is caller
 
 
@@ -242,10 +243,10 @@ def test_a_grant_names_the_models_a_tenant_may_call():
 
 def test_a_composite_node_is_covered_by_the_composite_grant_only_inside_the_frontend():
     acme = Principal("a", ACME)
-    assert granted(acme, "churn", CallContext(preauthenticated=True, via="fraud"))
-    assert not granted(acme, "churn", CallContext(via="fraud"))  # a caller cannot claim to be a composite's node
-    assert not granted(acme, "churn", CallContext(preauthenticated=True, via="other"))  # a composite it was not granted
-    assert not granted(acme, "churn", CallContext(preauthenticated=True))
+    assert granted(acme, "churn", CallContext(delegation=Delegation(acme, "fraud")))
+    assert granted(acme, "churn", CallContext(delegation=Delegation(acme, ALL_MODELS)))  # the platform's own call
+    assert not granted(acme, "churn", CallContext(delegation=Delegation(acme, "other")))  # a composite it was not granted
+    assert not granted(acme, "churn", CallContext(delegation=Delegation(acme)))  # a batch row: its own grants
 
 
 # ---- the call's context from HTTP headers ---------------------------------------------------------
@@ -306,7 +307,7 @@ async def test_an_authenticated_call_to_a_model_not_granted_is_not_found():
 
 async def test_the_platforms_own_call_for_a_caller_is_not_limited_to_its_grants():
     pipeline, _ = _pipeline()
-    call = await pipeline.open(CallContext(on_behalf=Principal("aaaaaaaa", ACME)), "churn")  # a safety classifier
+    call = await pipeline.open(CallContext(delegation=Delegation(Principal("aaaaaaaa", ACME), ALL_MODELS)), "churn")  # a safety classifier
     assert call.principal.tenant is ACME
     await pipeline.exit(call, None)
 

@@ -19,7 +19,7 @@ ALLOWED = {
     "control": {"control", "dataplane", "tenancy", "runtime"},
     "dataplane": {"dataplane", "tenancy"},
     "tenancy": {"tenancy"},
-    "runtime": {"runtime", "dataplane.triton_client", "dataplane.batch_codec"},
+    "runtime": {"runtime", "dataplane.backend", "dataplane.backend_errors", "dataplane.wire", "dataplane.triton_client", "dataplane.batch_codec"},
     "cli": {"cli", "app", "dataplane", "control", "tenancy", "runtime"},
     "app": None,  # the wiring may import anything
 }

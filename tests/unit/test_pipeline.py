@@ -23,6 +23,7 @@ from server.errors import BackendUnavailable, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.settings import Settings
 from server.tenancy.identity import CallContext, Gatekeeper
+from tests.backend_fake import FakeBackend
 
 
 def _llm(name: str, versions=("1",), max_running: int = 16) -> ModelSignature:
@@ -44,59 +45,16 @@ def _answer(request: pb.ModelInferRequest, text: str, info: dict) -> bytes:
     return response.SerializeToString()
 
 
-class _Stream:
-    def __init__(self, backend):
-        self.backend = backend
-        self.request = None
-
-    async def write(self, raw):
-        self.request = pb.ModelInferRequest.FromString(raw)
-        self.backend.sent.append(self.request)
-
-    async def done_writing(self):
-        pass
-
-    def cancel(self):
-        return True
-
-    async def __aiter__(self):
-        if self.backend.failure is not None:
-            raise self.backend.failure
-        await self.backend.gate.wait()
-        yield _answer(self.request, "ok", {"prompt_tokens": 2, "completion_tokens": 1, "finish_reason": "stop"})
+DONE = {"prompt_tokens": 2, "completion_tokens": 1, "finish_reason": "stop"}
 
 
-class ScriptedTriton:
-    """Answers every generation with one chunk, or fails it with ``failure``; ``gate`` holds answers."""
-
-    target = "scripted:1"
-
-    def __init__(self):
-        self.sent: list[pb.ModelInferRequest] = []
-        self.failure: Exception | None = None
-        self.gate = asyncio.Event()
-        self.gate.set()
-
-    def stream_raw(self, timeout=None, metadata=None, *, model="", affinity=None):
-        return _Stream(self)
-
-    async def infer_raw(self, raw, timeout=None):
-        raise AssertionError("not used")
-
-    def batch_codec(self):
-        from server.dataplane.batch_codec import CODEC
-
-        return CODEC
-
-    async def send_batch(self, payload, timeout, request=None):
-        raise AssertionError("not used")
-
-    async def close(self):
-        pass
+def scripted(info: dict = DONE) -> FakeBackend:
+    """Answers every generation with one chunk "ok" and ``info``; ``broken`` fails it, ``hold`` holds answers."""
+    return FakeBackend("scripted:1", stream_answer=lambda raw: _answer(pb.ModelInferRequest.FromString(raw), "ok", info))
 
 
 def _dataplane(*signatures: ModelSignature, **settings):
-    backend = ScriptedTriton()
+    backend = scripted()
     dp = build_dataplane(Settings(breaker_failures=3, **settings), backend, metrics=Metrics(), gate=Gatekeeper(None))
     for s in signatures:
         dp._table.signatures[s.name] = s  # noqa: SLF001 - what refresh() fills in from Triton
@@ -115,7 +73,7 @@ async def test_generation_follows_an_ab_split_and_names_the_arm_that_answered():
         ctx = CallContext()
         assert (await _generate(dp, ctx=ctx)).text == "ok"
         arms.append((ctx.arm, ctx.version))
-    assert [r.model_version for r in backend.sent] == ["1", "2", "1", "2"]  # smooth weighted round robin
+    assert [r.model_version for r in backend.stream_requests] == ["1", "2", "1", "2"]  # smooth weighted round robin
     assert arms == [("control", "1"), ("treatment", "2")] * 2
     assert dp.router.splits["llm"].totals["treatment"].requests == 2  # the arm's window saw them
 
@@ -124,19 +82,19 @@ async def test_generation_without_a_split_goes_to_the_live_version():
     dp, backend = _dataplane(_llm("llm", ("1", "2")))
     dp.set_live("llm", "1")
     await _generate(dp)
-    assert backend.sent[-1].model_version == "1"
+    assert backend.stream_requests[-1].model_version == "1"
 
 
 async def test_the_breaker_opens_for_a_failing_generation_backend_and_refuses_without_calling_it():
     dp, backend = _dataplane(_llm("llm"))
-    backend.failure = BackendUnavailable("Triton is unavailable: connection refused", retry_after_s=1.0)
+    backend.broken = BackendUnavailable("Triton is unavailable: connection refused", retry_after_s=1.0)
     for _ in range(3):
         with pytest.raises(BackendUnavailable, match="connection refused"):
             await _generate(dp)
-    sent = len(backend.sent)
+    sent = len(backend.stream_requests)
     with pytest.raises(BackendUnavailable, match="circuit open") as info:
         await _generate(dp)
-    assert info.value.retry_after_s > 0 and len(backend.sent) == sent  # refused before any work
+    assert info.value.retry_after_s > 0 and len(backend.stream_requests) == sent  # refused before any work
 
 
 async def test_caller_and_model_errors_never_open_the_breaker():
@@ -144,21 +102,21 @@ async def test_caller_and_model_errors_never_open_the_breaker():
     for _ in range(10):  # a tenant's bad requests, refused at validation
         with pytest.raises(InvalidRequest):
             await dp.llm.complete("llm", GenerateParams(prompt="x", messages=[{"role": "user", "content": "y"}]), ctx=CallContext())
-    backend.failure = InvalidRequest("max_tokens must be positive")  # the engine refuses the input
+    backend.broken = InvalidRequest("max_tokens must be positive")  # the engine refuses the input
     for _ in range(10):
         with pytest.raises(InvalidRequest):
             await _generate(dp)
-    backend.failure = None
+    backend.broken = None
     assert (await _generate(dp)).text == "ok"
 
 
 async def test_the_breaker_is_per_model_version():
     dp, backend = _dataplane(_llm("llm"), _llm("other"))
-    backend.failure = BackendUnavailable("down")
+    backend.broken = BackendUnavailable("down")
     for _ in range(3):
         with pytest.raises(BackendUnavailable):
             await _generate(dp, "llm")
-    backend.failure = None
+    backend.broken = None
     assert (await _generate(dp, "other")).text == "ok"  # another model's circuit is closed
     with pytest.raises(BackendUnavailable, match="circuit open"):
         await _generate(dp, "llm")
@@ -166,13 +124,13 @@ async def test_the_breaker_is_per_model_version():
 
 async def test_generations_past_the_engines_slots_wait_in_the_fair_queue():
     dp, backend = _dataplane(_llm("llm", max_running=2))
-    backend.gate.clear()
+    backend.hold = asyncio.Event()
     tasks = [asyncio.create_task(_generate(dp)) for _ in range(3)]
     for _ in range(20):
         await asyncio.sleep(0)
     queue = dp._pipeline.queues["llm"]  # noqa: SLF001
-    assert (queue.inflight, queue.size, len(backend.sent)) == (2, 1, 2)  # the third waits in the frontend
-    backend.gate.set()
+    assert (queue.inflight, queue.size, len(backend.stream_requests)) == (2, 1, 2)  # the third waits in the frontend
+    backend.hold.set()
     assert [a.text for a in await asyncio.gather(*tasks)] == ["ok"] * 3
     assert (queue.inflight, queue.size) == (0, 0)
 
@@ -192,9 +150,9 @@ async def test_a_lora_adapter_goes_to_its_base_model_as_a_frontend_parameter():
     assert split_adapter("llm:2") == ("llm:2", "") and split_adapter("llm:Pirate") == ("llm:Pirate", "")
     dp, backend = _dataplane(_llm("llm"))
     assert (await _generate(dp, "llm:pirate")).text == "ok"
-    sent = backend.sent[-1]
+    sent = backend.stream_requests[-1]
     assert sent.model_name == "llm" and sent.parameters[ADAPTER_PARAMETER].string_param == "pirate"
     await _generate(dp, "llm")
-    assert ADAPTER_PARAMETER not in backend.sent[-1].parameters
+    assert ADAPTER_PARAMETER not in backend.stream_requests[-1].parameters
     with pytest.raises(ModelNotFound):  # not an adapter name: a model nobody serves
         await _generate(dp, "llm:Pirate")

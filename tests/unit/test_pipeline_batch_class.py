@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server.errors import Overloaded
-from server.tenancy.identity import CallContext
+from server.tenancy.identity import CallContext, Delegation
 from server.tenancy.metering import Meter
 from server.tenancy.quota_policy import Quota, QuotaPolicy
 from tests.unit.test_stream_ledger import KEY, TABULAR, Clock, _pipeline
@@ -18,12 +18,12 @@ async def test_a_batch_row_has_its_own_quota_scope_queue_class_and_meter_class()
     live = await pipeline.open(CallContext(KEY), TABULAR.name)  # the tenant's one concurrent request
     with pytest.raises(Overloaded):
         await pipeline.open(CallContext(KEY), TABULAR.name)
-    row_ctx = CallContext(principal=live.principal, preauthenticated=True, priority="batch")
+    row_ctx = CallContext(priority="batch", delegation=Delegation(live.principal))
     row = await pipeline.open(row_ctx, TABULAR.name)  # admitted: the batch rows' own charge
     assert row.batch and not live.batch
     assert row.queue.batch_inflight == 1 and row.queue.inflight == 2
     with pytest.raises(Overloaded):  # the batch scope has the tenant's limits too
-        await pipeline.open(CallContext(principal=live.principal, preauthenticated=True, priority="batch"), TABULAR.name)
+        await pipeline.open(CallContext(priority="batch", delegation=Delegation(live.principal)), TABULAR.name)
     live.computed = row.computed = True
     await pipeline.exit(live)
     await pipeline.exit(row)

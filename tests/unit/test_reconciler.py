@@ -15,8 +15,8 @@ from server.control.placement_store import EVERY_TRITON, Placement, PlacementSto
 from server.control.executors import ModelGroups
 from server.control.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
 from server.db import make_engine
-from server.errors import BackendUnavailable
 from server.protogen.inference import model_config_pb2
+from tests.backend_fake import FakeBackend
 from tests.unit.test_registry import db_url  # noqa: F401 - a fixture (SQLite and PostgreSQL)
 
 
@@ -87,31 +87,6 @@ def test_store_places_removes_and_revives_with_generations(db_url):
         engine.dispose()
 
 
-class FakeTriton:
-    """The model-control surface of one Triton, in memory (a down one raises as the real client does)."""
-
-    def __init__(self):
-        self.loaded: dict[str, set[int]] = {}
-        self.down = False
-        self.configs: list[dict] = []
-
-    async def repository_index(self):
-        if self.down:
-            raise BackendUnavailable("connection refused")
-        return [entry(m, v) for m, vs in self.loaded.items() for v in vs]
-
-    async def load_model(self, name, timeout=300.0, *, config=None):
-        doc = json.loads(config)
-        self.configs.append(doc)
-        self.loaded[name] = {int(v) for v in doc["versionPolicy"]["specific"]["versions"]}
-
-    async def unload_model(self, name, timeout=60.0):
-        self.loaded.pop(name, None)
-
-    async def close(self):
-        pass
-
-
 def test_loop_converges_a_late_and_a_returning_triton_and_drains_removed_versions(tmp_path):
     (tmp_path / "repo" / "m").mkdir(parents=True)
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\n')
@@ -119,7 +94,7 @@ def test_loop_converges_a_late_and_a_returning_triton_and_drains_removed_version
     migrations.upgrade(engine)
     now = [1000.0]
     store = PlacementStore(engine, clock=lambda: now[0])
-    tritons = {"a": FakeTriton(), "b": FakeTriton(), "c": FakeTriton()}
+    tritons = {"a": FakeBackend(), "b": FakeBackend(), "c": FakeBackend()}
     source = StaticSource(["a", "b"])
     rec = TritonReconciler(store, source, repository=tmp_path / "repo", drain_s=30.0, client_factory=tritons.__getitem__, clock=lambda: now[0])
 
@@ -159,7 +134,7 @@ def test_run_reconciles_until_stopped(tmp_path):
     migrations.upgrade(engine)
     store = PlacementStore(engine)
     store.place("m", 1)
-    triton = FakeTriton()
+    triton = FakeBackend()
     rec = TritonReconciler(store, StaticSource(["a"]), repository=tmp_path, client_factory=lambda t: triton)
 
     async def scenario():
@@ -188,7 +163,7 @@ def test_one_reconciler_per_group_loads_a_star_placement_only_on_the_group_servi
     store = PlacementStore(engine)
     store.place("trees", 1)
     store.place("resnet50_trt", 1)
-    tritons = {"10.0.0.1:8001": FakeTriton(), "10.0.0.2:8001": FakeTriton()}
+    tritons = {"10.0.0.1:8001": FakeBackend(), "10.0.0.2:8001": FakeBackend()}
     addresses = {"triton-general": ["10.0.0.1"], "triton-gpu-01": ["10.0.0.2"]}
     reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
     for rec in reconcilers:

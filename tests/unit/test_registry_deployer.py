@@ -14,6 +14,7 @@ from server.control.deployer import Deployer, build_config, check_warmup, same_t
 from server.errors import BackendUnavailable, Conflict, DeployFailed, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.control.registry import Registry
+from tests.backend_fake import FakeBackend
 from tests.unit.test_registry import SIGNATURE, lightgbm
 
 
@@ -23,19 +24,6 @@ class FakeSignature:
         self.max_batch_size = max_batch_size
 
 
-class FakeTriton:
-    def __init__(self):
-        self.infers: list[pb.ModelInferRequest] = []
-        self.unloaded: list[str] = []
-
-    async def infer_raw(self, raw, timeout=None):
-        self.infers.append(pb.ModelInferRequest.FromString(raw))
-        return pb.ModelInferResponse().SerializeToString()
-
-    async def unload_model(self, name):
-        self.unloaded.append(name)
-
-
 class FakeDataPlane:
     """Loads what config.pbtxt lists; a version whose directory holds FAIL refuses to load."""
 
@@ -43,7 +31,7 @@ class FakeDataPlane:
         self.repository = repository
         self.models, self.routes, self.loaded = {}, {}, set()
         self.composites = SimpleNamespace(serves=lambda name: False, plans={})  # no composite endpoints here
-        self.triton = FakeTriton()
+        self.triton = FakeBackend()
         self.loads = 0
 
     async def load_model(self, name):
@@ -55,6 +43,7 @@ class FakeDataPlane:
             raise InferplaneError(f"load failed for model '{name}': adapter crashed")
         self.loaded.add(name)
         self.models[name] = FakeSignature(versions)
+        self.triton.loaded[name] = set(versions)
         return self.models[name]
 
     async def refresh(self, name):
@@ -185,7 +174,7 @@ async def test_a_first_deploy_that_fails_leaves_nothing_behind(setup, tmp_path, 
     monkeypatch.setattr(deployer, "_materialize", lambda record, d: (d.mkdir(parents=True), (d / "FAIL").write_text("")))
     with pytest.raises(DeployFailed, match="nothing was serving"):
         await deployer.deploy("m:1")
-    assert not (tmp_path / "repo" / "m").exists() and "m" not in dp.routes and dp.triton.unloaded == ["m"]
+    assert not (tmp_path / "repo" / "m").exists() and "m" not in dp.routes and dp.triton.unloads == ["m"]
 
 
 async def test_a_tampered_blob_is_refused_before_triton(setup, tmp_path):

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from server.dataplane.replicas import DOWN, UP, DnsSource, Member, ReplicaPolicy, ReplicaSet, merge_statistics, request_model
-from server.dataplane.triton_client import ConnectionLost, NotSent
+from server.dataplane.replicas import DOWN, UP, DnsSource, Member, ReplicaPolicy, ReplicaSet, merge_statistics
+from server.dataplane.backend_errors import ConnectionLost, NotSent
+from server.dataplane.wire import request_model
 from server.errors import BackendError, DeadlineExceeded, InvalidRequest, ModelNotFound, ModelNotReady
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.protogen.inference import model_config_pb2 as mc
+from tests.backend_fake import FakeBackend
 
 MODEL = "fraud"
 
@@ -27,81 +28,9 @@ class Clock:
         return self.t
 
 
-class FakeTriton:
-    """A member's client: answers with its own name unless told to fail or hold."""
-
-    def __init__(self, name: str, models=(MODEL,)):
-        self.target = name
-        self.models = set(models)
-        self.calls = 0
-        self.fail: list[Exception] = []
-        self.hold: asyncio.Event | None = None
-        self.live = True
-        self.loads: list[str] = []
-        self.closed = False
-
-    async def infer_raw(self, request, timeout=None, *, model=""):
-        self.calls += 1
-        if self.fail:
-            raise self.fail.pop(0)
-        if self.hold is not None:
-            await self.hold.wait()
-        return self.target.encode()
-
-    async def server_live(self, timeout=1.0):
-        return self.live
-
-    async def server_ready(self, timeout=1.0):
-        return self.live
-
-    async def repository_index(self, ready_only=False):
-        return [pb.RepositoryIndexResponse.ModelIndex(name=m, version="1", state="READY") for m in sorted(self.models)]
-
-    async def load_model(self, name, timeout=300.0, *, config=None):
-        self.loads.append(name)
-        self.models.add(name)
-
-    async def unload_model(self, name, timeout=60.0):
-        self.models.discard(name)
-
-    async def model_config(self, name):
-        config = mc.ModelConfig(name=name, max_batch_size=8)
-        config.instance_group.add(count=2, kind=mc.ModelInstanceGroup.KIND_CPU)
-        return config
-
-    async def unary_raw(self, method, request, timeout=30.0):
-        stats = pb.ModelStatisticsResponse()
-        s = stats.model_stats.add(name=MODEL, version="1", inference_count=self.calls, execution_count=self.calls)
-        s.inference_stats.success.count = self.calls
-        s.inference_stats.queue.ns = 1000 * self.calls
-        return stats.SerializeToString()
-
-    def stream_raw(self, timeout=None, metadata=None, *, model=""):
-        return FakeStream(self)
-
-    async def close(self):
-        self.closed = True
-
-
-class FakeStream:
-    def __init__(self, owner):
-        self.owner = owner
-        self.written = []
-
-    async def write(self, raw):
-        if self.owner.fail:
-            raise self.owner.fail.pop(0)
-        self.written.append(raw)
-
-    async def done_writing(self):
-        pass
-
-    def cancel(self):
-        return True
-
-    async def __aiter__(self):
-        for raw in self.written:
-            yield self.owner.target.encode() + b":" + raw
+def fake(name: str, models=(MODEL,)) -> FakeBackend:
+    """A member's client: answers with its own name (a stream: its name and the request) unless told to fail or hold."""
+    return FakeBackend(name, models, answer=lambda raw: name.encode(), stream_answer=lambda raw: name.encode() + b":" + raw, instances=2)
 
 
 def request(model=MODEL) -> bytes:
@@ -109,11 +38,11 @@ def request(model=MODEL) -> bytes:
 
 
 def make(*names, policy=ReplicaPolicy(wait_for_member_s=0.5, eject_s=2.0), clock=None):
-    clients = [FakeTriton(n) for n in names]
+    clients = [fake(n) for n in names]
     members = [Member(n, c) for n, c in zip(names, clients)]
     for m, c in zip(members, clients):
-        m.models = set(c.models)
-    rs = ReplicaSet(members, policy=policy, clock=clock or Clock(), rng=random.Random(7), client_factory=lambda t: FakeTriton(t))
+        m.models = set(c.loaded)
+    rs = ReplicaSet(members, policy=policy, clock=clock or Clock(), rng=random.Random(7), client_factory=fake)
     return rs, clients
 
 
@@ -312,7 +241,7 @@ def test_drain_waits_for_in_flight_requests_and_sends_no_new_ones():
         results = await asyncio.gather(*stuck)
         assert b"a" in results  # the in-flight one finished, nothing was lost
         await rs.unload_from("a", MODEL, drain=False)
-        assert MODEL not in a.models and MODEL not in rs.member("a").models
+        assert MODEL not in a.loaded and MODEL not in rs.member("a").models
 
     run(main())
 
@@ -358,7 +287,7 @@ def test_down_members_rejoin_with_their_models_loaded_again():
         await rs.check_health()
         assert rs.member("a").state == DOWN and not rs.member("a").models
         assert {await rs.infer_raw(request()) for _ in range(10)} == {b"b"}
-        a.live, a.models = True, set()  # restarted empty
+        a.live, a.loaded = True, {}  # restarted empty
         assert await rs.rejoin("a")
         assert {"extra"} <= set(a.loads) and rs.member("a").models >= {"extra"}
 
@@ -408,7 +337,7 @@ def test_discovery_joins_new_addresses_and_drains_vanished_ones():
         return answers[name]
 
     async def main():
-        rs = ReplicaSet(client_factory=lambda target: FakeTriton(target))
+        rs = ReplicaSet(client_factory=fake)
         source = DnsSource("triton-general", 8001, group="general", resolver=resolver)
         rs.add_source(source)
         joined, left = await rs.discover(source)

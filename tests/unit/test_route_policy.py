@@ -12,7 +12,7 @@ import pytest
 
 from batching import route_policy as rp
 from server.dataplane.replicas import Member, ReplicaPolicy, ReplicaSet
-from tests.unit.test_replicas import Clock, FakeTriton, request
+from tests.unit.test_replicas import Clock, fake, request
 
 SYSTEM = "You are the support assistant of a bicycle shop. " * 20  # ~1000 characters
 
@@ -126,10 +126,10 @@ def test_round_robin_cycles_in_member_order_and_policies_parse():
 
 
 def _set(policy: str, names=("a", "b"), **bounds):
-    clients = [FakeTriton(n) for n in names]
+    clients = [fake(n) for n in names]
     members = [Member(n, c) for n, c in zip(names, clients)]
     for m, c in zip(members, clients):
-        m.models = set(c.models)
+        m.models = set(c.loaded)
     rs = ReplicaSet(members, policy=ReplicaPolicy(llm_routing=policy, route_bounds=rp.RouteBounds(**bounds)), clock=Clock(), rng=random.Random(3))
     return rs
 
@@ -212,28 +212,11 @@ def test_an_endpoint_names_its_own_policy_and_a_bad_name_falls_back_to_the_sets(
 def test_a_generation_opens_its_stream_with_the_prompts_key_and_reports_the_engines_kv_use():
     from server.dataplane.generation import GenerateParams
     from server.tenancy.identity import CallContext
-    from tests.unit.test_pipeline import ScriptedTriton, _answer, _dataplane, _llm, _Stream
-
-    class KeyedStream(_Stream):
-        async def __aiter__(self):
-            info = {"prompt_tokens": 2, "completion_tokens": 1, "finish_reason": "stop", "kv_utilization": 0.25}
-            yield _answer(self.request, "ok", info)
-
-        def report_kv(self, value):
-            self.backend.kv.append(value)
-
-    class Keyed(ScriptedTriton):
-        def __init__(self):
-            super().__init__()
-            self.affinities, self.kv = [], []
-
-        def stream_raw(self, timeout=None, metadata=None, *, model="", affinity=None):
-            self.affinities.append(affinity)
-            return KeyedStream(self)
+    from tests.unit.test_pipeline import DONE, _dataplane, _llm, scripted
 
     async def main():
         dp, _ = _dataplane(_llm("llm"), llm_route_prefix_chars=40)
-        backend = Keyed()
+        backend = scripted({**DONE, "kv_utilization": 0.25})
         dp.llm._backend = backend  # noqa: SLF001 - the scripted Triton that records what the generation passed
         messages = chat(SYSTEM, "Where is my order?")
         await dp.llm.complete("llm", GenerateParams(messages=messages, max_tokens=1), ctx=CallContext())

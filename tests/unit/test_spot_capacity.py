@@ -10,6 +10,8 @@ import asyncio
 import random
 from types import SimpleNamespace
 
+import grpc
+
 import pytest
 
 from server.control.batches import BatchWorker, Row
@@ -17,9 +19,12 @@ from server.control.executors import ModelGroups
 from server.dataplane import capacity_policy as cp
 from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.replicas import DRAINING, UP, Member, ReplicaPolicy, ReplicaSet
-from server.dataplane.triton_client import DOWN as NOT_LIVE, EXITING, LIVE
+from server.dataplane.backend_errors import NotSent
+from server.dataplane.backend import DOWN as NOT_LIVE, EXITING, LIVE
+from server.dataplane.triton_client import translate
 from server.errors import BackendUnavailable, InvalidRequest, ModelNotReady
-from tests.unit.test_replicas import MODEL, FakeTriton, request
+from tests.backend_fake import FakeBackend
+from tests.unit.test_replicas import MODEL, request
 
 
 def _m(name, capacity):
@@ -61,11 +66,11 @@ def test_capacity_names_and_the_opt_in_parameter():
 # ---- the replica set ---------------------------------------------------------------------------------
 
 
-class ExitingTriton(FakeTriton):
+class ExitingTriton(FakeBackend):
     """A member whose ServerLive can answer "exiting" (Triton after SIGTERM)."""
 
     def __init__(self, name):
-        super().__init__(name)
+        super().__init__(name, (MODEL,), answer=lambda raw: name.encode())
         self.state = LIVE
 
     async def liveness(self, timeout=1.0):
@@ -76,7 +81,7 @@ def spot_set():
     od, sp = ExitingTriton("od"), ExitingTriton("sp")
     members = [Member("od", od), Member("sp", sp, capacity=cp.SPOT)]
     for m, c in zip(members, (od, sp)):
-        m.models, m.wanted = set(c.models), set(c.models)  # loaded through the set (placement): reloaded when it rejoins
+        m.models, m.wanted = set(c.loaded), set(c.loaded)  # loaded through the set (placement): reloaded when it rejoins
     rs = ReplicaSet(members, policy=ReplicaPolicy(wait_for_member_s=0.3), rng=random.Random(7))
     return rs, od, sp
 
@@ -113,7 +118,7 @@ def test_a_reclaim_notice_drains_the_spot_member_batch_moves_on_demand_shadow_pa
         await rs.check_health()
         assert member.reclaimed == 1  # one notice, counted once
         rs.mark_down("sp")  # then SIGKILL: its supervisor saw the process die
-        sp.state, sp.models = LIVE, set()  # the replacement, empty
+        sp.state, sp.loaded = LIVE, {}  # the replacement, empty
         assert await rs.rejoin("sp")
         assert member.state == UP and MODEL in member.models and MODEL in sp.loads
         assert {await _as(cp.BATCH, rs.infer_raw(request())) for _ in range(10)} == {b"sp"}
@@ -129,7 +134,7 @@ def test_an_exiting_member_that_comes_back_without_dying_rejoins_through_a_reloa
         sp.state = NOT_LIVE
         await rs.check_health()
         assert rs.member("sp").state == DRAINING  # not up while it is away
-        sp.state, sp.models = LIVE, set()  # a new process on the same address (a static --triton-url)
+        sp.state, sp.loaded = LIVE, {}  # a new process on the same address (a static --triton-url)
         await rs.check_health()
         await asyncio.sleep(0)
         assert await rs.rejoin("sp") and rs.member("sp").state == UP and MODEL in sp.loads
@@ -226,8 +231,6 @@ async def _until(predicate, timeout=5.0):
 
 
 def test_a_request_triton_refuses_while_stopping_goes_to_another_member_and_drains_the_exiting_one():
-    from server.dataplane.triton_client import NotSent
-
     async def main():
         rs, od, sp = spot_set()
         # what Triton answers a new request after SIGTERM, before the next probe sees it exiting
@@ -241,10 +244,6 @@ def test_a_request_triton_refuses_while_stopping_goes_to_another_member_and_drai
 
 @pytest.mark.parametrize("code", ["UNAVAILABLE", "INTERNAL"])
 def test_tritons_answers_while_stopping_read_as_not_sent(code):
-    import grpc
-
-    from server.dataplane.triton_client import NotSent, translate
-
     message = "[request id: <id_unknown>] Server is stopping, scheduler for model has stopped accepting new inference requests"
     err = grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
     assert isinstance(translate(err), NotSent)

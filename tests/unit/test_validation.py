@@ -109,7 +109,7 @@ def test_codec_round_trip():
 
 
 def test_pin_version_overrides_without_reserializing():
-    from server.dataplane.dataplane import pin_version
+    from server.dataplane.wire import pin_version
 
     req = _request()
     req.model_version = "1"

@@ -17,8 +17,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from server.control.batches import OIP_ENDPOINT, BatchStore
 from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Overloaded, UnsupportedMediaType, Violation, http_error
-from server.tenancy.identity import CallContext
+from server.tenancy.identity import CallContext, Delegation
 from server.transports.openai.body import json_object
+from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import Body, Route, error_body, error_responses, json_body
 
 BATCHES: web.AppKey[BatchStore] = web.AppKey("batch_store", BatchStore)
@@ -34,8 +35,6 @@ def _store(request: web.Request) -> BatchStore:
 
 
 def _tenant(request: web.Request) -> tuple[str, str]:
-    from server.transports.rest.endpoints import DATAPLANE
-
     principal = request.app[DATAPLANE].gate.authenticate(CallContext.from_headers(request.headers))
     return principal.tenant.name, principal.tenant.team
 
@@ -134,7 +133,7 @@ def row_runner(dataplane):
     async def run(endpoint: str, body: dict, tenant: str) -> tuple[int, dict]:
         try:
             principal = dataplane.gate.principal_of(tenant)
-            ctx = CallContext(principal=principal, preauthenticated=True, priority="batch", timeout=ROW_TIMEOUT_S)
+            ctx = CallContext(priority="batch", timeout=ROW_TIMEOUT_S, delegation=Delegation(principal))
             if endpoint == "/v1/embeddings":
                 return 200, await embeddings_answer(dataplane.llm, body, ctx)
             if endpoint in ("/v1/chat/completions", "/v1/completions"):

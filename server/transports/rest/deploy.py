@@ -20,6 +20,7 @@ from server.control.provisioning import Provisioner
 from server.errors import InvalidRequest, Unimplemented
 from server.tenancy.identity import CallContext
 from server.transports.rest import codec as rest_codec
+from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import COMMON_ERRORS, JSON, Route, error_body, json_body
 
 PROVISIONER: web.AppKey[Provisioner] = web.AppKey("provisioner", Provisioner)
@@ -60,8 +61,6 @@ def _provisioner(request: web.Request) -> Provisioner:
 
 
 def _admin(request: web.Request, what: str) -> str:
-    from server.transports.rest.endpoints import DATAPLANE
-
     gate = request.app[DATAPLANE].gate
     principal = gate.require_admin(CallContext.from_headers(request.headers), what)
     return f"{principal.name}/{principal.key_id}" if gate.enabled else request.headers.get("x-inferplane-actor", "rest")[:200]

@@ -11,6 +11,7 @@ becomes a 500 of the same shape. ``ROUTES`` both registers the handlers and buil
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from aiohttp import web
@@ -183,10 +184,10 @@ async def predict(request: web.Request) -> web.Response:
 
 
 def _instance(ctx: CallContext, index: int) -> CallContext:
-    """Each instance of a predict call is its own request; an idempotency key covers each by index."""
-    if not ctx.idempotency_key:
-        return ctx
-    return CallContext(ctx.api_key, f"{ctx.idempotency_key}#{index}", ctx.timeout, ctx.principal, headers=ctx.headers, peer=ctx.peer)
+    """Each instance of a predict call is its own request with a context of its own (the data plane
+    writes the principal, version and arm that answered into it: concurrent instances must not share
+    one); an idempotency key covers each by index."""
+    return dataclasses.replace(ctx, idempotency_key=f"{ctx.idempotency_key}#{index}" if ctx.idempotency_key else None)
 
 
 # ---- operations -----------------------------------------------------------------------------

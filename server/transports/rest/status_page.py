@@ -13,6 +13,7 @@ from aiohttp import web
 
 from server.control import slo
 from server.errors import BackendUnavailable
+from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import JSON, Body, Route, error_responses, json_body
 
 STATUS: web.AppKey = web.AppKey("observability", object)
@@ -44,7 +45,6 @@ def status_document(observability, dataplane) -> dict:
 
 async def status_json(request: web.Request) -> web.Response:
     from server.transports.rest import codec as rest_codec
-    from server.transports.rest.endpoints import DATAPLANE
 
     observability = request.app.get(STATUS)
     if observability is None:

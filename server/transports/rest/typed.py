@@ -10,6 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.tenancy.identity import CallContext
+from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import TEXT, Body, Route, error_responses
 from server.transports.typed import typed_api
 
@@ -17,8 +18,6 @@ SCHEMA_HEADER = "x-inferplane-schema"  # e.g. "inferplane.models.fraud_xgboost.v
 
 
 async def model_proto(request: web.Request) -> web.Response:
-    from server.transports.rest.endpoints import DATAPLANE  # that module imports this one
-
     dp = request.app[DATAPLANE]
     name = request.match_info["name"]
     dp.authorize(CallContext.from_headers(request.headers), name)  # an ungranted model is an unknown one

@@ -27,7 +27,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
 from server.control.typed_schema import INT_BOUNDS, Field, Tensor, TypedSchema
-from server.dataplane import codecs
+from server.dataplane import codecs, wire
 from server.errors import InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
 
@@ -36,19 +36,6 @@ _WIRE_TYPES = {0: "varint (int, bool or enum)", 1: "64-bit (double)", 2: "length
 _EXPECTED_WIRE = {"float": 5, "double": 1, "string": 2}
 # how each proto scalar is read into numpy before the tensor's dtype
 _WIDE = {"float": np.float64, "double": np.float64, "int32": np.int64, "int64": np.int64, "uint32": np.uint64, "uint64": np.uint64, "bool": np.bool_}
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _tag(number: int, wire_type: int) -> bytes:
-    return varint((number << 3) | wire_type)
 
 
 # ---- the canonical fixed layout (hot path) ----------------------------------------------------
@@ -61,7 +48,7 @@ class _WireRows:
         width = dtype.itemsize
         template, tag_pos, val_pos = bytearray(), [], []
         for f in fields:
-            tag = _tag(f.number, wire_type)
+            tag = wire.tag(f.number, wire_type)
             tag_pos += range(len(template), len(template) + len(tag))
             template += tag
             val_pos += range(len(template), len(template) + width)
@@ -71,7 +58,7 @@ class _WireRows:
         self.tag_idx = np.array(tag_pos, dtype=np.intp)
         self.tag_bytes = bytes(template[i] for i in tag_pos)
         self.val_idx = np.array(val_pos, dtype=np.intp)
-        head = b"\x0a" + varint(self.size)  # BatchRequest.rows (field 1, length-delimited)
+        head = b"\x0a" + wire.varint(self.size)  # BatchRequest.rows (field 1, length-delimited)
         self.record = len(head) + self.size
         self.rec_tag_idx = np.concatenate([np.arange(len(head), dtype=np.intp), self.tag_idx + len(head)])
         self.rec_tag_val = np.frombuffer(head + self.tag_bytes, dtype=np.uint8)
@@ -120,15 +107,15 @@ class _WireAnswers:
             width = 4 if f.type == "float" else 8
             nbytes = (f.count or 1) * width
             if f.repeated:
-                header = _tag(f.number, 2) + varint(nbytes)
+                header = wire.tag(f.number, 2) + wire.varint(nbytes)
             else:
-                header = _tag(f.number, 5 if width == 4 else 1)
+                header = wire.tag(f.number, 5 if width == 4 else 1)
             template += header
             self.slices.append((t.name, "FP32" if width == 4 else "FP64", len(template), nbytes, header))
             template += bytes(nbytes)
         self.size = len(template)
         self.template = np.frombuffer(bytes(template), dtype=np.uint8)
-        head = b"\x0a" + varint(self.size)  # BatchResponse.results (field 1)
+        head = b"\x0a" + wire.varint(self.size)  # BatchResponse.results (field 1)
         self.record_template = np.frombuffer(head + bytes(template), dtype=np.uint8)
         self.head = len(head)
 
@@ -148,9 +135,9 @@ class _WireAnswers:
         raw = answer.raw_output_contents
         index = {out.name: i for i, out in enumerate(answer.outputs)}
         chosen = []
-        for name, wire, offset, nbytes, header in self.slices:
+        for name, datatype, offset, nbytes, header in self.slices:
             i = index.get(name)
-            if i is None or i >= len(raw) or answer.outputs[i].datatype != wire or len(raw[i]) != n * nbytes:
+            if i is None or i >= len(raw) or answer.outputs[i].datatype != datatype or len(raw[i]) != n * nbytes:
                 return None
             chosen.append(raw[i])
         if n == 1 and not batch:  # Predict: the fields' headers and the bytes, joined

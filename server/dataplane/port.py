@@ -1,0 +1,36 @@
+"""What the data plane's features call (the LLM service, composite endpoints): the model port.
+
+``server.dataplane.dataplane.DataPlane`` implements it; the features get it at construction and
+depend on this declaration, never on ``DataPlane`` or its private members (checked statically by
+``tests/unit/test_backend_types.py`` through ``tests/backend_conformance.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from server.dataplane.signature import ModelSignature
+from server.protogen.inference import grpc_service_pb2 as pb
+from server.tenancy.identity import CallContext
+
+
+class ModelPort(Protocol):
+    async def infer(
+        self, request: pb.ModelInferRequest, raw: bytes | None = None, timeout: float | None = None, ctx: CallContext | None = None,
+        count_tokens: Callable[[bytes], int] | None = None,
+    ) -> bytes:  # fmt: skip
+        """One request through the admission pipeline to the backend: the serialized answer."""
+
+    async def submit(self, call: Any, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
+        """An admitted call's request to the backend through the coalescer (the pipeline already entered)."""
+
+    def resolve_for(self, ctx: CallContext | None, name: str, version: str = "") -> ModelSignature:
+        """The model's signature as the caller sees it: authenticated, granted, ready."""
+
+    def signature(self, name: str) -> ModelSignature | None: ...
+
+    def names(self) -> list[str]: ...
+
+    def visible(self, ctx: CallContext | None, names: Iterable[str]) -> list[str]:
+        """The names among ``names`` the caller may see."""
