@@ -58,11 +58,13 @@ serve: models
 cluster: models
 	$(BIN)/inferplane dev cluster --model-repository $(REPO) $(ARGS)
 
-# the suite, then the suites of the shared stack again with Triton in the frontend's process
-# (--triton-mode in-process, ~1 min), then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all three
+# the model caches (model_repository/caches.py: seconds once built, minutes on a fresh machine), the suite, then
+# the suites of the shared stack again with Triton in the frontend's process (--triton-mode in-process, ~1 min),
+# then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all of it (TESTING.md, "What CI runs")
 INPROCESS_SUITES = tests/integration/test_spine.py tests/integration/test_rest_bridge.py tests/integration/test_typed.py
 test: setup  # provision after setup, never beside it (both would build .venv under make -j)
 	$(MAKE) --no-print-directory provision
+	$(BIN)/python -m model_repository.caches  # SmolLM2, its LoRA pair, MiniLM's export: before the tests' time limits
 	$(BIN)/python -m pytest --ignore=tests/fuzz $(ARGS)
 	INFERPLANE_TRITON_MODE=in-process $(BIN)/python -m pytest $(INPROCESS_SUITES)
 	$(BIN)/python -m pytest -m fuzz tests/fuzz $(FUZZ_ARGS)
