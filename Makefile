@@ -33,7 +33,10 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in', '$(VLLM_VENV)')"
 	touch $(VLLM_STAMP)
 
-setup: $(STAMP) $(VLLM_STAMP)
+# the two environments are independent: built side by side (pip is mostly waiting on downloads and unpacking,
+# one core each), each one's output kept together (-O); what is already built is skipped
+setup:
+	$(MAKE) --no-print-directory -j2 -O $(STAMP) $(VLLM_STAMP)
 
 # what the tests need beyond Python (promtool, chromium, redis-server, PostgreSQL, kubectl, hadolint), installed
 # where the machine allows it (Debian packages as root); idempotent, seconds when all is there
@@ -55,10 +58,13 @@ serve: models
 cluster: models
 	$(BIN)/inferplane dev cluster --model-repository $(REPO) $(ARGS)
 
-# the suite, then the suites of the shared stack again with Triton in the frontend's process
-# (--triton-mode in-process, ~1 min), then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all three
+# the model caches (model_repository/caches.py: seconds once built, minutes on a fresh machine), the suite, then
+# the suites of the shared stack again with Triton in the frontend's process (--triton-mode in-process, ~1 min),
+# then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all of it (TESTING.md, "What CI runs")
 INPROCESS_SUITES = tests/integration/test_spine.py tests/integration/test_rest_bridge.py tests/integration/test_typed.py
-test: setup provision
+test: setup  # provision after setup, never beside it (both would build .venv under make -j)
+	$(MAKE) --no-print-directory provision
+	$(BIN)/python -m model_repository.caches  # SmolLM2, its LoRA pair, MiniLM's export: before the tests' time limits
 	$(BIN)/python -m pytest --ignore=tests/fuzz $(ARGS)
 	INFERPLANE_TRITON_MODE=in-process $(BIN)/python -m pytest $(INPROCESS_SUITES)
 	$(BIN)/python -m pytest -m fuzz tests/fuzz $(FUZZ_ARGS)

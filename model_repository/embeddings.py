@@ -14,6 +14,7 @@ the frontend stays free of transformers, and Triton's batcher pads a whole batch
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,7 +26,7 @@ import numpy as np
 
 from model_repository.adapters._common import sha256_file
 from model_repository.config_writer import write_config
-from model_repository.layout import install_adapter
+from model_repository.layout import CACHE_ROOT, install_adapter
 from server.protogen.inference import model_config_pb2
 
 NAME = "minilm_embeddings"
@@ -33,6 +34,8 @@ VERSION = "1"
 DIM = 384
 MAX_LENGTH = 256  # sentence_bert_config.json max_seq_length
 ONNX_OPSET = 17
+EXPORT_RECIPE = 1  # bump when export_onnx's graph changes (a new cache key)
+CACHE_DIR = CACHE_ROOT / "embeddings"
 SAMPLE_TEXTS = (
     "The capital of France is Paris.",
     "A model server streams tokens to many users at once.",
@@ -102,6 +105,26 @@ def export_onnx(path: Path, model_dir: Path | None = None) -> Path:
     return path
 
 
+def cached_onnx(model_dir: Path | None = None) -> Path:
+    """The ONNX export of MiniLM (``export_onnx``), made once per weights, opset, torch version and recipe and
+    kept under CACHE_DIR with its sha256 (a repository build copies it instead of tracing the model again; a
+    cached file whose bytes no longer match is exported anew)."""
+    from importlib.metadata import version
+
+    model_dir = Path(model_dir or minilm_dir())
+    made_from = f"{sha256_file(model_dir / 'model.safetensors')}:{ONNX_OPSET}:{version('torch')}:{EXPORT_RECIPE}"
+    key = hashlib.sha256(made_from.encode()).hexdigest()[:16]
+    cached, digest_file = CACHE_DIR / f"minilm-{key}.onnx", CACHE_DIR / f"minilm-{key}.sha256"
+    if cached.is_file() and digest_file.is_file() and sha256_file(cached) == digest_file.read_text().strip():
+        return cached
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # concurrent builds never see a half-written file
+    export_onnx(tmp, model_dir)
+    digest_file.write_text(sha256_file(tmp) + "\n")
+    tmp.replace(cached)
+    return cached
+
+
 def _export(torch, module, args, path: Path, dynamic: dict) -> None:
     torch.onnx.export(
         module, args, str(path), input_names=["input_ids", "attention_mask", "token_type_ids"],
@@ -134,7 +157,7 @@ def build_embedding_model(out: Path, name: str = NAME, max_batch_size: int = 64,
     version_dir = model_dir / VERSION
     version_dir.mkdir(parents=True)
     source = minilm_dir()
-    export_onnx(version_dir / "model.onnx", source)
+    shutil.copyfile(cached_onnx(source), version_dir / "model.onnx")
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         if (source / f).is_file():
             shutil.copyfile(source / f, version_dir / f)

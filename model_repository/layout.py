@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import zipfile
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ import numpy as np
 from model_repository.config_writer import ServingConfig, python_backend_config, write_config
 
 ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+# what model builds cache between runs (converted, exported, trained weights), keyed by what they are made from
+CACHE_ROOT = Path(os.environ.get("INFERPLANE_CACHE", Path.home() / ".cache" / "inferplane"))
 ADAPTERS = {"onnxruntime": "onnx_runtime.py", "xgboost": "xgboost_runtime.py", "lightgbm": "lightgbm_runtime.py"}
 METADATA_FILE = "inferplane.json"
 VALIDATION_FILE = "validation.npz"

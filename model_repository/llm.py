@@ -33,7 +33,7 @@ from pathlib import Path
 
 from model_repository.adapters._common import sha256_file
 from model_repository.config_writer import write_config
-from model_repository.layout import install_adapter
+from model_repository.layout import CACHE_ROOT, install_adapter
 from server.protogen.inference import model_config_pb2
 
 BATCHING_DIR = Path(__file__).resolve().parents[1] / "batching"
@@ -46,7 +46,7 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-CACHE_DIR = Path(os.environ.get("INFERPLANE_CACHE", Path.home() / ".cache" / "inferplane")) / "llm"
+CACHE_DIR = CACHE_ROOT / "llm"
 
 
 @dataclass(frozen=True)

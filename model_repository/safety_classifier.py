@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -28,15 +27,15 @@ import numpy as np
 
 from model_repository.adapters._common import sha256_file
 from model_repository.config_writer import write_config
-from model_repository.embeddings import DIM, MAX_LENGTH, export_onnx, minilm_dir
-from model_repository.layout import install_adapter
+from model_repository.embeddings import DIM, MAX_LENGTH, cached_onnx, minilm_dir
+from model_repository.layout import CACHE_ROOT, install_adapter
 from server.protogen.inference import model_config_pb2
 
 NAME = "safety_classifier"
 VERSION = "1"
 LABELS = ("safe", "unsafe")
 SEED = 23
-CACHE_DIR = Path(os.environ.get("INFERPLANE_CACHE", Path.home() / ".cache" / "inferplane")) / "safety"
+CACHE_DIR = CACHE_ROOT / "safety"
 
 _UNSAFE = {
     "templates": [
@@ -165,7 +164,7 @@ def build_classifier_graph(out: Path) -> dict:
     from sklearn.linear_model import LogisticRegression
 
     work = out.parent / "_minilm.onnx"
-    export_onnx(work, source)
+    shutil.copyfile(cached_onnx(source), work)
     texts, labels = training_data()
     x = _embed(work, source / "tokenizer.json", texts)
     rng = np.random.default_rng(SEED)

@@ -47,6 +47,18 @@ def demo_repository(tmp_path_factory) -> Path:
 CACHED_MODEL = "lightgbm_cached"
 
 
+def copy_demo_models(demo_repository: Path, out: Path) -> Path:
+    """The session's demo models (a deterministic build) copied into the repository ``out``: what a fixture
+    needing them as they are does, rather than training them again (seconds each)."""
+    import shutil
+
+    from model_repository.demo import DEMO_MODELS
+
+    for name in DEMO_MODELS:
+        shutil.copytree(demo_repository / name, Path(out) / name)
+    return Path(out)
+
+
 def add_cached_copy(repository: Path, source: str, name: str) -> None:
     """A copy of a demo model with Triton's response cache enabled in its config."""
     import shutil

@@ -7,17 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_stack, stop_stack
+from tests.conftest import copy_demo_models, start_stack, stop_stack
 
 
 @pytest.fixture(scope="session")
-def compose_repository(tmp_path_factory) -> Path:
-    from model_repository.demo import build_demo_repository
+def compose_repository(demo_repository, tmp_path_factory) -> Path:
     from model_repository.embeddings import build_embedding_model
     from server.cli.compose import build_demo_composites
 
-    out = tmp_path_factory.mktemp("compose") / "model_repository"
-    build_demo_repository(out)
+    out = copy_demo_models(demo_repository, tmp_path_factory.mktemp("compose") / "model_repository")
     build_embedding_model(out)
     build_demo_composites(out, text=True)
     return out

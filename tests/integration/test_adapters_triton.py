@@ -22,6 +22,7 @@ import tritonclient.grpc as tritonclient_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled  # noqa: E402
+from tests.conftest import copy_demo_models  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +54,8 @@ def _add_tampered_copy(repo: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("model_repository")
-    demo.build_demo_repository(out)
+def repo(demo_repository, tmp_path_factory) -> Path:
+    out = copy_demo_models(demo_repository, tmp_path_factory.mktemp("model_repository"))
     _add_tampered_copy(out)
     return out
 
