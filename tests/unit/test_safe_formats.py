@@ -12,6 +12,7 @@ import pickle
 import struct
 import zipfile
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -533,7 +534,17 @@ def streamed(monkeypatch):
     monkeypatch.setattr(sf, "STREAM_ABOVE", 16)
 
 
-def test_a_large_safetensors_file_is_recognised_by_its_header_and_checked_against_the_declaration(tmp_path, streamed):
+@pytest.fixture
+def never_read_whole(monkeypatch):
+    """A large safetensors file or plan is recognised by its header: reading it whole fails the test."""
+
+    def read_whole(path):
+        raise AssertionError(f"{path} was read whole")
+
+    monkeypatch.setattr(Path, "read_bytes", read_whole)
+
+
+def test_a_large_safetensors_file_is_recognised_by_its_header_and_checked_against_the_declaration(tmp_path, streamed, never_read_whole):
     path = tmp_path / "big.safetensors"
     path.write_bytes(_safetensors())
     assert sf.check_model_file(path) == sf.SAFETENSORS
@@ -543,7 +554,7 @@ def test_a_large_safetensors_file_is_recognised_by_its_header_and_checked_agains
     assert err.value.message == "big.safetensors was declared as onnx but its bytes are safetensors"
 
 
-def test_a_large_tensorrt_plan_is_recognised_by_its_header_and_checked_against_the_declaration(tmp_path, streamed):
+def test_a_large_tensorrt_plan_is_recognised_by_its_header_and_checked_against_the_declaration(tmp_path, streamed, never_read_whole):
     path = tmp_path / "big.plan"
     path.write_bytes(b"ptrt" + bytes(range(256)) * 8)
     assert sf.check_model_file(path) == sf.TENSORRT_PLAN
@@ -579,7 +590,7 @@ def test_a_large_file_of_any_other_format_is_read_whole_and_checked_like_its_byt
     ("case", "data"),
     [
         ("shorter than a length", b"\x02\x00\x00\x00\x00"),
-        ("header length past the file's end", _st(b"{}", length=100)),
+        ("header length past the file's end", _st(b"{}" + b" " * 30, length=100)),  # what is there parses: {}
         ("header length under 2", _st(b"{", b"}" + bytes(30), length=1)),
         ("a tensor past the body's end", _st({"w": {"dtype": "F32", "shape": [7], "data_offsets": [0, 28]}}, bytes(24))),
         ("a pickle behind a safetensors-looking name", PICKLE_STREAMS["protocol 4"]),
@@ -592,9 +603,40 @@ def test_a_large_file_whose_safetensors_header_does_not_fit_is_not_safetensors(t
         sf.check_model_file(path)
 
 
-def test_a_large_safetensors_file_with_the_smallest_header_is_safetensors(tmp_path, streamed):
+def test_a_large_safetensors_file_with_the_smallest_header_is_safetensors(tmp_path, streamed, never_read_whole):
     path = tmp_path / "big.safetensors"
     path.write_bytes(_st(b"{}", bytes(32)))  # a 2-byte header, no tensors, above the threshold
     assert sf.check_model_file(path) == sf.SAFETENSORS
     path.write_bytes(_st({"w": {"dtype": "U8", "shape": [32], "data_offsets": [0, 32]}}, bytes(32)))  # ends at the end
     assert sf.check_model_file(path) == sf.SAFETENSORS
+
+
+def test_a_small_file_is_checked_against_its_declared_format(tmp_path):
+    path = tmp_path / "model.txt"
+    path.write_bytes(_lightgbm())
+    assert sf.check_model_file(path, declared=sf.LIGHTGBM_TEXT) == sf.LIGHTGBM_TEXT
+    with pytest.raises(InvalidRequest, match="model.txt was declared as onnx but its bytes are lightgbm-text"):
+        sf.check_model_file(path, declared=sf.ONNX)
+
+
+def test_bytes_without_a_name_are_called_artifact_and_empty_bytes_are_no_pickle(capsys):
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.detect_format(b"\x00garbage" * 10)
+    assert err.value.message == f"refusing artifact: not a recognised safe format; upload {sf.SAFE_LIST}"
+    assert not sf.is_pickle(b"")
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.detect_format(b"", "model.onnx")
+    assert err.value.message == f"refusing model.onnx: not a recognised safe format; upload {sf.SAFE_LIST}"
+
+
+def test_walking_a_pickle_writes_nothing_to_the_servers_output(capsys):
+    with pytest.raises(sf.UnsafeArtifact):
+        sf.check_model(PICKLE_STREAMS["protocol 4"], "model.onnx")
+    assert sf.is_pickle(PICKLE_STREAMS["protocol 2"])
+    assert capsys.readouterr() == ("", "")  # pickletools' listing is discarded, never printed
+
+
+def test_xgboost_ubj_names_its_learner_within_its_first_32_bytes():
+    assert sf.detect_format(b"{" + b"#" * 24 + b"learner" + b"\xff") == sf.XGBOOST_UBJ  # ends at byte 32
+    with pytest.raises(sf.UnsafeArtifact, match="not a recognised safe format"):
+        sf.detect_format(b"{" + b"#" * 25 + b"learner" + b"\xff")  # ends one byte later
