@@ -347,3 +347,30 @@ def test_a_seasonal_profile_refuses_a_bad_shape(kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         SeasonalProfile(**kwargs)
     SeasonalProfile(alpha=1)
+
+
+HOUR, WEEK = 3600.0, 7 * 24 * 3600.0
+
+
+def test_an_hour_of_week_profile_puts_each_value_in_its_hour():
+    profile = SeasonalProfile()  # a week of hours
+    profile.seed([(3 * HOUR + 600, 5.0), (4 * HOUR + 60, 7.0), (WEEK + 3 * HOUR + 60, 9.0)])
+    assert profile.means[3] == pytest.approx(7.0) and profile.means[4] == pytest.approx(7.0)  # 03:00: 5, then 9
+    assert profile.last[3] == 9.0 and [i for i, m in enumerate(profile.means) if m is not None] == [3, 4]
+    assert profile.forecast(WEEK + 4 * HOUR) == pytest.approx(7.0)  # 04:00 next week: between the 03:30 and 04:30 centers
+
+
+def test_a_forecast_next_to_an_unseen_slot_is_the_seen_slots_own_up_to_its_half_and_none_beyond():
+    """Between a seen slot's center and an unseen one's, the forecast is the seen slot's mean on the
+    seen half (boundary included for the later slot) and None on the unseen half."""
+    seeded = SeasonalProfile(period_s=4, slot_s=1)
+    seeded.seed([(0.2, 8), (1.3, 4)])  # slots 0 and 1 seen, 2 and 3 not
+    assert seeded.forecast(1.9) == 4.0 and seeded.forecast(2.0) is None  # slot 1's half ends before the boundary
+    assert seeded.forecast(3.9) is None and seeded.forecast(4.0) == 8.0  # slot 0 (next period) answers from it on
+
+
+def test_a_profile_may_have_slots_shorter_than_a_second():
+    profile = SeasonalProfile(period_s=1.0, slot_s=0.5)
+    assert profile.slots == 2
+    profile.seed([(0.1, 2.0), (0.6, 6.0)])
+    assert profile.means == [2.0, 6.0] and profile.forecast(0.5) == pytest.approx(4.0)
