@@ -374,3 +374,25 @@ def test_a_profile_may_have_slots_shorter_than_a_second():
     assert profile.slots == 2
     profile.seed([(0.1, 2.0), (0.6, 6.0)])
     assert profile.means == [2.0, 6.0] and profile.forecast(0.5) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "current", "load", "expected"),
+    [
+        (ScalingConfig(max_replicas=4, target=0.5, tolerance=0.1), 1, 0.52, 1),  # one replica, 4 % over: holds
+        (ScalingConfig(max_replicas=4, target=4.0, tolerance=0.25), 1, 5.0, 1),  # exactly at the tolerance's edge: holds
+        (ScalingConfig(max_replicas=4, target=4.0, tolerance=0.25), 1, 5.5, 2),  # past it: the ceiling
+        (ScalingConfig(max_replicas=4, target=4.0, tolerance=0.25), 0, 4.0, 1),  # from none: the ceiling, never "hold 0"
+    ],
+)
+def test_a_load_within_tolerance_of_the_target_holds_the_count(config, current, load, expected):
+    assert recommend(config, current, load, None)[0] == expected
+
+
+def test_an_endpoint_is_idle_only_from_the_moment_the_policy_started_watching_it():
+    config = ScalingConfig(min_replicas=0, max_replicas=2, target=4.0, scale_to_zero_after_s=60.0, predictive=False)
+    state = PolicyState.start(1, 1000.0)  # started at t=1000 with no load seen yet
+    decision, state = decide(config, state, Observation(1030.0, 0.0))
+    assert decision.replicas == 1 and decision.action != ZERO  # idle 30 s of 60, not since t=0
+    decision, _ = decide(config, state, Observation(1061.0, 0.0))
+    assert decision.replicas == 0 and decision.action == ZERO
