@@ -136,9 +136,20 @@ def run_module(module: str, tests: list[str], children: int, survivors_only: boo
             return
     log = work / "mutmut.log"  # mutmut's progress spinner: kept out of the terminal, read it there when a run fails
     with log.open("w") as out:
-        done = subprocess.run(["nice", "-n", "10", str(mutmut), "run", "--max-children", str(children), *names], cwd=work, stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run(["nice", "-n", "10", str(mutmut), "run", "--max-children", str(children), *names], cwd=work, env=_test_env(), stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"mutmut failed on {module} (exit {done.returncode}): see {log.relative_to(ROOT)}")
+
+
+def _test_env() -> dict[str, str]:
+    """The environment of the mutants' test runs. mutmut runs a copy of ``tests/`` inside the work
+    folder, where ``var/postgres_url`` (written by ``make provision``) is not: its URL is passed on
+    as the variable tests/services.py reads first, so the PostgreSQL cases run instead of erroring."""
+    env = dict(os.environ)
+    url_file = ROOT / "var" / "postgres_url"
+    if "INFERPLANE_TEST_POSTGRES_URL" not in env and url_file.exists():
+        env["INFERPLANE_TEST_POSTGRES_URL"] = url_file.read_text().strip()
+    return env
 
 
 def score_module(module: str, equivalents: dict[str, dict]) -> Score:
