@@ -396,3 +396,48 @@ def test_an_endpoint_is_idle_only_from_the_moment_the_policy_started_watching_it
     assert decision.replicas == 1 and decision.action != ZERO  # idle 30 s of 60, not since t=0
     decision, _ = decide(config, state, Observation(1061.0, 0.0))
     assert decision.replicas == 0 and decision.action == ZERO
+
+
+@pytest.mark.parametrize(
+    ("target", "forecast", "predictive"),
+    [
+        (4.0, 0.0, None),  # a forecast of no load adds nothing
+        (0.25, 0.5, 2),  # a forecast under one request still asks for what it needs
+        (4.0, 0.1, 1),  # a little: one replica
+        (4.0, 8.0, 2),  # exactly two replicas' worth: two, not three
+    ],
+)
+def test_the_forecast_asks_for_the_replicas_it_would_need(target, forecast, predictive):
+    config = ScalingConfig(max_replicas=8, target=target)
+    raw, reactive, got = recommend(config, 0, 0.0, forecast)
+    assert (reactive, got, raw) == (0, predictive, predictive or 0)
+
+
+def test_from_zero_a_held_request_wakes_one_replica_and_a_heavy_load_wakes_what_it_needs():
+    config = ScalingConfig(min_replicas=0, max_replicas=8, target=4.0, predictive=False)  # min 0, no scale to zero
+    decision, _ = decide(config, PolicyState.start(0, 0.0), Observation(1.0, 0.0, demand=True))
+    assert (decision.replicas, decision.action) == (1, WAKE)
+    decision, _ = decide(config, PolicyState.start(0, 0.0), Observation(1.0, 20.0))
+    assert (decision.replicas, decision.action) == (5, WAKE)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ScalingConfig(min_replicas=0, max_replicas=4, target=4.0, predictive=False),  # min 0
+        ScalingConfig(min_replicas=2, max_replicas=4, target=4.0, scale_to_zero_after_s=60.0, predictive=False),  # to zero
+    ],
+)
+def test_an_idle_endpoint_at_zero_stays_there_saying_so(config):
+    state = PolicyState(replicas=0, last_active=0.0)
+    for now in (10.0, 100.0):  # shortly after the last load, and long after
+        decision, state = decide(config, state, Observation(now, 0.0))
+        assert (decision.replicas, decision.action, decision.reason) == (0, HOLD, "idle at zero replicas")
+
+
+def test_a_decision_shows_the_load_per_replica_and_how_long_the_endpoint_was_idle():
+    config = ScalingConfig(min_replicas=1, max_replicas=8, target=4.0, predictive=False)
+    decision, state = decide(config, PolicyState.start(2, 100.0), Observation(105.0, 6.0))
+    assert decision.inputs["per_replica"] == 3.0 and decision.inputs["idle_s"] is None
+    decision, _ = decide(config, state, Observation(112.0, 0.0))
+    assert decision.inputs["idle_s"] == 7.0 and decision.inputs["per_replica"] == 0.0
