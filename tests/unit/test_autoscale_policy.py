@@ -441,3 +441,18 @@ def test_a_decision_shows_the_load_per_replica_and_how_long_the_endpoint_was_idl
     assert decision.inputs["per_replica"] == 3.0 and decision.inputs["idle_s"] is None
     decision, _ = decide(config, state, Observation(112.0, 0.0))
     assert decision.inputs["idle_s"] == 7.0 and decision.inputs["per_replica"] == 0.0
+
+
+def test_a_hold_at_target_a_forecast_matching_the_load_and_an_unstable_rise_each_say_so():
+    steady = ScalingConfig(min_replicas=1, max_replicas=6, target=10, predictive=False)
+    assert _decisions(steady, [(0, 10), (1, 10)], replicas=1) == [(1, "hold", "load 10 ~ 1 x target 10")] * 2
+    config = ScalingConfig(min_replicas=1, max_replicas=6, target=10)
+    decision, _ = decide(config, PolicyState.start(1, 0.0), Observation(1, 25, 25))  # the forecast asks what the load asks
+    assert (decision.replicas, decision.reason) == (3, "load 25 > 1 x 10 (forecast 25)")
+    windowed = ScalingConfig(min_replicas=1, max_replicas=6, target=10, scale_up_window_s=5, scale_down_window_s=40, predictive=False)
+    assert _decisions(windowed, [(0, 10), (1, 25)], replicas=1)[1] == (1, "hold", "recommendation 3 not yet stable for 5s")
+
+
+def test_a_bad_tier_is_named():
+    with pytest.raises(ValueError, match=r"^tier must be 1, 2 or 3 \(got 4\)$"):
+        ScalingConfig(tier=4)
