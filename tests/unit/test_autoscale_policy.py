@@ -456,3 +456,11 @@ def test_a_hold_at_target_a_forecast_matching_the_load_and_an_unstable_rise_each
 def test_a_bad_tier_is_named():
     with pytest.raises(ValueError, match=r"^tier must be 1, 2 or 3 \(got 4\)$"):
         ScalingConfig(tier=4)
+
+
+def test_tier_1_never_has_fewer_than_two_replicas_and_keeps_a_larger_floor():
+    config = ScalingConfig(tier=1, min_replicas=1, max_replicas=1)  # a lost zone must leave one serving
+    assert (config.min_replicas, config.max_replicas, config.floor) == (2, 2, 2)
+    config = ScalingConfig(tier=1, min_replicas=3, max_replicas=5)
+    assert (config.min_replicas, config.max_replicas) == (3, 5)
+    assert (ScalingConfig(tier=2, min_replicas=1).min_replicas, ScalingConfig(tier=3, min_replicas=0).min_replicas) == (1, 0)
