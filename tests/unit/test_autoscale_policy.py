@@ -464,3 +464,8 @@ def test_tier_1_never_has_fewer_than_two_replicas_and_keeps_a_larger_floor():
     config = ScalingConfig(tier=1, min_replicas=3, max_replicas=5)
     assert (config.min_replicas, config.max_replicas) == (3, 5)
     assert (ScalingConfig(tier=2, min_replicas=1).min_replicas, ScalingConfig(tier=3, min_replicas=0).min_replicas) == (1, 0)
+
+
+def test_the_edges_of_a_valid_config_are_accepted():
+    config = ScalingConfig(tolerance=0.0, scale_to_zero_after_s=0.5, cold_start_budget_s=0.5, min_replicas=0)
+    assert (config.tolerance, config.scale_to_zero_after_s, config.cold_start_budget_s) == (0.0, 0.5, 0.5)
