@@ -609,6 +609,8 @@ def test_a_large_safetensors_file_with_the_smallest_header_is_safetensors(tmp_pa
     assert sf.check_model_file(path) == sf.SAFETENSORS
     path.write_bytes(_st({"w": {"dtype": "U8", "shape": [32], "data_offsets": [0, 32]}}, bytes(32)))  # ends at the end
     assert sf.check_model_file(path) == sf.SAFETENSORS
+    path.write_bytes(_st({"w": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}))  # the header ends at the file's end
+    assert sf.check_model_file(path) == sf.SAFETENSORS
 
 
 def test_a_small_file_is_checked_against_its_declared_format(tmp_path):
