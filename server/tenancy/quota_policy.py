@@ -11,7 +11,9 @@ admission needs the token bucket to be out of debt, the answer's tokens are then
 possibly into debt, which delays the next request by exactly the overdraft.
 
 Refusals carry ``retry_after_s``: when the fullest blocking bucket has room again (a full
-concurrency cap hints 50 ms: a slot frees when some request finishes).
+concurrency cap hints 50 ms: a slot frees when some request finishes). A limit of 0 admits no
+request at all (its bucket starts empty and never refills), and its refusal carries no retry hint:
+no wait would help.
 
 Two policies with one contract, ``await admit(...)`` then ``await release(ticket, tokens)``:
 :class:`QuotaPolicy` keeps the buckets in this process — pure, a clock is injected, it never
@@ -95,12 +97,23 @@ class TokenBucket:
         return missing / self.rate if self.rate > 0 else float("inf")
 
 
+def request_capacity(limit: float) -> float:
+    """A request bucket's size: its limit, at least one whole request (rps=0.5 admits one every 2 s);
+    a limit of 0 holds none, so it admits nothing."""
+    return max(limit, 1.0) if limit > 0 else 0.0
+
+
 def refusal(label: str, quota: Quota, kind: str) -> str:
     """Why a request was refused: ``kind`` is the blocking limit (rps | rpm | tpm | concurrency)."""
     if kind == "concurrency":
         return f"{label}: {quota.concurrency} concurrent requests in flight"
     limit, unit = {"rps": (quota.rps, "requests/s"), "rpm": (quota.rpm, "requests/min"), "tpm": (quota.tpm, "tokens/min")}[kind]
     return f"{label}: quota of {limit:g} {unit} exceeded"
+
+
+def refused(label: str, quota: Quota, kind: str, wait: float) -> Overloaded:
+    """The refusal both policies raise; a limit that never refills (0) gets no retry hint."""
+    return Overloaded(refusal(label, quota, kind), retry_after_s=wait if wait != float("inf") else None)
 
 
 def scope_labels(tenant: str, model: str) -> tuple[str, str]:
@@ -138,9 +151,9 @@ class QuotaPolicy:
             now = self._clock()
             buckets = []
             if quota.rps is not None:
-                buckets.append((TokenBucket(max(quota.rps, 1.0), quota.rps, now), "rps"))
+                buckets.append((TokenBucket(request_capacity(quota.rps), quota.rps, now), "rps"))
             if quota.rpm is not None:
-                buckets.append((TokenBucket(max(quota.rpm, 1.0), quota.rpm / 60.0, now), "rpm"))
+                buckets.append((TokenBucket(request_capacity(quota.rpm), quota.rpm / 60.0, now), "rpm"))
             tokens = TokenBucket(quota.tpm, quota.tpm / 60.0, now) if quota.tpm is not None else None
             if scope is None:
                 scope = self._scopes[key] = _Scope(quota, buckets, tokens)
@@ -182,7 +195,7 @@ class QuotaPolicy:
                         wait, blocked = w, (label, q, "tpm")
         if wait > 0:
             self.refused += 1
-            raise Overloaded(refusal(*blocked), retry_after_s=wait)
+            raise refused(*blocked, wait)
         for _, scope in scopes:
             for bucket, _ in scope.buckets:
                 bucket.level -= 1.0

@@ -32,8 +32,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.errors import BackendUnavailable, Overloaded
-from server.tenancy.quota_policy import Quota, refusal, scope_labels
+from server.errors import BackendUnavailable
+from server.tenancy.quota_policy import Quota, refused, scope_labels
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ for i = 1, #KEYS / 2 do
     if limit then
       local cap, rate = limit, limit / 60
       if kind == 'rps' then rate = limit end
-      if kind ~= 'tpm' then cap = math.max(limit, 1) end
+      if kind ~= 'tpm' then cap = limit > 0 and math.max(limit, 1) or 0 end  -- request_capacity
       local level, stamp = cap, now
       if not s.fresh then
         level = tonumber(stored[2 * j]) or cap
@@ -249,7 +249,7 @@ class RedisQuotaPolicy:
             label, quota, _ = scopes[int(answer[2]) - 1]
             kind = answer[3].decode() if isinstance(answer[3], bytes) else str(answer[3])
             wait = float(answer[1].decode() if isinstance(answer[1], bytes) else answer[1])
-            raise Overloaded(refusal(label, quota, kind), retry_after_s=wait)
+            raise refused(label, quota, kind, wait)
         return _Ticket(
             ticket, tuple(keys), tuple(signatures),
             holds_slot=any(q.concurrency is not None for _, q, _ in scopes),

@@ -327,12 +327,12 @@ def _valid_onnx() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-@pytest.mark.parametrize("filename", ["model.pkl", "model.pt", "model.joblib"])
+@pytest.mark.parametrize("filename", ["model.pkl", "model.pickle", "model.joblib", "model.pt", "model.pth", "model.ckpt", "model.sav", "model.dill", "model.cloudpickle", "MODEL.PKL"])
 def test_valid_onnx_bytes_under_a_pickle_name_are_refused_at_register_and_never_deployable(stack, filename):
     """The name alone refuses: a loader that picks its reader by extension would unpickle `model.pkl`."""
     data = _valid_onnx()
     assert safe_formats.detect_format(data) == safe_formats.ONNX  # the bytes themselves are a valid ONNX model
-    name = "renamed_" + filename.split(".")[1]
+    name = "renamed_" + filename.split(".")[1].lower()
     signature = {"inputs": [{"name": "features", "datatype": "FP32", "dims": [16]}], "outputs": [{"name": "y", "datatype": "FP32", "dims": [16]}]}
     with grpc.insecure_channel(stack.grpc) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)

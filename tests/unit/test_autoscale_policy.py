@@ -347,3 +347,125 @@ def test_a_seasonal_profile_refuses_a_bad_shape(kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         SeasonalProfile(**kwargs)
     SeasonalProfile(alpha=1)
+
+
+HOUR, WEEK = 3600.0, 7 * 24 * 3600.0
+
+
+def test_an_hour_of_week_profile_puts_each_value_in_its_hour():
+    profile = SeasonalProfile()  # a week of hours
+    profile.seed([(3 * HOUR + 600, 5.0), (4 * HOUR + 60, 7.0), (WEEK + 3 * HOUR + 60, 9.0)])
+    assert profile.means[3] == pytest.approx(7.0) and profile.means[4] == pytest.approx(7.0)  # 03:00: 5, then 9
+    assert profile.last[3] == 9.0 and [i for i, m in enumerate(profile.means) if m is not None] == [3, 4]
+    assert profile.forecast(WEEK + 4 * HOUR) == pytest.approx(7.0)  # 04:00 next week: between the 03:30 and 04:30 centers
+
+
+def test_a_forecast_next_to_an_unseen_slot_is_the_seen_slots_own_up_to_its_half_and_none_beyond():
+    """Between a seen slot's center and an unseen one's, the forecast is the seen slot's mean on the
+    seen half (boundary included for the later slot) and None on the unseen half."""
+    seeded = SeasonalProfile(period_s=4, slot_s=1)
+    seeded.seed([(0.2, 8), (1.3, 4)])  # slots 0 and 1 seen, 2 and 3 not
+    assert seeded.forecast(1.9) == 4.0 and seeded.forecast(2.0) is None  # slot 1's half ends before the boundary
+    assert seeded.forecast(3.9) is None and seeded.forecast(4.0) == 8.0  # slot 0 (next period) answers from it on
+
+
+def test_a_profile_may_have_slots_shorter_than_a_second():
+    profile = SeasonalProfile(period_s=1.0, slot_s=0.5)
+    assert profile.slots == 2
+    profile.seed([(0.1, 2.0), (0.6, 6.0)])
+    assert profile.means == [2.0, 6.0] and profile.forecast(0.5) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "current", "load", "expected"),
+    [
+        (ScalingConfig(max_replicas=4, target=0.5, tolerance=0.1), 1, 0.52, 1),  # one replica, 4 % over: holds
+        (ScalingConfig(max_replicas=4, target=4.0, tolerance=0.25), 1, 5.0, 1),  # exactly at the tolerance's edge: holds
+        (ScalingConfig(max_replicas=4, target=4.0, tolerance=0.25), 1, 5.5, 2),  # past it: the ceiling
+        (ScalingConfig(max_replicas=4, target=4.0, tolerance=0.25), 0, 4.0, 1),  # from none: the ceiling, never "hold 0"
+    ],
+)
+def test_a_load_within_tolerance_of_the_target_holds_the_count(config, current, load, expected):
+    assert recommend(config, current, load, None)[0] == expected
+
+
+def test_an_endpoint_is_idle_only_from_the_moment_the_policy_started_watching_it():
+    config = ScalingConfig(min_replicas=0, max_replicas=2, target=4.0, scale_to_zero_after_s=60.0, predictive=False)
+    state = PolicyState.start(1, 1000.0)  # started at t=1000 with no load seen yet
+    decision, state = decide(config, state, Observation(1030.0, 0.0))
+    assert decision.replicas == 1 and decision.action != ZERO  # idle 30 s of 60, not since t=0
+    decision, _ = decide(config, state, Observation(1061.0, 0.0))
+    assert decision.replicas == 0 and decision.action == ZERO
+
+
+@pytest.mark.parametrize(
+    ("target", "forecast", "predictive"),
+    [
+        (4.0, 0.0, None),  # a forecast of no load adds nothing
+        (0.25, 0.5, 2),  # a forecast under one request still asks for what it needs
+        (4.0, 0.1, 1),  # a little: one replica
+        (4.0, 8.0, 2),  # exactly two replicas' worth: two, not three
+    ],
+)
+def test_the_forecast_asks_for_the_replicas_it_would_need(target, forecast, predictive):
+    config = ScalingConfig(max_replicas=8, target=target)
+    raw, reactive, got = recommend(config, 0, 0.0, forecast)
+    assert (reactive, got, raw) == (0, predictive, predictive or 0)
+
+
+def test_from_zero_a_held_request_wakes_one_replica_and_a_heavy_load_wakes_what_it_needs():
+    config = ScalingConfig(min_replicas=0, max_replicas=8, target=4.0, predictive=False)  # min 0, no scale to zero
+    decision, _ = decide(config, PolicyState.start(0, 0.0), Observation(1.0, 0.0, demand=True))
+    assert (decision.replicas, decision.action) == (1, WAKE)
+    decision, _ = decide(config, PolicyState.start(0, 0.0), Observation(1.0, 20.0))
+    assert (decision.replicas, decision.action) == (5, WAKE)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ScalingConfig(min_replicas=0, max_replicas=4, target=4.0, predictive=False),  # min 0
+        ScalingConfig(min_replicas=2, max_replicas=4, target=4.0, scale_to_zero_after_s=60.0, predictive=False),  # to zero
+    ],
+)
+def test_an_idle_endpoint_at_zero_stays_there_saying_so(config):
+    state = PolicyState(replicas=0, last_active=0.0)
+    for now in (10.0, 100.0):  # shortly after the last load, and long after
+        decision, state = decide(config, state, Observation(now, 0.0))
+        assert (decision.replicas, decision.action, decision.reason) == (0, HOLD, "idle at zero replicas")
+
+
+def test_a_decision_shows_the_load_per_replica_and_how_long_the_endpoint_was_idle():
+    config = ScalingConfig(min_replicas=1, max_replicas=8, target=4.0, predictive=False)
+    decision, state = decide(config, PolicyState.start(2, 100.0), Observation(105.0, 6.0))
+    assert decision.inputs["per_replica"] == 3.0 and decision.inputs["idle_s"] is None
+    decision, _ = decide(config, state, Observation(112.0, 0.0))
+    assert decision.inputs["idle_s"] == 7.0 and decision.inputs["per_replica"] == 0.0
+
+
+def test_a_hold_at_target_a_forecast_matching_the_load_and_an_unstable_rise_each_say_so():
+    steady = ScalingConfig(min_replicas=1, max_replicas=6, target=10, predictive=False)
+    assert _decisions(steady, [(0, 10), (1, 10)], replicas=1) == [(1, "hold", "load 10 ~ 1 x target 10")] * 2
+    config = ScalingConfig(min_replicas=1, max_replicas=6, target=10)
+    decision, _ = decide(config, PolicyState.start(1, 0.0), Observation(1, 25, 25))  # the forecast asks what the load asks
+    assert (decision.replicas, decision.reason) == (3, "load 25 > 1 x 10 (forecast 25)")
+    windowed = ScalingConfig(min_replicas=1, max_replicas=6, target=10, scale_up_window_s=5, scale_down_window_s=40, predictive=False)
+    assert _decisions(windowed, [(0, 10), (1, 25)], replicas=1)[1] == (1, "hold", "recommendation 3 not yet stable for 5s")
+
+
+def test_a_bad_tier_is_named():
+    with pytest.raises(ValueError, match=r"^tier must be 1, 2 or 3 \(got 4\)$"):
+        ScalingConfig(tier=4)
+
+
+def test_tier_1_never_has_fewer_than_two_replicas_and_keeps_a_larger_floor():
+    config = ScalingConfig(tier=1, min_replicas=1, max_replicas=1)  # a lost zone must leave one serving
+    assert (config.min_replicas, config.max_replicas, config.floor) == (2, 2, 2)
+    config = ScalingConfig(tier=1, min_replicas=3, max_replicas=5)
+    assert (config.min_replicas, config.max_replicas) == (3, 5)
+    assert (ScalingConfig(tier=2, min_replicas=1).min_replicas, ScalingConfig(tier=3, min_replicas=0).min_replicas) == (1, 0)
+
+
+def test_the_edges_of_a_valid_config_are_accepted():
+    config = ScalingConfig(tolerance=0.0, scale_to_zero_after_s=0.5, cold_start_budget_s=0.5, min_replicas=0)
+    assert (config.tolerance, config.scale_to_zero_after_s, config.cold_start_budget_s) == (0.0, 0.5, 0.5)

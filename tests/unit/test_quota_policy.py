@@ -5,9 +5,10 @@ redis-server, ``redis_url`` in tests/conftest.py; skipped without one), with an 
 import asyncio
 import uuid
 
+import grpc
 import pytest
 
-from server.errors import BackendUnavailable, Overloaded
+from server.errors import BackendUnavailable, Overloaded, grpc_status, http_error
 from server.tenancy.quota_policy import Quota, QuotaPolicy
 
 
@@ -352,10 +353,50 @@ async def test_a_release_without_tokens_charges_none_and_a_scope_without_a_token
     assert policy.inflight("a") == 0
 
 
-async def test_a_zero_rate_never_refills():
-    policy = QuotaPolicy(Clock())
-    await policy.admit("a", "m", Quota(rps=0))
-    assert (await _refused(policy, "a", "m", Quota(rps=0))).retry_after_s == float("inf")
+@pytest.mark.parametrize(
+    "quota, message",
+    [
+        (Quota(rps=0), "tenant 'a': quota of 0 requests/s exceeded"),
+        (Quota(rpm=0), "tenant 'a': quota of 0 requests/min exceeded"),
+        (Quota(rps=5, rpm=0), "tenant 'a': quota of 0 requests/min exceeded"),
+        (Quota(tpm=0), "tenant 'a': quota of 0 tokens/min exceeded"),
+    ],
+)
+async def test_a_quota_of_zero_admits_no_request_not_even_the_first_and_hints_no_retry(make_policy, quota, message):
+    """A limit of 0 is "nothing": the very first request is refused, and so is every later one, however
+    long the caller waits (the bucket never refills), so the refusal carries no retry hint to wait for."""
+    clock = Clock()
+    policy = make_policy(clock)
+    for _ in range(3):
+        err = await _refused(policy, "a", "m", quota)
+        assert err.message == message and err.retry_after_s is None
+        clock.t += 3600.0
+
+
+async def test_a_zero_quota_refusal_is_answered_as_resource_exhausted_and_429_without_a_retry_hint():
+    """What callers read for a limit of 0: the quota's status on both transports, and no hint to wait."""
+    err = await _refused(QuotaPolicy(Clock()), "a", "m", Quota(rps=0))
+    status = grpc_status(err)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry-after" not in {k for k, _ in status.trailing_metadata}
+    code, body, headers = http_error(err)
+    assert code == 429 and "Retry-After" not in headers and "quota of 0 requests/s" in body["error"]
+
+
+async def test_a_model_quota_of_zero_refuses_that_model_only(make_policy):
+    policy = make_policy(Clock())
+    err = await _refused(policy, "a", "m", Quota(rps=10), Quota(rps=0))
+    assert err.message == "tenant 'a' on model 'm': quota of 0 requests/s exceeded" and err.retry_after_s is None
+    await policy.release(await policy.admit("a", "other", Quota(rps=10), Quota(rps=1)))
+
+
+async def test_a_fractional_rate_still_admits_one_whole_request_from_a_full_bucket(make_policy):
+    clock = Clock()
+    policy = make_policy(clock)
+    await policy.release(await policy.admit("a", "m", Quota(rps=0.5)))
+    assert (await _refused(policy, "a", "m", Quota(rps=0.5))).retry_after_s == pytest.approx(2.0)
+    clock.t += 2.0
+    await policy.release(await policy.admit("a", "m", Quota(rps=0.5)))
 
 
 async def test_any_positive_token_level_admits():
