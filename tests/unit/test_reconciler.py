@@ -232,7 +232,7 @@ def test_a_spot_group_loads_what_the_on_demand_group_it_mirrors_loads(tmp_path):
     store = PlacementStore(engine)
     store.place("trees", 1)
     store.place("resnet50_trt", 1)
-    tritons = {"10.0.0.1:8001": FakeTriton(), "10.0.0.2:8001": FakeTriton(), "10.0.0.3:8001": FakeTriton()}
+    tritons = {"10.0.0.1:8001": FakeBackend(), "10.0.0.2:8001": FakeBackend(), "10.0.0.3:8001": FakeBackend()}
     addresses = {"triton-general": ["10.0.0.1"], "triton-gpu-01": ["10.0.0.2"], "triton-general-spot": ["10.0.0.3"]}
     reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
     for rec in reconcilers:
