@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = [
     ("server/dataplane/validation.py", "        elif batch is not None and size != batch:", "        elif False and batch is not None and size != batch:",
      "tests/unit/test_validation.py::test_inputs_of_one_request_must_share_one_batch_size"),
-    ("server/control/traffic.py", None, None, "tests/unit/test_traffic_policy.py::test_each_canary_step_lasts_its_whole_interval"),
-    ("server/control/safe_formats.py", "    if suffix in _PICKLE_SUFFIXES:\n        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])\n", "    if False and suffix in _PICKLE_SUFFIXES:\n        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])\n",
+    ("server/control/rollout/traffic.py", None, None, "tests/unit/test_traffic_policy.py::test_each_canary_step_lasts_its_whole_interval"),
+    ("server/control/registry/safe_formats.py", "    if suffix in _PICKLE_SUFFIXES:\n        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])\n", "    if False and suffix in _PICKLE_SUFFIXES:\n        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])\n",
      "tests/unit/test_safe_formats.py::test_a_pickle_extension_is_refused_even_when_the_bytes_are_valid_onnx"),
     ("server/dataplane/pipeline.py", "if not granted(principal, call.endpoint, ctx) and (ctx is None or ctx.on_behalf is None):", "if ctx is None and not granted(principal, call.endpoint, ctx):",
      "tests/unit/test_identity_policy.py::test_an_authenticated_call_to_a_model_not_granted_is_not_found"),

@@ -215,7 +215,7 @@ def test_gpu_overlay_requests_gpus_and_mig_slices_and_the_general_group_none():
 
 
 def test_packing_overlay_is_what_plan_gpus_writes():
-    from server.control.gpu_packing import Model, Node, overlay_files, pack
+    from server.control.planning.gpu_packing import Model, Node, overlay_files, pack
 
     spec = json.loads((DEPLOY / "overlays" / "gpu" / "inventory.json").read_text())
     files = overlay_files(pack([Node.from_dict(n) for n in spec["nodes"]], [Model.from_dict(m) for m in spec["models"]]))
@@ -539,7 +539,7 @@ def test_lifecycle_handlers_exist_in_the_oldest_kubernetes_the_readme_names():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_spot_pool_runs_only_on_spot_nodes_and_the_frontends_know_it_is_spot(overlay):
-    from server.control.executors import ModelGroups
+    from server.control.scaling.executors import ModelGroups
 
     objs = objects(overlay)
     spot = _deployment(objs, "triton-general-spot")

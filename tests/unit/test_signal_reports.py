@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import func, select
 
-from server.control.autoscaler import Waker
-from server.control.desired_state import DesiredStateStore
-from server.control.signal_reports import SignalPeers, SignalReporter, signal_reports
-from server.control.signals import Sample, SignalSampler
-from server.control.state_watch import StatePublisher, StateWatcher
+from server.control.scaling.autoscaler import Waker
+from server.control.service.desired_state import DesiredStateStore
+from server.control.scaling.signal_reports import SignalPeers, SignalReporter, signal_reports
+from server.control.scaling.signals import Sample, SignalSampler
+from server.control.service.state_watch import StatePublisher, StateWatcher
 from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.metrics import Metrics
 from server.dataplane.routing import Router

@@ -14,8 +14,8 @@ import grpc
 
 import pytest
 
-from server.control.batches import BatchWorker, Row
-from server.control.executors import ModelGroups
+from server.control.batches.batches import BatchWorker, Row
+from server.control.scaling.executors import ModelGroups
 from server.dataplane import capacity_policy as cp
 from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.replicas import DRAINING, UP, Member, ReplicaPolicy, ReplicaSet

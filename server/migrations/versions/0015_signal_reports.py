@@ -3,7 +3,7 @@ desired state (issue 27).
 
 ``signal_reports``: one row per (reporting process, model) — its latest in-flight, queue, held,
 request-rate and token-rate sample, and the desired-state generation it has applied — replaced at each
-report (server/control/signal_reports.py).
+report (server/control/scaling/signal_reports.py).
 ``desired_state.wake_budget_s``: set while an endpoint is scaled to zero (its cold-start budget), so
 every frontend holds its first request and asks the leader to wake it.
 
