@@ -36,7 +36,7 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/inferplane demo build --out /opt/demo_models --no-llm --no-smollm2
 
 # ---- triton: NVIDIA's Triton container with the project's Python-backend adapters -------------------
-# The deployer writes Python-backend configs only (server/control/deployer.py): every model here runs
+# The deployer writes Python-backend configs only (server/control/rollout/deployer.py): every model here runs
 # through the project's adapters on Triton's python backend (ONNX Runtime, XGBoost/LightGBM, the LLM
 # engine); the image's native backends (onnxruntime, tensorrt, fil, vllm) are present but unused by it.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3 AS triton

@@ -2,7 +2,7 @@
 # Entrypoint of the Triton image (Dockerfile target `triton`): serve the one model repository every
 # Triton reads (INFERPLANE_MODEL_REPOSITORY: a folder, or s3:// gs:// as:// which Triton reads natively)
 # in explicit model-control mode, loading nothing at start: the control plane's reconciler
-# (server/control/reconciler.py) loads what is placed on this Triton, so a Triton joining late or
+# (server/control/service/reconciler.py) loads what is placed on this Triton, so a Triton joining late or
 # restarting converges by itself, and an empty bucket on the first rollout is no error
 # (--exit-on-error=false: a repository Triton cannot read yet does not stop it).
 #   INFERPLANE_GROUP_MODELS  optional, for a Triton run without the control plane: comma-separated

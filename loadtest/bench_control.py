@@ -41,7 +41,7 @@ import numpy as np
 
 from loadtest.stack import start_control, start_stack, stop_stack
 from model_repository import demo
-from server.control.leader import lease_row
+from server.control.service.leader import lease_row
 from server.db import make_engine
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from server import migrations
-from server.control.placement_store import PlacementStore
-from server.control.reconciler import StaticSource, TritonReconciler, load_config
+from server.control.scaling.placement_store import PlacementStore
+from server.control.service.reconciler import StaticSource, TritonReconciler, load_config
 from server.db import make_engine
 from server.runtime.supervisor import TritonSupervisor
 

@@ -9,7 +9,7 @@
   computed by the very ONNX graph and tokenizer ``minilm_embeddings`` serves.
 
 The composite specs live beside this module (``composites/*.yaml``); ``inferplane demo build``
-compiles them into the repository (``server.control.composition_compiler``).
+compiles them into the repository (``server.control.composition.composition_compiler``).
 """
 
 from __future__ import annotations

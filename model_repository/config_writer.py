@@ -104,7 +104,7 @@ def read_config(path_or_dir: Path) -> ModelConfig:
     return text_format.Parse(path.read_text(encoding="utf-8"), ModelConfig())
 
 
-# ---- composite endpoints (server/control/composition_compiler.py) ---------------------------
+# ---- composite endpoints (server/control/composition/composition_compiler.py) ---------------------------
 
 ENSEMBLE_PLATFORM = "ensemble"
 

@@ -38,7 +38,7 @@ class TensorSpec:
     dims: tuple[int, ...]
     range: tuple[float, float] | None = None
     # named features of a tabular input, one per element ({"name", "unit"?, "range"?, "enum"?, ...}):
-    # the fields of the model's typed gRPC API (server/control/typed_schema.py)
+    # the fields of the model's typed gRPC API (server/control/typed/typed_schema.py)
     features: tuple[dict[str, Any], ...] = ()
 
     def signature(self) -> dict[str, Any]:

@@ -71,8 +71,8 @@ def main(
 
     from optimizer.pipeline import optimize
     from optimizer.profile import ProfileSettings
-    from server.control.artifacts import ArtifactStore
-    from server.control.registry import Registry
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
 
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = sorted(set(names) - set(MODELS))

@@ -39,7 +39,7 @@ import numpy as np
 from optimizer import gate, recipes, runtime
 from optimizer.pipeline import PARENT, OptimizeReport, Row, _Steps, _verdict, candidates
 from optimizer.profile import ProfileSettings
-from server.control import safe_formats
+from server.control.registry import safe_formats
 
 TASK = "embedding"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

@@ -30,7 +30,7 @@ import numpy as np
 from optimizer import gate, recipes, runtime
 from optimizer.profile import ProfileSettings, Variant, unmeasurable
 from server.errors import InvalidRequest
-from server.control.registry import Registry, VersionRecord, parse_ref
+from server.control.registry.registry import Registry, VersionRecord, parse_ref
 
 SLOWER = 0.95  # a candidate below 95 % of the parent's throughput (or above 105 % of its latency) is slower
 PARENT = "parent"
@@ -352,7 +352,7 @@ def _register(
     registry: Registry, record: VersionRecord, parent: Row, row: Row, task: str, table: str,
     features: np.ndarray, labels: np.ndarray | None, actor: str, sign_key: bytes | None,
 ) -> tuple[str, bool]:  # fmt: skip
-    from server.control import safe_formats
+    from server.control.registry import safe_formats
 
     assert row.artifact is not None and row.outputs is not None and row.sha256 is not None
     validation = {"features": features, "expected": row.outputs}
@@ -374,7 +374,7 @@ def _register(
         hardware["accelerator"] = "gpu"
     signature = None
     if sign_key is not None:
-        from server.control.signing import sign_digest
+        from server.control.registry.signing import sign_digest
 
         signature = sign_digest(sign_key, row.sha256)
     rec, created = registry.register(

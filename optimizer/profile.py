@@ -26,7 +26,7 @@ import numpy as np
 
 from model_repository.config_writer import ServingConfig, python_backend_config, write_config
 from model_repository.layout import ADAPTERS, VALIDATION_FILE, install_adapter, save_npz, sha256_bytes
-from server.control import safe_formats
+from server.control.registry import safe_formats
 
 # formats the embedded Triton's adapters load (XGBoost UBJ is refused by the xgboost adapter)
 MEASURABLE = {safe_formats.ONNX, safe_formats.XGBOOST_JSON, safe_formats.LIGHTGBM_TEXT}

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from server.control import safe_formats
+from server.control.registry import safe_formats
 
 RECIPES = ("graph", "fp16", "int8-dynamic", "int8-static", "int4", "tree-onnx", "tensorrt")
 ONNX_RECIPES = ("graph", "fp16", "int8-dynamic", "int8-static", "int4", "tensorrt")

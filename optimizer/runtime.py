@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from server.control import safe_formats
+from server.control.registry import safe_formats
 
-CHUNK = 8  # server.control.deployer.WARMUP_ROWS
+CHUNK = 8  # server.control.rollout.deployer.WARMUP_ROWS
 
 
 def onnx_session(artifact: bytes, threads: int = 1):

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from server.control.fleet import PRIMARY, Fleet
+from server.control.scaling.fleet import PRIMARY, Fleet
 from server.dataplane.builder import build_dataplane
 from server.db import display_url
 from server.errors import InferplaneError
@@ -70,18 +70,18 @@ class Frontend:
         self.workers = None  # WorkerPool, in the parent of several workers
         self._runners: list[web.AppRunner] = []
         self.tls = None  # server.tenancy.tls.CertificateFiles when --tls-cert is given (issue 23)
-        self.audit = None  # server.control.audit_buffer.AuditBuffer: safety decisions, retention passes
-        self.shadow_records = None  # server.control.shadow_records.ShadowRecords (with the traffic controller)
-        self.keys = None  # server.control.envelope.KeyRing: encryption at rest, when a key is set
+        self.audit = None  # server.control.registry.audit_buffer.AuditBuffer: safety decisions, retention passes
+        self.shadow_records = None  # server.control.rollout.shadow_records.ShadowRecords (with the traffic controller)
+        self.keys = None  # server.control.registry.envelope.KeyRing: encryption at rest, when a key is set
         self._tasks: list[asyncio.Task] = []
-        self.registry = None  # server.control.registry.Registry, with the deployer (issue 5)
+        self.registry = None  # server.control.registry.registry.Registry, with the deployer (issue 5)
         self.deployer = None
-        self.traffic = None  # server.control.traffic.TrafficController, beside the deployer (issue 8)
-        self.observability = None  # server.control.observability.Observability (issue 19)
-        self.batches = None  # server.control.batches.BatchStore (issue 20), with the registry
+        self.traffic = None  # server.control.rollout.traffic.TrafficController, beside the deployer (issue 8)
+        self.observability = None  # server.control.monitoring.observability.Observability (issue 19)
+        self.batches = None  # server.control.batches.batches.BatchStore (issue 20), with the registry
         self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
-        self.control = None  # server.control.control_plane.ControlPlane: the writers behind the leader lease (issue 27)
-        self._directory = None  # server.control.leader.LeaderDirectory: where control RPCs are carried
+        self.control = None  # server.control.service.control_plane.ControlPlane: the writers behind the leader lease (issue 27)
+        self._directory = None  # server.control.service.leader.LeaderDirectory: where control RPCs are carried
         self._engine = None  # the database a process without a control plane watches
         self._forwarder = None  # server.transports.grpc.forward.LeaderForwarder
         self._control_server: grpc.aio.Server | None = None  # the parent of --workers N: its control RPCs' port
@@ -112,7 +112,7 @@ class Frontend:
             await self.supervisor.start()
             target = self.supervisor.grpc_target
         inprocess = await self._inprocess() if target == "in-process" else None
-        self._triton_tls()  # the remote replicas' TLS files load (server.control.fleet.client uses them)
+        self._triton_tls()  # the remote replicas' TLS files load (server.control.scaling.fleet.client uses them)
         self.fleet = fleet = Fleet.build(s, self.supervisor, inprocess=inprocess)
         await fleet.start_replicas()
         self._watch_triton_tls(fleet.replicas)
@@ -166,9 +166,9 @@ class Frontend:
         await self._set_serving(True)
 
     async def _start_control_plane(self) -> None:
-        """Registry, deployer, traffic, autoscaler, batches, retention (server.control.control_plane): their
+        """Registry, deployer, traffic, autoscaler, batches, retention (server.control.service.control_plane): their
         writers run while this process holds the leader lease; a standby watches the desired state."""
-        from server.control.control_plane import ControlPlane
+        from server.control.service.control_plane import ControlPlane
         from server.transports.openai.batches import row_runner
 
         s = self.settings
@@ -183,8 +183,8 @@ class Frontend:
     def _watch_desired_state(self) -> None:
         """A process that serves without a control plane: the desired state applied to its pipeline, control
         RPCs carried to the leader the lease row names."""
-        from server.control.leader import LeaderDirectory
-        from server.control.state_watch import follow
+        from server.control.service.leader import LeaderDirectory
+        from server.control.service.state_watch import follow
         from server.db import make_engine
 
         s = self.settings
@@ -202,8 +202,8 @@ class Frontend:
         )
 
     def _start_observability(self) -> None:
-        """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.observability)."""
-        from server.control.observability import Observability
+        """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.monitoring.observability)."""
+        from server.control.monitoring.observability import Observability
 
         s = self.settings
         supervisor = self.supervisor
@@ -379,7 +379,7 @@ class Frontend:
 
     def _check_security(self) -> None:
         """TLS files, encryption keys and safety policies are checked before anything starts."""
-        from server.control.envelope import EncryptionError, KeyRing
+        from server.control.registry.envelope import EncryptionError, KeyRing
         from server.dataplane.safety import PolicyError, policy_source
 
         s = self.settings
@@ -391,7 +391,7 @@ class Frontend:
         self._start_tls()
 
     def _shadow_records(self):
-        from server.control.shadow_records import ShadowRecords
+        from server.control.rollout.shadow_records import ShadowRecords
 
         s = self.settings
         self.shadow_records = ShadowRecords(s.shadow_record_destination, self.keys, s.shadow_record_max)
@@ -413,8 +413,8 @@ class Frontend:
             self._tasks.append(asyncio.create_task(self.tls.watch(s.tls_reload_s), name="tls-reload"))
 
     def _audit_buffer(self):
-        """Safety-filter decisions go to the audit log in batches (``server.control.audit_buffer``)."""
-        from server.control.audit_buffer import AuditBuffer, AuditWriter
+        """Safety-filter decisions go to the audit log in batches (``server.control.registry.audit_buffer``)."""
+        from server.control.registry.audit_buffer import AuditBuffer, AuditWriter
 
         self._audit_writer = AuditWriter(self.settings.database_url)
         self.audit = AuditBuffer(self._audit_writer.write_many, self.settings.safety_audit_flush_s)
@@ -437,7 +437,7 @@ class Frontend:
         return server.add_secure_port(address, self.tls.grpc_credentials())
 
     def _triton_tls(self) -> None:
-        """The remote Triton channel's TLS files load (``server.control.fleet.client`` reads them for each remote replica)."""
+        """The remote Triton channel's TLS files load (``server.control.scaling.fleet.client`` reads them for each remote replica)."""
         from server.tenancy.tls import TLSConfigError, channel_credentials
 
         if not self.settings.triton_tls:

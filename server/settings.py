@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     metrics_port: int = Field(8002, ge=0, le=65535)
     model_repository: Path = Path("var/model_repository")
     # the repository every Triton reads as the Tritons name it (s3://… on a cluster): what the Triton
-    # reconciler reads configs from (server/control/reconciler.py); empty: model_repository
+    # reconciler reads configs from (server/control/service/reconciler.py); empty: model_repository
     model_repository_url: str = ""
     reconcile_interval_s: float = Field(2.0, gt=0)  # the Triton reconciler's round
     reconcile_drain_s: float = Field(30.0, ge=0)  # a removed version stays loaded this long where it is
@@ -125,7 +125,7 @@ class Settings(BaseSettings):
     # freeze what start-up left alive so garbage collections stay short (server.runtime.gc_pauses)
     gc_freeze: bool = True
 
-    # ---- observability (issue 19; server.dataplane.observe, server.dataplane.tracing, server.control.slo|drift|payload_log) ----
+    # ---- observability (issue 19; server.dataplane.observe, server.dataplane.tracing, server.control.monitoring.slo|drift|payload_log) ----
     # OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318); unset: no traces at all (no span is ever made)
     otlp_endpoint: str = ""
     # share of requests without a sampled W3C traceparent that are traced (a sampled parent is always followed)
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
     model_groups_file: Path | None = None
     local_replicas: int = Field(1, ge=1, le=32)  # embedded: Triton processes at start (more come with autoscaling)
     replica_memory_mb: int = Field(4096, ge=64)  # what one local replica offers for placement
-    # failure domains (issue 29: server.control.isolation): llm = the LLMs in Triton process(es) apart from
+    # failure domains (issue 29: server.control.scaling.isolation): llm = the LLMs in Triton process(es) apart from
     # the tree/ONNX models; each = one Triton per model; none = all in the embedded one
     isolation: str = Field("llm", pattern="^(none|llm|each)$")
     zone: str = ""  # this frontend's zone: its requests prefer replicas in it (--zone), below ...
@@ -212,7 +212,7 @@ class Settings(BaseSettings):
     # `inferplane control run`: the Prometheus the KEDA ScaledObjects query (unset: the frontend's own samples)
     prometheus_url: str | None = None
 
-    # ---- security and privacy (issue 23: server.tenancy.tls, server.dataplane.safety, server.control.envelope|retention) ----
+    # ---- security and privacy (issue 23: server.tenancy.tls, server.dataplane.safety, server.control.registry.envelope|retention) ----
     # TLS on every port (gRPC, REST/OpenAI, /metrics) from a PEM certificate chain and its unencrypted key;
     # both files are watched and a changed pair is served to new connections without a restart
     tls_cert: Path | None = None

@@ -1,7 +1,7 @@
 """Triton Python-backend model: an ONNX graph on ONNX Runtime, one session call per batch.
 
 The execution providers come from the config's ``providers`` parameter (best first, written by
-``server.control.backend_configs``: CUDA / TensorRT on a GPU, CPU otherwise). A provider the config
+``server.control.registry.backend_configs``: CUDA / TensorRT on a GPU, CPU otherwise). A provider the config
 asks for that this onnxruntime lacks fails the load with its name, never a silent fall-back to CPU.
 """
 

@@ -292,8 +292,8 @@ def control_status(
     database_url: Optional[str] = typer.Option(None, "--database-url", help="[default: INFERPLANE_DATABASE_URL]"),
 ) -> None:
     """Who leads the control plane: holder, address, term, and the desired state's generation."""
-    from server.control.desired_state import DesiredStateStore
-    from server.control.leader import lease_row
+    from server.control.service.desired_state import DesiredStateStore
+    from server.control.service.leader import lease_row
     from server.db import make_engine
     from server.settings import Settings
 
@@ -318,12 +318,12 @@ def control_status(
 async def _control(settings, frontend_url: str, interval_s: float, once: bool) -> None:
     import asyncio
 
-    from server.control.artifacts import ArtifactStore
-    from server.control.cluster import ClusterAutoscaler, FrontendSource, PrometheusSource
-    from server.control.executors import KubernetesGroupExecutor, ModelGroups
-    from server.control.kubernetes_executor import KubernetesExecutor
-    from server.control.registry import Registry
-    from server.control.scaling_store import ScalingStore
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.scaling.cluster import ClusterAutoscaler, FrontendSource, PrometheusSource
+    from server.control.scaling.executors import KubernetesGroupExecutor, ModelGroups
+    from server.control.scaling.kubernetes_executor import KubernetesExecutor
+    from server.control.registry.registry import Registry
+    from server.control.scaling.scaling_store import ScalingStore
 
     registry = await asyncio.to_thread(Registry, settings.database_url, ArtifactStore(settings.artifact_store))
     groups = ModelGroups.load(settings.model_groups_file)

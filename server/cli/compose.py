@@ -27,8 +27,8 @@ def mount(app: typer.Typer) -> None:
 
 
 def _lookup(registry, model_repository: Optional[Path]):
-    from server.control.composites import registry_lookup
-    from server.control.composition_compiler import repository_lookup
+    from server.control.composition.composites import registry_lookup
+    from server.control.composition.composition_compiler import repository_lookup
     from server.settings import Settings
 
     repository = model_repository or Settings().model_repository
@@ -45,8 +45,8 @@ def register(
     actor: Optional[str] = _ACTOR,
 ) -> None:
     """Register a composition as the next version of its name (the same spec and members: the existing version)."""
-    from server.control.composites import register_composite
-    from server.control.composition import parse_spec
+    from server.control.composition.composites import register_composite
+    from server.control.composition.composition import parse_spec
     from server.errors import InferplaneError
 
     registry = open_registry(database_url, artifact_store)
@@ -72,10 +72,10 @@ def explain(
     artifact_store: Optional[str] = _STORE,
 ) -> None:
     """Where each node runs (one Triton ensemble, or the frontend's DAG executor) and why."""
-    from server.control.composites import spec_of
-    from server.control.composition import parse_spec
-    from server.control.composition_compiler import compile_spec
-    from server.control.registry import parse_ref
+    from server.control.composition.composites import spec_of
+    from server.control.composition.composition import parse_spec
+    from server.control.composition.composition_compiler import compile_spec
+    from server.control.registry.registry import parse_ref
     from server.errors import InferplaneError
 
     if (ref is None) == (spec is None):
@@ -118,7 +118,7 @@ def _tensors(tensors) -> str:
 @compose_app.command("list")
 def list_composites(database_url: Optional[str] = _DB, artifact_store: Optional[str] = _STORE) -> None:
     """Registered composites: versions and how the newest runs."""
-    from server.control.composites import composites
+    from server.control.composition.composites import composites
 
     registry = open_registry(database_url, artifact_store)
     try:
@@ -135,8 +135,8 @@ def list_composites(database_url: Optional[str] = _DB, artifact_store: Optional[
 @compose_app.command("lineage")
 def lineage(ref: str = typer.Argument(..., help="NAME[:VERSION]"), database_url: Optional[str] = _DB, artifact_store: Optional[str] = _STORE) -> None:
     """The member versions a composite version pins."""
-    from server.control.composites import members
-    from server.control.registry import parse_ref
+    from server.control.composition.composites import members
+    from server.control.registry.registry import parse_ref
     from server.errors import InferplaneError
 
     registry = open_registry(database_url, artifact_store)
@@ -161,8 +161,8 @@ def build_demo_composites(out: Path, text: bool) -> tuple[list[str], list[str]]:
     """Train the demo composites' members into ``out`` and compile each composite into it as its
     version 1; returns (member names, composite names)."""
     from model_repository import composite_demo
-    from server.control.composition import parse_spec
-    from server.control.composition_compiler import compile_spec, repository_lookup, write_compiled
+    from server.control.composition.composition import parse_spec
+    from server.control.composition.composition_compiler import compile_spec, repository_lookup, write_compiled
 
     text = text and (Path(out) / "minilm_embeddings" / "config.pbtxt").is_file()
     members = composite_demo.build_members(Path(out), text=text)
@@ -176,9 +176,9 @@ def build_demo_composites(out: Path, text: bool) -> tuple[list[str], list[str]]:
 def register_demo_composites(registry, out: Path, names: list[str], actor: str) -> list:
     """Register the demo composites (their members registered first) with lineage."""
     from model_repository import composite_demo
-    from server.control.composites import register_composite, registry_lookup
-    from server.control.composition import parse_spec
-    from server.control.composition_compiler import repository_lookup
+    from server.control.composition.composites import register_composite, registry_lookup
+    from server.control.composition.composition import parse_spec
+    from server.control.composition.composition_compiler import repository_lookup
 
     lookup = registry_lookup(registry, repository_lookup(Path(out)))
     records = []

@@ -34,7 +34,7 @@ def parse_amount(text: str) -> float:
 
 
 def _stores(database_url: Optional[str]):
-    from server.control.cost_store import CostStore
+    from server.control.planning.cost_store import CostStore
     from server.tenancy.store import TenancyStore
 
     registry = open_registry(database_url, None)
@@ -43,7 +43,7 @@ def _stores(database_url: Optional[str]):
 
 
 def _prices(path: Optional[Path]):
-    from server.control.prices import load_prices
+    from server.control.planning.prices import load_prices
 
     try:
         return load_prices(path)
@@ -83,7 +83,7 @@ def cost(
 ) -> None:
     """Cost over a window from the database: per owner team and endpoint, or per calling team (with the
     reserved time nobody used as '(idle)'); both views add up to the same total."""
-    from server.control.cost_reports import VIEWS, exposition, views
+    from server.control.planning.cost_reports import VIEWS, exposition, views
     from server.tenancy.metering import parse_since
 
     if by not in VIEWS:
@@ -114,7 +114,7 @@ def budget_set(
     database_url: DbUrl = None,
 ) -> None:
     """Set a monthly budget (audited)."""
-    from server.control.cost_store import Budget
+    from server.control.planning.cost_store import Budget
 
     cost_store, _ = _stores(database_url)
     try:
@@ -138,8 +138,8 @@ def budget_remove(
 @budget_app.command("status")
 def budget_status(fmt: Format = "table", prices: Prices = None, database_url: DbUrl = None) -> None:
     """Every budget: spend this calendar month (UTC), month-end forecast, percent used."""
-    from server.control.budgets import BudgetGuard
-    from server.control.cost_reports import exposition
+    from server.control.planning.budgets import BudgetGuard
+    from server.control.planning.cost_reports import exposition
 
     book = _prices(prices)
     cost_store, _ = _stores(database_url)

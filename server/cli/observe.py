@@ -43,7 +43,7 @@ def _pct(value) -> str:
 @slo_app.command("status")
 def slo_status(metrics_url: MetricsUrl = DEFAULT_METRICS, as_json: AsJson = False) -> None:
     """Each endpoint's objectives, what it achieved over the window and the error budget left."""
-    from server.control.slo import statuses_from_metrics
+    from server.control.monitoring.slo import statuses_from_metrics
 
     rows = statuses_from_metrics(_scrape(metrics_url))
     if as_json:
@@ -64,7 +64,7 @@ def slo_rules(
     out: Annotated[Optional[Path], typer.Option(help="Write here (default: print).")] = None,
 ) -> None:
     """Generate the Prometheus recording and burn-rate alert rules (SLOs and drift) for the endpoints."""
-    from server.control.slo import repository_objectives, rules_yaml
+    from server.control.monitoring.slo import repository_objectives, rules_yaml
     from server.settings import Settings
 
     settings = Settings()
@@ -84,7 +84,7 @@ def drift(
     as_json: AsJson = False,
 ) -> None:
     """The features of NAME whose live distribution moved most from the validation set (PSI, KS)."""
-    from server.control.drift import report_from_metrics
+    from server.control.monitoring.drift import report_from_metrics
     from server.settings import Settings
 
     settings = Settings()
@@ -104,7 +104,7 @@ def drift(
 
 def dashboard(out: Annotated[Optional[Path], typer.Option(help="Write here (default: print).")] = None) -> None:
     """The Grafana dashboard JSON, generated from the metric names the frontend exports."""
-    from server.control.dashboard import dashboard_json
+    from server.control.monitoring.dashboard import dashboard_json
 
     text = dashboard_json()
     if out is None:
@@ -123,7 +123,7 @@ def chargeback(
     as_json: AsJson = False,
 ) -> None:
     """Compute seconds and cost per team and endpoint (metered usage x the price table), with team totals."""
-    from server.control.rightsizing import chargeback as report
+    from server.control.planning.rightsizing import chargeback as report
     from server.tenancy.metering import parse_since
     from server.tenancy.store import TenancyStore
 
@@ -155,9 +155,9 @@ def rightsize(
     """Observed utilization per endpoint: instances needed at the target utilization, rows per call, p99 vs SLO."""
     import time
 
-    from server.control.rightsizing import readings
-    from server.control.rightsizing import rightsize as report
-    from server.control.slo import statuses_from_metrics
+    from server.control.planning.rightsizing import readings
+    from server.control.planning.rightsizing import rightsize as report
+    from server.control.monitoring.slo import statuses_from_metrics
 
     first = readings(_scrape(metrics_url))
     time.sleep(interval)

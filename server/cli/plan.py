@@ -50,7 +50,7 @@ def capacity(
     as_json: AsJson = False,
 ) -> None:
     """Replicas, GPUs, memory and monthly cost for a traffic target, printing the arithmetic."""
-    from server.control import capacity as cap
+    from server.control.planning import capacity as cap
     from server.tenancy.metering import DEFAULT_PRICES
 
     try:
@@ -84,7 +84,7 @@ def gpus(
     as_json: AsJson = False,
 ) -> None:
     """Pack models onto a GPU inventory (whole GPUs, MIG slices, MPS shares), best-fit decreasing."""
-    from server.control.gpu_packing import Model, Node, PackingError, overlay_files, pack
+    from server.control.planning.gpu_packing import Model, Node, PackingError, overlay_files, pack
 
     try:
         spec = json.loads(plan_file.read_text())
@@ -135,7 +135,7 @@ def cost(
     as_json: AsJson = False,
 ) -> None:
     """Device-hours and dollars per endpoint and team from metered usage; spot savings for batch/shadow."""
-    from server.control.capacity import endpoint_costs
+    from server.control.planning.capacity import endpoint_costs
     from server.tenancy.metering import DEFAULT_PRICES, parse_since
     from server.tenancy.store import TenancyStore
 

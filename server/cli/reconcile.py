@@ -1,6 +1,6 @@
 """CLI of a cluster's database and Tritons: ``control migrate`` (the schema, once; a Kubernetes Job
 runs it before the control plane and the frontends roll out) and ``control reconcile`` (the Triton
-reconciler, ``server.control.reconciler``, on its own: desired placements to every Triton's loaded
+reconciler, ``server.control.service.reconciler``, on its own: desired placements to every Triton's loaded
 models; ``control run`` runs the same loop under its leader lease).
 
 ```
@@ -77,8 +77,8 @@ async def _reconcile(settings, triton_service: str | None, prune: bool, once: bo
     import signal
 
     from server import migrations
-    from server.control.placement_store import PlacementStore
-    from server.control.reconciler import TritonReconciler, from_settings
+    from server.control.scaling.placement_store import PlacementStore
+    from server.control.service.reconciler import TritonReconciler, from_settings
     from server.dataplane.replicas import DnsSource
     from server.db import make_engine
 

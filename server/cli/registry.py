@@ -44,8 +44,8 @@ def actor_name(actor: Optional[str]) -> str:
 
 
 def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
-    from server.control.artifacts import artifact_store_for
-    from server.control.registry import Registry
+    from server.control.registry.artifacts import artifact_store_for
+    from server.control.registry.registry import Registry
 
     from server.settings import Settings
 
@@ -171,8 +171,8 @@ def register(
         registry = open_registry(database_url, artifact_store)
         artifact_signature = None
         if sign_key is not None:
-            from server.control.artifacts import sha256_file
-            from server.control.signing import sign_digest
+            from server.control.registry.artifacts import sha256_file
+            from server.control.registry.signing import sign_digest
 
             artifact_signature = sign_digest(sign_key.read_bytes(), sha256_file(artifact))
         record, created = registry.register(
@@ -213,7 +213,7 @@ def show(
 ) -> None:
     """A model's versions, or one version, as JSON."""
     from server.errors import InferplaneError
-    from server.control.registry import parse_ref
+    from server.control.registry.registry import parse_ref
 
     registry = open_registry(database_url, artifact_store)
     try:
@@ -234,7 +234,7 @@ def lineage(
 ) -> None:
     """The version and its ancestors: parent version, training run, dataset, experiment."""
     from server.errors import InferplaneError
-    from server.control.registry import parse_ref
+    from server.control.registry.registry import parse_ref
 
     registry = open_registry(database_url, artifact_store)
     try:
@@ -254,7 +254,7 @@ def lineage(
 @models_app.command("keygen")
 def keygen(out: Path = typer.Argument(..., help="Writes OUT.key (private, mode 600) and OUT.pub.")) -> None:
     """A new Ed25519 signing key pair."""
-    from server.control.signing import generate_keypair, key_id
+    from server.control.registry.signing import generate_keypair, key_id
 
     private, public = generate_keypair()
     key_path, pub_path = out.with_suffix(".key"), out.with_suffix(".pub")
@@ -432,7 +432,7 @@ def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Opti
             f"{e.name}\tlive={e.live or '-'}\tprevious={e.previous or '-'}\trouted={e.routed or '-'}\t"
             f"loaded={list(e.loaded_versions)}\tserving={e.serving_json}"
         )
-    from server.control.composition_compiler import is_internal
+    from server.control.composition.composition_compiler import is_internal
 
     deployed = {e.name for e in response.endpoints}
     for m in served:

@@ -34,7 +34,7 @@ def _settings(**given):
 
 
 def _keys(settings):
-    from server.control.envelope import EncryptionError, KeyRing
+    from server.control.registry.envelope import EncryptionError, KeyRing
 
     try:
         return KeyRing.from_settings(settings)
@@ -92,7 +92,7 @@ def purge(
 ) -> None:
     """Erase a tenant's stored data (right to erasure); the erasure is recorded in the audit log."""
     from server.cli.registry import actor_name
-    from server.control import retention
+    from server.control.registry import retention
 
     s = _settings(database_url=database_url)
     try:
@@ -108,7 +108,7 @@ def retention_pass(database_url: DbUrl = None) -> None:
     """One retention pass now: each kind with a ``retention_days`` entry loses what is older (audited)."""
     import asyncio
 
-    from server.control.retention import RetentionJob, _audit_writer
+    from server.control.registry.retention import RetentionJob, _audit_writer
 
     s = _settings(database_url=database_url)
     write = _audit_writer(s)
@@ -122,8 +122,8 @@ def add_key(
     key_id: Annotated[Optional[str], typer.Option(help="The new key's id [default: derived from the key].")] = None,
 ) -> None:
     """Rotate: a fresh AES-256 key, primary from now on; the old keys stay and still decrypt."""
-    from server.control.envelope import EncryptionError
-    from server.control.envelope import add_key as add
+    from server.control.registry.envelope import EncryptionError
+    from server.control.registry.envelope import add_key as add
 
     try:
         typer.echo(f"added key {add(key_file, key_id)} to {key_file} (primary)")
@@ -134,7 +134,7 @@ def add_key(
 @data_app.command("rewrap")
 def rewrap() -> None:
     """Re-seal the stored payload logs' and shadow records' data keys under the primary key."""
-    from server.control.records import RecordFiles
+    from server.control.registry.records import RecordFiles
 
     s = _settings()
     keys = _keys(s)

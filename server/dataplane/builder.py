@@ -28,7 +28,7 @@ def build_dataplane(
     """``backend``: the Triton this process talks to (``TritonClient``, or a ``ReplicaSet`` of them);
     ``gate`` and ``meter`` from ``server.tenancy.builder``; ``hooks``: what the fleet's control plane
     reads and sets (``server.dataplane.fleet_hooks``); ``audit(record)``: where safety decisions go
-    (``server.control.audit_buffer``)."""
+    (``server.control.registry.audit_buffer``)."""
     s = settings
     if s.redis_url:  # one set of buckets and keys for every frontend process
         from server.tenancy.redis_quotas import RedisQuotaPolicy

@@ -1,6 +1,6 @@
 """Composite endpoints in the data plane: the plans it serves and the frontend's DAG executor.
 
-A composite (``server.control.composition``) is compiled (``server.control.composition_compiler``)
+A composite (``server.control.composition.composition``) is compiled (``server.control.composition.composition_compiler``)
 into a *plan* per version. The data plane serves a composite under its own name, with the
 signature derived from its members, through the one pipeline like any model (auth, grants,
 traffic splits between composite versions, quotas, validation, the fair queue):

@@ -30,7 +30,7 @@ class UsageTap:
         if self.meter is not None:
             self.meter.record(
                 tenant, team, model, version, input_tokens=input_tokens, output_tokens=output_tokens, compute_us=compute_us,
-                traffic_class=traffic_class,  # a batch job's rows are metered apart (server.control.batches)
+                traffic_class=traffic_class,  # a batch job's rows are metered apart (server.control.batches.batches)
             )  # fmt: skip
 
     async def stop(self) -> None:

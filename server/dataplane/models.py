@@ -24,7 +24,7 @@ class ModelTable:
         self.signatures: dict[str, ModelSignature] = {}
         self.loaded: set[str] = set()  # what the operator asked for; reloaded after a Triton restart
         self.backend_up = True
-        # scaled-to-zero models: name -> a waker (``server.control.autoscaler``), owned by the caller
+        # scaled-to-zero models: name -> a waker (``server.control.scaling.autoscaler``), owned by the caller
         self.wakers: Mapping[str, object] = wakers if wakers is not None else {}
 
     def resolve(self, name: str, version: str = "") -> ModelSignature:

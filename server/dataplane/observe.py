@@ -6,10 +6,10 @@ One :class:`Observer` per data plane, built once (``server.dataplane.builder``).
 :meth:`Observer.on_batch` once per Triton call. Both do a few dict lookups and increments on
 pre-bound metric children; anything heavier happens elsewhere:
 
-- **drift** (``server.control.drift``): a sampled fraction of answered requests of watched models goes,
+- **drift** (``server.control.monitoring.drift``): a sampled fraction of answered requests of watched models goes,
   undecoded (the parsed request and the answer's bytes), into a bounded ring; the monitor decodes and
   computes in the background. A full ring overwrites its oldest entry.
-- **payload logging** (``server.control.payload_log``): endpoints that opt in (``inferplane.payload_log_sample``
+- **payload logging** (``server.control.monitoring.payload_log``): endpoints that opt in (``inferplane.payload_log_sample``
   in their config) have a sampled fraction of requests queued, undecoded, for the writer; a full queue
   drops the record and counts it (``inferplane_payload_dropped_total``).
 

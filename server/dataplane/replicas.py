@@ -148,7 +148,7 @@ class Member:
         self.changes = 0  # loads and unloads through the set: a probe that overlapped one is stale
         self.kv: dict[str, tuple[float, float]] = {}  # model -> (KV utilisation its engine last reported, when)
         self.routed: dict[str, int] = {}  # LLM streams sent here, by why (route_policy: affinity, spill, ...)
-        self.backends: frozenset[str] = frozenset({"python"})  # Triton backends it has (observed: server.control.backend_configs)
+        self.backends: frozenset[str] = frozenset({"python"})  # Triton backends it has (observed: server.control.registry.backend_configs)
         self.gpus = 0  # GPUs it sees
 
     @property

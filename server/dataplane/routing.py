@@ -4,7 +4,7 @@ The data plane makes one call before a request (:meth:`Router.choose`: the versi
 answer it) and one after (:meth:`Router.observe`: per-arm metrics, feedback ids, shadow copy).
 An endpoint without a policy costs one dict lookup; with a split it adds one hash (keyed) or a
 few additions (smooth round robin). Policy changes replace a whole :class:`Split` in one
-assignment on the event loop (the controller, ``server.control.traffic``, builds them).
+assignment on the event loop (the controller, ``server.control.rollout.traffic``, builds them).
 
 Shadow copies go through a bounded queue drained by a few worker tasks that call Triton
 directly (no admission slot, no circuit breaker of the primary path); the primary never awaits
@@ -208,7 +208,7 @@ class Shadow:
     rtol: float = 1e-3
     atol: float = 1e-5
     stats: ShadowStats = field(default_factory=ShadowStats)
-    # shadow records (server.control.shadow_records): called with each copy whose answers disagreed
+    # shadow records (server.control.rollout.shadow_records): called with each copy whose answers disagreed
     record: Callable[[dict], None] | None = None
     queue: asyncio.Queue = field(init=False)
     tasks: list[asyncio.Task] = field(default_factory=list)

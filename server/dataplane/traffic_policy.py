@@ -1,7 +1,7 @@
 """Traffic policy, pure: weighted splits, sticky assignment, canary verdicts and steps.
 
 Nothing here does I/O or reads a clock; callers pass ``now``. The router (``server.dataplane.routing``)
-and the controller (``server.control.traffic``) call these.
+and the controller (``server.control.rollout.traffic``) call these.
 
 * **Sticky assignment** is weighted rendezvous (highest-random-weight) hashing on the caller's
   key: every arm scores ``-w / ln(u)`` with ``u`` a hash of (key, arm) in (0, 1); the key goes to

@@ -4,7 +4,7 @@
         [--models fraud_xgboost,mlp_classifier | --models '*']
 
 Triton pods no longer need it (they read the repository URL and the control plane's reconciler loads
-their models: ``server.control.reconciler``); it stays for copying a repository to a machine. ``--source`` is any fsspec
+their models: ``server.control.service.reconciler``); it stays for copying a repository to a machine. ``--source`` is any fsspec
 URL (``s3://``, ``gs://``, ``file://``, a plain path); each model is the folder ``SOURCE/NAME``
 (``config.pbtxt``, version folders, ``inferplane.json``). Files are written to a temporary name and
 renamed, so Triton never sees half a file; a file already present with the same size is kept

@@ -11,7 +11,7 @@ moment it left the admission gate to its answer; for LLM generation, while the e
 ``input_tokens`` / ``output_tokens`` are an LLM request's prompt and completion tokens (an
 embedding request's input tokens); ``tokens`` is their sum, the only count rows written before
 revision 0005 carry. Reports: :func:`usage_report` (by tenant, team or model since a time); cost (owner and caller
-views, priced from the versioned price list) is ``server.control.cost_reports``.
+views, priced from the versioned price list) is ``server.control.planning.cost_reports``.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class UsageRecord:
     compute_us: int
     input_tokens: int = 0  # LLM prompt / embedding input
     output_tokens: int = 0  # LLM completion
-    traffic_class: str = "realtime"  # or "batch": a batch job's rows (server.control.batches)
+    traffic_class: str = "realtime"  # or "batch": a batch job's rows (server.control.batches.batches)
 
 
 def _usage_columns(record: UsageRecord) -> dict:

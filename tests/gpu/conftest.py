@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.control.backend_configs import observe_gpus
+from server.control.registry.backend_configs import observe_gpus
 
 NO_GPU = "needs an NVIDIA GPU (no /dev/nvidia0 here): run tests/gpu/run.sh on a machine with one"
 

@@ -21,7 +21,7 @@ from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime.supervisor import free_port
 from loadtest.bench_control import deploy_retrying
 from loadtest.stack import start_control
-from server.control.leader import lease_row
+from server.control.service.leader import lease_row
 from server.db import make_engine
 from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack
 from tests.integration.test_deploy import ACTOR, _bundle_request

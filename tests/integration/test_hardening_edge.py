@@ -22,7 +22,7 @@ from google.rpc import error_details_pb2, status_pb2
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
-from server.control import safe_formats
+from server.control.registry import safe_formats
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc, generate_pb2
 from tests.stack_health import assert_healthy, baseline, valid_request

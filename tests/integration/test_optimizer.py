@@ -17,9 +17,9 @@ import tritonclient.grpc as grpcclient
 from model_repository import demo
 from optimizer.pipeline import optimize
 from optimizer.profile import ProfileSettings
-from server.control.artifacts import ArtifactStore
+from server.control.registry.artifacts import ArtifactStore
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
-from server.control.registry import Registry
+from server.control.registry.registry import Registry
 from tests.conftest import start_stack, stop_stack
 
 pytestmark = pytest.mark.integration

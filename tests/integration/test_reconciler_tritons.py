@@ -22,8 +22,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from server import migrations
-from server.control.placement_store import PlacementStore
-from server.control.reconciler import StaticSource, TritonReconciler
+from server.control.scaling.placement_store import PlacementStore
+from server.control.service.reconciler import StaticSource, TritonReconciler
 from server.db import make_engine
 from server.runtime.supervisor import TritonSupervisor, free_port, remove_shm_regions
 

@@ -527,8 +527,8 @@ def _payload_files(secure) -> list[Path]:
 
 
 def _records(secure, tenant=None) -> list[dict]:
-    from server.control.envelope import KeyRing
-    from server.control.records import RecordFiles
+    from server.control.registry.envelope import KeyRing
+    from server.control.registry.records import RecordFiles
 
     return list(RecordFiles(str(secure.workdir / "data" / "payloads"), "payloads-", KeyRing.parse(ENCRYPTION_KEY)).read(tenant))
 

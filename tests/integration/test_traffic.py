@@ -280,8 +280,8 @@ def _check_shadow_records(stack, rows):
     """Each disagreement is kept (request, both answers), sealed on disk, readable with the key."""
     import base64
 
-    from server.control.envelope import KeyRing
-    from server.control.records import RecordFiles
+    from server.control.registry.envelope import KeyRing
+    from server.control.registry.records import RecordFiles
 
     files = RecordFiles(str(stack.root / "shadow_records"), "shadow-", KeyRing.parse(SHADOW_KEY))
     assert wait_until(lambda: len(list(files.read())) >= 30, timeout=10)

@@ -40,15 +40,15 @@ MODULES: dict[str, list[str]] = {
     "server.tenancy.identity": ["tests/unit/test_tenancy.py", "tests/unit/test_identity_policy.py"],
     "server.tenancy.quota_policy": ["tests/unit/test_quota_policy.py", "tests/unit/test_tenancy.py"],
     "server.dataplane.validation": ["tests/unit/test_validation.py"],
-    "server.control.safe_formats": ["tests/unit/test_safe_formats.py"],
+    "server.control.registry.safe_formats": ["tests/unit/test_safe_formats.py"],
     "server.dataplane.idempotency": ["tests/unit/test_idempotency.py"],
     "batching.fair_queue": ["tests/unit/test_fair_queue.py", "tests/unit/test_fair_queue_batch.py"],
     "server.dataplane.circuit_breaker": ["tests/unit/test_circuit_breaker.py"],
     "batching.autoscale_policy": ["tests/unit/test_autoscale_policy.py"],
     "server.dataplane.traffic_policy": ["tests/unit/test_traffic_policy.py"],
-    "server.control.traffic": ["tests/unit/test_traffic_policy.py", "tests/unit/test_traffic_controller.py"],
-    "server.control.batches": ["tests/unit/test_batch_store.py"],
-    "server.control.placement": ["tests/unit/test_placement.py"],
+    "server.control.rollout.traffic": ["tests/unit/test_traffic_policy.py", "tests/unit/test_traffic_controller.py"],
+    "server.control.batches.batches": ["tests/unit/test_batch_store.py"],
+    "server.control.scaling.placement": ["tests/unit/test_placement.py"],
 }
 
 KILLED = {"killed", "timeout", "caught by type check"}

@@ -1,4 +1,4 @@
-"""Artifacts stream through the store in chunks (server/control/artifacts.py): a large version
+"""Artifacts stream through the store in chunks (server/control/registry/artifacts.py): a large version
 registers, verifies and materializes without being held in memory."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from server.control import safe_formats
-from server.control.artifacts import ArtifactStore, ArtifactTampered, sha256_file
-from server.control.registry import Registry
+from server.control.registry import safe_formats
+from server.control.registry.artifacts import ArtifactStore, ArtifactTampered, sha256_file
+from server.control.registry.registry import Registry
 
 GIB = 1 << 30
 MEMORY_BOUND = 100 << 20  # what streaming a 1 GiB artifact may allocate (Python heap peak)

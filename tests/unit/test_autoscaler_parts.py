@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from batching.autoscale_policy import ScalingConfig
-from server.control.artifacts import ArtifactStore
-from server.control.autoscaler import Autoscaler, Waker
-from server.control.registry import Registry
-from server.control.scaling_store import ScalingStore
-from server.control.signals import Sample
+from server.control.registry.artifacts import ArtifactStore
+from server.control.scaling.autoscaler import Autoscaler, Waker
+from server.control.registry.registry import Registry
+from server.control.scaling.scaling_store import ScalingStore
+from server.control.scaling.signals import Sample
 from server.errors import BackendUnavailable, DeadlineExceeded, ModelNotReady
 
 

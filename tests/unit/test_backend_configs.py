@@ -1,4 +1,4 @@
-"""Native backends (server/control/backend_configs.py): which backend serves each format on which
+"""Native backends (server/control/registry/backend_configs.py): which backend serves each format on which
 Triton, and the config it gets — every format x backend written, then parsed back with protobuf's
 text format into Triton's own ``ModelConfig`` (inference/model_config.proto)."""
 
@@ -12,8 +12,8 @@ from tritonclient.grpc import model_config_pb2 as triton_model_config
 
 from model_repository.adapters._common import session_providers
 from model_repository.config_writer import ServingConfig, to_text
-from server.control import backend_configs as bc
-from server.control import safe_formats as sf
+from server.control.registry import backend_configs as bc
+from server.control.registry import safe_formats as sf
 from server.errors import Conflict, entry
 from server.protogen.inference import model_config_pb2
 
@@ -179,9 +179,9 @@ PLAN = b"ftrt" + bytes(range(256)) * 4  # a TensorRT plan header (safe_formats r
 
 @pytest.fixture
 def deploy_setup(tmp_path):
-    from server.control.artifacts import ArtifactStore
-    from server.control.deployer import Deployer
-    from server.control.registry import Registry
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.rollout.deployer import Deployer
+    from server.control.registry.registry import Registry
     from tests.unit.test_registry import SIGNATURE, lightgbm
     from tests.unit.test_registry_deployer import FakeDataPlane
 

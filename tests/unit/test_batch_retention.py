@@ -10,8 +10,8 @@ import json
 import pytest
 
 from server import migrations
-from server.control import retention
-from server.control.batches import BatchStore, file_store
+from server.control.registry import retention
+from server.control.batches.batches import BatchStore, file_store
 from server.db import make_engine
 from server.errors import ModelNotFound
 from server.settings import Settings
@@ -107,7 +107,7 @@ def test_retention_ages_out_finished_jobs_and_old_files_but_not_a_running_job(tm
 def _files(engine) -> list[dict]:
     from sqlalchemy import select
 
-    from server.control.batches import files_table
+    from server.control.batches.batches import files_table
 
     with engine.connect() as conn:
         return [{"id": r.id} for r in conn.execute(select(files_table.c.id))]

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from server import migrations
-from server.control.artifacts import ArtifactStore
-from server.control.batches import BatchStore, BatchWorker
+from server.control.registry.artifacts import ArtifactStore
+from server.control.batches.batches import BatchStore, BatchWorker
 from server.db import make_engine
 from server.errors import Conflict, InvalidRequest, ModelNotFound, Overloaded
 from tests.unit.test_registry import db_url  # noqa: F401 - the fixture: SQLite, and PostgreSQL where CI has one

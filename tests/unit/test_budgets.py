@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from server.control.budgets import BudgetExceeded, BudgetGuard, assess, forecast, month_bounds
-from server.control.cost_store import Budget, CostStore
-from server.control.prices import parse_prices
+from server.control.planning.budgets import BudgetExceeded, BudgetGuard, assess, forecast, month_bounds
+from server.control.planning.cost_store import Budget, CostStore
+from server.control.planning.prices import parse_prices
 from server.errors import grpc_status, http_error
 from tests.promtool import promtool, rules_test_with_alert_changed
 
@@ -68,8 +68,8 @@ def test_promtool_catches_a_band_that_overlaps(tmp_path):
 @pytest.fixture
 def spent(tmp_path):
     """Team risk owns ``fraud``, whose cpu replica has run 10 days of December: 240 h x 0.10 = 24 USD."""
-    from server.control.artifacts import ArtifactStore
-    from server.control.registry import Registry
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
     from tests.unit.test_registry import SIGNATURE, lightgbm
 
     url = f"sqlite:///{tmp_path}/budget.db"
@@ -83,7 +83,7 @@ def spent(tmp_path):
 
 
 def test_the_hard_action_refuses_a_deploy_and_is_audited(spent, tmp_path):
-    from server.control.deployer import Deployer
+    from server.control.rollout.deployer import Deployer
 
     url, registry, store = spent
     guard = BudgetGuard(store, lambda: PRICES, clock=lambda: DEC + 10 * DAY)

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from server.control import capacity as cap
+from server.control.planning import capacity as cap
 
 ROOT = Path(__file__).resolve().parents[2]
 

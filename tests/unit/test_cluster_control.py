@@ -12,11 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from server.control.artifacts import ArtifactStore
-from server.control.cluster import SIGNAL_QUERIES, ClusterAutoscaler, PrometheusSource
-from server.control.executors import KubernetesGroupExecutor, ModelGroups
-from server.control.registry import Registry
-from server.control.scaling_store import ScalingStore
+from server.control.registry.artifacts import ArtifactStore
+from server.control.scaling.cluster import SIGNAL_QUERIES, ClusterAutoscaler, PrometheusSource
+from server.control.scaling.executors import KubernetesGroupExecutor, ModelGroups
+from server.control.registry.registry import Registry
+from server.control.scaling.scaling_store import ScalingStore
 from server.errors import BackendUnavailable, InvalidRequest
 from tests.unit.test_kubernetes_executor import SCALE_PATH, FakeApiServer, _executor
 

@@ -11,8 +11,8 @@ import pytest
 from model_repository import composite_demo
 from model_repository.adapters import _composite_ops as ops
 from model_repository.config_writer import read_config, to_text
-from server.control.composition import Member, TensorType, parse_spec, type_check
-from server.control.composition_compiler import DAG, ENSEMBLE, compile_spec, read_plans, write_compiled
+from server.control.composition.composition import Member, TensorType, parse_spec, type_check
+from server.control.composition.composition_compiler import DAG, ENSEMBLE, compile_spec, read_plans, write_compiled
 from server.dataplane.composite import Plan, composite_signature, _label
 from server.errors import InvalidRequest, ModelNotFound
 

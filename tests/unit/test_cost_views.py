@@ -32,9 +32,9 @@ from datetime import datetime, timezone
 import pytest
 from typer.testing import CliRunner
 
-from server.control.cost_store import CostStore, Interval
-from server.control.cost_views import IDLE, by_team, caller_view, owner_view, total
-from server.control.prices import load_prices, parse_prices
+from server.control.planning.cost_store import CostStore, Interval
+from server.control.planning.cost_views import IDLE, by_team, caller_view, owner_view, total
+from server.control.planning.prices import load_prices, parse_prices
 
 H = 3600.0
 GIB = 1 << 30
@@ -114,8 +114,8 @@ def test_price_lists_are_versioned_and_checked():
 @pytest.fixture
 def month_db(tmp_path):
     """The synthetic month in a real SQLite database: registry owners, replica ledger, metered usage."""
-    from server.control.artifacts import ArtifactStore
-    from server.control.registry import Registry
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
     from server.tenancy.store import TenancyStore, UsageRecord
     from tests.unit.test_registry import SIGNATURE, lightgbm
 
@@ -140,7 +140,7 @@ def month_db(tmp_path):
 
 def test_the_views_from_the_database_and_the_cli(month_db):
     from server.cli.main import app
-    from server.control.cost_reports import views
+    from server.control.planning.cost_reports import views
 
     url, store, usage, prices = month_db
     assert store.replica_up("gpu-0", "llm", hardware="a100") is False  # one open interval per (replica, endpoint)
@@ -165,7 +165,7 @@ def test_the_views_from_the_database_and_the_cli(month_db):
 
 def test_the_replica_ledger_follows_what_the_fleet_serves(month_db):
     """Sync opens an interval per new (replica, endpoint), closes the ones gone; stop closes the rest."""
-    from server.control.replica_ledger import ReplicaLedger, ledger_changes
+    from server.control.planning.replica_ledger import ReplicaLedger, ledger_changes
 
     assert ledger_changes({("r0", "a"), ("r0", "b")}, {"r0": {"a"}, "r1": {"a"}}) == ({("r1", "a")}, {("r0", "b")})
     _, store, _, _ = month_db

@@ -213,7 +213,7 @@ def test_gpu_overlay_requests_gpus_and_mig_slices_and_the_general_group_none():
 
 
 def test_packing_overlay_is_what_plan_gpus_writes():
-    from server.control.gpu_packing import Model, Node, overlay_files, pack
+    from server.control.planning.gpu_packing import Model, Node, overlay_files, pack
 
     spec = json.loads((DEPLOY / "overlays" / "gpu" / "inventory.json").read_text())
     files = overlay_files(pack([Node.from_dict(n) for n in spec["nodes"]], [Model.from_dict(m) for m in spec["models"]]))

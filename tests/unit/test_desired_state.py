@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import pytest
 from server import migrations
-from server.control.desired_state import DesiredStateStore, changes, route_snapshot
-from server.control.leader import Leadership, LeaderDirectory, PostgresLease, RowLease
-from server.control.state_watch import StatePublisher, StateWatcher
+from server.control.service.desired_state import DesiredStateStore, changes, route_snapshot
+from server.control.service.leader import Leadership, LeaderDirectory, PostgresLease, RowLease
+from server.control.service.state_watch import StatePublisher, StateWatcher
 from server.db import make_engine
 from server.dataplane.routing import Router, Split
 from server.dataplane.traffic_policy import Arm, sticky_arm
@@ -215,7 +215,7 @@ def test_sticky_arm_is_a_pure_function_of_key_and_experiment():
 
 def test_arm_outcomes_of_other_processes_reach_the_leaders_windows(engine):
     """Two frontends observe a canary; the leader (who serves none of it) sees both in its windows."""
-    from server.control.arm_reports import ArmCollector, ArmReporter
+    from server.control.rollout.arm_reports import ArmCollector, ArmReporter
 
     def canary():
         return Split("canary", [Arm("stable", "1", 90.0), Arm("canary", "2", 10.0)], "", "canary:m:2", 60.0)

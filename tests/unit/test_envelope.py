@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from server.control.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
-from server.control.envelope import (
+from server.control.registry.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
+from server.control.registry.envelope import (
     CHUNK_BYTES,
     EncryptionError,
     KeyRing,
@@ -112,8 +112,8 @@ def test_encrypted_artifacts_stay_addressed_by_their_plaintext(tmp_path):
 
 
 def test_a_registry_on_an_encrypted_store_keeps_digests_and_signatures(tmp_path):
-    from server.control.registry import Registry
-    from server.control.signing import generate_keypair, sign_digest
+    from server.control.registry.registry import Registry
+    from server.control.registry.signing import generate_keypair, sign_digest
     from tests.unit.test_registry import SIGNATURE, lightgbm
 
     ring = KeyRing.parse(new_key())

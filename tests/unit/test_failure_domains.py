@@ -8,8 +8,8 @@ import random
 import pytest
 
 from batching.autoscale_policy import ScalingConfig
-from server.control import isolation
-from server.control.placement import Demand, place
+from server.control.scaling import isolation
+from server.control.scaling.placement import Demand, place
 from server.dataplane.locality_policy import local_first
 from server.dataplane.replicas import Member, ReplicaPolicy, ReplicaSet
 
@@ -166,7 +166,7 @@ def test_a_model_loaded_after_start_without_a_replica_of_its_group_prefers_its_g
     """local-1 holds an LLM and has no room for a second (capacity 600 MB, 512 MB each), so the plan
     would open a replica; until a scale-up does, the new LLM goes to its group's replica, not to the
     tree models' local-0 (both host one model)."""
-    from server.control.executors import LocalExecutor
+    from server.control.scaling.executors import LocalExecutor
     from tests.unit.test_replicas import Clock, FakeTriton
 
     members = []
@@ -183,7 +183,7 @@ def test_a_model_loaded_after_start_without_a_replica_of_its_group_prefers_its_g
 
 def test_the_fleet_isolates_the_llms_only_in_a_single_process_frontend(tmp_path):
     from model_repository.config_writer import ModelConfig, write_config
-    from server.control.fleet import Fleet
+    from server.control.scaling.fleet import Fleet
     from server.settings import Settings
 
     config = ModelConfig(name="gen", backend="python")

@@ -2,7 +2,7 @@
 deploy/README.md, the control plane's Prometheus queries) is one the frontend exports, with the
 labels the query uses — read from every YAML file under deploy/ (kustomize patches included) and
 from the README, against the families a real frontend registry carries after one sampling round and the
-cost report's series (server.control.cost_reports)."""
+cost report's series (server.control.planning.cost_reports)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 from batching.fair_queue import FairQueue
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.control.budgets import Assessment
-from server.control.cluster import SIGNAL_QUERIES
-from server.control.cost_reports import exposition
-from server.control.cost_store import Budget
-from server.control.signals import SignalSampler
+from server.control.planning.budgets import Assessment
+from server.control.scaling.cluster import SIGNAL_QUERIES
+from server.control.planning.cost_reports import exposition
+from server.control.planning.cost_store import Budget
+from server.control.scaling.signals import SignalSampler
 from server.dataplane.fleet_hooks import FleetHooks
 from server.dataplane.metrics import Metrics
 from server.dataplane.replicas import Member, ReplicaSet
@@ -70,7 +70,7 @@ def queried() -> list[tuple[str, set[str], str]]:
     """(metric, labels used, where) for every selector in deploy/ and the control plane's queries."""
     found = []
     texts = [(p, p.read_text()) for p in sorted(DEPLOY.rglob("*.yaml"))] + [(DEPLOY / "README.md", (DEPLOY / "README.md").read_text())]
-    texts += [(Path("server/control/cluster.py"), " ".join(q.format(m="fraud") for q in SIGNAL_QUERIES.values()))]
+    texts += [(Path("server/control/scaling/cluster.py"), " ".join(q.format(m="fraud") for q in SIGNAL_QUERIES.values()))]
     for path, text in texts:
         for match in SELECTOR.finditer(text):
             labels = {m.group(1) for m in LABEL.finditer(match.group(2) or "")}

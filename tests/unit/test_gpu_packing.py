@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.services import require
-from server.control.gpu_packing import GPU_TYPES, Model, Node, PackingError, groups_of, one_model_per_gpu, overlay_files, pack
+from server.control.planning.gpu_packing import GPU_TYPES, Model, Node, PackingError, groups_of, one_model_per_gpu, overlay_files, pack
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from server.control.backend_configs import observe_gpus
+from server.control.registry.backend_configs import observe_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "tests" / "gpu"

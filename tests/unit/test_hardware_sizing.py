@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from server.control.capacity import load_profiles
-from server.control.hardware_sizing import HardwareProfile, from_benchmark, load_hardware_profiles, recommend
-from server.control.prices import parse_prices
+from server.control.planning.capacity import load_profiles
+from server.control.planning.hardware_sizing import HardwareProfile, from_benchmark, load_hardware_profiles, recommend
+from server.control.planning.prices import parse_prices
 
 ROOT = Path(__file__).resolve().parents[2]
 PRICES = parse_prices({"version": "t", "prices": {

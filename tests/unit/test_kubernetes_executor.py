@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from server.control.kubernetes_executor import MERGE_PATCH, KubernetesExecutor, ScaleForbidden, _namespace
+from server.control.scaling.kubernetes_executor import MERGE_PATCH, KubernetesExecutor, ScaleForbidden, _namespace
 from server.errors import BackendUnavailable, InvalidRequest, ModelNotFound
 
 from kubernetes import client  # noqa: E402

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from batching.coalescer import CoalescePolicy, Coalescer
-from server.control import slo, token_slo
-from server.control.dashboard import PANELS, dashboard
-from server.control.drift import FeatureReference, ks, psi
-from server.control.payload_log import REDACTED, Redaction, build_record, parse_path
+from server.control.monitoring import slo, token_slo
+from server.control.monitoring.dashboard import PANELS, dashboard
+from server.control.monitoring.drift import FeatureReference, ks, psi
+from server.control.monitoring.payload_log import REDACTED, Redaction, build_record, parse_path
 from server.dataplane.batch_codec import CODEC
 from server.dataplane.metrics import OTHER_LABEL, Metrics
 from server.dataplane.observe import Observer, SampleRing, TopLabels
@@ -271,7 +271,7 @@ def test_every_dashboard_query_names_an_exported_metric_or_recording_rule():
 
 
 def test_payload_log_keeps_within_its_retention_limit(tmp_path):
-    from server.control.payload_log import PayloadLog
+    from server.control.monitoring.payload_log import PayloadLog
 
     metrics = Metrics()
     request = pb.ModelInferRequest(model_name="m", id="r")

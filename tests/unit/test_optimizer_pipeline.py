@@ -15,9 +15,9 @@ from model_repository import demo
 from optimizer import runtime, synthetic
 from optimizer import gate
 from optimizer.pipeline import Row, _verdict, optimize
-from server.control.artifacts import ArtifactStore
+from server.control.registry.artifacts import ArtifactStore
 from server.errors import InvalidRequest
-from server.control.registry import Registry
+from server.control.registry.registry import Registry
 
 
 def _npz(**arrays) -> bytes:

@@ -9,7 +9,7 @@ import pytest
 
 from model_repository import demo
 from optimizer import gate, recipes, runtime, synthetic, tensorrt
-from server.control import safe_formats
+from server.control.registry import safe_formats
 
 
 def _source(bundle, **kw) -> recipes.Source:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.control.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, memory_need, place
+from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, memory_need, place
 
 MB = 1 << 20
 

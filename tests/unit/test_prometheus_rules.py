@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.promtool import promtool, rules_test_with_alert_changed
-from server.control.slo import ALERTS, Objective, objective_for, repository_objectives, rules, rules_yaml
+from server.control.monitoring.slo import ALERTS, Objective, objective_for, repository_objectives, rules, rules_yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = DEPLOY / "inferplane-rules.yaml"

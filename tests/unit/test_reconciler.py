@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from server import migrations
-from server.control.placement_store import EVERY_TRITON, Placement, PlacementStore
-from server.control.executors import ModelGroups
-from server.control.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
+from server.control.scaling.placement_store import EVERY_TRITON, Placement, PlacementStore
+from server.control.scaling.executors import ModelGroups
+from server.control.service.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
 from server.db import make_engine
 from server.errors import BackendUnavailable
 from server.protogen.inference import model_config_pb2
@@ -206,7 +206,7 @@ def test_one_reconciler_per_group_loads_a_star_placement_only_on_the_group_servi
 
 
 def test_from_settings_builds_one_reconciler_per_group_else_one_over_the_triton_urls(tmp_path):
-    from server.control.reconciler import from_settings
+    from server.control.service.reconciler import from_settings
     from server.settings import Settings
 
     groups = tmp_path / "groups.json"

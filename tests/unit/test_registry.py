@@ -14,11 +14,11 @@ import uuid
 import numpy as np
 import pytest
 
-from server.control.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
+from server.control.registry.artifacts import ArtifactStore, ArtifactTampered, sha256_bytes
 from server.errors import Conflict, InvalidRequest, ModelNotFound, PermissionDenied
-from server.control.registry import Registry, parse_ref
-from server.control.safe_formats import UnsafeArtifact
-from server.control.signing import generate_keypair, sign_digest
+from server.control.registry.registry import Registry, parse_ref
+from server.control.registry.safe_formats import UnsafeArtifact
+from server.control.registry.signing import generate_keypair, sign_digest
 from tests.conftest import fresh_postgres_database
 
 SIGNATURE = {

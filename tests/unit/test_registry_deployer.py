@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from model_repository.config_writer import read_config
-from server.control.artifacts import ArtifactStore
-from server.control.deployer import Deployer, build_config, check_warmup, same_tensors, serving_from, warmup_request
+from server.control.registry.artifacts import ArtifactStore
+from server.control.rollout.deployer import Deployer, build_config, check_warmup, same_tensors, serving_from, warmup_request
 from server.errors import BackendUnavailable, Conflict, DeployFailed, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.control.registry import Registry
+from server.control.registry.registry import Registry
 from tests.unit.test_registry import SIGNATURE, lightgbm
 
 
@@ -126,7 +126,7 @@ async def test_deploy_rollback_and_grace_expiry(setup, tmp_path):
 
 async def test_the_versions_loaded_become_every_tritons_placements(setup, tmp_path):
     """What the deployer loads is what the reconciler places on the other Tritons; expiry removes it."""
-    from server.control.placement_store import PlacementStore
+    from server.control.scaling.placement_store import PlacementStore
 
     registry, dp, deployer = setup
     deployer.placements = store = PlacementStore(registry.engine)
@@ -142,7 +142,7 @@ async def test_the_versions_loaded_become_every_tritons_placements(setup, tmp_pa
 async def test_a_failed_load_puts_the_placements_back(setup, tmp_path, monkeypatch):
     """The placements go out before the deployer's own load (the other Tritons load meanwhile); a load
     that fails takes them back, so the reconciler unloads the failed version everywhere."""
-    from server.control.placement_store import PlacementStore
+    from server.control.scaling.placement_store import PlacementStore
 
     registry, dp, deployer = setup
     deployer.placements = store = PlacementStore(registry.engine)

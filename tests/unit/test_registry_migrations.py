@@ -9,32 +9,32 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from server import migrations
-from server.control.artifacts import ArtifactStore
+from server.control.registry.artifacts import ArtifactStore
 from server.db import make_engine
-from server.control.registry import Base, Registry
+from server.control.registry.registry import Base, Registry
 from server.tenancy.store import Base as TenancyBase
-from server.control.scaling_store import metadata as scaling_metadata
-from server.control.traffic import metadata as traffic_metadata
-from server.control.typed_store import metadata as typed_metadata
-from server.control.batches import _meta as batches_metadata
-from server.control.placement_store import metadata as placement_metadata
-from server.control.cost_store import metadata as cost_metadata
-from server.control.desired_state import metadata as desired_metadata
-from server.control.leader import metadata as leader_metadata
-from server.control.arm_reports import metadata as arm_metadata
+from server.control.scaling.scaling_store import metadata as scaling_metadata
+from server.control.rollout.traffic import metadata as traffic_metadata
+from server.control.typed.typed_store import metadata as typed_metadata
+from server.control.batches.batches import _meta as batches_metadata
+from server.control.scaling.placement_store import metadata as placement_metadata
+from server.control.planning.cost_store import metadata as cost_metadata
+from server.control.service.desired_state import metadata as desired_metadata
+from server.control.service.leader import metadata as leader_metadata
+from server.control.rollout.arm_reports import metadata as arm_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
 
 V1_TABLES = {"models", "model_versions", "audit_log"}
 V2_TABLES = V1_TABLES | {"trusted_keys", "team_policies", "deployments"}
 HEAD_TABLES = V2_TABLES | {"tenancy_tenants", "tenancy_keys", "tenancy_usage"}  # 0003: tests/unit/test_tenancy_migrations.py
 HEAD_TABLES |= {"traffic_policies"}  # 0004: server/traffic.py
-HEAD_TABLES |= {"typed_schemas"}  # 0006: server/control/typed_store.py
-HEAD_TABLES |= {"endpoint_scaling"}  # 0007: server/control/scaling_store.py
-HEAD_TABLES |= {"composite_members", "batch_files", "batch_jobs", "batch_rows"}  # 0008: server/control/composites.py, batches.py
+HEAD_TABLES |= {"typed_schemas"}  # 0006: server/control/typed/typed_store.py
+HEAD_TABLES |= {"endpoint_scaling"}  # 0007: server/control/scaling/scaling_store.py
+HEAD_TABLES |= {"composite_members", "batch_files", "batch_jobs", "batch_rows"}  # 0008: server/control/composition/composites.py, batches.py
 HEAD_TABLES |= {"tenancy_identities"}  # 0009: server/tenancy/store.py (mTLS certificate bindings)
-HEAD_TABLES |= {"desired_state", "control_lease", "arm_reports"}  # 0010: server/control/desired_state.py, leader.py, arm_reports.py (issue 27)
-HEAD_TABLES |= {"replica_intervals", "cost_budgets"}  # 0011: server/control/cost_store.py
-HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/placement_store.py (the Triton reconciler's desired state)
+HEAD_TABLES |= {"desired_state", "control_lease", "arm_reports"}  # 0010: server/control/service/desired_state.py, leader.py, arm_reports.py (issue 27)
+HEAD_TABLES |= {"replica_intervals", "cost_budgets"}  # 0011: server/control/planning/cost_store.py
+HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/scaling/placement_store.py (the Triton reconciler's desired state)
 
 
 def _tables(engine) -> set[str]:

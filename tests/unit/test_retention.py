@@ -1,4 +1,4 @@
-"""Retention and erasure (``server.control.retention``) on real SQLite and real record folders, and the
+"""Retention and erasure (``server.control.registry.retention``) on real SQLite and real record folders, and the
 ``inferplane data`` commands (key rotation, rewrap, purge) on them."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import time
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from server.control import retention
-from server.control.audit_buffer import AuditWriter
-from server.control.envelope import KeyRing, new_key, seal_line
-from server.control.records import RecordFiles
+from server.control.registry import retention
+from server.control.registry.audit_buffer import AuditWriter
+from server.control.registry.envelope import KeyRing, new_key, seal_line
+from server.control.registry.records import RecordFiles
 from server.settings import Settings
 
 DAY = 86400.0

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from server.control import safe_formats as sf
+from server.control.registry import safe_formats as sf
 from server.errors import InvalidRequest
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from server.control.stats_tests import compare_outcomes, is_binary, mann_whitney, two_proportion_z, welch_t
+from server.control.rollout.stats_tests import compare_outcomes, is_binary, mann_whitney, two_proportion_z, welch_t
 
 
 def test_two_proportion_z_against_the_closed_form():

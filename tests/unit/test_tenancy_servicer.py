@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from server.transports.grpc.admin import AdminService
-from server.control.artifacts import ArtifactStore
+from server.control.registry.artifacts import ArtifactStore
 from server.errors import InferplaneError, Unauthenticated, grpc_status
 from server.protogen.inferplane.v1 import admin_pb2
 from server.protogen.inferplane.v1 import tenancy_pb2 as tpb
-from server.control.registry import Registry
+from server.control.registry.registry import Registry
 from server.tenancy.identity import Gatekeeper, KeyRing, hash_key
 from server.transports.grpc.tenancy import TenancyService
 from server.tenancy.store import TenancyStore, UsageRecord

@@ -367,7 +367,7 @@ class _DataPlane:
 
 
 def _controller(tmp_path, clock, registry=None):
-    from server.control.traffic import TrafficController
+    from server.control.rollout.traffic import TrafficController
 
     dp = _DataPlane(clock)
     registry = registry or _Registry(f"sqlite:///{tmp_path}/t.db")

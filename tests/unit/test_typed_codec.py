@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from server.control import typed_schema as ts
-from server.control.registry import check_signature
+from server.control.typed import typed_schema as ts
+from server.control.registry.registry import check_signature
 from server.errors import Conflict, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.transports.typed.codec import Codec
@@ -178,9 +178,9 @@ def _record(version: int, signature: dict):
 def test_the_catalog_bumps_the_major_on_a_breaking_deploy_and_persists_what_it_serves(tmp_path):
     import copy
 
-    from server.control.artifacts import ArtifactStore
-    from server.control.registry import Registry
-    from server.control.typed_catalog import SchemaCatalog
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
+    from server.control.typed.typed_catalog import SchemaCatalog
 
     registry = Registry(f"sqlite:///{tmp_path}/r.db", ArtifactStore(tmp_path / "artifacts"))
     dp = types.SimpleNamespace(models={})

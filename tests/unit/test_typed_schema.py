@@ -8,9 +8,9 @@ import copy
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 
-from server.control import typed_compat
-from server.control import typed_schema as ts
-from server.control.registry import check_signature
+from server.control.typed import typed_compat
+from server.control.typed import typed_schema as ts
+from server.control.registry.registry import check_signature
 from server.dataplane.signature import ModelSignature, TensorSpec
 from server.errors import InvalidRequest
 
@@ -163,8 +163,8 @@ def test_features_are_checked_at_registration(signature, match):
 
 
 def test_cross_input_and_type_name_clashes_are_refused_at_registration(tmp_path):
-    from server.control.artifacts import ArtifactStore
-    from server.control.registry import Registry
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
     from tests.unit.test_registry import lightgbm
 
     two = {

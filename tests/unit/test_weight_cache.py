@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from server.control.artifacts import ArtifactStore
-from server.control.weight_cache import HIT, MISS, NONE, PRESENT, WeightCache
+from server.control.registry.artifacts import ArtifactStore
+from server.control.scaling.weight_cache import HIT, MISS, NONE, PRESENT, WeightCache
 
 
 def deployed(repository, store, name, version, data: bytes):

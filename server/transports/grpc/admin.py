@@ -44,8 +44,8 @@ def model_status(dp: DataPlane, name: str) -> admin_pb2.ModelStatus:
 class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, dataplane: DataPlane, registry=None, deployer=None):
         self.dp = dataplane
-        self.registry = registry  # server.control.registry.Registry (None: this process has no control plane)
-        self.deployer = deployer  # server.control.deployer.Deployer
+        self.registry = registry  # server.control.registry.registry.Registry (None: this process has no control plane)
+        self.deployer = deployer  # server.control.rollout.deployer.Deployer
 
     # ---- who may call what -----------------------------------------------------------------
 

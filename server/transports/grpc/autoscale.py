@@ -1,5 +1,5 @@
 """The autoscaling API (``inferplane.v1.Autoscale``): a thin adapter over
-:class:`server.control.autoscaler.Autoscaler`.
+:class:`server.control.scaling.autoscaler.Autoscaler`.
 
 ``Configure`` needs an admin key with ``--auth on``; ``Status``, ``Explain`` and ``Signals`` any
 valid key, and a tenant sees only the endpoints granted to it. A process without the autoscaler (a

@@ -3,7 +3,7 @@
 A frontend process that does not lead (a worker of ``--workers N``, a frontend of a cluster, a
 standby) answers the data plane and its own model table itself; the RPCs that need the registry,
 the deployer, the traffic controller or the autoscaler go to the leader's gRPC address (read from the
-lease row, server.control.leader.LeaderDirectory) with the caller's metadata (API key, actor), and the
+lease row, server.control.service.leader.LeaderDirectory) with the caller's metadata (API key, actor), and the
 leader's answer — message, status, details, trailing metadata — comes back as it is. The leader
 authenticates and authorizes the call itself, so a frontend grants nothing it would not.
 
@@ -47,7 +47,7 @@ def _identity(raw: bytes) -> bytes:
 class LeaderForwarder(grpc.aio.ServerInterceptor):
     def __init__(self, leading: Callable[[], bool], directory, *, max_message_bytes: int, methods: frozenset[str] = FORWARDED):
         self.leading = leading
-        self.directory = directory  # server.control.leader.LeaderDirectory
+        self.directory = directory  # server.control.service.leader.LeaderDirectory
         self.methods = methods
         self.options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
         self._channels: dict[str, grpc.aio.Channel] = {}

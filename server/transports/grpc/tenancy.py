@@ -38,7 +38,7 @@ class TenancyService(tenancy_pb2_grpc.TenancyServicer):
         self.dp = dataplane
         self.store = store  # server.tenancy.store.TenancyStore; None: auth is off
         self._pepper = pepper
-        self.registry = registry  # server.control.registry.Registry, for the audit log (None: log only)
+        self.registry = registry  # server.control.registry.registry.Registry, for the audit log (None: log only)
 
     # ---- the one path every RPC takes ----------------------------------------------------------
 

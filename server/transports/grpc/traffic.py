@@ -1,4 +1,4 @@
-"""The traffic API (``inferplane.v1.Traffic``): a thin adapter over :class:`server.control.traffic.TrafficController`.
+"""The traffic API (``inferplane.v1.Traffic``): a thin adapter over :class:`server.control.rollout.traffic.TrafficController`.
 
 Changing traffic (canary, promote, rollback, blue-green, experiments, shadow) needs an admin key
 with ``--auth on`` (``Gatekeeper.require_admin``); reports and Feedback need a key that may use the
@@ -32,7 +32,7 @@ def policy_message(p: dict) -> tpb.TrafficPolicyResponse:
 class TrafficService(traffic_pb2_grpc.TrafficServicer):
     def __init__(self, dataplane, controller=None):
         self.dp = dataplane
-        self.controller = controller  # server.control.traffic.TrafficController (None: no control plane here)
+        self.controller = controller  # server.control.rollout.traffic.TrafficController (None: no control plane here)
 
     # ---- the one path every RPC takes -------------------------------------------------------
 

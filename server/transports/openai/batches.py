@@ -1,6 +1,6 @@
 """OpenAI batch API over HTTP: ``/v1/files`` (JSONL upload, content) and ``/v1/batches``
 (create, retrieve, list, cancel), in the shapes the ``openai`` SDK reads; and the row runner the
-batch worker sends each row through (``server.control.batches``).
+batch worker sends each row through (``server.control.batches.batches``).
 
 A row runs as its job's tenant (authenticated when the job was created, its grants as they are
 now), at the ``batch`` traffic class, through the same code as a live call of its endpoint:
@@ -15,7 +15,7 @@ import json
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from server.control.batches import OIP_ENDPOINT, BatchStore
+from server.control.batches.batches import OIP_ENDPOINT, BatchStore
 from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Overloaded, UnsupportedMediaType, Violation, http_error
 from server.tenancy.identity import CallContext
 from server.transports.openai.body import json_object

@@ -9,14 +9,14 @@
   deploy's result) or ``failed`` (with the error), plus the endpoint's replicas.
 
 Both need an admin key with ``--auth on``; a frontend without the control plane (a worker of
-``--workers N``) answers 501. A thin adapter over :class:`server.control.provisioning.Provisioner`.
+``--workers N``) answers 501. A thin adapter over :class:`server.control.rollout.provisioning.Provisioner`.
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from server.control.provisioning import Provisioner
+from server.control.rollout.provisioning import Provisioner
 from server.errors import InvalidRequest, Unimplemented
 from server.tenancy.identity import CallContext
 from server.transports.rest import codec as rest_codec

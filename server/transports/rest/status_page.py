@@ -4,14 +4,14 @@
 Per endpoint: request rate, error rate, p50 / p99 latency over the last minute, the versions and the
 replicas serving it, the SLO budget left (availability and latency), and small inline charts (SVG
 sparklines of rate and p99 over the last ten minutes). Numbers come from the same counters as
-/metrics (all worker processes summed), sampled by ``server.control.observability.History``.
+/metrics (all worker processes summed), sampled by ``server.control.monitoring.observability.History``.
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from server.control import slo
+from server.control.monitoring import slo
 from server.errors import BackendUnavailable
 from server.transports.rest.openapi import JSON, Body, Route, error_responses, json_body
 

@@ -1,7 +1,7 @@
 """Typed per-model gRPC APIs (issue 21): ``inferplane.models.<name>.v<major>.<Name>Service``.
 
 ``add_typed_services(server, dataplane, ...)`` is what the frontend calls while it assembles its
-gRPC server: it builds the schema catalog (``server.control.typed_catalog``), gives the deployer
+gRPC server: it builds the schema catalog (``server.control.typed.typed_catalog``), gives the deployer
 its hook, registers the one generic handler of every typed service and returns a
 :class:`TypedApi` whose ``enable_reflection`` replaces ``grpc_reflection``'s (the typed services
 appear and disappear at deploy time). The admin API (``GetModelProto``, ``RetireSchema``) and the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-from server.control.typed_catalog import SchemaCatalog
+from server.control.typed.typed_catalog import SchemaCatalog
 from server.errors import Unimplemented
 from server.transports.typed.reflection import TypedReflection
 from server.transports.typed.service import TypedServices

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.control.typed_catalog import parse_major
-from server.control.typed_schema import TypedSchema
+from server.control.typed.typed_catalog import parse_major
+from server.control.typed.typed_schema import TypedSchema
 from server.protogen.inferplane.v1 import admin_pb2
 from server.transports.typed import typed_api
 

@@ -1,4 +1,4 @@
-"""Typed messages <-> tensors for one schema (``server.control.typed_schema.TypedSchema``).
+"""Typed messages <-> tensors for one schema (``server.control.typed.typed_schema.TypedSchema``).
 
 Requests: a tabular model's fields become one numpy row per message. The hot path reads the
 caller's bytes directly: when every field is a float (or double) and the message arrived in the
@@ -26,7 +26,7 @@ import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
-from server.control.typed_schema import INT_BOUNDS, Field, Tensor, TypedSchema
+from server.control.typed.typed_schema import INT_BOUNDS, Field, Tensor, TypedSchema
 from server.dataplane import codecs
 from server.errors import InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb

@@ -1,6 +1,6 @@
 """The typed per-model gRPC services, served dynamically: one generic handler for all of them.
 
-Each served schema (``server.control.typed_catalog``) is built into its own descriptor pool
+Each served schema (``server.control.typed.typed_catalog``) is built into its own descriptor pool
 (a non-breaking change replaces a file of the same name, which one pool could not hold) with
 message classes from the message factory, and answers ``/<package>.<Name>Service/Predict`` and
 ``/PredictBatch`` on raw bytes: the request is decoded straight into tensors
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf import descriptor_pool
 
-from server.control.typed_catalog import SchemaCatalog
-from server.control.typed_schema import PACKAGE_ROOT, TypedSchema
+from server.control.typed.typed_catalog import SchemaCatalog
+from server.control.typed.typed_schema import PACKAGE_ROOT, TypedSchema
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
 from server.errors import BackendError, InferplaneError, InvalidRequest, Violation

@@ -1,0 +1,1 @@
+"""Composite endpoints: the spec, its compiler, the composite versions of the registry."""

@@ -1,0 +1,1 @@
+"""Watching what is served: SLOs, drift, payload logs, the dashboard, the observability tasks."""

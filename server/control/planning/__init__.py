@@ -1,0 +1,1 @@
+"""Planning and cost: capacity, GPU packing, right-sizing, prices, the cost ledger and its views, budgets."""

@@ -1,0 +1,93 @@
+"""Audit records written in batches, off the request path: safety-filter decisions, retention passes.
+
+The request path only appends a dict to a bounded buffer (:meth:`AuditBuffer.add`); a background task
+writes what accumulated every ``flush_s`` to the registry database's ``audit_log`` table, in one
+transaction, from a thread. A full buffer drops the oldest record and counts it (the log line at the
+next flush says how many); the database being away keeps the records for the next try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections import deque
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class AuditWriter:
+    """Inserts audit rows into the platform database (engine opened, and migrated, at first use)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._engine = None
+
+    def _open(self):
+        if self._engine is None:
+            from server import migrations
+            from server.db import make_engine
+
+            engine = make_engine(self.url)
+            migrations.upgrade(engine)
+            self._engine = engine
+        return self._engine
+
+    def write_many(self, records: list[dict]) -> int:
+        from sqlalchemy.orm import Session
+
+        from server.control.registry.registry import AuditRecord
+
+        rows = [
+            AuditRecord(
+                at=dt.datetime.fromtimestamp(r.get("at") or 0, dt.timezone.utc), actor=str(r.get("actor") or "unknown")[:200],
+                action=str(r["action"])[:64], target=str(r.get("target", ""))[:255], outcome=str(r.get("outcome", ""))[:16],
+                detail=str(r.get("detail", ""))[:4000],
+            )  # fmt: skip
+            for r in records
+        ]
+        with Session(self._open()) as session, session.begin():
+            session.add_all(rows)
+        return len(rows)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+
+class AuditBuffer:
+    def __init__(self, write_many: Callable[[list[dict]], int], flush_s: float = 2.0, capacity: int = 100_000):
+        self._write = write_many
+        self.flush_s = flush_s
+        self._pending: deque[dict] = deque(maxlen=capacity)
+        self.dropped = 0
+        self.written = 0
+
+    def add(self, record: dict) -> None:
+        if len(self._pending) == self._pending.maxlen:
+            self.dropped += 1
+        self._pending.append(record)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def flush(self) -> int:
+        if not self._pending:
+            return 0
+        batch = list(self._pending)
+        self._pending.clear()
+        try:
+            n = await asyncio.to_thread(self._write, batch)
+        except Exception as err:  # the database is away: keep them for the next flush (when full, the oldest stay)
+            log.warning("writing %d audit records failed: %s", len(batch), type(err).__name__)
+            self._pending.extendleft(reversed(batch))
+            return 0
+        self.written += n
+        if self.dropped:
+            log.warning("audit buffer was full: %d records were dropped", self.dropped)
+            self.dropped = 0
+        return n

@@ -1,0 +1,1 @@
+"""The fleet and its scaling: placement, executors, load signals, the autoscaler, the weight cache."""

@@ -1,0 +1,320 @@
+"""The autoscaler's executors: how a replica count becomes real, behind one small interface.
+
+``Executor``: ``replicas(endpoint)`` (what serves now), ``set_replicas(endpoint, n)`` (returns once
+the change is in effect: loaded and in rotation, or patched), ``prepare(endpoint, n)`` (placement
+only: the next load of the model lands there), ``describe()``.
+
+* :class:`LocalExecutor` — replica *processes* on this machine (``server.runtime.local_replicas``)
+  and the models placed on them (``server.control.scaling.placement``: first-fit decreasing on memory
+  needs, sticky); a new copy is loaded on its replica and joins the rotation once Triton says ready;
+  a removed copy is drained first (in-flight requests finish) and then unloaded; a replica left
+  hosting nothing stops (not the embedded one). ``set_instances`` scales a model's Triton
+  ``instance_group`` count instead, with Triton's load-with-config.
+* :class:`KubernetesGroupExecutor` — the replica count of the model group's Triton Deployment
+  (``server.control.scaling.kubernetes_executor``: the scale subresource); a group serving several
+  endpoints gets the largest count any of them asks for. Kubernetes places and restarts the pods;
+  the frontends discover them through the group's headless Service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place
+from server.dataplane.replicas import Member, ReplicaSet
+from server.errors import InvalidRequest, ModelNotFound
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    name: str
+
+    def replicas(self, endpoint: str) -> int: ...
+
+    async def set_replicas(self, endpoint: str, n: int) -> None: ...
+
+    async def prepare(self, endpoint: str, n: int) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
+class LocalExecutor:
+    name = "local"
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        pool,  # server.runtime.local_replicas.LocalReplicaPool
+        client_factory: Callable[[str], object],
+        *,
+        capacity_bytes: int = 4 << 30,
+        memory_of: Callable[[str], int] = lambda model: DEFAULT_MEMORY_BYTES,
+        primary: str = "local-0",
+        refresh: Callable[[str], object] | None = None,  # re-read a model's signature (its capacity changed)
+        default_copies: int = 1,  # copies of a model nobody autoscales
+        group_of: Callable[[str], str] = lambda model: "",  # its isolation group (server.control.scaling.isolation)
+        zones: tuple[str, ...] = (),  # the zones new replicas open in (placement spreads copies over them)
+    ):
+        self.default_copies = max(1, default_copies)
+        self.group_of = group_of
+        self.zones = tuple(zones)
+        self.set = replicas
+        self.pool = pool
+        self.client_factory = client_factory
+        self.capacity_bytes = capacity_bytes
+        self.memory_of = memory_of
+        self.primary = primary
+        self.refresh = refresh
+        self.copies: dict[str, int] = {}  # endpoints under autoscaling: copies asked for
+        self._lock = asyncio.Lock()
+        self.last_plan: Plan | None = None
+        self.provision_s: dict[str, float] = {}  # endpoint -> seconds its last scale-up took
+        self.instance_counts: dict[str, int] = {}  # model -> Triton instances per replica (set or read here)
+        replicas.placer = self.place_one
+
+    # ---- what exists -------------------------------------------------------------------------
+
+    def _local(self) -> list[Member]:
+        return [m for m in self.set.members() if m.local]
+
+    def replicas(self, endpoint: str) -> int:
+        return sum(1 for m in self._local() if endpoint in m.wanted)
+
+    def _current(self) -> dict[str, set[str]]:
+        members = sorted(self._local(), key=lambda m: (m.id != self.primary, m.id))
+        return {m.id: set(m.wanted) for m in members}
+
+    def _demands(self, overrides: dict[str, int] | None = None) -> dict[str, Demand]:
+        """Every model some local replica hosts (one copy unless autoscaled) and every autoscaled one."""
+        copies: dict[str, int] = {}
+        for m in self._local():
+            for model in m.wanted:
+                copies[model] = max(copies.get(model, 0), 1)
+        for model in list(copies):
+            copies[model] = self.replicas(model)
+        copies.update(self.copies)
+        copies.update(overrides or {})
+        return {model: Demand(n, self.memory_of(model), self.group_of(model)) for model, n in copies.items() if n > 0}
+
+    def plan(self, overrides: dict[str, int] | None = None) -> Plan:
+        zone_of = {m.id: m.zone for m in self._local()}
+        return place(self._demands(overrides), self._current(), self.capacity_bytes, new_id=lambda n: f"local-{n}", zone_of=zone_of, zones=self.zones)
+
+    async def place_at_start(self, models: list[str]) -> None:
+        """Place the models loaded at start all at once (each isolation group on replicas of its own,
+        opened now), so the loads that follow land on them."""
+        async with self._lock:
+            plan = self.plan({m: max(self.default_copies, self.copies.get(m, 0)) for m in models})
+            await self._open(plan)
+            for model in models:
+                self.set.placement[model] = plan.replicas_of(model)
+            self.last_plan = plan
+
+    def place_one(self, model: str) -> list[str] | None:
+        """Where a model nobody scaled goes when it is loaded (the replica set asks): its copies'
+        replicas in the plan, among the replicas that exist (new ones start only on scale-up)."""
+        if model in self.copies:
+            n = self.copies[model]
+        else:
+            n = max(self.default_copies, self.replicas(model))
+        plan = self.plan({model: n})
+        ids = [r for r in plan.replicas_of(model) if r in {m.id for m in self._local()}]
+        if not ids:
+            members = self._local()
+            group = self.group_of(model)
+            same = [m for m in members if all(self.group_of(w) == group for w in m.wanted)]  # its isolation group's (or empty)
+            if members and not same:
+                log.warning("no replica of isolation group %r for %s yet: it shares one until a scale-up opens its own", group, model)
+            ids = [min(same or members, key=lambda m: len(m.wanted)).id] if members else []
+        return ids or None
+
+    # ---- changes --------------------------------------------------------------------------------
+
+    async def prepare(self, endpoint: str, n: int) -> None:
+        """Place ``n`` copies (starting replicas as needed) without loading: the next
+        ``load_model`` of the endpoint (a wake, a deploy) loads them there."""
+        async with self._lock:
+            self.copies[endpoint] = n
+            plan = self.plan()
+            await self._open(plan)
+            self.set.placement[endpoint] = plan.replicas_of(endpoint)
+            self.last_plan = plan
+
+    async def set_replicas(self, endpoint: str, n: int) -> None:
+        if n < 0:
+            raise InvalidRequest(f"replicas must be >= 0, got {n}")
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            self.copies[endpoint] = n
+            before = self._current()
+            plan = self.plan()
+            self.last_plan = plan
+            await self._open(plan)
+            # loads first (new copies join the rotation when ready), then drains and unloads
+            loads = [(r, m) for r, models in plan.assignment.items() for m in sorted(models) if m not in before.get(r, set())]
+            unloads = [(r, m) for r, models in before.items() for m in sorted(models) if m not in plan.assignment.get(r, set())]
+            if loads:
+                results = await asyncio.gather(*(self.set.load_on(r, m) for r, m in loads), return_exceptions=True)
+                for (r, m), result in zip(loads, results):
+                    if isinstance(result, BaseException):
+                        log.error("loading %s on local replica %s failed: %s", m, r, result)
+            for model in {m for _, m in loads + unloads}:
+                self.set.placement[model] = plan.replicas_of(model)
+            await asyncio.gather(*(self.set.unload_from(r, m) for r, m in unloads), return_exceptions=True)
+            await self._close_empty(plan)
+            if loads:
+                self.provision_s[endpoint] = loop.time() - began
+        for model in {m for _, m in loads + unloads}:
+            await self._refresh(model)
+
+    async def _refresh(self, model: str) -> None:
+        if self.refresh is None:
+            return
+        try:
+            await self.refresh(model)
+        except Exception as err:  # not loaded anywhere (scaled to zero): nothing to read
+            log.debug("refreshing %s after scaling: %s", model, err)
+
+    async def _open(self, plan: Plan) -> None:
+        have = {m.id for m in self.set.members()}
+        missing = [r for r in plan.assignment if r not in have]
+        targets = await asyncio.gather(*(self.pool.start(r) for r in missing))
+        for replica_id, target in zip(missing, targets):
+            client = self.client_factory(target)
+            await self.set.add_member(Member(replica_id, client, group="local", local=True, zone=plan.zones.get(replica_id, "")), probe=False)
+
+    async def _close_empty(self, plan: Plan) -> None:
+        for member in self._local():
+            if member.id == self.primary or member.id in self.pool.adopted or plan.assignment.get(member.id):
+                continue
+            if member.wanted:
+                continue
+            await self.set.remove_member(member.id)
+            await self.pool.stop(member.id)
+
+    def instances(self, model: str) -> int:
+        return self.instance_counts.get(model, 1)
+
+    async def read_instances(self, model: str) -> int:
+        """The model's instance count per replica, from a replica's Triton config."""
+        hosts = [m for m in self._local() if model in m.wanted]
+        if hosts:
+            config = await hosts[0].client.model_config(model)
+            self.instance_counts[model] = max(1, sum(max(1, g.count) for g in config.instance_group) or 1)
+        return self.instances(model)
+
+    async def set_instances(self, model: str, count: int) -> None:
+        """Scale a model's Triton instances on every replica hosting it (load-with-config: the
+        replica's config.pbtxt with another ``instance_group`` count; Triton swaps it in while the
+        old instances keep serving)."""
+        from google.protobuf.json_format import MessageToJson
+
+        if count < 1:
+            raise InvalidRequest(f"instances must be >= 1, got {count}")
+        hosts = [m for m in self._local() if model in m.wanted]
+        if not hosts:
+            raise ModelNotFound(f"model '{model}' is not loaded on any local replica")
+        for member in hosts:
+            config = await member.client.model_config(model)
+            if not config.instance_group:
+                config.instance_group.add(count=count)
+            for group in config.instance_group:
+                group.count = count
+            await self.set.load_on(member.id, model, config=MessageToJson(config))
+        self.instance_counts[model] = count
+        await self._refresh(model)
+
+    def describe(self) -> dict:
+        members = self._local()
+        return {
+            "executor": "local",
+            "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone} for m in members],
+            "warm": [pid for pid in self.pool.warm_pids() if pid is not None],  # the warm pool's idle Tritons
+            "from_warm": sorted(self.pool.from_warm),
+            "capacity_mb": self.capacity_bytes >> 20,
+            "copies": dict(sorted(self.copies.items())),
+        }
+
+
+class KubernetesGroupExecutor:
+    """Endpoints to their model group's Deployment; the group's count is the largest any of its
+    endpoints asks for."""
+
+    name = "kubernetes"
+
+    def __init__(self, kubernetes, groups: "ModelGroups"):
+        self.k8s = kubernetes  # server.control.scaling.kubernetes_executor.KubernetesExecutor
+        self.groups = groups
+        self.wanted: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # deployment -> last count read or set
+
+    def deployment(self, endpoint: str) -> str:
+        group = self.groups.group_of(endpoint)
+        if group is None:
+            raise ModelNotFound(f"no model group serves '{endpoint}' (see INFERPLANE_MODEL_GROUPS_FILE)")
+        return self.groups.groups[group]["service"]
+
+    def replicas(self, endpoint: str) -> int:
+        return self.counts.get(self.deployment(endpoint), 0)
+
+    async def read(self, endpoint: str) -> int:
+        deployment = self.deployment(endpoint)
+        n = self.counts[deployment] = await self.k8s.get_replicas(deployment)
+        return n
+
+    async def set_replicas(self, endpoint: str, n: int) -> None:
+        self.wanted[endpoint] = n
+        deployment = self.deployment(endpoint)
+        group = self.groups.group_of(endpoint)
+        count = max(v for e, v in self.wanted.items() if self.groups.group_of(e) == group)
+        if self.counts.get(deployment) != count:
+            await self.k8s.set_replicas(deployment, count)
+            self.counts[deployment] = count
+
+    async def prepare(self, endpoint: str, n: int) -> None:
+        await self.set_replicas(endpoint, n)
+
+    def describe(self) -> dict:
+        return {**self.k8s.describe(), "deployments": dict(sorted(self.counts.items())), "wanted": dict(sorted(self.wanted.items()))}
+
+
+class ModelGroups:
+    """The frontends' model-group table (``INFERPLANE_MODEL_GROUPS_FILE``, the ConfigMap's
+    ``model-groups.json``): ``{group: {"service": NAME, "grpc_port": 8001, "models": [...]}}``; a
+    group listing ``"*"`` serves every model no other group names."""
+
+    def __init__(self, groups: dict):
+        if not isinstance(groups, dict) or not groups:
+            raise InvalidRequest("the model groups file must be a non-empty JSON object {group: {service, grpc_port, models}}")
+        for name, spec in groups.items():
+            if not isinstance(spec, dict) or not isinstance(spec.get("service"), str) or not spec["service"]:
+                raise InvalidRequest(f"model group '{name}' needs a 'service' (the headless Service's name)")
+            port = spec.get("grpc_port", 8001)
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise InvalidRequest(f"model group '{name}': grpc_port must be a port number, got {port!r}")
+            models = spec.get("models", [])
+            if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+                raise InvalidRequest(f"model group '{name}': models must be a list of names (or '*')")
+        defaults = [n for n, s in groups.items() if "*" in s.get("models", [])]
+        if len(defaults) > 1:
+            raise InvalidRequest(f"only one model group may serve '*' (got {', '.join(defaults)})")
+        self.groups = {n: {"service": s["service"], "grpc_port": int(s.get("grpc_port", 8001)), "models": list(s.get("models", []))} for n, s in groups.items()}
+        self.default = defaults[0] if defaults else None
+        self._by_model = {m: n for n, s in self.groups.items() for m in s["models"] if m != "*"}
+
+    @classmethod
+    def load(cls, path: Path) -> "ModelGroups":
+        try:
+            return cls(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as err:
+            raise InvalidRequest(f"cannot read the model groups file {path}: {err}") from None
+
+    def group_of(self, model: str) -> str | None:
+        return self._by_model.get(model, self.default)

@@ -1,0 +1,174 @@
+"""Desired state moving between processes (issue 27): the leader publishes, every serving process applies.
+
+``StatePublisher`` runs beside the leader's writers: it reads the leader's router (live versions and
+splits, which the deployer and the traffic controller switch) every ``interval_s`` and writes what
+changed to ``desired_state`` (server.control.service.desired_state) — level-triggered, so a switch made by any
+writer is published without a hook in each of them.
+
+``StateWatcher`` runs in every process that serves requests without leading (each worker of
+``--workers N``, each frontend of a cluster): it applies the rows newer than the last generation it
+applied to its own pipeline — the model's ready versions read again from Triton when a new one is
+named, then the live version, then the split. It wakes on ``NOTIFY`` (PostgreSQL; a reconcile every
+``reconcile_s`` is the safety net for a lost connection) or when SQLite's ``PRAGMA data_version``
+moves (another connection committed). A row naming a version this process's Triton does not have
+ready yet stays pending and is tried again at each wake-up; nothing older is ever applied over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+from server.control.rollout.arm_reports import ArmReporter
+from server.control.service.desired_state import CHANNEL, DesiredStateStore, changes, route_snapshot
+from server.control.service.leader import holder_id
+from server.dataplane.routing import Split
+from server.dataplane.traffic_policy import Arm
+from server.db import libpq_url
+from server.errors import InferplaneError
+
+log = logging.getLogger(__name__)
+
+
+class StatePublisher:
+    def __init__(self, router, store: DesiredStateStore, interval_s: float = 0.02):
+        self.router = router
+        self.store = store
+        self.interval_s = interval_s
+        self._published: dict[str, dict] = {}
+        self._seen: set[str] = set()  # endpoints this leader's router held: only those may be published as gone
+
+    async def publish_once(self) -> int:
+        now = route_snapshot(self.router)
+        self._seen |= set(now)
+        mine = {name: state for name, state in self._published.items() if name in self._seen or name in now}
+        todo = changes(mine, now)
+        if not todo:
+            return 0
+        await asyncio.to_thread(self.store.publish, todo)
+        self._published.update(todo)
+        return len(todo)
+
+    async def run(self) -> None:
+        self._published = await asyncio.to_thread(self.store.all)
+        while True:
+            try:
+                await self.publish_once()
+            except Exception as err:  # the database is away: the next pass publishes the same difference
+                log.warning("publishing the desired state failed: %s", err)
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(self.interval_s)
+
+
+class StateWatcher:
+    def __init__(self, dataplane, store: DesiredStateStore, database_url: str, *, poll_s: float = 0.02, reconcile_s: float = 1.0):
+        self.dp = dataplane
+        self.store = store
+        self.database_url = database_url
+        self.poll_s = poll_s
+        self.reconcile_s = reconcile_s
+        self.generation = 0  # the newest row applied
+        self.pending: dict[str, dict] = {}  # endpoint -> the newest row not applicable yet
+        self.applied = asyncio.Event()  # set after each pass (tests and benchmarks wait on it)
+
+    async def sync(self) -> int:
+        """Apply what is newer than the last applied generation; returns how many rows were applied."""
+        rows = await asyncio.to_thread(self.store.since, self.generation)
+        for row in rows:
+            self.pending[row["endpoint"]] = row
+            self.generation = max(self.generation, row["generation"])
+        done = 0
+        for name, row in list(self.pending.items()):
+            if await self._apply(row):
+                self.pending.pop(name, None)
+                done += 1
+        self.applied.set()
+        return done
+
+    async def _apply(self, row: dict) -> bool:
+        name, live, split = row["endpoint"], row["live"], row["split"]
+        needed = {v for v in ([live] if live else []) + [a[1] for a in (split or {}).get("arms", [])]}
+        if needed - self.dp.ready_versions(name):
+            try:
+                await (self.dp.refresh(name) if self.dp.is_loaded(name) else self.dp.adopt(name))
+            except InferplaneError as err:
+                log.info("endpoint %s: generation %d waits for Triton (%s)", name, row["generation"], err.message)
+                return False
+            if needed - self.dp.ready_versions(name):
+                return False
+        router = self.dp.router
+        if live:
+            self.dp.set_live(name, live)
+        else:
+            router.routes.pop(name, None)
+        if split is None:
+            router.splits.pop(name, None)
+        else:
+            router.splits[name] = _split(router, split, router.splits.get(name))
+        return True
+
+    async def run(self) -> None:
+        postgres = self.store.postgres
+        while True:
+            try:
+                await self.sync()
+                await (self._listen() if postgres else self._poll())
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the database is away: reconcile again shortly
+                log.warning("watching the desired state failed: %s", err)
+                await asyncio.sleep(self.reconcile_s)
+
+    async def _listen(self) -> None:
+        async with await psycopg.AsyncConnection.connect(libpq_url(self.database_url), autocommit=True) as conn:
+            await conn.execute(f"LISTEN {CHANNEL}")
+            await self.sync()  # what was published before the LISTEN took effect
+            while True:
+                async for _note in conn.notifies(timeout=self.reconcile_s, stop_after=1):
+                    break
+                await self.sync()  # a notification, or the periodic reconcile
+
+    async def _poll(self) -> None:
+        path = make_url(self.database_url).database
+        conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
+        try:
+            last = conn.execute("PRAGMA data_version").fetchone()[0]
+            quiet = 0.0
+            while True:
+                await asyncio.sleep(self.poll_s)
+                quiet += self.poll_s
+                version = conn.execute("PRAGMA data_version").fetchone()[0]
+                if version != last or self.pending or quiet >= self.reconcile_s:
+                    last, quiet = version, 0.0
+                    await self.sync()
+        finally:
+            conn.close()
+
+
+def _split(router, state: dict, current: Split | None) -> Split:
+    """The Split a row describes; the same arms with new weights keep their measured windows."""
+    arms = [Arm(str(n), str(v), float(w)) for n, v, w in state["arms"]]
+    if current is not None and current.kind == state["kind"] and [(a.name, a.version) for a in current.arms] == [(a.name, a.version) for a in arms]:
+        return current if current.arms == arms else current.reweighted({a.name: a.weight for a in arms})
+    return Split(state["kind"], arms, state.get("key_header", ""), state.get("salt", ""), float(state.get("window_s", 60.0)), router.clock)
+
+
+async def follow(dataplane, engine, settings) -> None:
+    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes reported."""
+    watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
+                           reconcile_s=settings.desired_state_reconcile_s)  # fmt: skip
+    reporter = ArmReporter(dataplane.router, engine, holder_id())
+    await asyncio.gather(watcher.run(), reporter.run())
+
+
+async def stop_task(task: asyncio.Task | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
