@@ -168,23 +168,13 @@ def test_only_settings_read_the_environment():
 # ---- no cycle inside a room; no import inside a function that dodges one ----------------------------
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _runtime_imports(path: Path):
-    """(line, dotted module, inside a function) of the imports that run: those under ``if TYPE_CHECKING:``
-    are annotations only and make no cycle."""
+def _placed_imports(path: Path):
+    """(line, dotted module, inside a function) of every import of a file. An import under
+    ``if TYPE_CHECKING:`` counts like any other: a type named back is a tie back."""
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block) for stmt in block.body for n in ast.walk(stmt)}
-    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(f) if n is not f}
-    imports = {id(n): node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom) for n in [node]}
+    in_function = {n.lineno for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)}
     for line, module in _imports(path):
-        node = next((n for n in imports.values() if n.lineno == line), None)
-        if node is None or id(node) in typing_only:
-            continue
-        yield line, module, id(node) in in_function
+        yield line, module, line in in_function
 
 
 def _module_name(path: Path) -> str:
@@ -193,9 +183,10 @@ def _module_name(path: Path) -> str:
 
 def _cycles(room: Path) -> list[list[str]]:
     """The import cycles among the modules of ``room`` and its sub-packages (Tarjan's strongly connected
-    components of more than one module), each as sorted module names."""
+    components of more than one module), each as sorted module names; imports inside functions and
+    under TYPE_CHECKING count."""
     modules = {_module_name(p): p for p in _modules(str(room.relative_to(ROOT))) if p.name != "__init__.py"}
-    edges = {m: sorted({t for _, t, _ in _runtime_imports(p) if t in modules and t != m}) for m, p in modules.items()}
+    edges = {m: sorted({t for _, t, _ in _placed_imports(p) if t in modules and t != m}) for m, p in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -238,6 +229,7 @@ CYCLES_PENDING = {
     "server/transports/openai": "batches <-> endpoints: the batch row runner moves beside the port (issue 33)",
     "server/transports/rest": "endpoints assembles every route table (issue 33, one composition root)",
     "server/cli": "autoscale / registry / traffic share helpers through each other (not yet split)",
+    "server/runtime": "inprocess*.py name InProcessTriton back under TYPE_CHECKING: the backend protocol of issue 33 is the type to name",
 }
 
 
@@ -262,10 +254,12 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
     (room / "__init__.py").write_text("")
     (room / "a.py").write_text("from server.room import b\n")
     (room / "b.py").write_text("def late():\n    from server.room.a import x\n")
-    (room / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from server.room import a\n")
+    (room / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from server.room import d\n")
+    (room / "d.py").write_text("from server.room.c import x\n")
+    (room / "e.py").write_text("from server.room import a\n")
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    assert _cycles(room) == [["server.room.a", "server.room.b"]]
-    assert [(module, inside) for _, module, inside in _runtime_imports(room / "b.py")] == [("server.room.a", True), ("server.room.a.x", True)]
+    assert sorted(_cycles(room)) == [["server.room.a", "server.room.b"], ["server.room.c", "server.room.d"]]  # not e: it only imports
+    assert [(module, inside) for _, module, inside in _placed_imports(room / "b.py")] == [("server.room.a", True), ("server.room.a.x", True)]
 
 
 # rooms where an import inside a function needs a reason (the control plane: its cycles are gone)
@@ -284,7 +278,7 @@ def _imports_in_functions():
         for path in _modules(folder):
             rel = str(path.relative_to(ROOT))
             seen = set()
-            for line, module, inside in _runtime_imports(path):
+            for line, module, inside in _placed_imports(path):
                 if inside and line not in seen:
                     seen.add(line)
                     yield rel, line, module
