@@ -9,9 +9,11 @@ import pytest
 
 from batching.autoscale_policy import ScalingConfig
 from server.control.scaling import isolation
+from server.control.scaling.executors import LocalExecutor
 from server.control.scaling.placement import Demand, place
 from server.dataplane.locality_policy import local_first
 from server.dataplane.replicas import Member, ReplicaPolicy, ReplicaSet
+from tests.unit.test_replicas import MODEL, Clock, fake
 
 MB = 1 << 20
 
@@ -115,8 +117,6 @@ def test_streams_reads_the_decoupled_policy_of_the_config(tmp_path):
 
 
 def _zoned_set(zones: dict[str, str], frontend_zone: str, spill: int = 2):
-    from tests.unit.test_replicas import MODEL, Clock, fake
-
     members = []
     for name, zone in zones.items():
         member = Member(name, fake(name), zone=zone)
@@ -166,9 +166,6 @@ def test_a_model_loaded_after_start_without_a_replica_of_its_group_prefers_its_g
     """local-1 holds an LLM and has no room for a second (capacity 600 MB, 512 MB each), so the plan
     would open a replica; until a scale-up does, the new LLM goes to its group's replica, not to the
     tree models' local-0 (both host one model)."""
-    from server.control.scaling.executors import LocalExecutor
-    from tests.unit.test_replicas import Clock, fake
-
     members = []
     for name, wanted in (("local-0", {"fraud"}), ("local-1", {"tiny_llama"})):
         member = Member(name, fake(name, models=wanted), local=True)

@@ -13,6 +13,7 @@ from server.control.typed import typed_schema as ts
 from server.control.registry.registry import check_signature
 from server.dataplane.signature import ModelSignature, TensorSpec
 from server.errors import InvalidRequest
+from server.control.typed import typed_proto
 
 FRAUD = {
     "inputs": [
@@ -67,10 +68,10 @@ TEXT_AND_TABLES = {
 @pytest.mark.parametrize("signature", [FRAUD, TEXT_AND_TABLES], ids=["tabular-enum", "text-tensors"])
 def test_the_proto_text_compiles_to_the_descriptor_the_server_serves(signature, tmp_path):
     schema = _schema(signature, model_version="3")
-    compiled = compile_proto(schema.proto_text(), schema.file_name, tmp_path)
-    assert compiled == schema.file_descriptor()
+    compiled = compile_proto(typed_proto.proto_text(schema), schema.file_name, tmp_path)
+    assert compiled == typed_proto.file_descriptor(schema)
     pool = descriptor_pool.DescriptorPool()
-    pool.Add(schema.file_descriptor())
+    pool.Add(typed_proto.file_descriptor(schema))
     service = pool.FindServiceByName(schema.service)
     assert [m.name for m in service.methods] == ["Predict", "PredictBatch"]
 
@@ -85,7 +86,7 @@ def test_names_fields_and_types_follow_the_signature():
         ("amount", 1, "float", 0), ("merchant_category", 2, "MerchantCategory", 1), ("hour_of_day", 3, "float", 2), ("card_age_days", 4, "float", 3),
     ]  # fmt: skip
     assert fields[1].enum == (("grocery", 0.0), ("travel", 1.0), ("electronics", 2.0))
-    text = schema.proto_text()
+    text = typed_proto.proto_text(schema)
     assert "optional float amount = 1;" in text and "unit: USD; range [0, 10000]" in text
     assert "MERCHANT_CATEGORY_UNSPECIFIED = 0;" in text and "MERCHANT_CATEGORY_ELECTRONICS = 3;" in text
     assert "repeated FraudXgboostRow rows = 1;" in text
@@ -108,7 +109,7 @@ def test_a_served_model_without_declared_features_gets_tensor_fields():
         versions=frozenset({"1"}),
     )  # fmt: skip
     schema = ts.from_model_signature(sig)
-    assert "optional string text = 1;" in schema.proto_text()
+    assert "optional string text = 1;" in typed_proto.proto_text(schema)
     assert [(f.name, f.repeated, f.count) for f in schema.response_fields] == [("embedding", True, 384), ("tokens", False, None)]
     # the repository's declared signature names the features when its tensors are the served ones
     declared = check_signature({"inputs": [dict(FRAUD["inputs"][0])], "outputs": FRAUD["outputs"]})

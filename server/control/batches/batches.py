@@ -61,8 +61,14 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy import delete
 
 from server.control.registry.artifacts import ArtifactStore
+from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Overloaded, Violation
+from server.control.registry.envelope import KeyRing
+from server import migrations
+from server.db import make_engine
+from server.control.registry import retention
 from server.errors import BackendUnavailable, Conflict, InferplaneError, InvalidRequest, ModelNotFound, ModelNotReady, Overloaded, Violation, http_error
 
 log = logging.getLogger(__name__)
@@ -525,8 +531,6 @@ def file_store(settings) -> ArtifactStore:
     """Where batch files live: the artifact store's folder, each file sealed (envelope encryption,
     ``server.control.registry.envelope``) whenever an encryption key is set — batch files are customer data,
     so unlike model artifacts they need no ``encrypt_artifacts`` to be sealed."""
-    from server.control.registry.envelope import KeyRing
-
     return ArtifactStore(settings.artifact_store, keys=KeyRing.from_settings(settings))
 
 
@@ -539,9 +543,6 @@ class BatchFiles:
         self.settings = settings
 
     def _open(self):
-        from server import migrations
-        from server.db import make_engine
-
         engine = make_engine(self.settings.database_url)
         migrations.upgrade(engine)
         return engine
@@ -555,8 +556,6 @@ class BatchFiles:
         return self._purge(files_table.c.created_at < cutoff, old_jobs, keep_active=True)
 
     def _purge(self, files_where, jobs_where, keep_active: bool = False) -> int:
-        from sqlalchemy import delete
-
         engine = self._open()
         try:
             with engine.begin() as conn:
@@ -583,8 +582,6 @@ class BatchFiles:
 
 
 def _register_retention() -> None:
-    from server.control.registry import retention
-
     retention.register("batch_files", lambda settings, keys: BatchFiles(settings, keys))
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+import yaml
 
 from model_repository.adapters._composite_ops import AGGREGATORS, OPERATORS
 from server.errors import InvalidRequest, Violation
@@ -201,7 +202,6 @@ class CompositeSpec(_Strict):
 def parse_spec(text: str | bytes | Mapping[str, Any], where: str = "spec") -> CompositeSpec:
     """A spec from YAML / JSON text or a mapping; every mistake an InvalidRequest naming its field."""
     if isinstance(text, (str, bytes)):
-        import yaml
 
         try:
             doc = yaml.safe_load(text)

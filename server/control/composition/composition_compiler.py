@@ -37,6 +37,8 @@ from model_repository.layout import install_adapter
 from server.control.composition.composition import CompositeSpec, Lookup, Member, TensorType, Typed, node_refs, type_check
 from server.dataplane import codecs
 from server.protogen.inference import model_config_pb2
+from server.control.composition.composition import Ref
+from server.errors import ModelNotFound
 
 ENSEMBLE, DAG = "ensemble", "dag"
 PLAN_SUFFIX = ".composite.json"
@@ -229,8 +231,6 @@ def _ensemble_config(typed: Typed, name: str, version: int) -> ModelConfig:
 
 
 def _ref(node: str, tensor: str):
-    from server.control.composition.composition import Ref
-
     return Ref(node, tensor)
 
 
@@ -322,8 +322,6 @@ def member_kind(inputs, outputs, decoupled: bool) -> str:
 def repository_lookup(repository: Path) -> Lookup:
     """Members read from the models' ``config.pbtxt`` in a repository; an unpinned node pins the
     highest version folder there."""
-    from server.errors import ModelNotFound
-
     def lookup(name: str, version: int | None) -> Member:
         model_dir = Path(repository) / name
         if not (model_dir / "config.pbtxt").is_file():

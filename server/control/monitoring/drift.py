@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import ks_2samp
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.dataplane import codecs
 from server.protogen.inference import grpc_service_pb2 as pb
@@ -77,8 +79,6 @@ def psi(reference: FeatureReference, live: np.ndarray) -> float:
 
 
 def ks(reference: FeatureReference, live: np.ndarray) -> tuple[float, float]:
-    from scipy.stats import ks_2samp
-
     result = ks_2samp(reference.values, np.asarray(live, dtype=np.float64))
     return float(result.statistic), float(result.pvalue)
 
@@ -242,8 +242,6 @@ class DriftMonitor:
 
 def report_from_metrics(text: str, name: str) -> list[dict]:
     """What ``inferplane drift NAME`` prints: a running frontend's drift gauges for one model, worst first."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     rows: dict[str, dict] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

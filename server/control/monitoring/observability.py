@@ -14,12 +14,17 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
+import io
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+import aiohttp
 
 from server.control.monitoring import slo
 from server.control.monitoring.drift import DriftMonitor, ModelReference
 from server.control.monitoring.payload_log import PayloadLog, redaction_for
+from server.control.registry.envelope import KeyRing
+from server.dataplane.triton_stats import export_devices
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +80,6 @@ class History:
 
 def _errors(text: str) -> dict[str, float]:
     """Per model: answered requests whose code is not OK (any error, the caller's included)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -117,7 +120,6 @@ def reference_loader(settings, dataplane, registry=None):
             try:
                 record = registry.get(name)
                 if record.validation_sha256:
-                    import io
 
                     with np.load(io.BytesIO(registry.store.get(record.validation_sha256)), allow_pickle=False) as npz:
                         arrays = {k: npz[k] for k in npz.files}
@@ -184,7 +186,6 @@ class Observability:
                 watched = self.drift.watch(self.dataplane.names())
                 log.info("drift: watching %s", ", ".join(watched) or "no model (none has a validation set)")
                 self._tasks.append(loop.create_task(self.drift.run(), name="drift"))
-            from server.control.registry.envelope import KeyRing
 
             self.payloads = PayloadLog(
                 observer, self.metrics, s.payload_log_destination, redaction_for(self.dataplane),
@@ -203,10 +204,6 @@ class Observability:
             await asyncio.sleep(period)
 
     async def _poll_devices(self) -> None:
-        import aiohttp
-
-        from server.dataplane.triton_stats import export_devices
-
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while True:
                 try:

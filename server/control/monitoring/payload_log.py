@@ -36,10 +36,12 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import fsspec
 
 from server.control.registry.envelope import seal_line
 from server.dataplane import codecs
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.control.registry.records import RecordFiles
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +210,6 @@ class PayloadLog:
     _current: _File | None = None
 
     def __post_init__(self):
-        import fsspec
-
-        from server.control.registry.records import RecordFiles
-
         self.fs, self.root = fsspec.core.url_to_fs(self.destination)
         self.records = RecordFiles(self.destination, PREFIX, self.keys)  # the lock a purge shares
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))

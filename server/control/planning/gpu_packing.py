@@ -33,6 +33,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import yaml
+
 # GPU types: memory (GiB; the field keeps its historical name) and the MIG profiles each supports:
 # name -> (compute slices, memory as the profile names it)
 GPU_TYPES: dict[str, dict] = {
@@ -453,8 +455,6 @@ def _strict_spread(group: Group, packing: Packing) -> list[dict]:
 
 
 def _dump(obj) -> str:
-    import yaml
-
     return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=120)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from server.control.planning.capacity import HOURS_PER_MONTH
 from server.tenancy.metering import DEFAULT_PRICES
 
@@ -51,8 +53,6 @@ class Reading:
 
 
 def readings(text: str) -> dict[str, Reading]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, Reading] = {}
     buckets: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):

@@ -14,6 +14,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from sqlalchemy.orm import Session
+
+from server import migrations
+from server.db import make_engine
+from server.control.registry.registry import AuditRecord
+
 log = logging.getLogger(__name__)
 
 
@@ -26,8 +32,6 @@ class AuditWriter:
 
     def _open(self):
         if self._engine is None:
-            from server import migrations
-            from server.db import make_engine
 
             engine = make_engine(self.url)
             migrations.upgrade(engine)
@@ -35,10 +39,6 @@ class AuditWriter:
         return self._engine
 
     def write_many(self, records: list[dict]) -> int:
-        from sqlalchemy.orm import Session
-
-        from server.control.registry.registry import AuditRecord
-
         rows = [
             AuditRecord(
                 at=dt.datetime.fromtimestamp(r.get("at") or 0, dt.timezone.utc), actor=str(r.get("actor") or "unknown")[:200],

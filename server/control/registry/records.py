@@ -16,6 +16,9 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+import fcntl
+
+import fsspec
 
 from server.control.registry.envelope import open_line, rewrap_line
 
@@ -38,8 +41,6 @@ class RecordFiles:
     """The files ``<root>/<prefix>*.jsonl`` of one kind of record."""
 
     def __init__(self, destination: str, prefix: str, keys=None):
-        import fsspec
-
         self.destination = destination
         self.prefix = prefix
         self.keys = keys
@@ -55,7 +56,6 @@ class RecordFiles:
         if not self.local:
             yield
             return
-        import fcntl
 
         os.makedirs(self.root, exist_ok=True)
         with open(os.path.join(self.root, ".lock"), "a") as handle:

@@ -39,6 +39,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+import datetime as dt
+
+from sqlalchemy import delete
+
+from server import migrations
+from server.db import make_engine
+from server.tenancy.store import UsageRow
+from server.control.registry.registry import AuditRecord
+from server.control.registry.records import RecordFiles
+from server.control.registry.envelope import KeyRing
+from server.control.registry.audit_buffer import AuditWriter
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +74,6 @@ class _Rows:
         self.url, self.column, self.as_datetime = url, column, as_datetime
 
     def purge_before(self, cutoff: float) -> int:
-        import datetime as dt
-
-        from sqlalchemy import delete
-
-        from server import migrations
-        from server.db import make_engine
-
         engine = make_engine(self.url)
         try:
             migrations.upgrade(engine)
@@ -85,21 +89,15 @@ class _Rows:
 
 
 def _usage_ts():
-    from server.tenancy.store import UsageRow
-
     return UsageRow.ts
 
 
 def _audit_at():
-    from server.control.registry.registry import AuditRecord
-
     return AuditRecord.at
 
 
 def _record_files(destination_setting: str, prefix: str):
     def factory(settings, keys):
-        from server.control.registry.records import RecordFiles
-
         return RecordFiles(getattr(settings, destination_setting), prefix, keys)
 
     return factory
@@ -127,8 +125,6 @@ def targets(settings, keys=None) -> dict[str, object]:
 
 
 def keys_for(settings):
-    from server.control.registry.envelope import KeyRing
-
     return KeyRing.from_settings(settings)
 
 
@@ -185,8 +181,6 @@ def purge_tenant(settings, tenant: str, actor: str, keys=None, audit=None) -> di
 
 
 def _audit_writer(settings):
-    from server.control.registry.audit_buffer import AuditWriter
-
     writer = AuditWriter(settings.database_url)
 
     def write(records):

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,16 +30,14 @@ from server.dataplane.generation import is_embedding
 from server.dataplane.signature import is_llm, version_key
 from server.errors import Conflict, DeployFailed, InferplaneError, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
-
-if TYPE_CHECKING:
-    from server.control.rollout.deployer import Deployer, DeployResult
+from server.control.rollout.results import DeployResult
 
 log = logging.getLogger(__name__)
 
 
 class CompositeDeployer:
-    def __init__(self, deployer: "Deployer"):
-        self.d = deployer
+    def __init__(self, deployer):
+        self.d = deployer  # the Deployer that owns this one (rollout/deployer.py; it imports this module)
 
     @property
     def dp(self):
@@ -129,9 +126,7 @@ class CompositeDeployer:
 
     # ---- what the deployer and the traffic controller call ------------------------------------
 
-    async def deploy(self, record: VersionRecord, options, actor: str, started: float) -> "DeployResult":
-        from server.control.rollout.deployer import DeployResult
-
+    async def deploy(self, record: VersionRecord, options, actor: str, started: float) -> DeployResult:
         name = record.name
         live = self.dp.live_version(name) if self.owns(name) else None
         reloaded = False
@@ -152,9 +147,7 @@ class CompositeDeployer:
             + (f"; {name}:{previous} stays installed for {self.d.grace_s:g}s" if previous and previous != record.version else ""),
         )  # fmt: skip
 
-    async def rollback(self, name: str, actor: str, started: float) -> "DeployResult":
-        from server.control.rollout.deployer import DeployResult
-
+    async def rollback(self, name: str, actor: str, started: float) -> DeployResult:
         ep = await asyncio.to_thread(self.d.registry.endpoint, name, 0)
         if ep.previous is None:
             raise Conflict(f"endpoint '{name}' has no previous version to roll back to")

@@ -30,7 +30,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ from server.errors import Conflict, DeployFailed, InferplaneError, InvalidReques
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.control.composition.composites import COMPOSITE_FORMAT  # a composite version deploys through CompositeDeployer
 from server.control.registry.registry import Registry, VersionRecord, parse_ref
+from server.control.rollout.composite_deployer import CompositeDeployer
+from server.control.rollout.results import DeployResult
+from server.control.registry.artifacts import artifact_store_for
 
 log = logging.getLogger(__name__)
 
@@ -172,22 +175,7 @@ def check_warmup(response: pb.ModelInferResponse, signature: Mapping[str, Any], 
     return ""
 
 
-# ---- results ----------------------------------------------------------------------------------
-
-
-@dataclass
-class DeployResult:
-    endpoint: str
-    version: int
-    previous: int | None
-    switch_ms: float  # from the call to the traffic switch (rollback: no reload inside the grace period)
-    total_ms: float
-    loaded_versions: list[int]
-    reloaded: bool  # Triton loaded something (False: only traffic moved)
-    message: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+# ---- per endpoint -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -221,7 +209,6 @@ class Deployer:
         self.placements = None
         self.budget_guard = None  # server.control.planning.budgets.BudgetGuard: refuses a deploy once a hard budget is spent
         self.targets = lambda: EMBEDDED  # the Tritons' observed backends and GPUs (Fleet.triton_targets)
-        from server.control.rollout.composite_deployer import CompositeDeployer
 
         self.composites = CompositeDeployer(self)  # composite endpoints deploy as one unit (server.control.rollout.composite_deployer)
 
@@ -598,8 +585,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def build_control_plane(settings, dataplane) -> tuple[Registry, Deployer]:
     """The registry (migrated to the newest schema) and the deployer for a running frontend."""
-    from server.control.registry.artifacts import artifact_store_for
-
     registry = Registry(settings.database_url, artifact_store_for(settings))
     deployer = Deployer(
         registry,

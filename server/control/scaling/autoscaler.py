@@ -35,8 +35,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
 from batching.autoscale_policy import HOLD, UP, WAKE, ZERO, Observation, PolicyState, ScalingConfig, SeasonalProfile, decide
 from server.errors import DeadlineExceeded, InferplaneError, InvalidRequest, ModelNotFound, ModelNotReady
+from server.tenancy.store import UsageRow
 
 log = logging.getLogger(__name__)
 
@@ -247,11 +251,6 @@ class Autoscaler:
         ep.profile.seed(points)
 
     def _usage_points(self, name: str) -> list[tuple[float, float]]:
-        from sqlalchemy import func, select
-        from sqlalchemy.orm import Session
-
-        from server.tenancy.store import UsageRow
-
         since = self._wall() - 4 * self.profile_period_s
         query = (
             select(UsageRow.ts, func.sum(UsageRow.requests)).where(UsageRow.model == name, UsageRow.ts >= since)

@@ -22,9 +22,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import aiohttp
+import grpc
+
 from batching.autoscale_policy import HOLD, Observation, ScalingConfig, SeasonalProfile, decide
 from server.control.scaling.autoscaler import EndpointScaler
 from server.errors import BackendUnavailable, InferplaneError
+from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+from server.protogen.inferplane.v1 import autoscale_pb2_grpc
+from server.tenancy.tls import frontend_channel
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +52,6 @@ class PrometheusSource:
         self.timeout_s = timeout_s
 
     async def _query(self, query: str) -> float:
-        import aiohttp
-
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
@@ -83,15 +87,9 @@ class FrontendSource:
         self._cache: tuple[float, dict] = (0.0, {})
 
     async def _signals(self) -> dict:
-        import grpc
-
-        from server.protogen.inferplane.v1 import autoscale_pb2 as apb
-        from server.protogen.inferplane.v1 import autoscale_pb2_grpc
-
         if time.monotonic() - self._cache[0] < 0.5:
             return self._cache[1]
         if self._channel is None:
-            from server.tenancy.tls import frontend_channel
 
             self._channel = frontend_channel(self.url, aio=True)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_*
         stub = autoscale_pb2_grpc.AutoscaleStub(self._channel)

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from google.protobuf.json_format import MessageToJson
+
 from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place
 from server.dataplane.capacity_policy import ON_DEMAND, SPOT, parse_capacity
 from server.dataplane.replicas import Member, ReplicaSet
@@ -215,8 +217,6 @@ class LocalExecutor:
         """Scale a model's Triton instances on every replica hosting it (load-with-config: the
         replica's config.pbtxt with another ``instance_group`` count; Triton swaps it in while the
         old instances keep serving)."""
-        from google.protobuf.json_format import MessageToJson
-
         if count < 1:
             raise InvalidRequest(f"instances must be >= 1, got {count}")
         hosts = [m for m in self._local() if model in m.wanted]

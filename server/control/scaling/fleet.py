@@ -29,6 +29,15 @@ from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaS
 from server.dataplane.triton_client import TritonClient
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
 from server.settings import Settings
+from server.runtime.local_replicas import LocalReplicaPool
+from server.control.scaling.autoscaler import Waker
+from server.control.scaling.signals import SignalSampler
+from server.control.scaling.autoscaler import Autoscaler
+from server.control.rollout.provisioning import Provisioner
+from server.control.scaling.scaling_store import ScalingStore
+from server.control.scaling.weight_cache import WeightCache
+from server.control.scaling.kubernetes_executor import KubernetesExecutor
+from server.tenancy.tls import channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +83,6 @@ class Fleet:
         pool = None
         groups = ModelGroups.load(s.model_groups_file) if s.model_groups_file else None
         if supervisor is not None:
-            from server.runtime.local_replicas import LocalReplicaPool
 
             pool = LocalReplicaPool(
                 s.model_repository, s.workdir, install=supervisor.install, startup_timeout=s.triton_startup_timeout_s,
@@ -140,8 +148,6 @@ class Fleet:
         """Models a group names that no replica serves yet (the group is at zero replicas, or its pods
         are starting): the table knows them as asleep, so their requests are held — counted in the
         group's queue gauge, which brings KEDA's first replica — until a replica serves them."""
-        from server.control.scaling.autoscaler import Waker
-
         if self.groups is None or self.dataplane is None:
             return
         for spec in self.groups.groups.values():
@@ -163,8 +169,6 @@ class Fleet:
 
     def attach_dataplane(self, dataplane, hooks, metrics) -> None:
         """Executor and signals: every serving process needs the signals (KEDA reads them)."""
-        from server.control.scaling.signals import SignalSampler
-
         self.dataplane = dataplane
         self.hooks = hooks
         self.replicas.on_change = self._hosting_changed
@@ -235,15 +239,9 @@ class Fleet:
             log.warning("reading memory needs from the registry failed: %s", err)
 
     def start_control(self, *, registry=None, deployer=None, usage_store=None) -> None:
-        from server.control.scaling.autoscaler import Autoscaler
-        from server.control.rollout.provisioning import Provisioner
-        from server.control.scaling.scaling_store import ScalingStore
-        from server.control.scaling.weight_cache import WeightCache
-
         s = self.settings
         executor = self.executor
         if executor is None and s.autoscale_executor == "kubernetes" and self.groups is not None:
-            from server.control.scaling.kubernetes_executor import KubernetesExecutor
 
             executor = self.executor = KubernetesGroupExecutor(KubernetesExecutor.from_settings(s), self.groups)
         if s.autoscale and executor is not None:
@@ -315,7 +313,6 @@ def client(settings: Settings, target: str, remote: bool = False) -> TritonClien
     settings' ``triton_tls_*`` say so (``server.tenancy.tls``: CA, client certificate, server name)."""
     tls = {}
     if remote and settings.triton_tls:
-        from server.tenancy.tls import channel_credentials
 
         tls = {"credentials": channel_credentials(settings), "server_name": settings.triton_tls_server_name or None}
     c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)

@@ -30,6 +30,7 @@ from server.control.typed.typed_compat import compare, is_breaking
 from server.control.typed.typed_schema import NoTypedApi, TypedSchema, from_model_signature, from_signature
 from server.control.typed.typed_store import TypedSchemaStore
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
+from server.control.registry.registry import check_signature
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,6 @@ class SchemaCatalog:
             return None
         if not signature:
             return None
-        from server.control.registry.registry import check_signature
 
         try:
             return check_signature(signature)

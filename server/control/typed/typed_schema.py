@@ -188,17 +188,6 @@ class TypedSchema:
     def label(self) -> str:
         return f"v{self.major}" + (f".{self.revision}" if self.revision else "")
 
-    def proto_text(self) -> str:
-        from server.control.typed.typed_proto import proto_text
-
-        return proto_text(self)
-
-    def file_descriptor(self):
-        """The ``google.protobuf.FileDescriptorProto`` of :meth:`proto_text` (what protoc makes of it)."""
-        from server.control.typed.typed_proto import file_descriptor
-
-        return file_descriptor(self)
-
 
 # ---- names -----------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from server.tenancy.identity import CallContext
 from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import TEXT, Body, Route, error_responses
 from server.transports.typed import typed_api
+from server.control.typed import typed_proto
 
 SCHEMA_HEADER = "x-inferplane-schema"  # e.g. "inferplane.models.fraud_xgboost.v1.FraudXgboostService v1"
 
@@ -22,7 +23,7 @@ async def model_proto(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     dp.authorize(CallContext.from_headers(request.headers), name)  # an ungranted model is an unknown one
     schema = await typed_api(dp).catalog.schema_for(name, request.match_info.get("version", ""))
-    return web.Response(text=schema.proto_text(), content_type="text/plain", charset="utf-8",
+    return web.Response(text=typed_proto.proto_text(schema), content_type="text/plain", charset="utf-8",
                         headers={SCHEMA_HEADER: f"{schema.service} {schema.label}"})  # fmt: skip
 
 

@@ -6,6 +6,7 @@ from server.control.typed.typed_catalog import parse_major
 from server.control.typed.typed_schema import TypedSchema
 from server.protogen.inferplane.v1 import admin_pb2
 from server.transports.typed import typed_api
+from server.control.typed import typed_proto
 
 
 def schema_info(schema: TypedSchema, state: str = "active") -> admin_pb2.TypedSchemaInfo:
@@ -22,7 +23,7 @@ async def get_model_proto(dataplane, request: admin_pb2.GetModelProtoRequest) ->
     majors = catalog.majors(request.name)
     state = "active" if schema.major in majors else "not served"
     served = [schema_info(s) for _, s in sorted(majors.items())]
-    return admin_pb2.GetModelProtoResponse(proto=schema.proto_text(), schema=schema_info(schema, state), served=served)
+    return admin_pb2.GetModelProtoResponse(proto=typed_proto.proto_text(schema), schema=schema_info(schema, state), served=served)
 
 
 async def retire_schema(dataplane, request: admin_pb2.RetireSchemaRequest, actor: str) -> admin_pb2.RetireSchemaResponse:

@@ -27,6 +27,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
 from server.control.typed.typed_schema import INT_BOUNDS, Field, Tensor, TypedSchema
+from server.dataplane import codecs
 from server.dataplane import codecs, wire
 from server.errors import InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb

@@ -26,6 +26,7 @@ from server.errors import BackendError, InferplaneError, InvalidRequest, Violati
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.transports.grpc.context import abort, call_context
 from server.transports.typed.codec import Codec
+from server.control.typed import typed_proto
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Built:
 
 def build(schema: TypedSchema) -> tuple[descriptor_pool.DescriptorPool, Codec]:
     pool = descriptor_pool.DescriptorPool()
-    pool.Add(schema.file_descriptor())
+    pool.Add(typed_proto.file_descriptor(schema))
     return pool, Codec(schema, pool)
 
 
