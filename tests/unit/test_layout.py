@@ -224,7 +224,6 @@ def _rooms() -> list[Path]:
 
 # rooms whose cycle another change removes (each entry must still have one: the test says when to drop it)
 CYCLES_PENDING = {
-    "server/dataplane": "the 9-module pipeline cycle: the data-plane part of issue 33 (backend protocol, port)",
     "server/transports": "openai <-> rest route tables: one composition root (issue 33, data-plane part)",
     "server/transports/openai": "batches <-> endpoints: the batch row runner moves beside the port (issue 33)",
     "server/transports/rest": "endpoints assembles every route table (issue 33, one composition root)",

@@ -31,6 +31,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from server.control.rollout.arm_reports import ArmReporter
+from server.control.scaling.autoscaler import Waker
 from server.control.scaling.signal_reports import SignalReporter
 from server.control.service.desired_state import CHANNEL, DesiredStateStore, changes, route_snapshot
 from server.control.service.leader import holder_id
@@ -145,8 +146,6 @@ class StateWatcher:
 
     def _sleep(self, name: str, budget_s: float) -> None:
         """The leader scaled ``name`` to zero: requests for it are held here from now."""
-        from server.control.scaling.autoscaler import Waker
-
         if name in self.wakers and name not in self.held:
             return  # this process's own waker (a model group's): it knows when its model is served
         waker = self.wakers.get(name)
