@@ -8,6 +8,7 @@ on both transports.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +34,8 @@ class InferplaneError(Exception):
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
+        if self.retry_after_s is not None and not math.isfinite(self.retry_after_s):
+            self.retry_after_s = None  # no wait would help (a limit of 0): a refusal without a retry hint
 
     @property
     def reason(self) -> str:

@@ -78,6 +78,18 @@ def test_retry_hint_on_both_transports():
     assert headers["Retry-After"] == "1"
 
 
+@pytest.mark.parametrize("never", [float("inf"), float("nan")])
+def test_a_refusal_no_wait_would_help_renders_without_a_retry_hint_on_both_transports(never):
+    err = e.Overloaded("quota of 0", retry_after_s=never)
+    status = e.grpc_status(err)
+    meta = dict(status.trailing_metadata)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry-after" not in meta
+    rich = status_pb2.Status.FromString(meta["grpc-status-details-bin"])
+    assert not any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in rich.details)
+    code, _, headers = e.http_error(err)
+    assert code == 429 and "Retry-After" not in headers
+
+
 def test_triton_statuses_map_back_to_domain_errors():
     from server.dataplane.backend_errors import ConnectionLost, NotSent, backend_error, stream_error
 
