@@ -91,6 +91,7 @@ def test_up_and_down_keep_the_data_of_a_populated_database(db_url, tmp_path):
         try:
             old = registry.get("m", 1)
             assert old.sha256 == digest and old.artifact_signature is None and old.owner_team == "t"
+            assert old.content_sha256 == digest  # 0015 filled it in: a version without companions is its artifact
             v2, created = registry.register("m", lightgbm(3), signature=SIGNATURE, parent="m:1")
             assert created and v2.version == 2
             registry.record_deployment("m", "m", 2, {}, "alice")
