@@ -52,7 +52,7 @@ from server.db import display_url, make_engine, session_factory
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, PermissionDenied, Violation
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-COMPANION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.(json|txt|model|safetensors)$")
+COMPANION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.(json|txt|jinja|model|safetensors)$")
 # an LLM's tensors (the engine adapter's, model_repository/llm.py): a safetensors version registered without a signature
 LLM_SIGNATURE = {
     "inputs": [{"name": n, "datatype": "BYTES", "dims": [1]} for n in ("text_input", "messages", "parameters")],
@@ -426,7 +426,7 @@ class Registry:
         companions = dict(companions or {})
         for cname, cdata in companions.items():
             if not COMPANION.match(cname):
-                raise InvalidRequest(f"companion file name {cname!r} must be a plain .json/.txt/.model/.safetensors name")
+                raise InvalidRequest(f"companion file name {cname!r} must be a plain .json/.txt/.jinja/.model/.safetensors name")
             _check_companion(cdata, cname)
         if companions and fmt != safe_formats.SAFETENSORS:
             raise InvalidRequest("companion files (config, tokenizer) belong to safetensors models only")

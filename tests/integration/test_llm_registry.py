@@ -128,13 +128,13 @@ def test_the_llm_deploys_to_the_cpu_engine_and_answers_the_openai_sdk(llm_regist
 
 def test_a_second_version_is_canaried_then_rolled_back(llm_registry_stack, admin, traffic, client):
     stable = _answer(client)
-    started = traffic.SetCanary(tpb.SetCanaryRequest(name=NAME, version=2, percent=50, interval_s=600, window_s=60), metadata=ACTOR)
+    started = traffic.SetCanary(tpb.SetCanaryRequest(name=NAME, version=2, percent=50, interval_s=600, window_s=60), metadata=ACTOR).policy
     assert (started.kind, started.status, started.live) == ("canary", "active", "1")
     assert sorted(read_config(llm_registry_stack.repository / NAME).version_policy.specific.versions) == [1, 2]
     answers = [_answer(client) for _ in range(10)]
     canary = {a for a in answers if a != stable}
     assert len(canary) == 1 and answers.count(stable) == 5, answers  # half the calls, the other weights
-    ended = traffic.Rollback(tpb.TrafficRollbackRequest(name=NAME), metadata=ACTOR)
+    ended = traffic.Rollback(tpb.TrafficRollbackRequest(name=NAME), metadata=ACTOR).policy
     assert ended.status == "rolled_back"
     assert {_answer(client) for _ in range(4)} == {stable}
 

@@ -228,3 +228,12 @@ def test_a_signed_llm_signs_its_content_digest(registry):
     record, created = registry.register("signed_chat", weights, companions=companions, owner_team="nlp", artifact_signature=sign_digest(private, digest))
     assert created and record.signing_key_id
     registry.verify_signed("signed_chat", 1)
+
+
+def test_a_chat_template_and_a_text_vocabulary_are_companions_a_pickle_named_txt_is_not(registry):
+    template = b"{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    record, _ = registry.register("chat", _safetensors(), companions={"config.json": b"{}", "chat_template.jinja": template, "merges.txt": b"a b\n"})
+    assert sorted(record.companions) == ["chat_template.jinja", "config.json", "merges.txt"]
+    assert registry.store.get(record.companions["chat_template.jinja"]) == template
+    with pytest.raises(UnsafeArtifact, match="plain text"):
+        registry.register("chat", _safetensors(2), companions={"vocab.txt": pickle.dumps({"a": 1})})
