@@ -14,6 +14,14 @@ traffic in one assignment: ``dataplane.routes[NAME] = VERSION``.
 same single assignment (no reload). Each endpoint has its own lock; nothing here touches another
 endpoint's model, so deploying one model never disturbs another's traffic.
 
+An LLM (a safetensors version with its config and tokenizer as companions) deploys the same way:
+its files are materialized into ``NAME/VERSION/hf/``, the config is its engine's (the engine adapter
+``llm_engine.py`` with the version's engine settings from its hardware metadata, the CPU engine or
+vLLM from ``.venv-vllm``; or the native ``vllm`` / ``tensorrtllm`` backend where a Triton has it,
+``tensor_parallel`` from ``gpus=N``), and the warm-up is a short greedy generation pinned to the new
+version (``DataPlane.backend_generate``). Canary, rollback and expiry need nothing more.
+``install`` writes a version into the repository before Triton starts (``inferplane demo build``).
+
 Process and network calls go through the DataPlane (``load_model``, ``triton.infer_raw``); the
 config/version planning below is pure.
 """
@@ -344,6 +352,28 @@ class Deployer:
             total_ms=(self.clock() - started) * 1000.0, loaded_versions=sorted(st.loaded), reloaded=reloaded,
             message=f"{name}:{record.version} is live" + (f" ({name}:{live} stays loaded for {self.grace_s:g}s)" if live and live != record.version else "") + typed,
         )  # fmt: skip
+
+    def install(self, ref: str, options: Mapping[str, Any] | None = None, actor: str = "") -> VersionRecord:
+        """Deploy ``ref`` into the repository while no Triton runs (``inferplane demo build``): the
+        version materialized from the store (digest-verified) as ``deploy`` does, the config listing
+        it alone, the deployment recorded (once: installing the live version again records nothing);
+        the frontend's ``start`` routes the endpoint to it once Triton has loaded it."""
+        name, version = parse_ref(ref)
+        record = self.registry.get(name, version)
+        self.registry.verify_signed(name, record.version)
+        serving = serving_from(options)
+        choice = self.choice_for(record)
+        config = self.config_for(name, record, serving, [record.version], choice)
+        self._materialize(record, self.repository / name / str(record.version))
+        _write_atomic(self.repository / name / CONFIG_FILE, to_text(config).encode())
+        try:
+            live = self.registry.endpoint(name, 0).live
+        except ModelNotFound:
+            live = None
+        if live != record.version:
+            self.registry.record_deployment(name, name, record.version, serving_dict(serving), actor)
+        self.registry.audit(actor, "deploy", record.ref, "ok", "installed into the repository before Triton starts")
+        return record
 
     async def _typed_schema(self, name: str, record: VersionRecord, actor: str) -> str:
         """The typed API's schema after the switch: checked against the live one (a breaking change
