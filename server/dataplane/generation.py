@@ -17,6 +17,7 @@ that has streamed sends it inside the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -243,8 +244,9 @@ class LLMService:
         admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter)
         async with admitted as call:
             if not ctx.idempotency_key:
-                async for chunk in self._generate(call, ctx, model, adapter, params):
-                    yield chunk
+                async with contextlib.aclosing(self._generate(call, ctx, model, adapter, params)) as chunks:  # a caller gone: the engine stops now
+                    async for chunk in chunks:
+                        yield chunk
                 return
 
             async def run() -> bytes:
