@@ -306,3 +306,19 @@ async def test_an_llm_deploys_to_the_native_vllm_backend_with_tensor_parallel_fr
     assert args["tensor_parallel_size"] == 2 and args["model"] == str(repo / "chat" / "1" / "hf")
     assert not (repo / "chat" / "1" / "model.py").exists() and (repo / "chat" / "1" / "hf" / "model.safetensors").is_file()
     await deployer.stop()
+
+async def test_install_deploys_an_llm_into_the_repository_before_triton_starts_and_start_routes_it(deploy_setup):
+    from model_repository.config_writer import read_config
+
+    registry, deployer, repo = deploy_setup
+    registry.register("chat", _llm_weights(), companions={"config.json": b"{}"}, hardware={"max_loras": 4})
+    record = deployer.install("chat", actor="demo")
+    assert record.version == 1 and (repo / "chat" / "1" / "hf" / "model.safetensors").is_file()
+    config = read_config(repo / "chat")
+    assert list(config.version_policy.specific.versions) == [1] and config.parameters["max_loras"].string_value == "4"
+    deployer.install("chat:1", actor="demo")  # again (the next demo build): no second deployment on the stack
+    assert [d.version for d in registry.endpoint("chat").history] == [1]
+    await deployer.dp.load_model("chat")  # what Triton does at start with the repository
+    await deployer.start()
+    assert deployer.dp.live_version("chat") == "1"
+    await deployer.stop()
