@@ -74,10 +74,11 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def install_adapter(version_dir: Path, adapter: str, *helpers: str) -> None:
-    """Copy the Python-backend adapter ``adapter`` into ``version_dir`` as ``model.py``, with
-    ``_common.py`` (the artifact digest check every adapter runs) and ``helpers`` beside it."""
-    shutil.copyfile(ADAPTERS_DIR / adapter, version_dir / "model.py")
+def install_adapter(version_dir: Path, adapter: str, *helpers: str, entry: str = "model.py") -> None:
+    """Copy the Python-backend adapter ``adapter`` into ``version_dir`` as ``entry`` (``model.py``),
+    with ``_common.py`` (the artifact digest check every adapter runs) and ``helpers`` beside it."""
+    version_dir = Path(version_dir)
+    shutil.copyfile(ADAPTERS_DIR / adapter, version_dir / entry)
     for name in ("_common.py", *helpers):
         shutil.copyfile(ADAPTERS_DIR / name, version_dir / name)
 

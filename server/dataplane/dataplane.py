@@ -94,6 +94,11 @@ class DataPlane:
         return self._router
 
     @property
+    def idempotency(self):
+        """The idempotency store (MemoryIdempotency or RedisIdempotency) keyed calls answer once through."""
+        return self._idempotency
+
+    @property
     def observer(self):
         """server.dataplane.observe.Observer: the sampled copies the drift monitor and payload log read."""
         return self._pipeline.observer
@@ -242,6 +247,11 @@ class DataPlane:
         """A call to Triton that is nobody's request — a deploy's warm-up, a shadow copy: outside the
         pipeline, so it is neither charged, metered, counted nor queued."""
         return await self._backend.infer_raw(raw, timeout)
+
+    async def backend_generate(self, name: str, version: str, prompt: str, max_tokens: int, timeout: float | None = None) -> str:
+        """A generation that is nobody's request (an LLM deploy's warm-up), pinned to ``version``:
+        outside the pipeline like ``backend_infer``; the engine's text."""
+        return await self.llm.warm_up(name, version, prompt, max_tokens, timeout)
 
     # ---- who may see what -----------------------------------------------------------------
 

@@ -17,13 +17,14 @@ that has streamed sends it inside the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from batching.route_policy import prefix_key
 from server.dataplane import codecs
 from server.dataplane.backend import Backend
 from server.dataplane.backend_errors import stream_error
+from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.observe import token_clock
 from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.port import ModelPort
@@ -222,6 +224,11 @@ class LLMService:
         completion tokens the engine last reported are charged to the token quota, and a generation
         sent to the engine is metered (those tokens and the engine's wall time): a caller that
         leaves mid-stream still pays for what was generated.
+
+        With an idempotency key (``server.dataplane.idempotency``, scoped by tenant) the same key and
+        body answer once: the first generation runs to its end and its chunks are kept; a repeat
+        (or a duplicate arriving meanwhile) gets those chunks without a second generation, a repeat
+        with another body is refused. A keyed stream's chunks arrive when the generation is done.
         """
         ctx = ctx if ctx is not None else CallContext()
         model, adapter = split_adapter(model)
@@ -232,81 +239,119 @@ class LLMService:
                 raise InvalidRequest("send exactly one of messages and prompt")
 
         texts = _prompt_texts(params) if self._pipeline.safety is not None else None
+        body = _body(model, adapter, params)  # the caller's request, before the deadline is filled in
         admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter)
         async with admitted as call:
-            stream = span = screen = None
-            try:
-                screen = self._pipeline.output_stream(call)  # the endpoint's output filters (server.dataplane.safety)
-                timeout = call.timeout
-                if timeout is not None and params.deadline_ms is None:
-                    params.deadline_ms = max(1.0, timeout * 1000.0)
-                request_id = header(ctx, REQUEST_ID_HEADER) or uuid.uuid4().hex  # the caller's id names it in A/B feedback
-                request = pb.ModelInferRequest(model_name=model, model_version=call.version if call.routed else "", id=request_id)
-                if params.messages is not None:
-                    _bytes_input(request, "messages", json.dumps(params.messages))
-                else:
-                    _bytes_input(request, "text_input", params.prompt)
-                _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
-                principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
-                request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
-                if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
-                    request.parameters[ADAPTER_PARAMETER].string_param = adapter
-                call.request = request
-                # a little slack past the engine's own deadline, so the engine reports it
-                span, metadata = self._trace_call(call)
-                stream_timeout = None if timeout is None else timeout + 5.0
-                affinity = prefix_key(params.messages, params.prompt, self.prefix_chars)  # replicas route by it
-                if affinity and adapter:  # an adapter's KV is its own: its prefix cache is apart from the base model's
-                    affinity = f"{adapter}/{affinity}"
-                stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
-                call.computed = True
-                call.dispatched_at = time.perf_counter()
-                clock = token_clock(self._pipeline.observer, call)  # TTFT, inter-token latency, tokens/s
-                def where() -> str:  # read only when it stalls
-                    return f"after {call.tokens_out} tokens of {model}"
+            if not ctx.idempotency_key:
+                async with contextlib.aclosing(self._generate(call, ctx, model, adapter, params)) as chunks:  # a caller gone: the engine stops now
+                    async for chunk in chunks:
+                        yield chunk
+                return
 
-                async for outputs in within_stall(_stream_outputs(stream, request), self.stall_s, where):
-                    if "info" not in outputs:
-                        continue  # an empty final flag
-                    text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
-                    info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
-                    call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
-                    call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
-                    clock.tokens(call.tokens_out, time.perf_counter())
-                    reason = info.get("finish_reason")
-                    if "kv_utilization" in info:  # a replica set scores its members by it
-                        stream.report_kv(info["kv_utilization"])
-                    if reason is not None:
-                        call.compute_s = time.perf_counter() - call.dispatched_at
-                        clock.finish()
-                    if reason == "deadline":
-                        raise DeadlineExceeded(f"the request's deadline passed after {call.tokens_out} tokens")
-                    if reason == "cancelled":
-                        raise Cancelled("the generation was cancelled")
-                    if reason == "error":
-                        raise stream_error(info.get("error", "engine error"))
-                    chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
-                    if screen is not None:
-                        chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        return
-                raise BackendError("the model ended the stream without a final response")
-            except GenerationStalled:
-                self._pipeline.metrics.generation_stalls.labels(model).inc()
-                log.warning("generation of %s stalled after %d tokens (no output for %gs): cancelled", model, call.tokens_out, self.stall_s)
-                raise
-            except (InferplaneError, asyncio.CancelledError, GeneratorExit):
-                raise
-            except Exception as err:
-                raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
-            finally:
+            async def run() -> bytes:
+                chunks = [asdict(chunk) async for chunk in self._generate(call, ctx, model, adapter, params)]
+                return json.dumps(chunks).encode()
+
+            answer = await self._dp.idempotency.run(scoped(call.tenant.name, ctx.idempotency_key), body_digest(body), run, call.timeout)
+            for chunk in json.loads(answer):
+                yield Chunk(**chunk)
+
+    async def _generate(self, call, ctx: CallContext, model: str, adapter: str, params: GenerateParams) -> AsyncIterator[Chunk]:
+        """The admitted ``call``'s generation: the engine's chunks, through the endpoint's output filters."""
+        stream = span = screen = None
+        try:
+            screen = self._pipeline.output_stream(call)  # the endpoint's output filters (server.dataplane.safety)
+            timeout = call.timeout
+            if timeout is not None and params.deadline_ms is None:
+                params.deadline_ms = max(1.0, timeout * 1000.0)
+            request_id = header(ctx, REQUEST_ID_HEADER) or uuid.uuid4().hex  # the caller's id names it in A/B feedback
+            request = pb.ModelInferRequest(model_name=model, model_version=call.version if call.routed else "", id=request_id)
+            if params.messages is not None:
+                _bytes_input(request, "messages", json.dumps(params.messages))
+            else:
+                _bytes_input(request, "text_input", params.prompt)
+            _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
+            principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
+            request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
+            if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
+                request.parameters[ADAPTER_PARAMETER].string_param = adapter
+            call.request = request
+            # a little slack past the engine's own deadline, so the engine reports it
+            span, metadata = self._trace_call(call)
+            stream_timeout = None if timeout is None else timeout + 5.0
+            affinity = prefix_key(params.messages, params.prompt, self.prefix_chars)  # replicas route by it
+            if affinity and adapter:  # an adapter's KV is its own: its prefix cache is apart from the base model's
+                affinity = f"{adapter}/{affinity}"
+            stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
+            call.computed = True
+            call.dispatched_at = time.perf_counter()
+            clock = token_clock(self._pipeline.observer, call)  # TTFT, inter-token latency, tokens/s
+            def where() -> str:  # read only when it stalls
+                return f"after {call.tokens_out} tokens of {model}"
+
+            async for outputs in within_stall(_stream_outputs(stream, request), self.stall_s, where):
+                if "info" not in outputs:
+                    continue  # an empty final flag
+                text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
+                info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
+                call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
+                call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
+                clock.tokens(call.tokens_out, time.perf_counter())
+                reason = info.get("finish_reason")
+                if "kv_utilization" in info:  # a replica set scores its members by it
+                    stream.report_kv(info["kv_utilization"])
+                if reason is not None:
+                    call.compute_s = time.perf_counter() - call.dispatched_at
+                    clock.finish()
+                if reason == "deadline":
+                    raise DeadlineExceeded(f"the request's deadline passed after {call.tokens_out} tokens")
+                if reason == "cancelled":
+                    raise Cancelled("the generation was cancelled")
+                if reason == "error":
+                    raise stream_error(info.get("error", "engine error"))
+                chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
                 if screen is not None:
-                    screen.close()
-                if stream is not None:
-                    stream.cancel()
-                    if span is not None:
-                        self._pipeline.tracing.end_call(span)
+                    chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+            raise BackendError("the model ended the stream without a final response")
+        except GenerationStalled:
+            self._pipeline.metrics.generation_stalls.labels(model).inc()
+            log.warning("generation of %s stalled after %d tokens (no output for %gs): cancelled", model, call.tokens_out, self.stall_s)
+            raise
+        except (InferplaneError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as err:
+            raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
+        finally:
+            if screen is not None:
+                screen.close()
+            if stream is not None:
+                stream.cancel()
+                if span is not None:
+                    self._pipeline.tracing.end_call(span)
+
+    async def warm_up(self, model: str, version: str, prompt: str, max_tokens: int, timeout: float | None = None) -> str:
+        """Generate from ``model:version`` outside the pipeline (``DataPlane.backend_generate``); its text."""
+        request = pb.ModelInferRequest(model_name=model, model_version=version, id="inferplane-warmup")
+        _bytes_input(request, "text_input", prompt)
+        _bytes_input(request, "parameters", json.dumps({"max_tokens": int(max_tokens), "temperature": 0.0}))
+        stream = self._backend.stream_raw(timeout=timeout, model=model)
+        parts = []
+        try:
+            async for outputs in _stream_outputs(stream, request):
+                if "info" not in outputs:
+                    continue
+                parts.append(bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8"))
+                info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
+                if info.get("finish_reason") == "error":
+                    raise stream_error(info.get("error", "engine error"))
+                if info.get("finish_reason") is not None:
+                    return "".join(parts)
+        finally:
+            stream.cancel()
+        raise BackendError("the model ended the stream without a final response")
 
     def _trace_call(self, call):
         """(span, metadata) of a traced generation's Triton stream; (None, None) untraced."""
@@ -370,6 +415,12 @@ class LLMService:
             vectors.append(outputs[EMBEDDING_OUTPUT].reshape(len(batch), -1))
             tokens += _tokens(outputs)
         return np.concatenate(vectors, axis=0), tokens
+
+
+def _body(model: str, adapter: str, params: GenerateParams) -> bytes:
+    """What an idempotency key covers: the model, the prompt and the sampling parameters."""
+    doc = {"model": model, "adapter": adapter, "messages": params.messages, "prompt": params.prompt, "parameters": params.engine_parameters()}
+    return json.dumps(doc, sort_keys=True).encode()
 
 
 def _prompt_texts(params: GenerateParams):

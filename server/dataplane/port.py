@@ -16,6 +16,11 @@ from server.tenancy.identity import CallContext
 
 
 class ModelPort(Protocol):
+    @property
+    def idempotency(self) -> Any:
+        """Where keyed requests' answers are kept (``server.dataplane.idempotency``): a keyed
+        generation runs once per tenant, key and body."""
+
     async def infer(
         self, request: pb.ModelInferRequest, raw: bytes | None = None, timeout: float | None = None, ctx: CallContext | None = None,
         count_tokens: Callable[[bytes], int] | None = None,

@@ -55,6 +55,8 @@ def llm_tenancy(llm_repository, tmp_path_factory):
         "stream_one": dict(model_quotas={MODEL: Quota(concurrency=1)}),
         "paying": dict(plan="premium"),
         "freeloader": dict(plan="free"),
+        "keyed": {},
+        "keyed_other": {},
     }
     models = [MODEL, EMBEDDINGS, LLM_BUDGET_MODEL]
     keys = {name: store.create_key(name, pepper, team=f"team-{name}", models=models, **fields)[1] for name, fields in tenants.items()}
@@ -222,6 +224,46 @@ def test_chat_and_generate_are_metered_with_input_and_output_tokens(llm_tenancy)
     assert out.returncode == 0, out.stderr
     report = {r["tenant"]: r for r in json.loads(out.stdout)}
     assert (report["metered"]["input_tokens"], report["metered"]["output_tokens"]) == (row["input_tokens"], 19)
+
+
+def test_a_generation_with_an_idempotency_key_answers_once_per_tenant(llm_tenancy):
+    """Same key + same body: the same answer, no second generation (the tenant's metered output tokens
+    are the first answer's); a streamed repeat replays it; another body under the key is refused;
+    another tenant with the key gets an answer of its own."""
+    body = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=1.0, extra_body={"ignore_eos": True})
+    key = {"Idempotency-Key": "order-4711"}
+    client, other = _client(llm_tenancy, "keyed"), _client(llm_tenancy, "keyed_other")
+    try:
+        first = client.chat.completions.create(**body, extra_headers=key)
+        again = client.chat.completions.create(**body, extra_headers=key)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True, extra_headers=key) if c.choices)
+        fresh = client.chat.completions.create(**body)  # no key: a generation of its own
+        with pytest.raises(openai.APIStatusError) as reused:
+            client.chat.completions.create(**{**body, "max_tokens": 23}, extra_headers=key)
+        theirs = [other.chat.completions.create(**body, extra_headers=key).choices[0].message.content for _ in range(2)]
+    finally:
+        client.close()
+        other.close()
+    text = first.choices[0].message.content
+    assert first.usage.completion_tokens == 24 and again.choices[0].message.content == text and streamed == text
+    assert reused.value.status_code in (409, 422) and "idempotency key" in reused.value.message
+    assert theirs[0] == theirs[1] and theirs[0] != text  # sampled at temperature 1: another generation, once
+    assert fresh.choices[0].message.content != text
+    # a replay is no generation: the tenants' metered output tokens are their generations' only
+    assert _output_tokens(llm_tenancy, "keyed", 24 * 2) == 24 * 2  # the first answer and the unkeyed one
+    assert _output_tokens(llm_tenancy, "keyed_other", 24) == 24
+
+
+def _output_tokens(stack, tenant: str, at_least: int) -> int:
+    """The tenant's metered output tokens once at least ``at_least`` are in the database."""
+
+    def flushed():
+        row = next((r for r in stack.store.usage("tenant") if r["tenant"] == tenant), None)
+        return row["output_tokens"] if row is not None and row["output_tokens"] >= at_least else None
+
+    tokens = wait_until(flushed, timeout=FLUSH_WAIT_S)
+    assert tokens, f"fewer than {at_least} output tokens metered for {tenant}: {stack.store.usage('tenant')}"
+    return tokens
 
 
 def test_embeddings_are_metered_with_their_input_tokens(llm_tenancy):

@@ -14,7 +14,7 @@ from model_repository.adapters._common import session_providers
 from model_repository.config_writer import ServingConfig, to_text
 from server.control.registry import backend_configs as bc
 from server.control.registry import safe_formats as sf
-from server.errors import Conflict, entry
+from server.errors import Conflict, DeployFailed, entry
 from server.protogen.inference import model_config_pb2
 
 SIG = {"inputs": [{"name": "features", "datatype": "FP32", "dims": [4]}], "outputs": [{"name": "score", "datatype": "FP32", "dims": [1]}]}
@@ -115,6 +115,25 @@ def test_an_llm_on_cpu_runs_our_engine_adapter():
     assert (choice.backend, choice.adapter, choice.kind) == ("python", "llm_engine.py", "KIND_CPU")
     with pytest.raises(ValueError):
         bc.llm_engine_config("chat", [1], choice, "/x")
+    config = parsed(bc.llm_adapter_config("chat", [2, 1], choice, {"kv_cache_memory": "16MiB", "max_loras": 4, "gpus": 0}))
+    assert config.backend == "python" and config.model_transaction_policy.decoupled and config.max_batch_size == 0
+    assert list(config.version_policy.specific.versions) == [1, 2]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert (params["engine"], params["kv_cache_memory"], params["max_loras"], params["tensor_parallel"]) == ("cpu", "16MiB", "4", "1")
+    assert "artifact_sha256" not in params  # each version's digest is pinned by the deployer's shim, not the shared config
+    assert {t.name for t in config.input} == {"text_input", "messages", "parameters"} and {t.name for t in config.output} == {"text_output", "info"}
+    with pytest.raises(Conflict, match="max_loras"):
+        bc.llm_adapter_config("chat", [1], choice, {"max_loras": "many"})
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_vllm_without_the_native_backend_runs_through_the_engine_adapter_with_tensor_parallel(gpus):
+    two = bc.TritonTarget("two-py", frozenset({"python"}), gpus=2)
+    choice = bc.choose(sf.SAFETENSORS, {"gpus": gpus, "engine": "vllm"}, [CPU, two])
+    assert (choice.backend, choice.adapter, choice.engine, choice.replicas) == ("python", "llm_engine.py", "vllm", ("two-py",))
+    params = parsed(bc.llm_adapter_config("chat", [1], choice, {"gpus": gpus})).parameters
+    assert (params["engine"].string_value, params["tensor_parallel"].string_value) == ("vllm", str(gpus))
+    assert bc.choose(sf.SAFETENSORS, {"engine": "auto"}, [CPU]).engine == "auto"
 
 
 @pytest.mark.parametrize(
@@ -233,14 +252,73 @@ async def test_a_plan_goes_to_the_plan_adapter_on_a_gpu_triton_without_tensorrt(
     await deployer.stop()
 
 
-async def test_an_llm_version_is_refused_by_the_deployer_with_why(deploy_setup, tmp_path):
+def _llm_weights() -> bytes:
     import struct
 
-    registry, deployer, repo = deploy_setup
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
-    weights = struct.pack("<Q", len(header)) + header + bytes(16)
-    signature = {"inputs": [{"name": "text_input", "datatype": "BYTES", "dims": [1]}], "outputs": [{"name": "text_output", "datatype": "BYTES", "dims": [1]}]}
-    registry.register("chat", weights, signature=signature, companions={"config.json": b"{}"})
-    with pytest.raises(Conflict, match="does not deploy LLMs from the registry yet"):
+    return struct.pack("<Q", len(header)) + header + bytes(16)
+
+
+async def test_an_llm_version_deploys_to_the_engine_adapter_with_its_companions_in_one_folder(deploy_setup):
+    from model_repository.config_writer import read_config
+
+    registry, deployer, repo = deploy_setup
+    record, _ = registry.register("chat", _llm_weights(), companions={"config.json": b"{}", "tokenizer.json": b'{"v": 1}'}, hardware={"kv_cache_memory": "16MiB"})
+    result = await deployer.deploy("chat:1")
+    assert result.version == 1 and deployer.dp.generated == [("chat", "1")]  # warmed with a generation pinned to it
+    config = read_config(repo / "chat")
+    assert config.backend == "python" and config.model_transaction_policy.decoupled
+    assert config.parameters["engine"].string_value == "cpu" and config.parameters["kv_cache_memory"].string_value == "16MiB"
+    version = repo / "chat" / "1"
+    assert {p.name for p in (version / "hf").iterdir()} == {"model.safetensors", "config.json", "tokenizer.json"}
+    assert (version / "hf" / "tokenizer.json").read_bytes() == b'{"v": 1}'
+    assert {"model.py", "_adapter.py", "_common.py", "_llm_core.py", "_vllm_core.py", "_lora.py", "kv_budget.py", "llm_scheduler.py"} <= {p.name for p in version.iterdir()}
+    assert "class TritonPythonModel" in (version / "_adapter.py").read_text() and "llm" in (version / "_adapter.py").read_text()
+    pinned = json.loads((version / "inferplane_version.json").read_text())
+    assert (pinned["artifact"], pinned["sha256"]) == ("hf", record.sha256)
+    await deployer.stop()
+
+
+async def test_an_llm_whose_warm_up_generation_fails_is_not_deployed(deploy_setup):
+    registry, deployer, repo = deploy_setup
+    registry.register("chat", _llm_weights(), companions={"config.json": b"{}"})
+    original = deployer._materialize
+
+    def materialize(record, version_dir):
+        original(record, version_dir)
+        (version_dir / "FAIL_WARMUP").write_text("")
+
+    deployer._materialize = materialize
+    with pytest.raises(DeployFailed, match="warm-up generation"):
         await deployer.deploy("chat:1")
-    assert not (repo / "chat").exists()
+    assert deployer.dp.live_version("chat") is None and not (repo / "chat").exists()
+
+
+async def test_an_llm_deploys_to_the_native_vllm_backend_with_tensor_parallel_from_its_gpus(deploy_setup):
+    from model_repository.config_writer import read_config
+
+    registry, deployer, repo = deploy_setup
+    deployer.targets = lambda: [CPU, GPU_FULL]
+    registry.register("chat", _llm_weights(), companions={"config.json": b"{}"}, hardware={"gpus": 2, "engine": "vllm"})
+    await deployer.deploy("chat:1")
+    assert read_config(repo / "chat").backend == "vllm"
+    args = json.loads((repo / "chat" / "1" / "model.json").read_text())
+    assert args["tensor_parallel_size"] == 2 and args["model"] == str(repo / "chat" / "1" / "hf")
+    assert not (repo / "chat" / "1" / "model.py").exists() and (repo / "chat" / "1" / "hf" / "model.safetensors").is_file()
+    await deployer.stop()
+
+async def test_install_deploys_an_llm_into_the_repository_before_triton_starts_and_start_routes_it(deploy_setup):
+    from model_repository.config_writer import read_config
+
+    registry, deployer, repo = deploy_setup
+    registry.register("chat", _llm_weights(), companions={"config.json": b"{}"}, hardware={"max_loras": 4})
+    record = deployer.install("chat", actor="demo")
+    assert record.version == 1 and (repo / "chat" / "1" / "hf" / "model.safetensors").is_file()
+    config = read_config(repo / "chat")
+    assert list(config.version_policy.specific.versions) == [1] and config.parameters["max_loras"].string_value == "4"
+    deployer.install("chat:1", actor="demo")  # again (the next demo build): no second deployment on the stack
+    assert [d.version for d in registry.endpoint("chat").history] == [1]
+    await deployer.dp.load_model("chat")  # what Triton does at start with the repository
+    await deployer.start()
+    assert deployer.dp.live_version("chat") == "1"
+    await deployer.stop()

@@ -186,3 +186,54 @@ def test_any_fsspec_url_is_a_store():
     store = ArtifactStore(f"memory://inferplane-{uuid.uuid4().hex}")
     digest = store.put(b"abc")
     assert store.exists(digest) and store.get(digest) == b"abc"
+
+
+def _safetensors(fill: int = 0) -> bytes:
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    return struct.pack("<Q", len(header)) + header + bytes([fill]) * 16
+
+
+def test_an_llms_companions_are_part_of_its_version_digest(registry):
+    from server.control.registry.artifacts import content_digest
+    from server.control.registry.registry import LLM_SIGNATURE
+
+    weights, config = _safetensors(), b'{"architectures": ["LlamaForCausalLM"]}'
+    first, created = registry.register("chat", weights, companions={"config.json": config, "tokenizer.json": b'{"v": 1}'})
+    assert created and first.signature["outputs"] == LLM_SIGNATURE["outputs"]  # an LLM speaks the engine's tensors
+    assert first.content_sha256 == content_digest(sha256_bytes(weights), {"config.json": sha256_bytes(config), "tokenizer.json": sha256_bytes(b'{"v": 1}')})
+    assert first.content_sha256 != first.sha256
+    again, created = registry.register("chat", weights, companions={"tokenizer.json": b'{"v": 1}', "config.json": config})
+    assert (again.version, created) == (1, False)  # the same files: the same version
+    other, created = registry.register("chat", weights, companions={"config.json": config, "tokenizer.json": b'{"v": 2}'})
+    assert created and other.version == 2 and other.sha256 == first.sha256  # the same weights, another tokenizer
+    bare, created = registry.register("chat", weights)
+    assert created and bare.version == 3 and bare.content_sha256 == bare.sha256  # without companions: the artifact's digest
+    with pytest.raises(InvalidRequest, match="needs a signature"):
+        registry.register("scores", lightgbm())
+
+
+def test_a_signed_llm_signs_its_content_digest(registry):
+    private, public = generate_keypair()
+    registry.trust_key("nlp", public.decode())
+    registry.set_require_signed("nlp", True)
+    weights, companions = _safetensors(1), {"config.json": b"{}"}
+    from server.control.registry.artifacts import content_digest
+
+    with pytest.raises(PermissionDenied):  # the weights' digest alone does not cover the config
+        registry.register("signed_chat", weights, companions=companions, owner_team="nlp", artifact_signature=sign_digest(private, sha256_bytes(weights)))
+    digest = content_digest(sha256_bytes(weights), {"config.json": sha256_bytes(b"{}")})
+    record, created = registry.register("signed_chat", weights, companions=companions, owner_team="nlp", artifact_signature=sign_digest(private, digest))
+    assert created and record.signing_key_id
+    registry.verify_signed("signed_chat", 1)
+
+
+def test_a_chat_template_and_a_text_vocabulary_are_companions_a_pickle_named_txt_is_not(registry):
+    template = b"{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    record, _ = registry.register("chat", _safetensors(), companions={"config.json": b"{}", "chat_template.jinja": template, "merges.txt": b"a b\n"})
+    assert sorted(record.companions) == ["chat_template.jinja", "config.json", "merges.txt"]
+    assert registry.store.get(record.companions["chat_template.jinja"]) == template
+    with pytest.raises(UnsafeArtifact, match="plain text"):
+        registry.register("chat", _safetensors(2), companions={"vocab.txt": pickle.dumps({"a": 1})})

@@ -33,6 +33,7 @@ class FakeDataPlane:
         self.composites = SimpleNamespace(serves=lambda name: False, plans={})  # no composite endpoints here
         self.triton = FakeBackend()
         self.loads = 0
+        self.generated = []  # (model, version) of each LLM warm-up generation
 
     async def load_model(self, name):
         self.loads += 1
@@ -72,6 +73,12 @@ class FakeDataPlane:
 
     async def backend_infer(self, raw, timeout=None):
         return await self.triton.infer_raw(raw, timeout)
+
+    async def backend_generate(self, name, version, prompt, max_tokens, timeout=None):
+        self.generated.append((name, version))
+        if (self.repository / name / version / "FAIL_WARMUP").exists():
+            raise InferplaneError("the engine failed the warm-up")
+        return "ok"
 
 
 @pytest.fixture

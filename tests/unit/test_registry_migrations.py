@@ -93,6 +93,7 @@ def test_up_and_down_keep_the_data_of_a_populated_database(db_url, tmp_path):
         try:
             old = registry.get("m", 1)
             assert old.sha256 == digest and old.artifact_signature is None and old.owner_team == "t"
+            assert old.content_sha256 == digest  # 0016 filled it in: a version without companions is its artifact
             v2, created = registry.register("m", lightgbm(3), signature=SIGNATURE, parent="m:1")
             assert created and v2.version == 2
             registry.record_deployment("m", "m", 2, {}, "alice")
@@ -114,3 +115,15 @@ def test_up_and_down_keep_the_data_of_a_populated_database(db_url, tmp_path):
         assert _tables(engine) == set()
     finally:
         engine.dispose()
+
+
+def test_the_content_digest_migration_fills_in_what_the_registry_computes():
+    """0016 keeps its own copy of the digest (a migration does not import the code it migrates for)."""
+    import importlib
+
+    from server.control.registry.artifacts import content_digest
+
+    frozen = importlib.import_module("server.migrations.versions.0016_version_content_digest").content_digest
+    companions = {"tokenizer.json": "ab" * 32, "config.json": "cd" * 32}
+    assert frozen("ef" * 32, companions) == content_digest("ef" * 32, companions) != "ef" * 32
+    assert frozen("ef" * 32, {}) == content_digest("ef" * 32, {}) == "ef" * 32

@@ -642,3 +642,17 @@ def test_xgboost_ubj_names_its_learner_within_its_first_32_bytes():
     assert sf.detect_format(b"{" + b"#" * 24 + b"learner" + b"\xff") == sf.XGBOOST_UBJ  # ends at byte 32
     with pytest.raises(sf.UnsafeArtifact, match="not a recognised safe format"):
         sf.detect_format(b"{" + b"#" * 25 + b"learner" + b"\xff")  # ends one byte later
+@pytest.mark.parametrize("filename", ["chat_template.jinja", "merges.txt", "VOCAB.TXT"])
+def test_a_chat_template_or_vocabulary_companion_is_plain_utf8_text(filename):
+    sf.check_companion("{% for m in messages %}{{ m['content'] }} é{% endfor %}\n".encode(), filename)
+    for bad, why in ((pickle.dumps({"a": 1}), "plain text"), (b"a\x00b", "plain text"), (b"\xff\xfe\xfa", "UTF-8")):
+        with pytest.raises(sf.UnsafeArtifact, match=why):
+            sf.check_companion(bad, filename)
+
+
+def test_a_companion_without_a_text_suffix_must_still_be_json_or_safetensors():
+    sf.check_companion(b'{"a": 1}', "tokenizer.model")
+    with pytest.raises(sf.UnsafeArtifact):
+        sf.check_companion(b"plain words", "tokenizer.model")
+    with pytest.raises(sf.UnsafeArtifact, match="must be JSON or safetensors, got onnx"):
+        sf.check_companion(_onnx(), "tokenizer.json")

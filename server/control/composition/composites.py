@@ -132,12 +132,12 @@ def _insert(registry: Registry, spec: CompositeSpec, compiled: Compiled, actor: 
                         raise Conflict(f"'{spec.name}' is a registered model, not a composite; give the composite a name of its own")
                     if owner_team and model.owner_team and owner_team != model.owner_team:
                         raise Conflict(f"model '{spec.name}' belongs to team '{model.owner_team}', not '{owner_team}'")
-                existing = session.scalar(select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.sha256 == digest))
+                existing = session.scalar(select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.content_sha256 == digest))
                 if existing is not None:
                     return _record(existing), False
                 latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.model_id == model.id))
                 row = ModelVersion(
-                    model=model, version=(latest or 0) + 1, sha256=digest, format=COMPOSITE_FORMAT, framework=COMPOSITE_FRAMEWORK,
+                    model=model, version=(latest or 0) + 1, sha256=digest, content_sha256=digest, format=COMPOSITE_FORMAT, framework=COMPOSITE_FRAMEWORK,
                     artifact_name=ARTIFACT_NAME, size_bytes=len(data), signature=compiled.signature, validation_sha256=None,
                     companions={}, metrics={}, hardware={}, tags={"kind": "composite", "mode": compiled.mode}, created_by=actor,
                 )  # fmt: skip

@@ -23,7 +23,7 @@ import hashlib
 import os
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import fsspec
@@ -41,6 +41,16 @@ class ArtifactTampered(InferplaneError):
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def content_digest(artifact_sha256: str, companions: Mapping[str, str] | None = None) -> str:
+    """A version's digest: its artifact's sha256 alone, or with companion files (an LLM's config and
+    tokenizer) the sha256 of ``artifact <digest>`` and one ``NAME <digest>`` line per companion, sorted.
+    Signatures sign it; the same weights with another tokenizer make another version."""
+    if not companions:
+        return artifact_sha256
+    lines = [f"artifact {artifact_sha256}", *(f"{name} {companions[name]}" for name in sorted(companions))]
+    return sha256_bytes(("\n".join(lines) + "\n").encode())
 
 
 def file_chunks(path: Path | str, chunk: int = _CHUNK) -> Iterator[bytes]:

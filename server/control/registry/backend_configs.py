@@ -7,7 +7,7 @@ The design card's native backends replace the Python-backend adapters where a Tr
 | ONNX | ``onnxruntime`` (CUDA EP; TensorRT EP as an execution accelerator when asked) | ``python`` + ``onnx_runtime.py`` |
 | TensorRT plan | ``tensorrt`` (``platform: tensorrt_plan``) | ``python`` + ``tensorrt_runtime.py`` on a GPU; refused without one |
 | XGBoost JSON/UBJ, LightGBM text | ``fil`` (FIL's tensor names ``input__0``/``output__0``) | ``python`` + the framework adapter |
-| safetensors LLM | ``vllm`` or ``tensorrtllm``, as the endpoint chooses | ``python`` + ``llm_engine.py`` |
+| safetensors LLM | ``vllm`` or ``tensorrtllm``, as the version's ``engine`` chooses | ``python`` + ``llm_engine.py`` (the CPU engine, or vLLM from ``.venv-vllm``) |
 
 Which backends a Triton has is observed (:func:`observe_backends`: the folders of its backend
 directory) and recorded per replica; :func:`choose` picks the backend from the version's format,
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from model_repository.config_writer import ModelConfig, ServingConfig
+from model_repository.llm import engine_settings, llm_config
 from server.control.registry import safe_formats
 from server.dataplane import codecs
 from server.errors import Conflict
@@ -50,7 +51,8 @@ PLAN_ADAPTER, PLAN_HELPERS = "tensorrt_runtime.py", ("_tensorrt.py",)  # a plan 
 TREE_FORMATS = (safe_formats.XGBOOST_JSON, safe_formats.XGBOOST_UBJ, safe_formats.LIGHTGBM_TEXT)
 FIL_MODEL_TYPES = {safe_formats.XGBOOST_JSON: "xgboost_json", safe_formats.XGBOOST_UBJ: "xgboost_ubj", safe_formats.LIGHTGBM_TEXT: "lightgbm"}
 FIL_TENSORS = ("input__0", "output__0")  # the FIL backend serves exactly these names
-LLM_ENGINES = {"vllm": VLLM, "tensorrt-llm": TENSORRTLLM, "tensorrtllm": TENSORRTLLM, "cpu": PYTHON}
+LLM_ENGINES = {"vllm": VLLM, "tensorrt-llm": TENSORRTLLM, "tensorrtllm": TENSORRTLLM, "cpu": PYTHON, "auto": PYTHON}
+LLM_ADAPTER = "llm_engine.py"  # model_repository/llm.py installs it with its modules
 ORT_GPU_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 ORT_TRT_PROVIDERS = ("TensorrtExecutionProvider", *ORT_GPU_PROVIDERS)
 ORT_CPU_PROVIDERS = ("CPUExecutionProvider",)
@@ -83,6 +85,7 @@ class Choice:
     replicas: tuple[str, ...] = ()  # the targets that have the backend
     note: str = ""  # why this backend (when it is not the best one for the format)
     helpers: tuple[str, ...] = ()  # more adapter files the Python backend's model.py imports
+    engine: str = ""  # an LLM through the Python backend: the engine adapter's engine (cpu | vllm | auto)
 
     @property
     def native(self) -> bool:
@@ -181,12 +184,14 @@ def choose(fmt: str, hardware: Mapping[str, Any] | None, targets: Iterable[Trito
         backend = LLM_ENGINES.get(engine)
         if backend is None:
             raise Conflict(f"unknown LLM engine {engine!r}; one of {', '.join(sorted(LLM_ENGINES))}")
-        if backend == PYTHON:
-            return python("llm_engine.py")
-        hosts = _with(targets, backend, on_gpu)
-        if not hosts:
+        hosts = _with(targets, backend, on_gpu) if backend != PYTHON else ()
+        if hosts:
+            return Choice(backend, kind="KIND_MODEL", gpus=on_gpu, replicas=hosts)
+        if backend == TENSORRTLLM or (backend == VLLM and not _with(targets, PYTHON, gpus)):
             raise missing(backend)
-        return Choice(backend, kind="KIND_MODEL", gpus=on_gpu, replicas=hosts)
+        # our engine adapter: the CPU engine, or vLLM from its own environment (.venv-vllm) where Triton has no vllm backend
+        note = "" if backend == PYTHON else "no Triton with the vllm backend: vLLM through the engine adapter"
+        return Choice(PYTHON, LLM_ADAPTER, "KIND_CPU", gpus, (), _with(targets, PYTHON, gpus), note, engine="vllm" if backend == VLLM else engine)
     raise Conflict(f"no Triton backend serves format {fmt!r}")
 
 
@@ -255,6 +260,21 @@ def tabular_config(name: str, signature: Mapping[str, Any], serving: ServingConf
         config.parameters["storage_type"].string_value = "AUTO"
     else:
         raise ValueError(f"{choice.backend} is not a batched-model backend")
+    return config
+
+
+def llm_adapter_config(name: str, versions: list[int], choice: Choice, hardware: Mapping[str, Any] | None) -> ModelConfig:
+    """An LLM through the Python backend's engine adapter (``model_repository/llm.py``'s config: the
+    engine's tensors, decoupled): the engine the choice names, ``tensor_parallel`` its GPUs, the
+    version's engine settings from its hardware metadata; the artifact and its digest are pinned per
+    version by the deployer's shim, so the shared config names neither."""
+    try:
+        settings = engine_settings(dict(hardware or {}), choice.engine or "cpu", max(choice.gpus, 1))
+    except ValueError as err:
+        raise Conflict(str(err)) from None
+    config = llm_config(name, settings, "")
+    config.parameters.pop("artifact_sha256", None)
+    config.version_policy.specific.versions.extend(sorted(set(versions)))
     return config
 
 

@@ -4,11 +4,13 @@ SQLAlchemy 2 models over the schema the Alembic migrations in ``server/migration
 operation is synchronous and short; the async frontend calls them with ``asyncio.to_thread``.
 
 * A version is ``name`` + a number that only grows; its artifact is stored by sha256 and the row
-  never changes after registration. Registering bytes already registered under that name returns
-  the existing version (idempotent).
+  never changes after registration. A safetensors LLM's config and tokenizer are its companions,
+  stored beside it; the version's digest (``content_sha256``) covers the artifact and every
+  companion. Registering content already registered under that name returns the existing version
+  (idempotent).
 * Only safe formats are accepted (``server.control.registry.safe_formats``); pickle is refused before anything is
   stored.
-* When a team requires signatures, a version needs an Ed25519 signature over its digest that
+* When a team requires signatures, a version needs an Ed25519 signature over its content digest that
   verifies against one of the team's trusted keys.
 * Deployments are a per-endpoint stack: deploy pushes, rollback pops; the live version is the
   newest active entry and the previous one is the entry below it.
@@ -45,12 +47,17 @@ from server import migrations
 from server.control.registry import safe_formats
 from server.control.registry import signing
 from server.control.typed import typed_schema
-from server.control.registry.artifacts import ArtifactStore
+from server.control.registry.artifacts import ArtifactStore, content_digest
 from server.db import display_url, make_engine, session_factory
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, PermissionDenied, Violation
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-COMPANION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.(json|txt|model|safetensors)$")
+COMPANION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.(json|txt|jinja|model|safetensors)$")
+# an LLM's tensors (the engine adapter's, model_repository/llm.py): a safetensors version registered without a signature
+LLM_SIGNATURE = {
+    "inputs": [{"name": n, "datatype": "BYTES", "dims": [1]} for n in ("text_input", "messages", "parameters")],
+    "outputs": [{"name": n, "datatype": "BYTES", "dims": [1]} for n in ("text_output", "info")],
+}
 DATATYPES = {"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16", "BYTES"}
 
 
@@ -84,13 +91,14 @@ class ModelVersion(Base):
     __tablename__ = "model_versions"
     __table_args__ = (
         UniqueConstraint("model_id", "version", name="uq_model_versions_model_version"),
-        UniqueConstraint("model_id", "sha256", name="uq_model_versions_model_sha256"),
+        UniqueConstraint("model_id", "content_sha256", name="uq_model_versions_model_content"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="RESTRICT"))
     version: Mapped[int] = mapped_column(Integer)
-    sha256: Mapped[str] = mapped_column(String(64))
+    sha256: Mapped[str] = mapped_column(String(64))  # the artifact's
+    content_sha256: Mapped[str] = mapped_column(String(64))  # the version's: artifact + companions (0016)
     format: Mapped[str] = mapped_column(String(32))
     framework: Mapped[str] = mapped_column(String(32))
     artifact_name: Mapped[str] = mapped_column(String(255))
@@ -186,6 +194,7 @@ class VersionRecord:
     created_by: str
     artifact_signature: str | None
     signing_key_id: str | None
+    content_sha256: str = ""  # the artifact with its companions (artifacts.content_digest): what is signed
 
     @property
     def ref(self) -> str:
@@ -240,7 +249,7 @@ def _record(v: ModelVersion) -> VersionRecord:
         hardware=dict(v.hardware or {}), tags=dict(v.tags or {}), training_run=v.training_run,
         dataset_version=v.dataset_version, experiment=v.experiment, parent=parent, owner_team=v.model.owner_team,
         created_at=_utc(v.created_at), created_by=v.created_by, artifact_signature=v.artifact_signature,
-        signing_key_id=v.signing_key_id,
+        signing_key_id=v.signing_key_id, content_sha256=v.content_sha256,
     )  # fmt: skip
 
 
@@ -389,7 +398,7 @@ class Registry:
         name: str,
         artifact: bytes | Path,
         *,
-        signature: Mapping[str, Any],
+        signature: Mapping[str, Any] | None = None,
         filename: str = "",
         format: str | None = None,
         validation: bytes | None = None,
@@ -408,32 +417,37 @@ class Registry:
     ) -> tuple[VersionRecord, bool]:
         parse_ref(name)
         fmt = _check_model(artifact, filename, format or None)
+        if signature is None and fmt == safe_formats.SAFETENSORS:
+            signature = LLM_SIGNATURE  # an LLM speaks the engine's tensors
+        if signature is None:
+            raise InvalidRequest(f"a {fmt} model needs a signature (its inputs and outputs)")
         declared = check_signature(signature)
         typed_schema.check_declared(name, declared)  # the feature names make a valid typed API
         companions = dict(companions or {})
         for cname, cdata in companions.items():
             if not COMPANION.match(cname):
-                raise InvalidRequest(f"companion file name {cname!r} must be a plain .json/.txt/.model/.safetensors name")
+                raise InvalidRequest(f"companion file name {cname!r} must be a plain .json/.txt/.jinja/.model/.safetensors name")
             _check_companion(cdata, cname)
         if companions and fmt != safe_formats.SAFETENSORS:
             raise InvalidRequest("companion files (config, tokenizer) belong to safetensors models only")
         if validation is not None:
             check_validation(validation, declared)
         digest, size = self._put(artifact)
+        companion_digests = {cname: self._put(cdata)[0] for cname, cdata in sorted(companions.items())}
+        content = content_digest(digest, companion_digests)  # the version: weights, config and tokenizer as one
         with self._session() as session:
             model = session.scalar(select(Model).where(Model.name == name))
             existing = None
             if model is not None:
-                existing = session.scalar(select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.sha256 == digest))
+                existing = session.scalar(select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.content_sha256 == content))
             if existing is not None:
                 return _record(existing), False
             team = owner_team or (model.owner_team if model is not None else "")
             if model is not None and owner_team and model.owner_team and owner_team != model.owner_team:
                 raise Conflict(f"model '{name}' belongs to team '{model.owner_team}', not '{owner_team}'")
-            key_id = self._check_signed(session, team, digest, artifact_signature)
+            key_id = self._check_signed(session, team, content, artifact_signature)
             parent_row = self._parent(session, name, parent) if parent else None
         validation_digest = self.store.put(validation) if validation is not None else None
-        companion_digests = {cname: self._put(cdata)[0] for cname, cdata in sorted(companions.items())}
         for _attempt in range(5):
             with self._session() as session:
                 try:
@@ -445,13 +459,13 @@ class Registry:
                     elif owner_team and not model.owner_team:
                         model.owner_team = owner_team
                     existing = session.scalar(
-                        select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.sha256 == digest)
+                        select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.content_sha256 == content)
                     )
                     if existing is not None:
                         return _record(existing), False
                     latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.model_id == model.id))
                     row = ModelVersion(
-                        model=model, version=(latest or 0) + 1, sha256=digest, format=fmt,
+                        model=model, version=(latest or 0) + 1, sha256=digest, content_sha256=content, format=fmt,
                         framework=safe_formats.FRAMEWORKS[fmt], artifact_name=safe_formats.FILE_NAMES[fmt],
                         size_bytes=size, signature=declared, validation_sha256=validation_digest,
                         companions=companion_digests, metrics={k: float(v) for k, v in (metrics or {}).items()},
@@ -464,7 +478,7 @@ class Registry:
                     session.flush()
                     record = _record(row)
                     session.add(AuditRecord(actor=actor or "unknown", action="register", target=record.ref, outcome="ok",
-                                            detail=f"sha256={digest} format={fmt} size={size}"))  # fmt: skip
+                                            detail=f"sha256={digest} content={content} format={fmt} size={size}"))  # fmt: skip
                     session.commit()
                     return record, True
                 except IntegrityError:
@@ -504,7 +518,7 @@ class Registry:
         """Check again (at deploy time) that a version of a team requiring signatures is still signed by a trusted key."""
         with self._session() as session:
             row = self._version_row(session, name, version)
-            self._check_signed(session, row.model.owner_team, row.sha256, row.artifact_signature)
+            self._check_signed(session, row.model.owner_team, row.content_sha256, row.artifact_signature)
 
     def _version_row(self, session: Session, name: str, version: int | None) -> ModelVersion:
         query = select(ModelVersion).join(Model).where(Model.name == name)

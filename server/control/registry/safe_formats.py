@@ -273,8 +273,20 @@ def check_model(data: bytes, filename: str = "", declared: str | None = None) ->
     return found
 
 
+TEXT_COMPANIONS = (".txt", ".jinja")  # vocabularies (merges.txt), chat templates: plain UTF-8 text
+
+
 def check_companion(data: bytes, filename: str) -> None:
-    """A companion file of a safetensors model: JSON (config, tokenizer) or text vocabularies."""
+    """A companion file of a safetensors model: JSON (config, tokenizer), safetensors, or plain
+    UTF-8 text for a vocabulary or chat template (``.txt``, ``.jinja``; never a pickle)."""
+    if PurePath(filename).suffix.lower() in TEXT_COMPANIONS:
+        if is_pickle(data[:_SNIFF_BYTES]) or b"\x00" in data:
+            raise UnsafeArtifact(f"companion file {filename} must be plain text")
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UnsafeArtifact(f"companion file {filename} must be UTF-8 text") from None
+        return
     found = detect_format(data, filename)
     if found not in (JSON, SAFETENSORS):
         raise UnsafeArtifact(f"companion file {filename} must be JSON or safetensors, got {found}")

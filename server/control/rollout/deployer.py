@@ -14,6 +14,14 @@ traffic in one assignment: ``dataplane.routes[NAME] = VERSION``.
 same single assignment (no reload). Each endpoint has its own lock; nothing here touches another
 endpoint's model, so deploying one model never disturbs another's traffic.
 
+An LLM (a safetensors version with its config and tokenizer as companions) deploys the same way:
+its files are materialized into ``NAME/VERSION/hf/``, the config is its engine's (the engine adapter
+``llm_engine.py`` with the version's engine settings from its hardware metadata, the CPU engine or
+vLLM from ``.venv-vllm``; or the native ``vllm`` / ``tensorrtllm`` backend where a Triton has it,
+``tensor_parallel`` from ``gpus=N``), and the warm-up is a short greedy generation pinned to the new
+version (``DataPlane.backend_generate``). Canary, rollback and expiry need nothing more.
+``install`` writes a version into the repository before Triton starts (``inferplane demo build``).
+
 Process and network calls go through the DataPlane (``load_model``, ``triton.infer_raw``); the
 config/version planning below is pure.
 """
@@ -38,6 +46,7 @@ import numpy as np
 
 from model_repository.config_writer import CONFIG_FILE, ModelConfig, ServingConfig, read_config, to_text
 from model_repository.layout import ADAPTERS_DIR
+from model_repository.llm import install_llm_engine
 from server.dataplane import codecs
 from server.control.planning.budgets import BudgetGuard
 from server.control.planning.cost_store import CostStore
@@ -58,6 +67,8 @@ log = logging.getLogger(__name__)
 EMBEDDED = (TritonTarget("embedded"),)
 _CPU_PYTHON = Choice(backend_configs.PYTHON)
 VERSION_FILE = "inferplane_version.json"
+LLM_DIR = "hf"  # an LLM version's Hugging Face folder (model.safetensors + its companions), as model_repository/llm.py writes it
+LLM_WARMUP_PROMPT, LLM_WARMUP_TOKENS = "Hello", 2
 WARMUP_ROWS = 8
 DEFAULT_PREFERRED = (16, 32, 64)
 
@@ -216,9 +227,15 @@ class Deployer:
         """The backend that serves ``record`` on the Tritons here; MissingBackend when none has it."""
         return backend_configs.choose(record.format, record.hardware, self.targets(), record.signature)
 
-    def config_for(self, name: str, record: VersionRecord, serving: ServingConfig, versions: list[int]) -> ModelConfig:
-        """The endpoint's config, for the backend ``record`` (the live version) runs on."""
-        return build_config(name, record.signature, serving, versions, self.choice_for(record), record.format)
+    def config_for(self, name: str, record: VersionRecord, serving: ServingConfig, versions: list[int], choice: Choice | None = None) -> ModelConfig:
+        """The endpoint's config, for the backend ``record`` (the live version) runs on: an LLM's
+        engine config (the engine's tensors, decoupled), any other format's batched config."""
+        choice = choice or self.choice_for(record)
+        if record.format == safe_formats.SAFETENSORS:
+            if choice.native:  # the engine's folder and arguments are each version's (model.json, _materialize)
+                return backend_configs.llm_engine_config(name, versions, choice, LLM_DIR).config
+            return backend_configs.llm_adapter_config(name, versions, choice, record.hardware)
+        return build_config(name, record.signature, serving, versions, choice, record.format)
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -275,11 +292,6 @@ class Deployer:
         if record.format == COMPOSITE_FORMAT:
             return await self.composites.deploy(record, options, actor, started)
         choice = self.choice_for(record)  # MissingBackend (409) names the format and the backend no Triton has
-        if record.format == safe_formats.SAFETENSORS:
-            raise Conflict(
-                f"{record.ref} is an LLM ({record.format}, engine {choice.backend}); the deployer does not deploy LLMs from "
-                "the registry yet (LLM models are written into the repository: `inferplane demo build`)"
-            )
         await asyncio.to_thread(self.registry.verify_signed, name, record.version)
         try:
             current = await asyncio.to_thread(self.registry.endpoint, name, 0)
@@ -307,11 +319,9 @@ class Deployer:
         # the load then fails, and the rollback target must survive a failed deploy; expiry trims later
         keep = (st.loaded | {live}) if live is not None else set()
         versions = sorted(keep | {record.version})
-        config = build_config(name, record.signature, serving, versions, choice, record.format)
+        config = self.config_for(name, record, serving, versions, choice)
         on_disk = self.repository / name / CONFIG_FILE
-        unchanged = on_disk.is_file() and to_text(read_config(on_disk)) == to_text(
-            build_config(name, record.signature, serving, sorted(st.loaded), choice, record.format)
-        )
+        unchanged = on_disk.is_file() and to_text(read_config(on_disk)) == to_text(self.config_for(name, record, serving, sorted(st.loaded), choice))
         ready = str(record.version) in self.dp.ready_versions(name)
         reloaded = False
         if not (record.version in st.loaded and ready and unchanged):
@@ -329,6 +339,28 @@ class Deployer:
             total_ms=(self.clock() - started) * 1000.0, loaded_versions=sorted(st.loaded), reloaded=reloaded,
             message=f"{name}:{record.version} is live" + (f" ({name}:{live} stays loaded for {self.grace_s:g}s)" if live and live != record.version else "") + typed,
         )  # fmt: skip
+
+    def install(self, ref: str, options: Mapping[str, Any] | None = None, actor: str = "") -> VersionRecord:
+        """Deploy ``ref`` into the repository while no Triton runs (``inferplane demo build``): the
+        version materialized from the store (digest-verified) as ``deploy`` does, the config listing
+        it alone, the deployment recorded (once: installing the live version again records nothing);
+        the frontend's ``start`` routes the endpoint to it once Triton has loaded it."""
+        name, version = parse_ref(ref)
+        record = self.registry.get(name, version)
+        self.registry.verify_signed(name, record.version)
+        serving = serving_from(options)
+        choice = self.choice_for(record)
+        config = self.config_for(name, record, serving, [record.version], choice)
+        self._materialize(record, self.repository / name / str(record.version))
+        _write_atomic(self.repository / name / CONFIG_FILE, to_text(config).encode())
+        try:
+            live = self.registry.endpoint(name, 0).live
+        except ModelNotFound:
+            live = None
+        if live != record.version:
+            self.registry.record_deployment(name, name, record.version, serving_dict(serving), actor)
+        self.registry.audit(actor, "deploy", record.ref, "ok", "installed into the repository before Triton starts")
+        return record
 
     async def _typed_schema(self, name: str, record: VersionRecord, actor: str) -> str:
         """The typed API's schema after the switch: checked against the live one (a breaking change
@@ -416,16 +448,27 @@ class Deployer:
         choice = self.choice_for(record)
         staging = version_dir.parent / f".staging-{record.version}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
+        llm = record.format == safe_formats.SAFETENSORS
+        files = staging / LLM_DIR if llm else staging  # an LLM's weights, config and tokenizer: one Hugging Face folder
         try:
-            self.registry.store.copy_to(record.sha256, staging / record.artifact_name)
+            files.mkdir(exist_ok=True)
+            self.registry.store.copy_to(record.sha256, files / record.artifact_name)
             for cname, cdigest in record.companions.items():
-                self.registry.store.copy_to(cdigest, staging / cname)
-            if not choice.native:
+                self.registry.store.copy_to(cdigest, files / cname)
+            if llm and choice.native:
+                generated = backend_configs.llm_engine_config(record.name, [record.version], choice, str(version_dir / LLM_DIR))
+                for fname, text in generated.files.items():
+                    (staging / fname).write_text(text, encoding="utf-8")
+            elif llm:
+                install_llm_engine(staging, "_adapter.py")
+                (staging / "model.py").write_text(_VERSION_SHIM, encoding="utf-8")
+            elif not choice.native:
                 shutil.copyfile(ADAPTERS_DIR / (choice.adapter or ADAPTERS[record.format]), staging / "_adapter.py")
                 for helper in ("_common.py", *choice.helpers):
                     shutil.copyfile(ADAPTERS_DIR / helper, staging / helper)
                 (staging / "model.py").write_text(_VERSION_SHIM, encoding="utf-8")
-            pinned = {"name": record.name, "version": record.version, "artifact": record.artifact_name, "sha256": record.sha256}
+            artifact = LLM_DIR if llm else record.artifact_name  # the engine adapter is given its folder
+            pinned = {"name": record.name, "version": record.version, "artifact": artifact, "sha256": record.sha256}
             (staging / VERSION_FILE).write_text(json.dumps(pinned, indent=2) + "\n", encoding="utf-8")
             if version_dir.exists():
                 trash = version_dir.parent / f".trash-{uuid.uuid4().hex[:8]}"
@@ -440,6 +483,8 @@ class Deployer:
             raise
 
     async def _warm(self, name: str, record: VersionRecord) -> None:
+        if record.format == safe_formats.SAFETENSORS:
+            return await self._warm_llm(name, record)
         arrays: dict[str, np.ndarray] = {}
         if record.validation_sha256:
             data = await asyncio.to_thread(self.registry.store.get, record.validation_sha256)
@@ -457,6 +502,14 @@ class Deployer:
         if problem:
             await self._unload_version(name, record.version)
             raise DeployFailed(f"warm-up of {record.ref}: {problem}; {self._serving_note(name)}")
+
+    async def _warm_llm(self, name: str, record: VersionRecord) -> None:
+        """An LLM's warm-up: a short greedy generation pinned to the new version (its engine answers)."""
+        try:
+            await self.dp.backend_generate(name, str(record.version), LLM_WARMUP_PROMPT, LLM_WARMUP_TOKENS, timeout=self.load_timeout_s)
+        except InferplaneError as err:
+            await self._unload_version(name, record.version)
+            raise DeployFailed(f"warm-up generation from {record.ref} failed: {err.message}; {self._serving_note(name)}") from None
 
     async def _unload_version(self, name: str, version: int) -> None:
         """Drop a version that loaded but must not serve (failed warm-up)."""
