@@ -297,6 +297,8 @@ def test_shadow_comparisons_of_other_processes_are_summed_by_shadow_key(engine):
         reporter = ShadowReporter(router, engine, reporter)
         reporter._write(reporter.collect())
         assert reporter.collect() == []  # nothing moved since
+        reporter._failed()  # a write that failed: the same cumulative counts go again
+        assert [r["stats"]["compared"] for r in reporter.collect()] == [compared]
         shadow.stats.sent += 1
         shadow.stats.compared += 1
         reporter._write(reporter.collect())  # replaces this process's row: counts are cumulative, never added twice

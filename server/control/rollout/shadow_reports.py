@@ -12,17 +12,14 @@ endpoint (an earlier policy) is never mixed in.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, delete, insert, select
 
+from server.control.rollout.arm_reports import ProcessReporter
 from server.dataplane.routing import ShadowStats
 from server.db import session_factory
-
-log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 1000  # latency deltas per process per shadow in a report
 COUNTS = ("sent", "dropped", "errors", "paused", "compared", "agreed", "abs_diff_count")
@@ -57,14 +54,8 @@ def summed(own: ShadowStats, reported: Iterable[dict]) -> ShadowStats:
     return out
 
 
-class ShadowReporter:
-    def __init__(self, router, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time):
-        self.router = router
-        self._session = session_factory(engine)
-        self.reporter = reporter
-        self.every_s = every_s
-        self._clock = clock
-        self._seen: dict[tuple[str, str], tuple] = {}  # (endpoint, shadow key) -> the counts last reported
+class ShadowReporter(ProcessReporter):
+    what = "shadow comparisons"  # _seen: (endpoint, shadow key) -> the counts last reported
 
     def collect(self) -> list[dict]:
         rows = []
@@ -85,16 +76,8 @@ class ShadowReporter:
                 session.execute(insert(shadow_reports).values(**row))
             session.commit()
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            rows = self.collect()
-            if rows:
-                try:
-                    await asyncio.to_thread(self._write, rows)
-                except Exception as err:  # the database is away: the next report carries the same totals
-                    log.warning("reporting shadow comparisons failed: %s", err)
-                    self._seen.clear()
+    def _failed(self) -> None:
+        self._seen.clear()  # the counts are cumulative: the next report carries them all again
 
 
 class ShadowPeers:
