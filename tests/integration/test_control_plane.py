@@ -7,6 +7,7 @@ all of them are summed in the report read through any frontend."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -53,6 +54,7 @@ def two_frontends(demo_repository, tmp_path_factory):
         "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
         "INFERPLANE_ROLLBACK_GRACE_S": "600",
         "INFERPLANE_DEPLOY_TIMEOUT_S": "60",
+        "INFERPLANE_SHADOW_RECORD_DESTINATION": str(root / "shadow_records"),  # one folder for both, as a bucket would be
     }
     with start_two_frontends(repository, root, env) as pair:
         yield pair
@@ -159,6 +161,17 @@ def test_traffic_through_frontend_b_is_shadowed_and_counted_in_the_report_read_t
             threading.Event().wait(0.1)
         assert (after.sent - before.sent, after.compared - before.compared, after.dropped, after.errors) == (40, 40, 0, 0)
         assert after.agreement < 1.0 and after.mean_abs_diff > 0.0  # 40 rounds against 10: the answers differ
+        # B's workers keep their disagreements (shadow records): files named by the writing process
+        records = b.log.parent.parent / "shadow_records"
+        b_workers = {str(c.pid) for c in psutil.Process(b.process.pid).children()}
+        kept: list[dict] = []
+        for _ in range(50):
+            kept = [json.loads(line) for path in records.glob("shadow-*.jsonl") if path.stem.rsplit("-", 1)[-1] in b_workers
+                    for line in path.read_text().splitlines()]  # fmt: skip
+            if kept:
+                break
+            threading.Event().wait(0.2)  # a wait for the records' flush (every second)
+        assert kept and {r["model"] for r in kept} == {ENDPOINT} and {r["version"] for r in kept} == {"2"}
         stopped = traffic_pb2_grpc.TrafficStub(to_b).SetShadow(tpb.SetShadowRequest(name=ENDPOINT, percent=0), metadata=ACTOR)
         assert stopped.policy.shadow_version == ""
         assert report_a.ShadowReport(tpb.ShadowReportRequest(name=ENDPOINT)).compared >= after.compared  # readable after the end

@@ -81,8 +81,9 @@ class StatePublisher:
 
 class StateWatcher:
     def __init__(self, dataplane, store: DesiredStateStore, database_url: str, *, poll_s: float = 0.02, reconcile_s: float = 1.0,
-                 wakers: dict | None = None, on_held: Callable[[], None] = lambda: None):  # fmt: skip
+                 wakers: dict | None = None, on_held: Callable[[], None] = lambda: None, shadow_records=None):  # fmt: skip
         self.dp = dataplane
+        self.shadow_records = shadow_records  # server.control.rollout.shadow_records.ShadowRecords: this process's disagreements kept
         self.wakers = wakers if wakers is not None else {}  # the model table's (FleetHooks.wakers)
         self.on_held = on_held
         self.held: set[str] = set()  # endpoints asleep behind a waker of this watcher
@@ -162,7 +163,9 @@ class StateWatcher:
         if current is not None:
             await router.shadows.pop(name).stop()
         if state is not None:
-            shadow = Shadow(str(state["version"]), float(state["percent"]), key=str(state["key"]))
+            version = str(state["version"])
+            record = self.shadow_records.recorder(name, version) if self.shadow_records is not None else None
+            shadow = Shadow(version, float(state["percent"]), key=str(state["key"]), record=record)
             shadow.start(self.dp.backend_infer, SHADOW_WORKERS)
             router.shadows[name] = shadow
 
@@ -240,12 +243,13 @@ def _split(router, state: dict, current: Split | None) -> Split:
     return Split(state["kind"], arms, state.get("key_header", ""), state.get("salt", ""), float(state.get("window_s", 60.0)), router.clock)
 
 
-async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | None = None, reporter: str | None = None) -> None:
-    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes and its load
-    signals (``sampler``: server.control.scaling.signals.SignalSampler) reported; ``wakers``: the model table's."""
+async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | None = None, reporter: str | None = None, shadow_records=None) -> None:
+    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes, shadow
+    comparisons and load signals (``sampler``: server.control.scaling.signals.SignalSampler) reported; ``wakers``: the
+    model table's; ``shadow_records``: where its shadow copies' disagreements are kept."""
     reporter = holder_id() if reporter is None else reporter
     watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
-                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers)  # fmt: skip
+                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers, shadow_records=shadow_records)  # fmt: skip
     loads = SignalReporter(sampler, engine, reporter, wanted=watcher.wanted, applied=lambda: watcher.applied_generation) if sampler is not None else None
     if loads is not None:
         watcher.on_held = loads.nudge
