@@ -71,7 +71,7 @@ class Frontend:
         self._runners: list[web.AppRunner] = []
         self.tls = None  # server.tenancy.tls.CertificateFiles when --tls-cert is given (issue 23)
         self.audit = None  # server.control.registry.audit_buffer.AuditBuffer: safety decisions, retention passes
-        self.shadow_records = None  # server.control.rollout.shadow_records.ShadowRecords (with the traffic controller)
+        self.shadow_records = None  # server.control.rollout.shadow_records.ShadowRecords (the traffic controller's, or the desired-state watcher's)
         self.keys = None  # server.control.registry.envelope.KeyRing: encryption at rest, when a key is set
         self._tasks: list[asyncio.Task] = []
         self.registry = None  # server.control.registry.registry.Registry, with the deployer (issue 5)
@@ -190,7 +190,8 @@ class Frontend:
         s = self.settings
         self._engine = engine = make_engine(s.database_url)
         self._directory = LeaderDirectory(engine)
-        self._tasks.append(asyncio.create_task(follow(self.dataplane, engine, s, sampler=self.fleet.sampler, wakers=self.fleet.hooks.wakers), name="desired-state-watch"))
+        watch = follow(self.dataplane, engine, s, sampler=self.fleet.sampler, wakers=self.fleet.hooks.wakers, shadow_records=self._shadow_records())
+        self._tasks.append(asyncio.create_task(watch, name="desired-state-watch"))
 
     async def _inprocess(self):
         """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""

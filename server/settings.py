@@ -256,7 +256,7 @@ class Settings(BaseSettings):
     retention_days: dict[str, float] = {"payload_logs": 30.0, "shadow_records": 30.0, "batch_files": 30.0}
     retention_interval_s: float = Field(3600.0, gt=0)
     # shadow records: the requests, primary and shadow answers of shadow copies that disagreed (a folder or
-    # fsspec URL; unset: DATA_DIR/shadow_records); at most this many per shadow
+    # fsspec URL; unset: DATA_DIR/shadow_records); at most this many per shadow in each process
     shadow_record_destination: str = ""
     shadow_record_max: int = Field(1000, ge=0)
 

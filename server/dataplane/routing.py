@@ -211,6 +211,9 @@ class Shadow:
     rtol: float = 1e-3
     atol: float = 1e-5
     stats: ShadowStats = field(default_factory=ShadowStats)
+    # which shadow this is (the traffic policy's id): the desired state carries it to every serving process,
+    # and their comparison reports are summed by it (server.control.rollout.shadow_reports)
+    key: str = ""
     # shadow records (server.control.rollout.shadow_records): called with each copy whose answers disagreed
     record: Callable[[dict], None] | None = None
     queue: asyncio.Queue = field(init=False)

@@ -1,10 +1,13 @@
 """One platform across processes (issue 27), on real processes and sockets: a deploy through any port of
 ``--workers 2`` and through a second frontend sharing the database reaches every worker of every
 frontend (the desired state in the database, watched by each worker; control RPCs carried to the
-leader); a second frontend whose control plane is external serves while the leader deploys."""
+leader); a second frontend whose control plane is external serves while the leader deploys; a shadow
+started through one frontend copies the requests of every frontend's workers, and the comparisons of
+all of them are summed in the report read through any frontend."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,6 +21,8 @@ import tritonclient.grpc as grpcclient
 
 from model_repository import demo
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.protogen.inferplane.v1 import traffic_pb2 as tpb
+from server.protogen.inferplane.v1 import traffic_pb2_grpc
 from loadtest.bench_control import deploy_retrying
 from loadtest.stack import start_control
 from server.control.service.leader import lease_row
@@ -49,6 +54,7 @@ def two_frontends(demo_repository, tmp_path_factory):
         "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
         "INFERPLANE_ROLLBACK_GRACE_S": "600",
         "INFERPLANE_DEPLOY_TIMEOUT_S": "60",
+        "INFERPLANE_SHADOW_RECORD_DESTINATION": str(root / "shadow_records"),  # one folder for both, as a bucket would be
     }
     with start_two_frontends(repository, root, env) as pair:
         yield pair
@@ -105,6 +111,70 @@ def test_deploy_through_any_frontend_reaches_every_worker(two_frontends, bundles
         assert rolled.version == 1
     for stack in (a, b):
         assert set(_until_all(stack.grpc, v1, "1")) == {"1"}
+
+
+def _deployed(admin, bundles) -> None:
+    """scorer:1 live with scorer:2 registered (what the first test leaves; done here when it ran alone)."""
+    if ENDPOINT not in {e.name for e in admin.ListEndpoints(admin_pb2.ListEndpointsRequest()).endpoints}:
+        for bundle in bundles:
+            admin.RegisterModel(_bundle_request(bundle), metadata=ACTOR)
+        assert admin.Deploy(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:1"), metadata=ACTOR).result.version == 1
+
+
+def _settled(traffic, tries: int = 40):
+    """The shadow report once two reads a report interval apart agree (every worker's report is in)."""
+    last = None
+    for _ in range(tries):
+        r = traffic.ShadowReport(tpb.ShadowReportRequest(name=ENDPOINT))
+        if last is not None and (r.sent, r.compared, r.errors) == (last.sent, last.compared, last.errors):
+            return r
+        last = r
+        threading.Event().wait(1.5)  # a wait for the reports (each process writes its counts every second)
+    return last
+
+
+def test_traffic_through_frontend_b_is_shadowed_and_counted_in_the_report_read_through_a(two_frontends, bundles):
+    a, b = two_frontends
+    v1, _ = bundles
+    with grpc.insecure_channel(b.grpc) as to_b, grpc.insecure_channel(a.grpc) as to_a:
+        _deployed(admin_pb2_grpc.AdminStub(to_b), bundles)
+        assert set(_until_all(b.grpc, v1, "1")) == {"1"}
+        started = traffic_pb2_grpc.TrafficStub(to_b).SetShadow(tpb.SetShadowRequest(name=ENDPOINT, version=2, percent=100), metadata=ACTOR)
+        assert started.policy.shadow_version == "2"
+        report_a = traffic_pb2_grpc.TrafficStub(to_a)
+        # until B's workers copy (the shadow reaches them through the desired state): only B gets requests
+        for _ in range(200):
+            answered = _versions_answered(b.grpc, v1)
+            assert set(answered) == {"1"}  # the primary answers, never the shadow
+            if report_a.ShadowReport(tpb.ShadowReportRequest(name=ENDPOINT)).compared >= 2 * CHANNELS:
+                break
+        before = _settled(report_a)
+        assert before.version == "2" and before.compared >= 2 * CHANNELS and before.errors == 0
+        # every worker of B copies now: each of these requests is counted once in the report A reads
+        answered = _versions_answered(b.grpc, v1, channels=40)
+        assert answered == ["1"] * 40
+        after = before
+        for _ in range(100):
+            after = report_a.ShadowReport(tpb.ShadowReportRequest(name=ENDPOINT))
+            if after.compared >= before.compared + 40:
+                break
+            threading.Event().wait(0.1)
+        assert (after.sent - before.sent, after.compared - before.compared, after.dropped, after.errors) == (40, 40, 0, 0)
+        assert after.agreement < 1.0 and after.mean_abs_diff > 0.0  # 40 rounds against 10: the answers differ
+        # B's workers keep their disagreements (shadow records): files named by the writing process
+        records = b.log.parent.parent / "shadow_records"
+        b_workers = {str(c.pid) for c in psutil.Process(b.process.pid).children()}
+        kept: list[dict] = []
+        for _ in range(50):
+            kept = [json.loads(line) for path in records.glob("shadow-*.jsonl") if path.stem.rsplit("-", 1)[-1] in b_workers
+                    for line in path.read_text().splitlines()]  # fmt: skip
+            if kept:
+                break
+            threading.Event().wait(0.2)  # a wait for the records' flush (every second)
+        assert kept and {r["model"] for r in kept} == {ENDPOINT} and {r["version"] for r in kept} == {"2"}
+        stopped = traffic_pb2_grpc.TrafficStub(to_b).SetShadow(tpb.SetShadowRequest(name=ENDPOINT, percent=0), metadata=ACTOR)
+        assert stopped.policy.shadow_version == ""
+        assert report_a.ShadowReport(tpb.ShadowReportRequest(name=ENDPOINT)).compared >= after.compared  # readable after the end
 
 
 def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends):

@@ -159,6 +159,9 @@ class _FakeDataPlane:
     def set_live(self, name, version):
         self.router.routes[name] = version
 
+    async def backend_infer(self, raw, timeout=None):  # where shadow copies go (none are offered here)
+        raise AssertionError("no copy is offered in these tests")
+
 
 def test_watcher_applies_live_and_split_and_waits_for_versions_triton_lacks(engine):
     store = DesiredStateStore(engine)
@@ -240,3 +243,72 @@ def test_arm_outcomes_of_other_processes_reach_the_leaders_windows(engine):
     reporter = ArmReporter(front_a, engine, "front-late")
     reporter._write(reporter.collect())
     assert collector.apply(collector._read()) == 0  # a report of the ended split is dropped
+
+
+def test_the_shadow_is_published_and_applied_like_a_split(engine):
+    """The leader's shadow reaches a follower's router (copies start there); the same key keeps its counts,
+    a new key starts afresh, none stops the copies."""
+    from server.dataplane.routing import Shadow
+
+    store = DesiredStateStore(engine)
+    leader = Router({"m": "1"})
+    leader.shadows["m"] = Shadow("2", 25.0, key="shadow:m:7")
+    assert route_snapshot(leader)["m"]["shadow"] == {"version": "2", "percent": 25.0, "key": "shadow:m:7"}
+    dp = _FakeDataPlane({"m": {"1"}}, {"m": {"1", "2"}})
+
+    async def scenario():
+        publisher = StatePublisher(leader, store)
+        assert await publisher.publish_once() == 1
+        watcher = StateWatcher(dp, store, str(engine.url))
+        await watcher.sync()
+        copy = dp.router.shadows["m"]
+        tasks = list(copy.tasks)
+        assert (copy.version, copy.percent, copy.key, len(copy.tasks)) == ("2", 25.0, "shadow:m:7", 2)
+        assert "2" in dp.ready_versions("m")  # the shadow's version was read from Triton before it was applied
+        copy.stats.compared = 4
+        leader.shadows["m"].percent = 50.0
+        await publisher.publish_once()
+        await watcher.sync()
+        assert dp.router.shadows["m"] is copy and copy.percent == 50.0 and copy.stats.compared == 4
+        leader.shadows["m"] = Shadow("2", 50.0, key="shadow:m:8")  # a new shadow policy of the same version
+        await publisher.publish_once()
+        await watcher.sync()
+        assert dp.router.shadows["m"].key == "shadow:m:8" and dp.router.shadows["m"].stats.compared == 0
+        assert tasks and all(t.done() for t in tasks)  # the old copies stopped
+        del leader.shadows["m"]
+        await publisher.publish_once()
+        assert "shadow" not in store.all()["m"]
+        await watcher.sync()
+        assert "m" not in dp.router.shadows and dp.router.routes == {"m": "1"}
+
+    asyncio.run(scenario())
+
+
+def test_shadow_comparisons_of_other_processes_are_summed_by_shadow_key(engine):
+    from server.control.rollout.shadow_reports import ShadowPeers, ShadowReporter, summed
+    from server.dataplane.routing import Shadow, ShadowStats
+
+    peers = ShadowPeers(engine)
+    for reporter, compared in (("front-a", 3), ("front-b", 5)):
+        router = Router({"m": "1"})
+        router.shadows["m"] = shadow = Shadow("2", 100.0, key="shadow:m:1")
+        shadow.stats = ShadowStats(sent=compared, compared=compared, agreed=compared - 1, abs_diff_sum=0.5, abs_diff_count=compared,
+                                   latency_deltas=[0.001] * compared)  # fmt: skip
+        reporter = ShadowReporter(router, engine, reporter)
+        reporter._write(reporter.collect())
+        assert reporter.collect() == []  # nothing moved since
+        reporter._failed()  # a write that failed: the same cumulative counts go again
+        assert [r["stats"]["compared"] for r in reporter.collect()] == [compared]
+        shadow.stats.sent += 1
+        shadow.stats.compared += 1
+        reporter._write(reporter.collect())  # replaces this process's row: counts are cumulative, never added twice
+    old = Router({"m": "1"})
+    old.shadows["m"] = Shadow("2", 100.0, key="shadow:m:0")  # an earlier shadow of the same endpoint
+    old.shadows["m"].stats.compared = 100
+    ShadowReporter(old, engine, "front-a")._write(ShadowReporter(old, engine, "front-a").collect())
+    leader_own = ShadowStats(sent=2, compared=2, agreed=2)
+    total = summed(leader_own, peers.reported("m", "shadow:m:1"))
+    assert (total.sent, total.compared, total.agreed, total.abs_diff_count, len(total.latency_deltas)) == (12, 12, 8, 8, 8)
+    assert total.as_dict()["mean_abs_diff"] == pytest.approx(1.0 / 8)
+    assert leader_own.compared == 2  # the leader's own counts are not changed by a report
+    assert peers.reported("m", "shadow:m:9") == []

@@ -23,6 +23,7 @@ from server.control.service.desired_state import metadata as desired_metadata
 from server.control.service.leader import metadata as leader_metadata
 from server.control.rollout.arm_reports import metadata as arm_metadata
 from server.control.scaling.signal_reports import metadata as signal_metadata
+from server.control.rollout.shadow_reports import metadata as shadow_metadata
 from tests.unit.test_registry import SIGNATURE, db_url, lightgbm  # noqa: F401 - db_url is a fixture
 
 V1_TABLES = {"models", "model_versions", "audit_log"}
@@ -37,6 +38,7 @@ HEAD_TABLES |= {"desired_state", "control_lease", "arm_reports"}  # 0010: server
 HEAD_TABLES |= {"replica_intervals", "cost_budgets"}  # 0011: server/control/planning/cost_store.py
 HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/scaling/placement_store.py (the Triton reconciler's desired state)
 HEAD_TABLES |= {"signal_reports"}  # 0015: server/control/scaling/signal_reports.py (every serving process's load signals)
+HEAD_TABLES |= {"shadow_reports"}  # 0016: server/control/rollout/shadow_reports.py (every serving process's shadow comparisons)
 
 
 def _tables(engine) -> set[str]:
@@ -64,7 +66,7 @@ def test_the_models_match_the_newest_migration(db_url):
     try:
         migrations.upgrade(engine)
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata, batches_metadata, placement_metadata, cost_metadata, desired_metadata, leader_metadata, arm_metadata, signal_metadata])
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": False}), [Base.metadata, TenancyBase.metadata, traffic_metadata, typed_metadata, scaling_metadata, batches_metadata, placement_metadata, cost_metadata, desired_metadata, leader_metadata, arm_metadata, signal_metadata, shadow_metadata])
         assert diff == []
     finally:
         engine.dispose()

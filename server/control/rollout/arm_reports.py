@@ -61,14 +61,44 @@ def absorb(split, arm: str, outcomes: dict) -> None:
         totals.add(latency, i < errors)
 
 
-class ArmReporter:
+class ProcessReporter:
+    """What a serving process reports to the leader (arm outcomes here, shadow comparisons in
+    server.control.rollout.shadow_reports): every ``every_s`` the rows ``collect()`` gives, written off the event
+    loop by ``_write``; a failed write (the database is away) is logged and ``_failed()`` runs."""
+
+    what = "reports"
+
     def __init__(self, router, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time):
         self.router = router
         self._session = session_factory(engine)
         self.reporter = reporter
         self.every_s = every_s
         self._clock = clock
-        self._seen: dict[tuple[str, str, str], tuple[int, int, float, int]] = {}  # (endpoint, salt, arm) -> totals seen
+        self._seen: dict = {}  # what was reported last, per reported thing
+
+    def collect(self) -> list[dict]:
+        raise NotImplementedError
+
+    def _write(self, rows: list[dict]) -> None:
+        raise NotImplementedError
+
+    def _failed(self) -> None:
+        """A write failed: arm outcomes are deltas, so those are lost and the next ones go."""
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            rows = self.collect()
+            if rows:
+                try:
+                    await asyncio.to_thread(self._write, rows)
+                except Exception as err:
+                    log.warning("reporting %s failed: %s", self.what, err)
+                    self._failed()
+
+
+class ArmReporter(ProcessReporter):
+    what = "arm outcomes"  # _seen: (endpoint, salt, arm) -> the totals (requests, errors, latency sum, samples) reported
 
     def collect(self) -> list[dict]:
         rows = []
@@ -86,15 +116,6 @@ class ArmReporter:
             session.execute(insert(arm_reports), rows)
             session.commit()
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            rows = self.collect()
-            if rows:
-                try:
-                    await asyncio.to_thread(self._write, rows)
-                except Exception as err:  # the database is away: these outcomes are lost, the next ones go
-                    log.warning("reporting arm outcomes failed: %s", err)
 
 
 class ArmCollector:

@@ -3,7 +3,8 @@
 A shadow (``inferplane shadow start NAME:VER``) compares the shadow version's answer with the one the
 caller got; its report counts agreement. Counts say *that* they differ; the records say *where*: each
 disagreement is kept (request, primary answer, shadow answer, as the protobuf bytes, base64) up to
-``shadow_record_max`` per shadow, in ``INFERPLANE_SHADOW_RECORD_DESTINATION`` (``DATA_DIR/shadow_records``),
+``shadow_record_max`` per shadow in each serving process (every frontend worker copies its share), in
+``INFERPLANE_SHADOW_RECORD_DESTINATION`` (``DATA_DIR/shadow_records``),
 sealed with the encryption key when one is set, deleted after ``retention_days["shadow_records"]``
 and by ``inferplane data purge --tenant``. Writing happens off the event loop, in batches.
 """

@@ -18,7 +18,9 @@ and moves versions through the deployer:
 * **A/B:** arms with weights, sticky on a caller key; outcomes arrive through :meth:`feedback`
   keyed by request id; :meth:`ab_report` runs the significance tests (``server.control.rollout.stats_tests``).
 * **Shadow:** stage, then copy a share of the endpoint's requests to it asynchronously; answers
-  are compared with the primary's and never returned.
+  are compared with the primary's and never returned. The shadow is in the desired state, so every
+  frontend worker copies its share; :meth:`shadow_report` sums their comparisons
+  (``server.control.rollout.shadow_reports``).
 
 Policies persist in the registry database (``traffic_policies``, migration 0004); active ones are
 installed again when the frontend starts. Every change is an audit record.
@@ -37,6 +39,7 @@ from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, T
 
 from server.control.rollout.deployer import COMPOSITE_FORMAT, same_tensors, serving_from
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound
+from server.control.rollout.shadow_reports import ShadowPeers, summed
 from server.control.rollout.stats_tests import compare_outcomes, two_proportion_z
 from server.dataplane.traffic_policy import (
     ADVANCE,
@@ -144,6 +147,7 @@ class TrafficController:
         self.registry = registry
         self.deployer = deployer
         self.store = TrafficStore(registry.engine)
+        self.shadow_peers = ShadowPeers(registry.engine)  # every serving process's shadow comparisons
         self.tick_s = tick_s
         self.shadow_workers = shadow_workers
         self.clock = clock
@@ -200,7 +204,7 @@ class TrafficController:
             self.router.splits[name] = Split("ab", arms, spec.get("key_header", ""), spec.get("experiment") or name, 60.0, self.router.clock)
         elif policy.kind == SHADOW:
             record = self.shadow_records.recorder(name, spec["version"]) if self.shadow_records is not None else None
-            shadow = Shadow(spec["version"], spec["percent"], record=record)
+            shadow = Shadow(spec["version"], spec["percent"], record=record, key=f"shadow:{name}:{policy.id}")
             shadow.start(self.dp.backend_infer, self.shadow_workers)
             self.router.shadows[name] = shadow
         self.policies[(name, policy.slot)] = policy
@@ -539,13 +543,15 @@ class TrafficController:
             await self._audit(actor, "shadow.stop", f"{name}:{policy.spec['version']}", "ok", str(policy.state.get("report", "")))
             self._settle(name)
 
-    def shadow_report(self, name: str) -> dict[str, Any]:
+    async def shadow_report(self, name: str) -> dict[str, Any]:
+        """The shadow's comparisons on this process and on every frontend worker that reported them."""
         shadow = self.router.shadows.get(name)
         if shadow is None:
             shadow = self.ended_shadows.get(name)
             if shadow is None:
                 raise ModelNotFound(f"endpoint '{name}' has no shadow")
-        return {"name": name, "version": shadow.version, "percent": shadow.percent, **shadow.stats.as_dict()}
+        reported = await asyncio.to_thread(self.shadow_peers.reported, name, shadow.key) if shadow.key else []
+        return {"name": name, "version": shadow.version, "percent": shadow.percent, **summed(shadow.stats, reported).as_dict()}
 
     # ---- status -------------------------------------------------------------------------
 

@@ -89,7 +89,7 @@ class ControlPlane:
     def _watch(self) -> None:
         fleet = self.fleet
         watch = follow(self.dp, self.registry.engine, self.settings, sampler=fleet.sampler, wakers=fleet.hooks.wakers if fleet.hooks is not None else None,
-                       reporter=self.reporter)  # fmt: skip
+                       reporter=self.reporter, shadow_records=self.traffic.shadow_records)  # fmt: skip
         self._watcher = asyncio.get_running_loop().create_task(watch, name="desired-state-watch")
 
     async def _lead(self) -> None:

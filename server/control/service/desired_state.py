@@ -1,13 +1,13 @@
 """Desired state in the database, versioned (issue 27): what every serving process applies to its pipeline.
 
 One row per endpoint (table ``desired_state``, migration 0010): the live version and the traffic split
-(kind, arms, sticky key header, salt, window). ``generation`` comes from one counter over all endpoints,
+(kind, arms, sticky key header, salt, window), and its shadow (version, percent, key; migration 0016). ``generation`` comes from one counter over all endpoints,
 so an endpoint's generation grows with each change and a watcher asks only for rows newer than the last
 generation it applied. The leader is the only writer (``StatePublisher``, server.control.service.state_watch);
 on PostgreSQL each publication also sends ``NOTIFY inferplane_desired`` (delivered at commit), which
 the watchers LISTEN for; on SQLite they poll ``PRAGMA data_version``.
 
-The leader's router (``server.dataplane.routing.Router``: routes and splits) is the source: the
+The leader's router (``server.dataplane.routing.Router``: routes, splits and shadows) is the source: the
 deployer and the traffic controller switch it as before, and ``route_snapshot`` reads what to publish.
 An endpoint the leader's autoscaler scaled to zero carries ``wake_budget_s`` (its cold-start budget)
 while it sleeps: every serving process then holds its requests and reports them as demand
@@ -35,6 +35,7 @@ desired_state = Table(
     Column("split", JSON, nullable=True),
     Column("updated_at", Float, nullable=False),
     Column("wake_budget_s", Float, nullable=True),  # scaled to zero: its cold-start budget (migration 0015)
+    Column("shadow", JSON, nullable=True),  # its shadow: shadow_state (migration 0016)
 )
 
 
@@ -49,15 +50,24 @@ def split_state(split) -> dict[str, Any]:
     }
 
 
+def shadow_state(shadow) -> dict[str, Any]:
+    """A router Shadow as the JSON the row keeps (its comparison counts stay in the process that made them:
+    server.control.rollout.shadow_reports carries them to the leader)."""
+    return {"version": shadow.version, "percent": float(shadow.percent), "key": shadow.key}
+
+
 def route_snapshot(router, asleep: Mapping[str, float] | None = None) -> dict[str, dict[str, Any]]:
-    """Every endpoint the router knows: {endpoint: {"live": version | None, "split": split_state | None}}, and
-    ``"wake_budget_s"`` for each of ``asleep`` (scaled to zero: endpoint -> cold-start budget)."""
+    """Every endpoint the router knows: {endpoint: {"live": version | None, "split": split_state | None}}, with
+    ``"shadow"`` (shadow_state) for each endpoint with a shadow, and ``"wake_budget_s"`` for each of ``asleep``
+    (scaled to zero: endpoint -> cold-start budget)."""
     asleep = asleep or {}
-    names = set(router.routes) | set(router.splits) | set(asleep)
+    names = set(router.routes) | set(router.splits) | set(router.shadows) | set(asleep)
     out = {
         name: {"live": router.routes.get(name), "split": split_state(router.splits[name]) if name in router.splits else None}
         for name in sorted(names)
     }
+    for name, shadow in router.shadows.items():
+        out[name]["shadow"] = shadow_state(shadow)
     for name, budget in asleep.items():
         out[name]["wake_budget_s"] = float(budget)
     return out
@@ -90,7 +100,7 @@ class DesiredStateStore:
             for name, state in sorted(states.items()):
                 generation += 1
                 row = {"generation": generation, "live": state.get("live"), "split": state.get("split"), "updated_at": self._clock(),
-                       "wake_budget_s": state.get("wake_budget_s")}  # fmt: skip
+                       "wake_budget_s": state.get("wake_budget_s"), "shadow": state.get("shadow")}  # fmt: skip
                 done = session.execute(update(desired_state).where(desired_state.c.endpoint == name).values(**row))
                 if not done.rowcount:
                     session.execute(insert(desired_state).values(endpoint=name, **row))
@@ -103,17 +113,21 @@ class DesiredStateStore:
         """Rows newer than ``generation``, oldest first."""
         with self._session() as session:
             rows = session.execute(
-                select(desired_state.c.endpoint, desired_state.c.generation, desired_state.c.live, desired_state.c.split, desired_state.c.wake_budget_s)
+                select(desired_state.c.endpoint, desired_state.c.generation, desired_state.c.live, desired_state.c.split, desired_state.c.wake_budget_s,
+                       desired_state.c.shadow)
                 .where(desired_state.c.generation > generation)
                 .order_by(desired_state.c.generation)
             ).all()
-        return [{"endpoint": e, "generation": int(g), "live": live, "split": split, "wake_budget_s": wake} for e, g, live, split, wake in rows]
+        return [{"endpoint": e, "generation": int(g), "live": live, "split": split, "wake_budget_s": wake, "shadow": shadow}
+                for e, g, live, split, wake, shadow in rows]  # fmt: skip
 
     def all(self) -> dict[str, dict[str, Any]]:
-        """Each endpoint's state as ``route_snapshot`` gives it (``wake_budget_s`` only while asleep)."""
+        """Each endpoint's state as ``route_snapshot`` gives it (``shadow`` only with one, ``wake_budget_s`` only while asleep)."""
         out = {}
         for row in self.since(0):
             out[row["endpoint"]] = {"live": row["live"], "split": row["split"]}
+            if row["shadow"] is not None:
+                out[row["endpoint"]]["shadow"] = row["shadow"]
             if row["wake_budget_s"] is not None:
                 out[row["endpoint"]]["wake_budget_s"] = row["wake_budget_s"]
         return out

@@ -1,14 +1,16 @@
 """Desired state moving between processes (issue 27): the leader publishes, every serving process applies.
 
-``StatePublisher`` runs beside the leader's writers: it reads the leader's router (live versions and
-splits, which the deployer and the traffic controller switch) every ``interval_s`` and writes what
+``StatePublisher`` runs beside the leader's writers: it reads the leader's router (live versions,
+splits and shadows, which the deployer and the traffic controller switch) every ``interval_s`` and writes what
 changed to ``desired_state`` (server.control.service.desired_state) — level-triggered, so a switch made by any
 writer is published without a hook in each of them.
 
 ``StateWatcher`` runs in every process that serves requests without leading (each worker of
 ``--workers N``, each frontend of a cluster): it applies the rows newer than the last generation it
 applied to its own pipeline — the model's ready versions read again from Triton when a new one is
-named, then the live version, then the split. It wakes on ``NOTIFY`` (PostgreSQL; a reconcile every
+named, then the live version, then the split, then the shadow (this process copies its share of the
+requests to the shadow version; its comparisons reach the leader's shadow report through
+server.control.rollout.shadow_reports). It wakes on ``NOTIFY`` (PostgreSQL; a reconcile every
 ``reconcile_s`` is the safety net for a lost connection) or when SQLite's ``PRAGMA data_version``
 moves (another connection committed). A row naming a version this process's Triton does not have
 ready yet stays pending and is tried again at each wake-up; nothing older is ever applied over it.
@@ -31,16 +33,19 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from server.control.rollout.arm_reports import ArmReporter
+from server.control.rollout.shadow_reports import ShadowReporter
 from server.control.scaling.autoscaler import Waker
 from server.control.scaling.signal_reports import SignalReporter
 from server.control.service.desired_state import CHANNEL, DesiredStateStore, changes, route_snapshot
 from server.control.service.leader import holder_id
-from server.dataplane.routing import Split
+from server.dataplane.routing import Shadow, Split
 from server.dataplane.traffic_policy import Arm
 from server.db import libpq_url
 from server.errors import InferplaneError
 
 log = logging.getLogger(__name__)
+
+SHADOW_WORKERS = 2  # concurrent shadow copies per shadow in a process (the traffic controller's default)
 
 
 class StatePublisher:
@@ -76,8 +81,9 @@ class StatePublisher:
 
 class StateWatcher:
     def __init__(self, dataplane, store: DesiredStateStore, database_url: str, *, poll_s: float = 0.02, reconcile_s: float = 1.0,
-                 wakers: dict | None = None, on_held: Callable[[], None] = lambda: None):  # fmt: skip
+                 wakers: dict | None = None, on_held: Callable[[], None] = lambda: None, shadow_records=None):  # fmt: skip
         self.dp = dataplane
+        self.shadow_records = shadow_records  # server.control.rollout.shadow_records.ShadowRecords: this process's disagreements kept
         self.wakers = wakers if wakers is not None else {}  # the model table's (FleetHooks.wakers)
         self.on_held = on_held
         self.held: set[str] = set()  # endpoints asleep behind a waker of this watcher
@@ -120,7 +126,8 @@ class StateWatcher:
             except InferplaneError as err:
                 log.info("endpoint %s: generation %d waits for Triton to serve it again (%s)", name, row["generation"], err.message)
                 return False
-        needed = {v for v in ([live] if live else []) + [a[1] for a in (split or {}).get("arms", [])]}
+        shadow = row.get("shadow")
+        needed = {v for v in ([live] if live else []) + [a[1] for a in (split or {}).get("arms", [])] + ([shadow["version"]] if shadow else [])}
         if row.get("wake_budget_s") is None and needed - self.dp.ready_versions(name):
             try:
                 await (self.dp.refresh(name) if self.dp.is_loaded(name) else self.dp.adopt(name))
@@ -138,11 +145,34 @@ class StateWatcher:
             router.splits.pop(name, None)
         else:
             router.splits[name] = _split(router, split, router.splits.get(name))
+        await self._shadow(name, shadow)
         if row.get("wake_budget_s") is None and name in self.held:
             self.held.discard(name)
             self.wakers.pop(name, None)
             log.info("endpoint %s serves again (generation %d)", name, row["generation"])
         return True
+
+    async def _shadow(self, name: str, state: dict | None) -> None:
+        """The row's shadow in this process's router: the same shadow (its key) keeps its counts, another one
+        starts from none, none stops the copies."""
+        router = self.dp.router
+        current = router.shadows.get(name)
+        if current is not None and state is not None and current.key == state["key"] and current.version == state["version"]:
+            current.percent = float(state["percent"])
+            return
+        if current is not None:
+            await router.shadows.pop(name).stop()
+        if state is not None:
+            version = str(state["version"])
+            record = self.shadow_records.recorder(name, version) if self.shadow_records is not None else None
+            shadow = Shadow(version, float(state["percent"]), key=str(state["key"]), record=record)
+            shadow.start(self.dp.backend_infer, SHADOW_WORKERS)
+            router.shadows[name] = shadow
+
+    async def stop_shadows(self) -> None:
+        """The copies this watcher started, stopped (the process leads now, or stops)."""
+        for name in list(self.dp.router.shadows):
+            await self.dp.router.shadows.pop(name).stop()
 
     def _sleep(self, name: str, budget_s: float) -> None:
         """The leader scaled ``name`` to zero: requests for it are held here from now."""
@@ -213,17 +243,22 @@ def _split(router, state: dict, current: Split | None) -> Split:
     return Split(state["kind"], arms, state.get("key_header", ""), state.get("salt", ""), float(state.get("window_s", 60.0)), router.clock)
 
 
-async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | None = None, reporter: str | None = None) -> None:
-    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes and its load
-    signals (``sampler``: server.control.scaling.signals.SignalSampler) reported; ``wakers``: the model table's."""
+async def follow(dataplane, engine, settings, *, sampler=None, wakers: dict | None = None, reporter: str | None = None, shadow_records=None) -> None:
+    """What a serving process that does not lead runs: the desired state applied, its arms' outcomes, shadow
+    comparisons and load signals (``sampler``: server.control.scaling.signals.SignalSampler) reported; ``wakers``: the
+    model table's; ``shadow_records``: where its shadow copies' disagreements are kept."""
     reporter = holder_id() if reporter is None else reporter
     watcher = StateWatcher(dataplane, DesiredStateStore(engine), settings.database_url, poll_s=settings.desired_state_poll_s,
-                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers)  # fmt: skip
+                           reconcile_s=settings.desired_state_reconcile_s, wakers=wakers, shadow_records=shadow_records)  # fmt: skip
     loads = SignalReporter(sampler, engine, reporter, wanted=watcher.wanted, applied=lambda: watcher.applied_generation) if sampler is not None else None
     if loads is not None:
         watcher.on_held = loads.nudge
     arms = ArmReporter(dataplane.router, engine, reporter)
-    await asyncio.gather(watcher.run(), arms.run(), *((loads.run(),) if loads is not None else ()))
+    shadows = ShadowReporter(dataplane.router, engine, reporter)
+    try:
+        await asyncio.gather(watcher.run(), arms.run(), shadows.run(), *((loads.run(),) if loads is not None else ()))
+    finally:
+        await watcher.stop_shadows()
 
 
 async def stop_task(task: asyncio.Task | None) -> None:

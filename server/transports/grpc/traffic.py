@@ -147,7 +147,7 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
 
     async def ShadowReport(self, request, context):
         async def run(_who):
-            r = self.controller.shadow_report(request.name)
+            r = await self.controller.shadow_report(request.name)
             return tpb.ShadowReportResponse(**{k: v for k, v in r.items() if k in tpb.ShadowReportResponse.DESCRIPTOR.fields_by_name})
 
         return await self._run(context, run, model=request.name)
