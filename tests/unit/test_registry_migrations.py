@@ -38,7 +38,7 @@ HEAD_TABLES |= {"desired_state", "control_lease", "arm_reports"}  # 0010: server
 HEAD_TABLES |= {"replica_intervals", "cost_budgets"}  # 0011: server/control/planning/cost_store.py
 HEAD_TABLES |= {"triton_placements"}  # 0014: server/control/scaling/placement_store.py (the Triton reconciler's desired state)
 HEAD_TABLES |= {"signal_reports"}  # 0015: server/control/scaling/signal_reports.py (every serving process's load signals)
-HEAD_TABLES |= {"shadow_reports"}  # 0016: server/control/rollout/shadow_reports.py (every serving process's shadow comparisons)
+HEAD_TABLES |= {"shadow_reports"}  # 0017: server/control/rollout/shadow_reports.py (every serving process's shadow comparisons)
 
 
 def _tables(engine) -> set[str]:

@@ -4,7 +4,7 @@ Every frontend worker copies its share of an endpoint's requests to the shadow v
 state names (server.control.service.state_watch applies it like a split), and compares the answers in
 its own ``ShadowStats``. So every serving process that does not lead runs a ``ShadowReporter``: each
 ``every_s`` it writes, per shadow whose counts moved, its cumulative counts into ``shadow_reports``
-(migration 0016) — one row per (process, endpoint, shadow key), replaced at each report, so a lost
+(migration 0017) — one row per (process, endpoint, shadow key), replaced at each report, so a lost
 report costs nothing but freshness. The leader's report (``TrafficController.shadow_report``) adds its
 own counts to the rows of the same shadow key (``summed``): a report of another shadow of the same
 endpoint (an earlier policy) is never mixed in.

@@ -1,7 +1,7 @@
 """Desired state in the database, versioned (issue 27): what every serving process applies to its pipeline.
 
 One row per endpoint (table ``desired_state``, migration 0010): the live version and the traffic split
-(kind, arms, sticky key header, salt, window), and its shadow (version, percent, key; migration 0016). ``generation`` comes from one counter over all endpoints,
+(kind, arms, sticky key header, salt, window), and its shadow (version, percent, key; migration 0017). ``generation`` comes from one counter over all endpoints,
 so an endpoint's generation grows with each change and a watcher asks only for rows newer than the last
 generation it applied. The leader is the only writer (``StatePublisher``, server.control.service.state_watch);
 on PostgreSQL each publication also sends ``NOTIFY inferplane_desired`` (delivered at commit), which
@@ -35,7 +35,7 @@ desired_state = Table(
     Column("split", JSON, nullable=True),
     Column("updated_at", Float, nullable=False),
     Column("wake_budget_s", Float, nullable=True),  # scaled to zero: its cold-start budget (migration 0015)
-    Column("shadow", JSON, nullable=True),  # its shadow: shadow_state (migration 0016)
+    Column("shadow", JSON, nullable=True),  # its shadow: shadow_state (migration 0017)
 )
 
 

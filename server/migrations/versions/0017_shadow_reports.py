@@ -5,15 +5,15 @@ and applied by every frontend worker like its split. ``shadow_reports``: one row
 endpoint, shadow key) — that process's cumulative comparison counts for the shadow — replaced at each
 report; the leader's shadow report sums the rows of the shadow's key (server/control/rollout/shadow_reports.py).
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0017
+Revises: 0016
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016"
-down_revision = "0015"
+revision = "0017"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 
