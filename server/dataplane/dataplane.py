@@ -329,7 +329,7 @@ class DataPlane:
 
         rewritten: list = []  # the safety stage redacted an input: the request is serialized again
         texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
-        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate, texts=texts) as call:
+        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate, texts=texts, port=self) as call:
             try:
                 caller_bytes = raw if raw is not None and not rewritten else request.SerializeToString()
                 data = caller_bytes
@@ -458,7 +458,7 @@ class DataPlane:
                         validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
                         rewritten: list = []
                         texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
-                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts)
+                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts, port=self)
                         if call.safety is not None and call.safety.output is not None:
                             await self._refuse_unscreened_stream(call)
                         if rewritten:

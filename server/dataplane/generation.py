@@ -232,7 +232,7 @@ class LLMService:
                 raise InvalidRequest("send exactly one of messages and prompt")
 
         texts = _prompt_texts(params) if self._pipeline.safety is not None else None
-        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter)
+        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter, port=self._dp)
         async with admitted as call:
             stream = span = screen = None
             try:

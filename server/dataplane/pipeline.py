@@ -58,7 +58,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
-        "trace", "answer", "batch", "safety", "adapter",
+        "trace", "answer", "batch", "safety", "adapter", "port",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -94,6 +94,7 @@ class AdmittedCall:
         self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
         self.safety = None  # the endpoint's server.dataplane.safety.SafetyPolicy, when it has one
         self.adapter = ""  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
+        self.port = None  # the server.dataplane.port.ModelPort that admitted it: the safety classifier's calls go through it
 
     @property
     def endpoint(self) -> str:
@@ -153,12 +154,14 @@ class Pipeline:
         validate: Callable[[ModelSignature], None] | None = None,
         texts: Callable[[ModelSignature], object] | None = None,
         adapter: str = "",
+        port=None,
     ) -> "_Admitted":
         """``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
         stage's input screen, when the endpoint has a policy. ``adapter``: a LoRA adapter of model
-        ``name``, granted, quota'd and metered as ``name:adapter``."""
+        ``name``, granted, quota'd and metered as ``name:adapter``. ``port``: the model port making the call
+        (``server.dataplane.port``), through which the safety classifier's own calls go."""
         call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
-        call.adapter = adapter
+        call.adapter, call.port = adapter, port
         return _Admitted(self, call, validate, texts)
 
     async def open(
@@ -171,9 +174,12 @@ class Pipeline:
         timeout: float | None = None,
         validate: Callable[[ModelSignature], None] | None = None,
         texts: Callable[[ModelSignature], object] | None = None,
+        port=None,
     ) -> AdmittedCall:
         """:meth:`enter` a new call that another task will :meth:`exit` (a stream message)."""
-        return await self.enter(AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate, texts)
+        call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
+        call.port = port
+        return await self.enter(call, validate, texts)
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
