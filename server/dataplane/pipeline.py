@@ -187,8 +187,6 @@ class Pipeline:
         ctx = call.ctx
         timer = ctx.timing if ctx is not None else None  # None unless the caller asked (server.dataplane.stage_timing)
         try:
-            if ctx is not None:
-                ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
             if not granted(principal, call.endpoint, ctx):
                 raise ModelNotFound(f"unknown model '{call.endpoint}'")
@@ -279,10 +277,7 @@ class Pipeline:
                 call.inflight.dec()
                 call.latency.observe(now - call.started)
             if call.ticket is not None:
-                tokens = call.tokens_in + call.tokens_out
-                if call.ctx is not None:
-                    call.ctx.tokens = tokens
-                await self.quotas.release(call.ticket, tokens)
+                await self.quotas.release(call.ticket, call.tokens_in + call.tokens_out)
             if call.computed and self.meter is not None:
                 compute_s = call.compute_s if call.compute_s is not None else now - call.dispatched_at
                 tenant = call.tenant

@@ -157,7 +157,6 @@ class CallContext:
     idempotency_key: str | None = None
     timeout: float | None = None
     principal: Principal | None = None
-    tokens: int = 0  # tokens the call used (LLM prompt + completion, embedding input): charged to the token quota
     quota_headers: tuple = ()  # the monthly allowance left (server.tenancy.monthly_quotas), sent with the answer
     # traffic (server.dataplane.routing): the call's headers / gRPC metadata, read only when a split
     # needs a caller key; the data plane fills in the version and arm that answered
