@@ -27,6 +27,7 @@ from server.dataplane.loop_gate import UnaryAdmission
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
 from server.dataplane.composite import Composites
+from server.dataplane.port import Answered
 from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline, granted
 from server.dataplane.routing import Router
 from server.dataplane.safety import infer_texts, tensor_texts
@@ -305,8 +306,9 @@ class DataPlane:
         timeout: float | None = None,
         ctx: CallContext | None = None,
         count_tokens: Callable[[bytes], int] | None = None,
-    ) -> bytes:
-        """One request through the pipeline to Triton; returns Triton's ModelInferResponse bytes.
+    ) -> Answered:
+        """One request through the pipeline to Triton; returns Triton's ModelInferResponse bytes and
+        the version (and arm) that answered.
 
         ``raw`` is the request exactly as the caller sent it; when given it travels to Triton
         untouched (no re-serialization; a routed version is appended as a field). ``timeout`` is
@@ -356,7 +358,7 @@ class DataPlane:
                 if self._router.shadows:
                     call.shadow = (data, answer)
                 call.answer = answer
-                return answer
+                return Answered(answer, call.version, call.arm)
             except InferplaneError:
                 raise
             except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash

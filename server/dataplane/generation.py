@@ -95,6 +95,8 @@ class Chunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     step: int = 0
+    version: str = ""  # the version that answered
+    arm: str = ""  # the traffic split's arm that answered ("" for none)
 
 
 def is_embedding(signature: ModelSignature) -> bool:
@@ -285,7 +287,7 @@ class LLMService:
                         raise Cancelled("the generation was cancelled")
                     if reason == "error":
                         raise stream_error(info.get("error", "engine error"))
-                    chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
+                    chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0), call.version, call.arm)
                     if screen is not None:
                         chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter
                     yield chunk
@@ -363,7 +365,7 @@ class LLMService:
             request = pb.ModelInferRequest(model_name=model)
             request.inputs.add(name=EMBEDDING_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            raw = await self._dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)
+            raw = (await self._dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)).raw
             outputs = _outputs(pb.ModelInferResponse.FromString(raw))
             if EMBEDDING_OUTPUT not in outputs:
                 raise BackendError(f"model '{model}' returned no '{EMBEDDING_OUTPUT}' output")

@@ -291,10 +291,8 @@ class Pipeline:
             self.metrics.count(call.label, call.version if resolved else "", call.code)
             if self.observer is not None:
                 self._observe(call, err)
-            if call.ctx is not None:
-                call.ctx.version, call.ctx.arm = call.version, call.arm
-                if call.ctx.timing is not None:
-                    call.ctx.timing.mark("exit")
+            if call.ctx is not None and call.ctx.timing is not None:
+                call.ctx.timing.mark("exit")
             if resolved and (call.arm or self.router.shadows):
                 try:
                     sent, answer = call.shadow or (None, None)

@@ -310,7 +310,7 @@ class SafetyStage:
             request = pb.ModelInferRequest(model_name=classifier.model)
             request.inputs.add(name=CLASSIFIER_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            raw = await port.infer(request, ctx=ctx)
+            raw = (await port.infer(request, ctx=ctx)).raw
             answer = pb.ModelInferResponse.FromString(raw)
             names = [o.name for o in answer.outputs]
             if CLASSIFIER_OUTPUT not in names:

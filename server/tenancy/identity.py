@@ -159,10 +159,8 @@ class CallContext:
     principal: Principal | None = None
     quota_headers: tuple = ()  # the monthly allowance left (server.tenancy.monthly_quotas), sent with the answer
     # traffic (server.dataplane.routing): the call's headers / gRPC metadata, read only when a split
-    # needs a caller key; the data plane fills in the version and arm that answered
+    # needs a caller key (the version and arm that answered come back with the answer)
     headers: object = None
-    version: str = ""
-    arm: str = ""
     # set only inside the frontend, never from a caller's headers: the call's traffic class (``batch``
     # waits for capacity real-time traffic leaves: batching.fair_queue), and a call made on behalf
     # of an already authenticated principal (a composite's node, a batch job's row, a safety

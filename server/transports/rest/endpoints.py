@@ -157,9 +157,9 @@ async def model_infer(request: web.Request) -> web.Response:
         _require_content_type(request, (JSON, BINARY))
         body = await _read_body(request)
         header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
-        raw, plan = await _infer(dp, ctx, body, header_len, name, version)
-    payload, header_len = await _encode(raw, plan)
-    answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm, **dict(ctx.quota_headers)}  # which version (and arm) answered; allowance left
+        answer, plan = await _infer(dp, ctx, body, header_len, name, version)
+    payload, header_len = await _encode(answer.raw, plan)
+    answered = {VERSION_HEADER: answer.version, ARM_HEADER: answer.arm, **dict(ctx.quota_headers)}  # which version (and arm) answered; allowance left
     if timer is not None:
         timer.mark("encode")
         answered["Server-Timing"] = timer.header()
@@ -170,7 +170,7 @@ async def model_infer(request: web.Request) -> web.Response:
 
 async def _infer(port: ModelPort, ctx: CallContext, body: bytes, header_len: int | None, name: str, version: str):
     """A v2 infer body (JSON, or the binary tensor extension's) decoded and sent through the port:
-    (the answer's bytes, how to encode it)."""
+    (the answer, how to encode it)."""
     infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
     if ctx.timing is not None:
         ctx.timing.mark("decode")
@@ -187,8 +187,8 @@ def row_answers(port: ModelPort) -> list[tuple[re.Pattern, object]]:
     the live handler's decode, infer and encode; the row's answer is the JSON part."""
 
     async def infer_row(match, doc: dict, ctx: CallContext) -> dict:
-        raw, plan = await _infer(port, ctx, json.dumps(doc).encode(), None, match["name"], match["version"] or "")
-        payload, header_len = await _encode(raw, plan)
+        answer, plan = await _infer(port, ctx, json.dumps(doc).encode(), None, match["name"], match["version"] or "")
+        payload, header_len = await _encode(answer.raw, plan)
         return json.loads(payload if header_len is None else payload[:header_len])
 
     return [(OIP_ENDPOINT, infer_row)]
@@ -204,16 +204,16 @@ async def predict(request: web.Request) -> web.Response:
     body = await _read_body(request)
     signature = dp.resolve(name, version)
     requests = await _cpu(len(body), rest_codec.decode_instances, body, signature, version)
-    raws = await asyncio.gather(*(dp.infer(r, None, ctx.timeout, _instance(ctx, i)) for i, r in enumerate(requests)))
+    raws = [a.raw for a in await asyncio.gather(*(dp.infer(r, None, ctx.timeout, _instance(ctx, i)) for i, r in enumerate(requests)))]
     size = sum(len(r) for r in raws)
     predictions = await _cpu(size, rest_codec.encode_predictions, list(raws), signature.max_batch_size > 0)
     return web.Response(body=await _cpu(size, rest_codec.dumps, {"predictions": predictions}), content_type=JSON)
 
 
 def _instance(ctx: CallContext, index: int) -> CallContext:
-    """Each instance of a predict call is its own request with a context of its own (the data plane
-    writes the principal, version and arm that answered into it: concurrent instances must not share
-    one); an idempotency key covers each by index."""
+    """Each instance of a predict call is its own request with a context of its own (the gatekeeper
+    writes the principal into it: concurrent instances must not share one); an idempotency key
+    covers each by index."""
     return dataclasses.replace(ctx, idempotency_key=f"{ctx.idempotency_key}#{index}" if ctx.idempotency_key else None)
 
 
