@@ -249,7 +249,7 @@ class LLMService:
                 else:
                     _bytes_input(request, "text_input", params.prompt)
                 _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
-                principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
+                principal = call.principal  # the plan orders the engine's queue (paid first)
                 request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
                 if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
                     request.parameters[ADAPTER_PARAMETER].string_param = adapter

@@ -147,16 +147,15 @@ def anonymous(quota: Quota = Quota()) -> Principal:
 
 @dataclass
 class CallContext:
-    """What a transport learned about one call, handed to ``DataPlane``.
+    """What a transport learned about one call, handed to ``DataPlane``: what the caller sent (the
+    data plane writes nothing into it; who called is the admitted call's, who answered the answer's).
 
     ``timeout`` is the caller's remaining deadline in seconds (gRPC deadline, ``x-request-timeout``).
-    ``principal`` is filled in by the data plane once the key is checked.
     """
 
     api_key: str | None = None
     idempotency_key: str | None = None
     timeout: float | None = None
-    principal: Principal | None = None
     quota_headers: tuple = ()  # the monthly allowance left (server.tenancy.monthly_quotas), sent with the answer
     # traffic (server.dataplane.routing): the call's headers / gRPC metadata, read only when a split
     # needs a caller key (the version and arm that answered come back with the answer)
@@ -303,7 +302,6 @@ class Gatekeeper:
     def authenticate(self, ctx: CallContext | None) -> Principal:
         delegation = getattr(ctx, "delegation", None)
         if delegation is not None:  # a call the frontend makes for a principal authenticated before
-            ctx.principal = delegation.principal
             return delegation.principal
         if self.keyring is None:
             principal = self._anonymous
@@ -311,8 +309,6 @@ class Gatekeeper:
             principal = self._by_certificate(ctx)
         else:
             principal = self.keyring.authenticate(ctx.api_key if ctx is not None else None)
-        if ctx is not None:
-            ctx.principal = principal
         return principal
 
     def principal_of(self, tenant: str) -> Principal:

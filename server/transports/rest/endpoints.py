@@ -211,9 +211,7 @@ async def predict(request: web.Request) -> web.Response:
 
 
 def _instance(ctx: CallContext, index: int) -> CallContext:
-    """Each instance of a predict call is its own request with a context of its own (the gatekeeper
-    writes the principal into it: concurrent instances must not share one); an idempotency key
-    covers each by index."""
+    """Each instance of a predict call is its own request: an idempotency key covers each by index."""
     return dataclasses.replace(ctx, idempotency_key=f"{ctx.idempotency_key}#{index}" if ctx.idempotency_key else None)
 
 
