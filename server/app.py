@@ -169,12 +169,14 @@ class Frontend:
         """Registry, deployer, traffic, autoscaler, batches, retention (server.control.service.control_plane): their
         writers run while this process holds the leader lease; a standby watches the desired state."""
         from server.control.service.control_plane import ControlPlane
-        from server.transports.openai.batches import row_runner
+        from server.dataplane.batch_rows import RowRunner
+        from server.transports.openai.endpoints import row_answers as openai_rows
+        from server.transports.rest.endpoints import row_answers as rest_rows
 
-        s = self.settings
+        s, dp = self.settings, self.dataplane
         self.control = control = await asyncio.to_thread(
-            ControlPlane, s, self.dataplane, self.fleet, usage_store=self.tenancy.store, shadow_records=self._shadow_records(),
-            row_runner=row_runner(self.dataplane), audit=self.audit.add if self.audit is not None else None,
+            ControlPlane, s, dp, self.fleet, usage_store=self.tenancy.store, shadow_records=self._shadow_records(),
+            row_runner=RowRunner(dp.gate.principal_of, [*openai_rows(dp.llm), *rest_rows(dp)]), audit=self.audit.add if self.audit is not None else None,
         )  # fmt: skip
         self.registry, self.deployer, self.traffic, self.batches = control.registry, control.deployer, control.traffic, control.batches
         self._directory = control.directory

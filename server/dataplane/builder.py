@@ -42,8 +42,7 @@ def build_dataplane(
     table = ModelTable(wakers=hooks.wakers)
     router = Router({})
     observer = build_observer(s, metrics, backend.target)
-    late: list[DataPlane] = []  # the safety classifier calls the data plane, which is built after the pipeline
-    safety = build_safety(s, metrics, table, lambda *a, **k: late[0].infer(*a, **k), audit)
+    safety = build_safety(s, metrics, audit)  # its classifier calls go through the port that admitted each call
     pipeline = Pipeline(
         gate=gate,
         quotas=quotas,
@@ -69,16 +68,15 @@ def build_dataplane(
         dataplane.features = FeatureFetcher(store_for(s.feature_store_url))
     dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
     dataplane.llm.stall_s = s.generation_stall_s  # no token for this long: cancelled (GenerationStalled)
-    late.append(dataplane)
     return dataplane
 
 
-def build_safety(settings: Settings, metrics: Metrics, table: ModelTable, infer, audit=None):
+def build_safety(settings: Settings, metrics: Metrics, audit=None):
     """The safety stage (``server.dataplane.safety``): always built, so an endpoint's own policy
     parameter works without settings; it costs one cached lookup per request of an endpoint without one."""
     from server.dataplane.safety import SafetyStage, policy_source
 
-    return SafetyStage(policy_source(settings.safety), metrics, infer=infer, resolve=table.resolve, audit=audit)
+    return SafetyStage(policy_source(settings.safety), metrics, audit=audit)
 
 
 def build_observer(settings: Settings, metrics: Metrics, replica: str) -> Observer:

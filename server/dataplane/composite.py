@@ -38,7 +38,7 @@ from server.dataplane import codecs
 from server.dataplane.generation import GenerateParams, LLMService
 from server.dataplane.metrics import LATENCY_BUCKETS
 from server.dataplane.pipeline import INFER
-from server.dataplane.port import ModelPort
+from server.dataplane.port import Answered, ModelPort
 from server.dataplane.signature import ModelSignature, TensorSpec, version_key
 from server.dataplane.validation import validate_infer_request
 from server.dataplane.wire import rename
@@ -243,7 +243,7 @@ class Composites:
 
     # ---- inference ----------------------------------------------------------------------------
 
-    async def infer(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None, ctx: CallContext | None) -> bytes:
+    async def infer(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None, ctx: CallContext | None) -> Answered:
         name = request.model_name
 
         def validate(signature: ModelSignature) -> None:
@@ -263,7 +263,7 @@ class Composites:
                 log.exception("composite %s failed", name)
                 raise BackendError(f"composite '{name}' failed: {type(err).__name__}: {err}") from None
             call.answer = answer
-            return answer
+            return Answered(answer, call.version, call.arm)
 
     async def _ensemble(self, call, request: pb.ModelInferRequest, raw: bytes | None, plan: Plan) -> bytes:
         data = rename(raw if raw is not None else request.SerializeToString(), plan.triton_model)
@@ -419,7 +419,7 @@ class _Run:
                 datatype, shape, data = codecs.from_numpy(array)
                 request.inputs.add(name=name, datatype=datatype, shape=shape)
                 request.raw_input_contents.append(data)
-            raw = await self.c._dp.infer(request, None, self._left(), ctx)  # noqa: SLF001 - the one pipeline, per node
+            raw = (await self.c._dp.infer(request, None, self._left(), ctx)).raw  # noqa: SLF001 - the one pipeline, per node
             return _response_tensors(pb.ModelInferResponse.FromString(raw))
         except InferplaneError as err:
             raise _NodeFailed(node.name, err) from None

@@ -27,6 +27,7 @@ from server.dataplane.loop_gate import UnaryAdmission
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
 from server.dataplane.composite import Composites
+from server.dataplane.port import Answered
 from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline, granted
 from server.dataplane.routing import Router
 from server.dataplane.safety import infer_texts, tensor_texts
@@ -315,8 +316,9 @@ class DataPlane:
         timeout: float | None = None,
         ctx: CallContext | None = None,
         count_tokens: Callable[[bytes], int] | None = None,
-    ) -> bytes:
-        """One request through the pipeline to Triton; returns Triton's ModelInferResponse bytes.
+    ) -> Answered:
+        """One request through the pipeline to Triton; returns Triton's ModelInferResponse bytes and
+        the version (and arm) that answered.
 
         ``raw`` is the request exactly as the caller sent it; when given it travels to Triton
         untouched (no re-serialization; a routed version is appended as a field). ``timeout`` is
@@ -339,7 +341,7 @@ class DataPlane:
 
         rewritten: list = []  # the safety stage redacted an input: the request is serialized again
         texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
-        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate, texts=texts) as call:
+        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate, texts=texts, port=self) as call:
             try:
                 caller_bytes = raw if raw is not None and not rewritten else request.SerializeToString()
                 data = caller_bytes
@@ -366,7 +368,7 @@ class DataPlane:
                 if self._router.shadows:
                     call.shadow = (data, answer)
                 call.answer = answer
-                return answer
+                return Answered(answer, call.version, call.arm)
             except InferplaneError:
                 raise
             except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
@@ -468,7 +470,7 @@ class DataPlane:
                         validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
                         rewritten: list = []
                         texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
-                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts)
+                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts, port=self)
                         if call.safety is not None and call.safety.output is not None:
                             await self._refuse_unscreened_stream(call)
                         if rewritten:

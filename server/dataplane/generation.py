@@ -97,6 +97,8 @@ class Chunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     step: int = 0
+    version: str = ""  # the version that answered
+    arm: str = ""  # the traffic split's arm that answered ("" for none)
 
 
 def is_embedding(signature: ModelSignature) -> bool:
@@ -240,7 +242,7 @@ class LLMService:
 
         texts = _prompt_texts(params) if self._pipeline.safety is not None else None
         body = _body(model, adapter, params)  # the caller's request, before the deadline is filled in
-        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter)
+        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter, port=self._dp)
         async with admitted as call:
             if not ctx.idempotency_key:
                 async with contextlib.aclosing(self._generate(call, ctx, model, adapter, params)) as chunks:  # a caller gone: the engine stops now
@@ -271,7 +273,7 @@ class LLMService:
             else:
                 _bytes_input(request, "text_input", params.prompt)
             _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
-            principal = call.principal or ctx.principal  # the plan orders the engine's queue (paid first)
+            principal = call.principal  # the plan orders the engine's queue (paid first)
             request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
             if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
                 request.parameters[ADAPTER_PARAMETER].string_param = adapter
@@ -309,7 +311,7 @@ class LLMService:
                     raise Cancelled("the generation was cancelled")
                 if reason == "error":
                     raise stream_error(info.get("error", "engine error"))
-                chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0))
+                chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0), call.version, call.arm)
                 if screen is not None:
                     chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter
                 yield chunk
@@ -408,7 +410,7 @@ class LLMService:
             request = pb.ModelInferRequest(model_name=model)
             request.inputs.add(name=EMBEDDING_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            raw = await self._dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)
+            raw = (await self._dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)).raw
             outputs = _outputs(pb.ModelInferResponse.FromString(raw))
             if EMBEDDING_OUTPUT not in outputs:
                 raise BackendError(f"model '{model}' returned no '{EMBEDDING_OUTPUT}' output")

@@ -58,7 +58,7 @@ class AdmittedCall:
         "ctx", "name", "version", "arm", "kind", "signature", "principal", "timeout", "started",
         "label", "ticket", "queue", "breaker", "admitted", "waited_at", "dispatched_at", "dispatch_timeout",
         "tokens_in", "tokens_out", "computed", "compute_s", "request", "shadow", "inflight", "latency", "code", "closed", "routed",
-        "trace", "answer", "batch", "safety", "adapter",
+        "trace", "answer", "batch", "safety", "adapter", "port",
     )  # fmt: skip
 
     def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
@@ -94,6 +94,7 @@ class AdmittedCall:
         self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
         self.safety = None  # the endpoint's server.dataplane.safety.SafetyPolicy, when it has one
         self.adapter = ""  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
+        self.port = None  # the server.dataplane.port.ModelPort that admitted it: the safety classifier's calls go through it
 
     @property
     def endpoint(self) -> str:
@@ -153,12 +154,14 @@ class Pipeline:
         validate: Callable[[ModelSignature], None] | None = None,
         texts: Callable[[ModelSignature], object] | None = None,
         adapter: str = "",
+        port=None,
     ) -> "_Admitted":
         """``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
         stage's input screen, when the endpoint has a policy. ``adapter``: a LoRA adapter of model
-        ``name``, granted, quota'd and metered as ``name:adapter``."""
+        ``name``, granted, quota'd and metered as ``name:adapter``. ``port``: the model port making the call
+        (``server.dataplane.port``), through which the safety classifier's own calls go."""
         call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
-        call.adapter = adapter
+        call.adapter, call.port = adapter, port
         return _Admitted(self, call, validate, texts)
 
     async def open(
@@ -171,9 +174,12 @@ class Pipeline:
         timeout: float | None = None,
         validate: Callable[[ModelSignature], None] | None = None,
         texts: Callable[[ModelSignature], object] | None = None,
+        port=None,
     ) -> AdmittedCall:
         """:meth:`enter` a new call that another task will :meth:`exit` (a stream message)."""
-        return await self.enter(AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout)), validate, texts)
+        call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
+        call.port = port
+        return await self.enter(call, validate, texts)
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
@@ -181,8 +187,6 @@ class Pipeline:
         ctx = call.ctx
         timer = ctx.timing if ctx is not None else None  # None unless the caller asked (server.dataplane.stage_timing)
         try:
-            if ctx is not None:
-                ctx.tokens = 0  # this call's (a context may serve several calls)
             call.principal = principal = self.gate.authenticate(ctx)
             if not granted(principal, call.endpoint, ctx):
                 raise ModelNotFound(f"unknown model '{call.endpoint}'")
@@ -273,10 +277,7 @@ class Pipeline:
                 call.inflight.dec()
                 call.latency.observe(now - call.started)
             if call.ticket is not None:
-                tokens = call.tokens_in + call.tokens_out
-                if call.ctx is not None:
-                    call.ctx.tokens = tokens
-                await self.quotas.release(call.ticket, tokens)
+                await self.quotas.release(call.ticket, call.tokens_in + call.tokens_out)
             if call.computed and self.meter is not None:
                 compute_s = call.compute_s if call.compute_s is not None else now - call.dispatched_at
                 tenant = call.tenant
@@ -290,10 +291,8 @@ class Pipeline:
             self.metrics.count(call.label, call.version if resolved else "", call.code)
             if self.observer is not None:
                 self._observe(call, err)
-            if call.ctx is not None:
-                call.ctx.version, call.ctx.arm = call.version, call.arm
-                if call.ctx.timing is not None:
-                    call.ctx.timing.mark("exit")
+            if call.ctx is not None and call.ctx.timing is not None:
+                call.ctx.timing.mark("exit")
             if resolved and (call.arm or self.router.shadows):
                 try:
                     sent, answer = call.shadow or (None, None)

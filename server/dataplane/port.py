@@ -1,4 +1,5 @@
-"""What the data plane's features call (the LLM service, composite endpoints): the model port.
+"""What the data plane's features call (the LLM service, composite endpoints, the safety classifier,
+batch rows): the model port.
 
 ``server.dataplane.dataplane.DataPlane`` implements it; the features get it at construction and
 depend on this declaration, never on ``DataPlane`` or its private members (checked statically by
@@ -8,11 +9,19 @@ depend on this declaration, never on ``DataPlane`` or its private members (check
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from server.dataplane.signature import ModelSignature
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
+
+
+class Answered(NamedTuple):
+    """An infer's answer and who answered it (the version, and the traffic split's arm, "" for none)."""
+
+    raw: bytes  # the serialized ModelInferResponse
+    version: str
+    arm: str
 
 
 class ModelPort(Protocol):
@@ -24,8 +33,8 @@ class ModelPort(Protocol):
     async def infer(
         self, request: pb.ModelInferRequest, raw: bytes | None = None, timeout: float | None = None, ctx: CallContext | None = None,
         count_tokens: Callable[[bytes], int] | None = None,
-    ) -> bytes:  # fmt: skip
-        """One request through the admission pipeline to the backend: the serialized answer."""
+    ) -> Answered:  # fmt: skip
+        """One request through the admission pipeline to the backend: the answer and who answered."""
 
     async def submit(self, call: Any, request: pb.ModelInferRequest, data: bytes, signature: ModelSignature) -> bytes:
         """An admitted call's request to the backend through the coalescer (the pipeline already entered)."""

@@ -20,8 +20,8 @@ An endpoint's policy is JSON — its config parameter ``inferplane.safety``, els
   characters; a blocked stream ends with ``finish_reason: "content_filter"`` (the OpenAI API's). A unary
   answer's text outputs (BYTES) are checked whole; a blocked one is refused with ``ContentFiltered``.
 - The **classifier** is a model deployed on the platform (the demo ships ``safety_classifier``: MiniLM
-  embeddings and a logistic head trained on synthetic data, ONNX), called through ``DataPlane.infer``
-  on the caller's behalf: it is batched, queued, scaled and metered like any other request (charged to
+  embeddings and a logistic head trained on synthetic data, ONNX), called through the model port
+  that admitted the request (``server.dataplane.port``) on the caller's behalf: it is batched, queued, scaled and metered like any other request (charged to
   the caller's tenant), and never screened itself.
 
 Every decision is counted (``inferplane_safety_decisions_total{model,stage,rule,action}``, ``allow``
@@ -44,6 +44,7 @@ import numpy as np
 from prometheus_client import Counter, Histogram
 
 from server.dataplane import codecs
+from server.dataplane.port import ModelPort
 from server.dataplane.safety_rules import ALLOW, BLOCK, FLAG, REDACT, Finding, PolicyError, Screen, StreamScanner, Verdict, compile_screen
 from server.errors import ContentFiltered, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
@@ -220,11 +221,9 @@ class _Metrics:
 class SafetyStage:
     """Built once (``server.dataplane.builder``); the pipeline calls it for calls whose endpoint has a policy."""
 
-    def __init__(self, policy_for, metrics, *, infer=None, resolve=None, audit: Callable[[dict], None] | None = None):
+    def __init__(self, policy_for, metrics, *, audit: Callable[[dict], None] | None = None):
         self._policy_for = policy_for
         self._metrics = _Metrics(metrics.registry)
-        self._infer = infer  # DataPlane.infer (late-bound: the data plane is built after the pipeline)
-        self._resolve = resolve  # name -> ModelSignature (the classifier's labels)
         self._audit = audit
 
     def policy(self, call) -> SafetyPolicy | None:
@@ -297,7 +296,9 @@ class SafetyStage:
         return [Finding(f"classifier:{classifier.model}", "classifier", classifier.action, 0, 0) for s in scores if s >= classifier.threshold]
 
     async def classify(self, call, classifier: Classifier, texts: list[str]) -> list[float]:
-        signature = self._resolve(classifier.model, "")
+        port: ModelPort = call.port  # the port that admitted the call: the classifier goes through it too
+        ctx = CallContext(timeout=call.timeout, delegation=Delegation(call.principal, ALL_MODELS))
+        signature = port.resolve_for(ctx, classifier.model)
         labels = [x.strip() for x in signature.params.get(LABELS_PARAMETER, "safe,unsafe").split(",")]
         if classifier.label not in labels:
             raise InferplaneError(f"safety classifier '{classifier.model}' has no label '{classifier.label}' (labels: {', '.join(labels)})")
@@ -309,8 +310,7 @@ class SafetyStage:
             request = pb.ModelInferRequest(model_name=classifier.model)
             request.inputs.add(name=CLASSIFIER_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            ctx = CallContext(timeout=call.timeout, delegation=Delegation(call.principal, ALL_MODELS))
-            raw = await self._infer(request, ctx=ctx)
+            raw = (await port.infer(request, ctx=ctx)).raw
             answer = pb.ModelInferResponse.FromString(raw)
             names = [o.name for o in answer.outputs]
             if CLASSIFIER_OUTPUT not in names:

@@ -147,23 +147,19 @@ def anonymous(quota: Quota = Quota()) -> Principal:
 
 @dataclass
 class CallContext:
-    """What a transport learned about one call, handed to ``DataPlane``.
+    """What a transport learned about one call, handed to ``DataPlane``: what the caller sent (the
+    data plane writes nothing into it; who called is the admitted call's, who answered the answer's).
 
     ``timeout`` is the caller's remaining deadline in seconds (gRPC deadline, ``x-request-timeout``).
-    ``principal`` is filled in by the data plane once the key is checked.
     """
 
     api_key: str | None = None
     idempotency_key: str | None = None
     timeout: float | None = None
-    principal: Principal | None = None
-    tokens: int = 0  # tokens the call used (LLM prompt + completion, embedding input): charged to the token quota
     quota_headers: tuple = ()  # the monthly allowance left (server.tenancy.monthly_quotas), sent with the answer
     # traffic (server.dataplane.routing): the call's headers / gRPC metadata, read only when a split
-    # needs a caller key; the data plane fills in the version and arm that answered
+    # needs a caller key (the version and arm that answered come back with the answer)
     headers: object = None
-    version: str = ""
-    arm: str = ""
     # set only inside the frontend, never from a caller's headers: the call's traffic class (``batch``
     # waits for capacity real-time traffic leaves: batching.fair_queue), and a call made on behalf
     # of an already authenticated principal (a composite's node, a batch job's row, a safety
@@ -306,7 +302,6 @@ class Gatekeeper:
     def authenticate(self, ctx: CallContext | None) -> Principal:
         delegation = getattr(ctx, "delegation", None)
         if delegation is not None:  # a call the frontend makes for a principal authenticated before
-            ctx.principal = delegation.principal
             return delegation.principal
         if self.keyring is None:
             principal = self._anonymous
@@ -314,8 +309,6 @@ class Gatekeeper:
             principal = self._by_certificate(ctx)
         else:
             principal = self.keyring.authenticate(ctx.api_key if ctx is not None else None)
-        if ctx is not None:
-            ctx.principal = principal
         return principal
 
     def principal_of(self, tenant: str) -> Principal:

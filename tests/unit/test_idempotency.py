@@ -143,7 +143,7 @@ async def test_the_same_idempotency_key_from_two_tenants_is_two_keys():
 
     async def call(tenant: str, value: float) -> pb.ModelInferResponse:
         ctx = CallContext(keys[tenant], idempotency_key="order-1")
-        return pb.ModelInferResponse.FromString(await dp.infer(_infer_request(value), ctx=ctx))
+        return pb.ModelInferResponse.FromString((await dp.infer(_infer_request(value), ctx=ctx)).raw)
 
     acme = await call("acme", 1.0)
     globex = await call("globex", 2.0)

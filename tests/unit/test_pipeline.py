@@ -70,9 +70,9 @@ async def test_generation_follows_an_ab_split_and_names_the_arm_that_answered():
     dp.router.splits["llm"] = Split("ab", [Arm("control", "1", 50), Arm("treatment", "2", 50)])
     arms = []
     for _ in range(4):
-        ctx = CallContext()
-        assert (await _generate(dp, ctx=ctx)).text == "ok"
-        arms.append((ctx.arm, ctx.version))
+        answer = await _generate(dp, ctx=CallContext())
+        assert answer.text == "ok"
+        arms.append((answer.arm, answer.version))
     assert [r.model_version for r in backend.stream_requests] == ["1", "2", "1", "2"]  # smooth weighted round robin
     assert arms == [("control", "1"), ("treatment", "2")] * 2
     assert dp.router.splits["llm"].totals["treatment"].requests == 2  # the arm's window saw them

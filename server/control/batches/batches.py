@@ -74,7 +74,7 @@ from server.errors import BackendUnavailable, Conflict, InferplaneError, Invalid
 log = logging.getLogger(__name__)
 
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings", "/v1/completions")
-OIP_ENDPOINT = re.compile(r"^/v2/models/[A-Za-z0-9][A-Za-z0-9_.-]{0,127}(/versions/[1-9][0-9]{0,8})?/infer$")
+OIP_ENDPOINT = re.compile(r"^/v2/models/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})(/versions/(?P<version>[1-9][0-9]{0,8}))?/infer$")
 WINDOW = re.compile(r"^([1-9][0-9]{0,5})([smh])$")
 MAX_WINDOW_S = 7 * 24 * 3600
 MAX_ROWS = 50_000

@@ -92,8 +92,8 @@ class InferenceService:
             timer = ctx.timing
             if timer is not None:
                 timer.mark("decode")
-            answer = await self.dp.infer(request, raw, ctx.timeout, ctx)
-        answered = ((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm), *ctx.quota_headers)  # who answered; allowance left
+            answer, version, arm = await self.dp.infer(request, raw, ctx.timeout, ctx)
+        answered = ((VERSION_HEADER, version), (ARM_HEADER, arm), *ctx.quota_headers)  # who answered; allowance left
         if timer is not None:
             timer.mark("encode")
             answered = (*answered, (SERVER_TIMING, timer.header()))

@@ -1,29 +1,23 @@
 """OpenAI batch API over HTTP: ``/v1/files`` (JSONL upload, content) and ``/v1/batches``
-(create, retrieve, list, cancel), in the shapes the ``openai`` SDK reads; and the row runner the
-batch worker sends each row through (``server.control.batches.batches``).
-
-A row runs as its job's tenant (authenticated when the job was created, its grants as they are
-now), at the ``batch`` traffic class, through the same code as a live call of its endpoint:
-``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` or ``/v2/models/NAME/infer``.
+(create, retrieve, list, cancel), in the shapes the ``openai`` SDK reads. The rows of a job run
+through ``server.dataplane.batch_rows``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from server.control.batches.batches import OIP_ENDPOINT, BatchStore
-from server.errors import BackendUnavailable, InferplaneError, InvalidRequest, Overloaded, UnsupportedMediaType, Violation, http_error
-from server.tenancy.identity import CallContext, Delegation
+from server.control.batches.batches import BatchStore
+from server.errors import BackendUnavailable, InvalidRequest, UnsupportedMediaType, Violation
+from server.tenancy.identity import CallContext
 from server.transports.openai.body import json_object
 from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import Body, Route, error_body, error_responses, json_body
 
 BATCHES: web.AppKey[BatchStore] = web.AppKey("batch_store", BatchStore)
-ROW_TIMEOUT_S = 300.0  # one row's deadline once admitted (it waits for capacity without one)
 MULTIPART = "multipart/form-data"
 
 
@@ -118,44 +112,6 @@ async def list_batches(request: web.Request) -> web.Response:
     if not 1 <= limit <= 100:
         raise InvalidRequest("limit must be between 1 and 100", [Violation("limit", "out of range")])
     return web.json_response(await _thread(_store(request).list, tenant, request.query.get("after"), limit))
-
-
-# ---- the row runner -------------------------------------------------------------------------------
-
-
-def row_runner(dataplane):
-    """``(endpoint, body, tenant) -> (status, body)`` for the batch worker: each row through the
-    data plane as its tenant at the batch traffic class; an overload or quota refusal is raised
-    (the row stays pending and is tried again), any other error is the row's answer."""
-    from server.transports.openai.endpoints import completion_answer, embeddings_answer
-    from server.transports.rest import codec as rest_codec
-
-    async def run(endpoint: str, body: dict, tenant: str) -> tuple[int, dict]:
-        try:
-            principal = dataplane.gate.principal_of(tenant)
-            ctx = CallContext(priority="batch", timeout=ROW_TIMEOUT_S, delegation=Delegation(principal))
-            if endpoint == "/v1/embeddings":
-                return 200, await embeddings_answer(dataplane.llm, body, ctx)
-            if endpoint in ("/v1/chat/completions", "/v1/completions"):
-                return 200, await completion_answer(dataplane.llm, body, ctx, chat=endpoint == "/v1/chat/completions")
-            if OIP_ENDPOINT.match(endpoint):
-                parts = endpoint.split("/")  # ['', 'v2', 'models', NAME, ('versions', V,) 'infer']
-                name, version = parts[3], parts[5] if len(parts) == 7 else ""
-                raw_body = json.dumps(body).encode()
-                infer_request, plan = rest_codec.decode_infer_request(raw_body, None, name, version)
-                raw = await dataplane.infer(infer_request, None, ctx.timeout, ctx)
-                payload, header_len = rest_codec.encode_infer_response(raw, plan)
-                if header_len is not None:
-                    payload = payload[:header_len]
-                return 200, json.loads(payload)
-            raise InvalidRequest(f"endpoint {endpoint} is not a batch endpoint")
-        except Overloaded:
-            raise
-        except InferplaneError as err:
-            status, doc, _headers = http_error(err, openai=True)
-            return status, doc
-
-    return run
 
 
 # ---- routes (mounted into the OpenAI routes) ----------------------------------------------------

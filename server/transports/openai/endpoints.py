@@ -24,6 +24,7 @@ import base64
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -484,6 +485,19 @@ async def embeddings_answer(svc: LLMService, doc: dict, ctx: CallContext) -> dic
         value = base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def row_answers(svc: LLMService) -> list[tuple[re.Pattern, object]]:
+    """A batch job's rows of the OpenAI endpoints (``server.dataplane.batch_rows.RowRunner``): the same
+    answers as the live handlers'."""
+
+    async def embeddings(_match, doc: dict, ctx: CallContext) -> dict:
+        return await embeddings_answer(svc, doc, ctx)
+
+    async def completion(match, doc: dict, ctx: CallContext) -> dict:
+        return await completion_answer(svc, doc, ctx, chat=match[0] == "/v1/chat/completions")
+
+    return [(re.compile(r"/v1/embeddings"), embeddings), (re.compile(r"/v1/(chat/)?completions"), completion)]
 
 
 async def list_models(request: web.Request) -> web.Response:

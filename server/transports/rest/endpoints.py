@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import re
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import __version__
 from server.transports.rest import codec as rest_codec
+from server.control.batches.batches import OIP_ENDPOINT
 from server.dataplane.dataplane import DataPlane
+from server.dataplane.port import ModelPort
 from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, error_body, http_error
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM, SSE_POLICY, SSEPolicy
@@ -153,18 +157,41 @@ async def model_infer(request: web.Request) -> web.Response:
         _require_content_type(request, (JSON, BINARY))
         body = await _read_body(request)
         header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
-        infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
-        if timer is not None:
-            timer.mark("decode")
-        raw = await dp.infer(infer_request, None, ctx.timeout, ctx)
-    payload, header_len = await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
-    answered = {VERSION_HEADER: ctx.version, ARM_HEADER: ctx.arm, **dict(ctx.quota_headers)}  # which version (and arm) answered; allowance left
+        answer, plan = await _infer(dp, ctx, body, header_len, name, version)
+    payload, header_len = await _encode(answer.raw, plan)
+    answered = {VERSION_HEADER: answer.version, ARM_HEADER: answer.arm, **dict(ctx.quota_headers)}  # which version (and arm) answered; allowance left
     if timer is not None:
         timer.mark("encode")
         answered["Server-Timing"] = timer.header()
     if header_len is None:
         return web.Response(body=payload, content_type=JSON, headers=answered)
     return web.Response(body=payload, content_type=BINARY, headers={rest_codec.HEADER_LENGTH: str(header_len), **answered})
+
+
+async def _infer(port: ModelPort, ctx: CallContext, body: bytes, header_len: int | None, name: str, version: str):
+    """A v2 infer body (JSON, or the binary tensor extension's) decoded and sent through the port:
+    (the answer, how to encode it)."""
+    infer_request, plan = await _cpu(len(body), rest_codec.decode_infer_request, body, header_len, name, version)
+    if ctx.timing is not None:
+        ctx.timing.mark("decode")
+    return await port.infer(infer_request, None, ctx.timeout, ctx), plan
+
+
+async def _encode(raw: bytes, plan) -> tuple[bytes, int | None]:
+    """The answer as the caller asked for it: (payload, binary header length or None)."""
+    return await _cpu(len(raw), rest_codec.encode_infer_response, raw, plan)
+
+
+def row_answers(port: ModelPort) -> list[tuple[re.Pattern, object]]:
+    """A batch job's ``/v2/models/NAME[/versions/V]/infer`` rows (``server.dataplane.batch_rows.RowRunner``):
+    the live handler's decode, infer and encode; the row's answer is the JSON part."""
+
+    async def infer_row(match, doc: dict, ctx: CallContext) -> dict:
+        answer, plan = await _infer(port, ctx, json.dumps(doc).encode(), None, match["name"], match["version"] or "")
+        payload, header_len = await _encode(answer.raw, plan)
+        return json.loads(payload if header_len is None else payload[:header_len])
+
+    return [(OIP_ENDPOINT, infer_row)]
 
 
 async def predict(request: web.Request) -> web.Response:
@@ -177,16 +204,14 @@ async def predict(request: web.Request) -> web.Response:
     body = await _read_body(request)
     signature = dp.resolve(name, version)
     requests = await _cpu(len(body), rest_codec.decode_instances, body, signature, version)
-    raws = await asyncio.gather(*(dp.infer(r, None, ctx.timeout, _instance(ctx, i)) for i, r in enumerate(requests)))
+    raws = [a.raw for a in await asyncio.gather(*(dp.infer(r, None, ctx.timeout, _instance(ctx, i)) for i, r in enumerate(requests)))]
     size = sum(len(r) for r in raws)
     predictions = await _cpu(size, rest_codec.encode_predictions, list(raws), signature.max_batch_size > 0)
     return web.Response(body=await _cpu(size, rest_codec.dumps, {"predictions": predictions}), content_type=JSON)
 
 
 def _instance(ctx: CallContext, index: int) -> CallContext:
-    """Each instance of a predict call is its own request with a context of its own (the data plane
-    writes the principal, version and arm that answered into it: concurrent instances must not share
-    one); an idempotency key covers each by index."""
+    """Each instance of a predict call is its own request: an idempotency key covers each by index."""
     return dataclasses.replace(ctx, idempotency_key=f"{ctx.idempotency_key}#{index}" if ctx.idempotency_key else None)
 
 

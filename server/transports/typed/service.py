@@ -132,6 +132,6 @@ class TypedServices(grpc.GenericRpcHandler):
                     [Violation("rows", f"expected 1..{signature.max_batch_size} rows (max_batch_size), got {n}")],
                 )
         request = built.codec.infer_request(arrays, batched)
-        answer = await self.dp.infer(request, None, ctx.timeout, ctx)
-        context.set_trailing_metadata(((VERSION_HEADER, ctx.version), (ARM_HEADER, ctx.arm)))  # who answered
+        answer, version, arm = await self.dp.infer(request, None, ctx.timeout, ctx)
+        context.set_trailing_metadata(((VERSION_HEADER, version), (ARM_HEADER, arm)))  # who answered
         return built.codec.encode(pb.ModelInferResponse.FromString(answer), n, batch, batched)
