@@ -757,3 +757,263 @@ def test_the_policies_table_replaces_the_active_policy_of_a_slot(tmp_path):
     row = {r["id"]: r for r in store.history("m")}[b]
     assert (row["status"], row["state"]) == ("ended", {"report": 1})
     assert [r["id"] for r in store.history("m", limit=2)] == [c, b]
+
+
+# ---- what the controller logs and records when nobody is watching ------------------------------------
+
+
+def test_the_controllers_canary_step_is_audited_with_its_new_share_and_verdict(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, steps=[10, 50], interval_s=1, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200)
+        t.clock.now += 2
+        await t.c.analyze()
+        return t
+
+    t = asyncio.run(run())
+    actor, action, target, outcome, detail = t.reg.audits[-1]
+    assert (actor, action, target, outcome) == ("traffic-controller", "canary.step", "m:2", "ok")
+    assert detail.startswith("now 50%; pass") and "stable_requests=180" in detail
+
+
+def test_an_automatic_rollback_is_logged_as_a_warning_and_a_manual_one_is_not(tmp_path, caplog):
+    async def run(manual):
+        t = _make(tmp_path / ("manual" if manual else "auto"))
+        await t.c.set_canary("m", 2, percent=10, interval_s=600, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200, canary_error=True)
+        if manual:
+            await t.c.rollback("m", actor="x")
+        else:
+            await t.c.analyze()
+        return t
+
+    (tmp_path / "manual").mkdir()
+    (tmp_path / "auto").mkdir()
+    with caplog.at_level("WARNING", logger="server.control.rollout.traffic"):
+        asyncio.run(run(manual=True))
+        assert not [r for r in caplog.records if "automatically" in r.getMessage()]
+        t = asyncio.run(run(manual=False))
+    messages = [r.getMessage() for r in caplog.records if "automatically" in r.getMessage()]
+    assert len(messages) == 1 and messages[0].startswith("canary m:2 rolled back automatically: fail")
+    assert t.reg.audits[-1][0] == "traffic-controller"
+
+
+def test_an_audit_that_cannot_be_written_is_kept_in_the_log(tmp_path, caplog):
+    async def run():
+        t = _make(tmp_path)
+
+        def audit(*args):
+            raise RuntimeError("audit table away")
+
+        t.reg.audit = audit
+        await t.c.set_bluegreen("m", 2)
+        return t
+
+    with caplog.at_level("WARNING", logger="server.control.rollout.traffic"):
+        t = asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records] == [
+        "audit bluegreen.stage m:2 ok failed: audit table away (blue=1; green loaded and warm, no traffic)"
+    ]
+    assert t.c.policies[("m", "split")].kind == "bluegreen"  # the change itself stands
+
+
+def test_a_policy_not_restored_is_logged_with_the_reason_and_the_analysis_task_is_named(tmp_path, caplog):
+    async def first():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, percent=10, thresholds=LIMITS)
+        return t.reg
+
+    registry = asyncio.run(first())
+
+    async def second(versions, live):
+        t = _make(tmp_path, registry=registry)
+        t.dp.models["m"].versions = frozenset(versions)
+        t.dp.routes["m"] = live
+        await t.c.start()
+        name = t.c._task.get_name()
+        await t.c.stop()
+        return name
+
+    with caplog.at_level("ERROR", logger="server.control.rollout.traffic"):
+        assert asyncio.run(second({"1"}, "1")) == "traffic-analysis"
+    assert [r.getMessage() for r in caplog.records] == ["traffic policy canary of m not restored: versions ['2'] of 'm' are not loaded"]
+    caplog.clear()
+    registry = asyncio.run(first())
+    with caplog.at_level("ERROR", logger="server.control.rollout.traffic"):
+        asyncio.run(second({"1", "2"}, "2"))
+    assert [r.getMessage() for r in caplog.records] == ["traffic policy canary of m not restored: 'm' no longer routes to the canary's stable version 1"]
+
+
+def test_a_failing_analysis_tick_is_logged(tmp_path, caplog):
+    async def run():
+        t = _make(tmp_path)
+        t.c.tick_s = 0.01
+        calls = []
+
+        async def analyze():
+            calls.append(1)
+            raise RuntimeError("bad tick")
+
+        t.c.analyze = analyze
+        await t.c.start()
+        await _until(lambda: len(calls) >= 1)
+        await t.c.stop()
+
+    with caplog.at_level("ERROR", logger="server.control.rollout.traffic"):
+        asyncio.run(run())
+    assert caplog.records and caplog.records[0].getMessage() == "traffic analysis failed"
+
+
+def test_shadow_records_get_the_disagreements_of_the_shadowed_version(tmp_path):
+    calls = []
+
+    def keep(record):
+        pass
+
+    class Records:
+        def recorder(self, name, version):
+            calls.append((name, version))
+            return keep
+
+    async def run():
+        t = _make(tmp_path)
+        t.c.shadow_records = Records()
+        t.dp.backend_infer = _sender([])
+        await t.c.set_shadow("m", 2, 10)
+        shadow = t.dp.router.shadows["m"]
+        await t.c.stop()
+        return shadow
+
+    assert asyncio.run(run()).record is keep and calls == [("m", "2")]
+
+
+def test_a_manual_promotion_carries_the_last_verdict_and_its_actor(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, percent=10, interval_s=600, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200)
+        await t.c.analyze()
+        await t.c.promote("m", actor="zoe")
+        return t
+
+    t = asyncio.run(run())
+    actor, action, target, outcome, detail = t.reg.audits[-1]
+    assert (actor, action, target, outcome) == ("zoe", "canary.promote", "m:2", "ok") and detail.startswith("pass")
+    assert t.dep.calls == [("deploy", "m:2", "zoe")]
+
+
+def test_unnamed_actors_are_recorded_as_unknown_and_the_controller(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        await t.c.set_bluegreen("m", 2)
+        await t.c.rollback("m")
+        await t.c.set_experiment("m", [("a", 1, 1), ("b", 2, 1)])
+        await t.c.rollback("m")
+        await t.c.set_shadow("m", 2, 10)
+        await t.c.stop_shadow("m")
+        await t.c.set_bluegreen("m", 2)
+        await t.c.switch("m")
+        return t
+
+    t = asyncio.run(run())
+    assert {r["actor"] for r in t.c.store.history("m")} == {"unknown"}
+    assert [a[0] for a in t.reg.audits] == ["", "traffic-controller", "", "traffic-controller", "", "", "", "traffic-controller"]
+
+
+def test_switch_asks_triton_about_the_endpoint_and_survives_a_failing_refresh(tmp_path):
+    asked = []
+
+    async def run():
+        t = _make(tmp_path)
+
+        async def refresh(name):
+            asked.append(name)
+            raise BackendUnavailable("triton busy")
+
+        t.dp.refresh = refresh
+        await t.c.set_bluegreen("m", 2)
+        await t.c.switch("m")
+        return t
+
+    assert asyncio.run(run()).dep.deployed == ["m:2"] and asked == ["m"]
+
+
+def test_first_percent_equal_or_above_the_first_step_is_not_prepended(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        same = await t.c.set_canary("m", 2, percent=10, steps=[10, 50])
+        await t.c.rollback("m")
+        above = await t.c.set_canary("m", 2, percent=20, steps=[10, 50])
+        await t.c.rollback("m")
+        small = await t.c.set_canary("m", 2, percent=5, window_s=0.5)
+        return same, above, small
+
+    same, above, small = asyncio.run(run())
+    assert same.spec["steps"] == [10.0, 50.0] and above.spec["steps"] == [10.0, 50.0]
+    assert small.spec["window_s"] == 0.5 and small.spec["interval_s"] == 60.0 and small.spec["key_header"] == ""
+
+
+def test_a_shadow_of_under_one_percent_is_valid(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        policy = await t.c.set_shadow("m", 2, 0.5)
+        await t.c.stop()
+        return policy
+
+    assert asyncio.run(run()).spec["percent"] == 0.5
+
+
+def test_an_ab_report_compares_only_what_both_arms_have(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_experiment("m", [("control", 1, 1), ("treatment", 2, 1)])
+        router = t.dp.router
+        for i, ms in enumerate((1, 2, 3, 4, 100)):
+            router.observe("m", "control", "OK", ms / 1000.0, SimpleNamespace(id=f"c{i}"), None, None, None)
+        for i in range(5):
+            t.c.feedback("m", f"c{i}", 1.0)
+        return t
+
+    t = asyncio.run(run())
+    report = t.c.ab_report("m")
+    assert report["comparisons"] == []  # the treatment has neither requests nor outcomes
+    control = report["arms"][0]
+    assert control["latency_p50_ms"] == pytest.approx(3.0) and control["latency_p99_ms"] == pytest.approx(96.16)
+
+
+def test_outcome_comparisons_use_the_reports_alpha(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_experiment("m", [("control", 1, 1), ("treatment", 2, 1)])
+        router = t.dp.router
+        for i in range(60):
+            arm = "control" if i % 2 else "treatment"
+            router.observe("m", arm, "OK", 0.001, SimpleNamespace(id=f"r{i}"), None, None, None)
+            t.c.feedback("m", f"r{i}", (0.2 if arm == "treatment" else 0.0) + (i % 7) * 0.1)
+        return t
+
+    t = asyncio.run(run())
+    strict = [c["significant"] for c in t.c.ab_report("m", alpha=1e-9)["comparisons"] if c["metric"] == "outcome"]
+    usual = [c["significant"] for c in t.c.ab_report("m")["comparisons"] if c["metric"] == "outcome"]
+    assert strict and not any(strict) and any(usual)
+
+
+def test_a_new_policy_replaces_only_the_active_one_and_stamps_it(tmp_path):
+    from server.control.rollout.traffic import TrafficStore
+
+    store = TrafficStore(_Registry(f"sqlite:///{tmp_path}/s.db").engine)
+    old = store.insert("m", "split", "canary", {}, {}, "a")
+    store.update(old, status="promoted")
+    before = store.history("m")[0]["updated_at"]
+    store.insert("m", "split", "ab", {}, {}, "b")
+    rows = {r["id"]: r for r in store.history("m")}
+    assert rows[old]["status"] == "promoted" and rows[old]["updated_at"] == before
+    replaced = store.insert("m", "split", "ab", {}, {}, "c")
+    rows = {r["id"]: r for r in store.history("m")}
+    assert rows[replaced - 1]["status"] == "replaced" and rows[replaced - 1]["updated_at"] >= rows[replaced - 1]["created_at"]
+    for i in range(25):
+        store.insert("n", "shadow", "shadow", {}, {}, "d")
+    assert len(store.history("n")) == 20
