@@ -255,16 +255,22 @@ def test_a_canary_whose_split_disappeared_ends_without_a_decision(tmp_path):
     assert _statuses(t.c) == [("canary", "ended")] and _audits(t.reg) == [("canary.start", "m:2", "ok")]
 
 
-def test_a_manual_canary_rollback_is_recorded_as_rolled_back_by_its_actor(tmp_path):
+def _after_a_passing_tick(tmp_path, decide):
+    """A canary at 10 % with one passing analysis behind it, then ``decide(controller)``."""
+
     async def run():
         t = _make(tmp_path)
-        await t.c.set_canary("m", 2, percent=10, thresholds=LIMITS, actor="alice")
+        await t.c.set_canary("m", 2, percent=10, interval_s=600, thresholds=LIMITS, actor="alice")
         _traffic(t.dp, t.clock, 200)
         await t.c.analyze()
-        await t.c.rollback("m", actor="erin")
+        await decide(t.c)
         return t
 
-    t = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_manual_canary_rollback_is_recorded_as_rolled_back_by_its_actor(tmp_path):
+    t = _after_a_passing_tick(tmp_path, lambda c: c.rollback("m", actor="erin"))
     actor, action, target, outcome, detail = t.reg.audits[-1]
     assert (actor, action, target, outcome) == ("erin", "canary.rollback", "m:2", "rolled_back")
     assert detail.startswith("manual; ") and "canary_requests=20" in detail
@@ -678,7 +684,7 @@ def test_a_restored_canary_needs_its_stable_version_live(tmp_path):
     assert t.c.policies == {} and "m" not in t.dp.router.splits and _statuses(t.c) == [("canary", "ended")]
 
 
-def test_the_analysis_loop_ticks_and_survives_a_failing_tick(tmp_path):
+def test_the_analysis_loop_ticks_and_survives_a_failing_tick_which_it_logs(tmp_path, caplog):
     async def run():
         t = _make(tmp_path)
         t.c.tick_s = 0.01
@@ -695,7 +701,9 @@ def test_the_analysis_loop_ticks_and_survives_a_failing_tick(tmp_path):
         await t.c.stop()
         return calls
 
-    assert len(asyncio.run(run())) >= 3
+    with caplog.at_level("ERROR", logger="server.control.rollout.traffic"):
+        assert len(asyncio.run(run())) >= 3
+    assert [r.getMessage() for r in caplog.records] == ["traffic analysis failed"]
 
 
 def test_analysis_skips_an_endpoint_whose_lock_is_held(tmp_path):
@@ -845,26 +853,6 @@ def test_a_policy_not_restored_is_logged_with_the_reason_and_the_analysis_task_i
     assert [r.getMessage() for r in caplog.records] == ["traffic policy canary of m not restored: 'm' no longer routes to the canary's stable version 1"]
 
 
-def test_a_failing_analysis_tick_is_logged(tmp_path, caplog):
-    async def run():
-        t = _make(tmp_path)
-        t.c.tick_s = 0.01
-        calls = []
-
-        async def analyze():
-            calls.append(1)
-            raise RuntimeError("bad tick")
-
-        t.c.analyze = analyze
-        await t.c.start()
-        await _until(lambda: len(calls) >= 1)
-        await t.c.stop()
-
-    with caplog.at_level("ERROR", logger="server.control.rollout.traffic"):
-        asyncio.run(run())
-    assert caplog.records and caplog.records[0].getMessage() == "traffic analysis failed"
-
-
 def test_shadow_records_get_the_disagreements_of_the_shadowed_version(tmp_path):
     calls = []
 
@@ -889,15 +877,7 @@ def test_shadow_records_get_the_disagreements_of_the_shadowed_version(tmp_path):
 
 
 def test_a_manual_promotion_carries_the_last_verdict_and_its_actor(tmp_path):
-    async def run():
-        t = _make(tmp_path)
-        await t.c.set_canary("m", 2, percent=10, interval_s=600, thresholds=LIMITS)
-        _traffic(t.dp, t.clock, 200)
-        await t.c.analyze()
-        await t.c.promote("m", actor="zoe")
-        return t
-
-    t = asyncio.run(run())
+    t = _after_a_passing_tick(tmp_path, lambda c: c.promote("m", actor="zoe"))
     actor, action, target, outcome, detail = t.reg.audits[-1]
     assert (actor, action, target, outcome) == ("zoe", "canary.promote", "m:2", "ok") and detail.startswith("pass")
     assert t.dep.calls == [("deploy", "m:2", "zoe")]
