@@ -46,7 +46,7 @@ MODULES: dict[str, list[str]] = {
     "server.dataplane.circuit_breaker": ["tests/unit/test_circuit_breaker.py"],
     "batching.autoscale_policy": ["tests/unit/test_autoscale_policy.py"],
     "server.dataplane.traffic_policy": ["tests/unit/test_traffic_policy.py"],
-    "server.control.rollout.traffic": ["tests/unit/test_traffic_policy.py"],
+    "server.control.rollout.traffic": ["tests/unit/test_traffic_policy.py", "tests/unit/test_traffic_controller.py"],
     "server.control.batches.batches": ["tests/unit/test_batch_store.py", "tests/unit/test_batch_retention.py"],
     "server.control.scaling.placement": ["tests/unit/test_placement.py"],
 }
