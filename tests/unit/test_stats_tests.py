@@ -78,3 +78,16 @@ def test_a_a_tests_are_flagged_at_about_alpha(kind):
 
 def test_is_binary():
     assert is_binary([0.0, 1.0, 1.0]) and not is_binary([0.0, 0.5]) and not is_binary([])
+
+
+@pytest.mark.parametrize("alpha", [1e-300, 1e-20, 0.05])
+def test_every_test_gives_a_finite_interval_for_any_alpha_in_0_1(alpha):
+    """``ab_report`` accepts any alpha in (0, 1): the interval's quantile is taken from the upper tail
+    (1 - 1e-300/2 is 1.0 in floating point, where the normal quantile is infinite)."""
+    rng = np.random.default_rng(4)
+    conv_a, conv_b = rng.random(400) < 0.10, rng.random(400) < 0.30
+    a, b = rng.normal(10, 3, 60), rng.normal(14, 3, 60)
+    for result in (*compare_outcomes(conv_a.astype(float), conv_b.astype(float), alpha), *compare_outcomes(a, b, alpha)):
+        assert math.isfinite(result.ci_low) and math.isfinite(result.ci_high) and result.ci_low <= result.effect <= result.ci_high, result
+    wide, narrow = welch_t(a, b, alpha=alpha), welch_t(a, b, alpha=0.5)
+    assert wide.ci_high - wide.ci_low >= narrow.ci_high - narrow.ci_low

@@ -60,7 +60,7 @@ def two_proportion_z(success_a: int, n_a: int, success_b: int, n_b: int, alpha: 
         z = diff / se_pooled
         p = float(2 * stats.norm.sf(abs(z)))
     se = math.sqrt(p_a * (1 - p_a) / n_a + p_b * (1 - p_b) / n_b)
-    half = float(stats.norm.ppf(1 - alpha / 2)) * se
+    half = float(stats.norm.isf(alpha / 2)) * se
     return Significance("two_proportion_z", z, p, diff, diff - half, diff + half, confidence, p < alpha, n_a, n_b)
 
 
@@ -79,7 +79,7 @@ def welch_t(a: Sequence[float], b: Sequence[float], alpha: float = 0.05) -> Sign
     df = (va + vb) ** 2 / (va**2 / (len(x) - 1) + vb**2 / (len(y) - 1))
     t = diff / se
     p = float(2 * stats.t.sf(abs(t), df))
-    half = float(stats.t.ppf(1 - alpha / 2, df)) * se
+    half = float(stats.t.isf(alpha / 2, df)) * se
     return Significance("welch_t", t, p, diff, diff - half, diff + half, confidence, p < alpha, len(x), len(y))
 
 
@@ -99,7 +99,7 @@ def mann_whitney(a: Sequence[float], b: Sequence[float], alpha: float = 0.05) ->
         diffs = np.sort(rng.choice(y, MAX_PAIRS) - rng.choice(x, MAX_PAIRS))
     shift = float(np.median(diffs))
     # the k-th smallest and largest pairwise differences bound the shift (normal approximation of U)
-    z = float(stats.norm.ppf(1 - alpha / 2))
+    z = float(stats.norm.isf(alpha / 2))
     k = int(math.floor(n1 * n2 / 2 - z * math.sqrt(n1 * n2 * (n1 + n2 + 1) / 12)))
     k = max(0, min(k, n1 * n2 - 1))
     scale = len(diffs) / (n1 * n2)
