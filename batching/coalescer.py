@@ -124,13 +124,13 @@ class Coalescer:
         self.merged_rows = 0
         self.retried_alone = 0  # members re-sent one by one after a merged call failed
 
-    async def submit(self, request: Any, raw: bytes, policy: CoalescePolicy, timeout: float | None = None, *, lane: str = "") -> bytes:
-        """Serve one validated request; returns its own serialized answer. ``lane``: requests merge
-        only with requests of the same lane (a batch job's rows apart from real-time callers: their
-        merged call goes where the batch traffic class goes)."""
+    async def submit(self, request: Any, raw: bytes, policy: CoalescePolicy, timeout: float | None = None, *, traffic: str = "") -> bytes:
+        """Serve one validated request; returns its own serialized answer. ``traffic``: requests merge
+        only with requests of the same traffic class (a batch job's rows apart from real-time callers:
+        their merged call goes where the batch traffic class goes)."""
         key = self._codec.key(request) if policy.enabled else None
-        if key is not None and lane:
-            key = (lane, key)
+        if key is not None and traffic:
+            key = (traffic, key)
         if key is None:
             self.calls += 1
             if self._on_call is None:

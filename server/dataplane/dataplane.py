@@ -391,7 +391,7 @@ class DataPlane:
         if call.batch:  # a batch job's row: merged with rows only, sent at the batch class (spot replicas first)
             token = TRAFFIC.set(BATCH)
             try:
-                return await self._coalescer.submit(request, data, signature.coalesce, call.timeout, lane=BATCH)
+                return await self._coalescer.submit(request, data, signature.coalesce, call.timeout, traffic=BATCH)
             finally:
                 TRAFFIC.reset(token)
         timer = call.ctx.timing if call.ctx is not None else None
