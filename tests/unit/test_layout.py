@@ -224,8 +224,6 @@ def _rooms() -> list[Path]:
 
 # rooms whose cycle another change removes (each entry must still have one: the test says when to drop it)
 CYCLES_PENDING = {
-    "server/transports": "openai <-> rest route tables: one composition root (issue 33, data-plane part)",
-    "server/transports/rest": "endpoints assembles every route table (issue 33, one composition root)",
     "server/cli": "autoscale / registry / traffic share helpers through each other (not yet split)",
     "server/runtime": "inprocess*.py name InProcessTriton back under TYPE_CHECKING: the backend protocol of issue 33 is the type to name",
 }

@@ -21,6 +21,7 @@ from server.errors import InvalidRequest, Unimplemented
 from server.tenancy.identity import CallContext
 from server.transports.rest import codec as rest_codec
 from server.transports.rest.appkeys import DATAPLANE
+from server.transports.rest.body import read_body, require_content_type
 from server.transports.rest.openapi import COMMON_ERRORS, JSON, Route, error_body, json_body
 
 PROVISIONER: web.AppKey[Provisioner] = web.AppKey("provisioner", Provisioner)
@@ -67,12 +68,10 @@ def _admin(request: web.Request, what: str) -> str:
 
 
 async def deploy(request: web.Request) -> web.Response:
-    from server.transports.rest.endpoints import _read_body, _require_content_type
-
     actor = _admin(request, "deploying a model")
     provisioner = _provisioner(request)
-    _require_content_type(request, (JSON,))
-    body = rest_codec.loads(await _read_body(request))
+    require_content_type(request, (JSON,))
+    body = rest_codec.loads(await read_body(request))
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object with 'model'")
     model = body.get("model")

@@ -24,12 +24,13 @@ from server.transports.rest import codec as rest_codec
 from server.control.batches.batches import OIP_ENDPOINT
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.port import ModelPort
-from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, UnsupportedMediaType, error_body, http_error
+from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, error_body, http_error
 from server.dataplane.metrics import Metrics
 from server.transports.openai.endpoints import LLM, SSE_POLICY, SSEPolicy
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
 from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
 from server.transports.rest.appkeys import DATAPLANE, MAX_BODY, METRICS, OPENAPI
+from server.transports.rest.body import read_body, require_content_type
 from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
 from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_responses, error_statuses, json_body
 from server.transports.rest.openapi import error_body as documented_error
@@ -75,29 +76,6 @@ def _context(request: web.Request) -> CallContext:
 
 def _model(request: web.Request) -> tuple[str, str]:
     return request.match_info["name"], request.match_info.get("version", "")
-
-
-def _require_content_type(request: web.Request, accepted: tuple[str, ...]) -> None:
-    """No Content-Type is fine (tritonclient.http sends none); any other than ``accepted`` is a 415.
-
-    ``curl -d`` sends application/x-www-form-urlencoded: a 415 that says what to send instead.
-    """
-    header = request.headers.get("Content-Type")
-    if header is None:
-        return
-    media = header.split(";", 1)[0].strip().lower()
-    if media not in accepted:
-        raise UnsupportedMediaType(f"Content-Type {media or '(empty)'!r} is not accepted here; send {' or '.join(accepted)}")
-
-
-async def _read_body(request: web.Request) -> bytes:
-    limit = request.app[MAX_BODY]
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes")
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes") from None
 
 
 async def _cpu(size: int, fn, *args):
@@ -154,8 +132,8 @@ async def model_infer(request: web.Request) -> web.Response:
         ctx = _context(request)
         ctx.timing = timer
         dp.authorize(ctx, name)  # an unknown key or ungranted model answers before the body is read
-        _require_content_type(request, (JSON, BINARY))
-        body = await _read_body(request)
+        require_content_type(request, (JSON, BINARY))
+        body = await read_body(request)
         header_len = rest_codec.header_length(request.headers.get(rest_codec.HEADER_LENGTH), len(body))
         answer, plan = await _infer(dp, ctx, body, header_len, name, version)
     payload, header_len = await _encode(answer.raw, plan)
@@ -200,8 +178,8 @@ async def predict(request: web.Request) -> web.Response:
     name, version = _model(request)
     ctx = _context(request)
     dp.authorize(ctx, name)
-    _require_content_type(request, (JSON,))
-    body = await _read_body(request)
+    require_content_type(request, (JSON,))
+    body = await read_body(request)
     signature = dp.resolve(name, version)
     requests = await _cpu(len(body), rest_codec.decode_instances, body, signature, version)
     raws = [a.raw for a in await asyncio.gather(*(dp.infer(r, None, ctx.timeout, _instance(ctx, i)) for i, r in enumerate(requests)))]
