@@ -481,7 +481,7 @@ def test_a_shadow_copies_its_share_to_the_staged_version_and_its_stop_keeps_the_
     assert _statuses(t.c) == [("shadow", "ended")] and t.c.store.history("m")[0]["state"]["report"]["errors"] == 2
     assert t.reg.audits[0] == ("gus", "shadow.start", "m:2", "ok", "50% of requests copied")
     assert t.reg.audits[-1][:4] == ("hal", "shadow.stop", "m:2", "ok") and "'sent': 2" in t.reg.audits[-1][4]
-    report = t.c.shadow_report("m")
+    report = asyncio.run(t.c.shadow_report("m"))
     assert (report["name"], report["version"], report["percent"], report["sent"], report["errors"]) == ("m", "2", 50.0, 2, 2)
     assert report["last_error"] == "shadow down"
     assert t.dep.expiring == ["m"] and "shadow_version" not in t.c.get_policy("m")
@@ -523,7 +523,7 @@ def test_shadow_percent_zero_stops_it_and_other_percents_are_checked(tmp_path):
     assert "m" not in t.dp.router.shadows and _statuses(t.c) == [("shadow", "ended")]
     assert t.reg.audits[-1][:3] == ("ivy", "shadow.stop", "m:2")
     with pytest.raises(ModelNotFound, match="endpoint 'x' has no shadow"):
-        t.c.shadow_report("x")
+        asyncio.run(t.c.shadow_report("x"))
 
 
 def test_a_running_shadow_keeps_the_extra_versions_loaded_when_a_split_ends(tmp_path):
