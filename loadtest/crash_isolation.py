@@ -1,9 +1,10 @@
 """Crash isolation of the embedded default (issue 29): kill -9 of one Triton under light load, per
 isolation mode, side by side in one run.
 
-    python -m loadtest.crash_isolation [--modes none,llm,each] [--json benchmarks/crash_isolation/results.json]
+    python -m loadtest.crash_isolation [--modes none,llm,each,llm+standby] [--json benchmarks/crash_isolation/results.json]
 
-For each mode (``INFERPLANE_ISOLATION``) a stack serves the three tabular demo models and tiny_llama;
+For each mode (``INFERPLANE_ISOLATION``; ``+standby``: and ``INFERPLANE_WARM_STANDBY=tiny_llama=1``, a
+loaded standby of the LLM that takes its replica's place when its Triton dies) a stack serves the three tabular demo models and tiny_llama;
 closed-loop callers (one per endpoint: tritonclient for the tabular models, the openai SDK for the
 LLM, no retries) run while two drills happen in turn: ``kill -9`` of the Triton hosting the LLM, then
 of the Triton hosting fraud_xgboost. Per drill: errors per endpoint from the kill until the crashed
@@ -91,10 +92,14 @@ class Caller(threading.Thread):
         client.close()
 
 
-def replicas(stack) -> list[dict]:
+def executor(stack) -> dict:
     with grpc.insecure_channel(stack.grpc) as channel:
         answer = autoscale_pb2_grpc.AutoscaleStub(channel).Explain(apb.ExplainAutoscaleRequest(endpoint="fraud_xgboost"))
-    return json.loads(answer.explain_json)["executor"]["replicas"]
+    return json.loads(answer.explain_json)["executor"]
+
+
+def replicas(stack) -> list[dict]:
+    return executor(stack)["replicas"]
 
 
 def triton_memory_mb(stack) -> float:
@@ -123,7 +128,7 @@ def drill(stack, callers: dict[str, Caller], model: str) -> dict:
     until = time.monotonic()
     return {
         "killed": model, "replica": host["id"], "hosted": host["models"],
-        "serving_again_s": None if back is None else round(back - killed, 2),
+        "serving_again_s": None if back is None else round(back - killed, 2), "taken_over": executor(stack)["taken_over"],
         "errors": {m: sum(1 for t in c.errors if killed <= t <= until) for m, c in callers.items()},
         "answered": {m: sum(1 for t in c.ok if killed <= t <= until) for m, c in callers.items()},
     }  # fmt: skip
@@ -136,8 +141,10 @@ def _back(caller: Caller, killed: float) -> float | None:
 
 
 def run_mode(root: Path, repository: Path, mode: str) -> dict:
-    workdir = root / f"stack-{mode}"
-    env = {"INFERPLANE_ISOLATION": mode, "INFERPLANE_AUTH": "off", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
+    workdir = root / f"stack-{mode.replace('+', '-')}"
+    isolation, _, extra = mode.partition("+")
+    standby = {"INFERPLANE_WARM_STANDBY": f"{LLM}=1"} if extra == "standby" else {}
+    env = {**standby, "INFERPLANE_ISOLATION": isolation, "INFERPLANE_AUTH": "off", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
            "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}  # fmt: skip
     began = time.monotonic()
     stack = start_stack(repository, workdir, env=env)
@@ -146,7 +153,12 @@ def run_mode(root: Path, repository: Path, mode: str) -> dict:
         with grpc.insecure_channel(stack.grpc) as channel:
             config = apb.AutoscaleConfig(min_replicas=1, max_replicas=1)
             autoscale_pb2_grpc.AutoscaleStub(channel).Configure(apb.ConfigureAutoscaleRequest(endpoint="fraud_xgboost", config=config))
-        out = {"mode": mode, "start_s": start_s, "tritons": len(replicas(stack)), "triton_memory_mb": triton_memory_mb(stack)}
+        if standby:  # the standby loaded before the drills
+            until = time.monotonic() + 120
+            while not executor(stack)["standby"].get(LLM) and time.monotonic() < until:
+                time.sleep(0.2)
+        tritons = len(replicas(stack)) + sum(len(p) for p in executor(stack)["standby"].values())
+        out = {"mode": mode, "start_s": start_s, "tritons": tritons, "triton_memory_mb": triton_memory_mb(stack)}
         callers = {m: Caller(stack, repository, m) for m in [*TABULAR, LLM]}
         for c in callers.values():
             c.start()
@@ -166,13 +178,14 @@ def run_mode(root: Path, repository: Path, mode: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="none,llm,each")
+    p.add_argument("--modes", default="none,llm,each,llm+standby")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="inferplane-crash-"))
     try:
         repository = build(root)
-        out = {"modes": [run_mode(root, repository, mode) for mode in args.modes.split(",")], "machine": "shared, loaded 2-core machine"}
+        out = {"modes": [run_mode(root, repository, mode) for mode in args.modes.split(",")], "machine": "shared, loaded 2-core machine",
+               "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

@@ -1,18 +1,23 @@
-"""Scale decision -> serving, from a warm pool vs a cold start (issue 29), side by side in one run.
+"""Scale decision -> serving: a cold start vs an empty warm Triton vs a loaded standby (issue 29),
+side by side in one run.
 
     python -m loadtest.warm_pool [--repeats 3] [--json benchmarks/warm_pool/results.json]
 
-For ``INFERPLANE_WARM_POOL`` 0 and 1 a stack serves fraud_xgboost; each repeat sets the endpoint
-from one replica to two through the Autoscale API and times the call's return to the moment the
-frontend counts two serving replicas (the executor starts or takes a Triton, loads the model,
-waits for ready, adds it to the rotation), then goes back to one (and, warm, waits for the pool to
-refill). Reported per mode: each repeat, the median, and the executor's own ``provision_s``.
+Per mode a stack serves fraud_xgboost: ``cold`` (no warm pool: the executor starts a Triton and loads
+the model), ``empty`` (``INFERPLANE_WARM_POOL=1``: it takes a started, empty Triton and loads the
+model), ``standby`` (``INFERPLANE_WARM_STANDBY=fraud_xgboost=1``: it takes a Triton holding the model
+loaded, out of rotation, and puts it into rotation). Each repeat sets the endpoint from one replica
+to two through the Autoscale API and times the call's return to the moment the frontend counts two
+serving replicas, checks the new copy's answer is bit-exact with the first one's (straight to its
+Triton), then goes back to one (and waits for the pool to refill). Reported per mode: each repeat,
+the median, the executor's own ``provision_s``, and whether the member taken existed before.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -20,6 +25,8 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
 
 from loadtest.stack import start_stack, stop_stack
 from model_repository.demo import build_demo_repository
@@ -28,6 +35,11 @@ from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
 MODEL = "fraud_xgboost"
 QUICK = {"scale_down_window_s": 0.0, "down_cooldown_s": 0.0, "target": 1000.0, "predictive": False}
+MODES = {
+    "cold": {},
+    "empty": {"INFERPLANE_WARM_POOL": "1"},
+    "standby": {"INFERPLANE_WARM_STANDBY": f"{MODEL}=1"},
+}
 
 
 class Api:
@@ -50,30 +62,46 @@ class Api:
         raise TimeoutError(json.dumps(self.explain()["executor"]))
 
 
-def hosts(explain: dict) -> int:
-    return sum(MODEL in r["models"] for r in explain["executor"]["replicas"])
+def hosts(explain: dict) -> list[dict]:
+    return [r for r in explain["executor"]["replicas"] if MODEL in r["models"]]
 
 
-def run_mode(root: Path, repository: Path, warm: int, repeats: int) -> dict:
-    workdir = root / f"stack-warm{warm}"
-    env = {"INFERPLANE_WARM_POOL": str(warm), "INFERPLANE_AUTH": "off", "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.1",
+def waiting(explain: dict) -> set:
+    """The pids of the warm pool's members (empty and standbys)."""
+    executor = explain["executor"]
+    return set(executor["warm"]) | {p for pids in executor["standby"].values() for p in pids}
+
+
+def answer(target: str) -> bytes:
+    x = grpcclient.InferInput("features", [4, 32], "FP32")
+    x.set_data_from_numpy(np.random.default_rng(29).random((4, 32), dtype=np.float32))
+    with grpcclient.InferenceServerClient(target) as client:
+        return client.infer(MODEL, [x], client_timeout=30).as_numpy("probability").tobytes()
+
+
+def run_mode(root: Path, repository: Path, mode: str, repeats: int) -> dict:
+    workdir = root / f"stack-{mode}"
+    pool = 1 if MODES[mode] else 0
+    env = {**MODES[mode], "INFERPLANE_AUTH": "off", "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.1",
            "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
            "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}  # fmt: skip
     stack = start_stack(repository, workdir, "--model", MODEL, env=env)
     api = Api(stack)
-    out: dict = {"warm_pool": warm, "scale_up_s": [], "provision_s": [], "took_warm": []}
+    out: dict = {"mode": mode, "env": MODES[mode], "scale_up_s": [], "provision_s": [], "took_warm": [], "bit_exact": []}
     try:
         api.configure(min_replicas=1, max_replicas=1)
         for _ in range(repeats):
-            api.wait(lambda e: hosts(e) == 1 and len(e["executor"]["warm"]) == warm)
-            before = set(api.explain()["executor"]["warm"])
+            api.wait(lambda e: len(hosts(e)) == 1 and len(waiting(e)) == pool)
+            before = waiting(api.explain())
             began = time.monotonic()
             api.configure(min_replicas=2, max_replicas=2)
             api.wait(lambda e: e["serving_replicas"] == 2)
             out["scale_up_s"].append(round(time.monotonic() - began, 3))
             explain = api.explain()
             out["provision_s"].append(explain["provision_s"])
-            out["took_warm"].append(any(r["pid"] in before for r in explain["executor"]["replicas"]))
+            out["took_warm"].append(any(r["pid"] in before for r in hosts(explain)))
+            first, second = sorted(hosts(explain), key=lambda r: r["id"])
+            out["bit_exact"].append(answer(first["target"]) == answer(second["target"]))
             api.configure(min_replicas=1, max_replicas=1)
         out["median_scale_up_s"] = statistics.median(out["scale_up_s"])
         print(json.dumps(out), flush=True)
@@ -86,19 +114,21 @@ def run_mode(root: Path, repository: Path, warm: int, repeats: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="inferplane-warm-"))
     try:
         repository = root / "model_repository"
         build_demo_repository(repository)
-        modes = [run_mode(root, repository, warm, args.repeats) for warm in (0, 1)]
+        modes = {mode: run_mode(root, repository, mode, args.repeats) for mode in args.modes.split(",")}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    cold, warm = modes
-    out = {"modes": modes, "warm_over_cold": round(warm["median_scale_up_s"] / cold["median_scale_up_s"], 3),
+    cold = modes.get("cold", {}).get("median_scale_up_s")
+    ratios = {f"{m}_over_cold": round(r["median_scale_up_s"] / cold, 3) for m, r in modes.items() if cold and m != "cold"}
+    out = {"modes": list(modes.values()), **ratios, "load_average": [round(x, 2) for x in os.getloadavg()],
            "machine": "shared, loaded 2-core machine"}  # fmt: skip
-    print(json.dumps({"warm_over_cold": out["warm_over_cold"]}), flush=True)
+    print(json.dumps(ratios), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -176,6 +176,9 @@ class Settings(BaseSettings):
     zone_spill_outstanding: int = Field(8, ge=1)  # ... this many in flight each; past it they spill to other zones
     local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
     warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
+    # embedded: standbys, "MODEL=N,...": Tritons holding the model loaded, out of rotation; a scale-up of it takes one
+    # into rotation (no start, no load) and the pool loads another (server.runtime.local_replicas)
+    warm_standby: str = Field("", pattern=r"^\s*([\w.-]+\s*(=\s*\d+\s*)?(,\s*[\w.-]+\s*(=\s*\d+\s*)?)*)?$")
     # spot capacity (server.dataplane.capacity_policy): the local replicas started at once are, in turn, of these
     # capacities ("on_demand,spot": local-0 on demand, local-1 spot, ...; --capacity); replicas opened later are on demand
     local_capacity: str = Field("on_demand", pattern=r"^\s*(on[_-]demand|spot)\s*(,\s*(on[_-]demand|spot)\s*)*$")

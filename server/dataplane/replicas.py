@@ -849,14 +849,18 @@ class ReplicaSet:
             self._notify(changed)
 
     async def _rejoin(self, member: Member, missing: set[str]) -> None:
-        """A member back from the dead: load what it should host, then take traffic again."""
+        """A member back from the dead: load what it should host (all at once: Triton loads them in
+        parallel, so the restart costs the slowest model's load, not their sum), then take traffic again."""
         try:
-            for name in sorted(missing):
-                try:
-                    await member.client.load_model(name)
+            names = sorted(missing)
+            results = await asyncio.gather(*(member.client.load_model(name) for name in names), return_exceptions=True)
+            for name, result in zip(names, results):
+                if isinstance(result, InferplaneError):
+                    log.error("replica %s: reloading %s failed: %s", member.id, name, result.message)
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
                     member.models.add(name)
-                except InferplaneError as err:
-                    log.error("replica %s: reloading %s failed: %s", member.id, name, err.message)
             if member.id in self._members and member.state == DOWN:
                 member.state = UP
                 member.failures = 0

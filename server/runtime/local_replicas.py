@@ -8,23 +8,64 @@ the pool reports that (``on_down(id)``, ``on_restart(id, target)``) so the repli
 sending it traffic and lets it rejoin. The embedded Triton the frontend starts is adopted as the
 first replica.
 
-Warm pool (issue 29, ``INFERPLANE_WARM_POOL=N``): N pre-started, empty Tritons wait beside the
-replicas; a replica's start takes one (its id and callbacks are re-pointed to the replica; it has no
-model loaded, so the executor loads the replica's models into it as usual) instead of starting a
-process, and the pool is refilled in the background.
+Warm pool (issue 29): Tritons started before any scale-up asks for them, of two kinds.
+
+* *standbys* (``INFERPLANE_WARM_STANDBY=fraud_xgboost=1,tiny_llama=1``): a Triton holding one
+  endpoint's model, loaded (its Python-backend stub started, its weights read) and out of rotation; a
+  replica's start whose placement hosts that model takes it, and the executor puts it into rotation
+  without loading anything (``holds``) — the scale-up is a member joining, no process start, no load;
+* *empty* members (``INFERPLANE_WARM_POOL=N``): started, nothing loaded; a replica's start with no
+  standby for its models takes one and the executor loads the models into it as usual.
+
+A taken member's id and callbacks are re-pointed to the replica and the pool is refilled in the
+background. A standby is taken only while the model's directory is what it loaded (``_signature``:
+a deploy that wrote another version makes it an empty member's worth: the executor loads again); a
+standby whose Triton died and restarted loads its model again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from server.runtime.supervisor import TritonSupervisor
 from server.runtime.triton_install import TritonInstallation
 
 log = logging.getLogger(__name__)
+
+Loader = Callable[[str, str], Awaitable[None]]  # (gRPC target, model): load the model there, return once ready
+
+
+def parse_standby(spec: str) -> dict[str, int]:
+    """``"fraud_xgboost=1,tiny_llama=2"`` -> ``{"fraud_xgboost": 1, "tiny_llama": 2}`` (a bare name: 1)."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, _, count = part.partition("=")
+        name = name.strip()
+        if not name or (count and not count.strip().isdigit()):
+            raise ValueError(f"warm standby entries are MODEL or MODEL=N, got {part!r}")
+        out[name] = int(count) if count.strip() else 1
+    return out
+
+
+def _signature(model_dir: Path) -> tuple[int, int]:
+    """What a model's directory holds, cheaply: (files, newest mtime in ns); the ``__pycache__`` the
+    Python backend's stub writes when it loads is not the model."""
+    files = [p for p in model_dir.rglob("*") if "__pycache__" not in p.parts] if model_dir.is_dir() else []
+    stamps = [p.stat().st_mtime_ns for p in files]
+    return len(stamps), max(stamps, default=0)
+
+
+@dataclass
+class _Warm:
+    supervisor: TritonSupervisor
+    model: str | None = None  # a standby's model; None: empty
+    signature: tuple[int, int] = (0, 0)  # the model's directory when it was loaded
 
 
 class LocalReplicaPool:
@@ -40,6 +81,8 @@ class LocalReplicaPool:
         on_down: Callable[[str], None] | None = None,
         on_restart: Callable[[str, str], Awaitable[None]] | None = None,
         warm_pool: int = 0,
+        standby: dict[str, int] | None = None,
+        load: Loader | None = None,
     ):
         self.repository = Path(repository)
         self.workdir = Path(workdir)
@@ -53,9 +96,15 @@ class LocalReplicaPool:
         self.adopted: set[str] = set()  # started by someone else (the embedded one): never stopped here
         self.started_s: dict[str, float] = {}  # how long each replica took to become live
         self.warm_pool = warm_pool
-        self.warm: list[TritonSupervisor] = []  # started, empty, no replica yet
-        self.from_warm: set[str] = set()  # replicas that took a warm member
-        self._warming = 0
+        self.standby = dict(standby or {})  # model -> standbys kept
+        self.load = load
+        if self.standby and load is None:
+            raise ValueError("a warm standby needs a loader")
+        self.warm: list[_Warm] = []  # started (a standby: its model loaded), no replica yet
+        self.from_warm: dict[str, str] = {}  # replica -> what it took: "empty" or the standby's model
+        self._held: dict[str, set[str]] = {}  # replica -> models its Triton held when it took a standby
+        self._warming: dict[str | None, int] = {}
+        self.taken_over = 0  # replicas whose dead Triton a standby replaced (take_over)
         self._warm_started = 0
         self._refills: set[asyncio.Task] = set()
 
@@ -108,50 +157,136 @@ class LocalReplicaPool:
         )
 
     def warm_pids(self) -> list[int | None]:
-        return [s.pid for s in self.warm]
+        """The empty members' pids."""
+        return [w.supervisor.pid for w in self.warm if w.model is None]
+
+    def standby_pids(self) -> dict[str, list[int | None]]:
+        out: dict[str, list[int | None]] = {}
+        for w in self.warm:
+            if w.model is not None:
+                out.setdefault(w.model, []).append(w.supervisor.pid)
+        return out
+
+    def _short(self) -> list[str | None]:
+        """One entry per member missing (counting those starting): empty ones (None), then standbys."""
+        kinds: list[str | None] = []
+        for kind, n in [(None, self.warm_pool), *self.standby.items()]:
+            have = sum(1 for w in self.warm if w.model == kind) + self._warming.get(kind, 0)
+            kinds += [kind] * max(0, n - have)
+        return kinds
 
     async def fill_warm(self) -> None:
-        """Start warm members until the pool holds ``warm_pool`` (counting those starting)."""
-        while len(self.warm) + self._warming < self.warm_pool:
-            self._warming += 1
-            self._warm_started += 1
-            supervisor = self._supervisor(f"warm-{self._warm_started}")  # its own workdir and shm prefix
-            try:
-                await supervisor.start()
-                self.warm.append(supervisor)
-                log.info("warm Triton %s ready at %s", supervisor.workdir.name, supervisor.grpc_target)
-            except Exception as err:  # the pool stays short; the next scale-up starts cold
-                log.warning("starting a warm Triton failed: %s", err)
-                await supervisor.stop()
-                break
-            finally:
-                self._warming -= 1
+        """Start warm members (and load the standbys' models) until the pool holds what it keeps;
+        the members start concurrently."""
+        kinds = self._short()
+        for kind in kinds:  # counted before anything awaits: a refill running beside this one sees them
+            self._warming[kind] = self._warming.get(kind, 0) + 1
+        await asyncio.gather(*(self._fill_one(kind) for kind in kinds))
+
+    async def _fill_one(self, model: str | None) -> None:
+        self._warm_started += 1
+        name = f"warm-{self._warm_started}"
+        warm = _Warm(self._supervisor(name), model)  # its own workdir and shm prefix
+        warm.supervisor.on_down = lambda: None
+        warm.supervisor.on_restart = lambda: self._reload_standby(warm)
+        try:
+            await warm.supervisor.start()
+            if model is not None:
+                warm.signature = _signature(self.repository / model)
+                await self.load(warm.supervisor.grpc_target, model)
+            self.warm.append(warm)
+            log.info("warm Triton %s ready at %s%s", name, warm.supervisor.grpc_target, f" holding {model}" if model else "")
+        except Exception as err:  # the pool stays short; the next scale-up starts cold
+            log.warning("starting a warm Triton%s failed: %s", f" for {model}" if model else "", err)
+            await warm.supervisor.stop()
+        finally:
+            self._warming[model] -= 1
+
+    async def _reload_standby(self, warm: _Warm) -> None:
+        """A standby's Triton restarted (empty): load its model again before it counts as one."""
+        if warm.model is None or warm not in self.warm:
+            return
+        self.warm.remove(warm)
+        try:
+            warm.signature = _signature(self.repository / warm.model)
+            await self.load(warm.supervisor.grpc_target, warm.model)
+        except Exception as err:  # it stays, empty (a live Triton), and a standby of the model is started
+            log.warning("reloading %s on a restarted standby failed: %s", warm.model, err)
+            warm.model = None
+            self._refill()
+        self.warm.append(warm)
 
     def _refill(self) -> None:
         task = asyncio.get_running_loop().create_task(self.fill_warm(), name="warm-pool-refill")
         self._refills.add(task)
         task.add_done_callback(self._refills.discard)
 
-    def _take_warm(self, replica_id: str) -> TritonSupervisor | None:
-        while self.warm:
-            supervisor = self.warm.pop(0)
-            if supervisor.pid is None:  # died while waiting
-                continue
-            supervisor.on_down = self.down_handler(replica_id)
-            supervisor.on_restart = self.restart_handler(replica_id)
-            self.from_warm.add(replica_id)
-            self._refill()
-            return supervisor
-        return None
+    def _live(self) -> list[_Warm]:
+        return [w for w in self.warm if w.supervisor.pid is not None and w.supervisor.state == "ready"]
 
-    async def start(self, replica_id: str) -> str:
-        """Start a replica (or take a warm member); returns its gRPC target once its Triton is live
-        (no models loaded)."""
+    def _current(self, warm: _Warm) -> bool:
+        return warm.model is not None and warm.signature == _signature(self.repository / warm.model)
+
+    def _pick(self, models: set[str]) -> _Warm | None:
+        """A standby of one of ``models`` still current, else an empty member."""
+        live = self._live()
+        for w in live:
+            if w.model in models:
+                if self._current(w):
+                    return w
+                log.info("standby of %s (pid %s) is stale: its model's directory changed since it loaded", w.model, w.supervisor.pid)
+        return next((w for w in live if w.model is None), None)
+
+    def take_over(self, replica_id: str, models: set[str]) -> str | None:
+        """A replica's Triton died: a standby holding all of ``models`` (what the replica hosts)
+        becomes the replica at once, and the dead one, restarting, becomes that standby (it loads
+        the model again). Returns the replica's new gRPC target; None when no standby fits (or the
+        replica is the embedded one: its supervisor is the frontend's)."""
+        if replica_id in self.adopted or replica_id not in self.supervisors or not models:
+            return None
+        standby = next((w for w in self._live() if {w.model} >= models and self._current(w)), None)
+        if standby is None:
+            return None
+        self.warm.remove(standby)
+        dead, live = self.supervisors[replica_id], standby.supervisor
+        live.on_down, live.on_restart = self.down_handler(replica_id), self.restart_handler(replica_id)
+        self.supervisors[replica_id] = live
+        self._held[replica_id] = {standby.model}
+        self.from_warm[replica_id] = standby.model
+        back = _Warm(dead, standby.model)  # not live while it restarts: nothing takes it before it reloaded
+        dead.on_down, dead.on_restart = lambda: None, lambda: self._reload_standby(back)
+        self.warm.append(back)
+        self.taken_over += 1
+        log.warning("local replica %s: its Triton died; standby %s (pid %s) took over", replica_id, live.grpc_target, live.pid)
+        return live.grpc_target
+
+    def _take_warm(self, replica_id: str, models: set[str]) -> TritonSupervisor | None:
+        warm = self._pick(models)
+        if warm is None:
+            return None
+        self.warm.remove(warm)
+        supervisor = warm.supervisor
+        supervisor.on_down = self.down_handler(replica_id)
+        supervisor.on_restart = self.restart_handler(replica_id)
+        self.from_warm[replica_id] = warm.model or "empty"
+        if warm.model is not None:
+            self._held[replica_id] = {warm.model}
+        self._refill()
+        return supervisor
+
+    def holds(self, replica_id: str) -> set[str]:
+        """The models a replica's Triton already held when it started (it took a standby)."""
+        return set(self._held.get(replica_id, ()))
+
+    async def start(self, replica_id: str, models: Iterable[str] = ()) -> str:
+        """Start a replica that is to host ``models`` (or take a warm member: a standby of one of them,
+        else an empty one); returns its gRPC target once its Triton is live (``holds``: the models
+        it has loaded already)."""
         if replica_id in self.supervisors:
             return self.supervisors[replica_id].grpc_target
         loop = asyncio.get_running_loop()
         began = loop.time()
-        warm = self._take_warm(replica_id)
+        warm = self._take_warm(replica_id, set(models))
         if warm is not None:
             self.supervisors[replica_id] = warm
             self.started_s[replica_id] = loop.time() - began
@@ -173,6 +308,7 @@ class LocalReplicaPool:
         if replica_id in self.adopted:
             return
         supervisor = self.supervisors.pop(replica_id, None)
+        self._held.pop(replica_id, None)
         if supervisor is not None:
             await supervisor.stop()
             log.info("local replica %s stopped", replica_id)
@@ -183,5 +319,5 @@ class LocalReplicaPool:
         for replica_id in [r for r in self.supervisors if r not in self.adopted]:
             await self.stop(replica_id)
         warm, self.warm = self.warm, []
-        for supervisor in warm:
-            await supervisor.stop()
+        for w in warm:
+            await w.supervisor.stop()

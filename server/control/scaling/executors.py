@@ -159,22 +159,24 @@ class LocalExecutor:
             before = self._current()
             plan = self.plan()
             self.last_plan = plan
-            await self._open(plan)
-            # loads first (new copies join the rotation when ready), then drains and unloads
-            loads = [(r, m) for r, models in plan.assignment.items() for m in sorted(models) if m not in before.get(r, set())]
+            held = await self._open(plan)
+            # loads first (new copies join the rotation when ready; a standby's model is in it already), then drains and unloads
+            loads = [(r, m) for r, models in plan.assignment.items() for m in sorted(models) if m not in before.get(r, set()) | held.get(r, set())]
+            joined = [m for models in held.values() for m in models]
             unloads = [(r, m) for r, models in before.items() for m in sorted(models) if m not in plan.assignment.get(r, set())]
             if loads:
                 results = await asyncio.gather(*(self.set.load_on(r, m) for r, m in loads), return_exceptions=True)
                 for (r, m), result in zip(loads, results):
                     if isinstance(result, BaseException):
                         log.error("loading %s on local replica %s failed: %s", m, r, result)
-            for model in {m for _, m in loads + unloads}:
+            changed = {m for _, m in loads + unloads} | set(joined)
+            for model in changed:
                 self.set.placement[model] = plan.replicas_of(model)
             await asyncio.gather(*(self.set.unload_from(r, m) for r, m in unloads), return_exceptions=True)
             await self._close_empty(plan)
-            if loads:
+            if loads or joined:
                 self.provision_s[endpoint] = loop.time() - began
-        for model in {m for _, m in loads + unloads}:
+        for model in changed:
             await self._refresh(model)
 
     async def _refresh(self, model: str) -> None:
@@ -185,13 +187,19 @@ class LocalExecutor:
         except Exception as err:  # not loaded anywhere (scaled to zero): nothing to read
             log.debug("refreshing %s after scaling: %s", model, err)
 
-    async def _open(self, plan: Plan) -> None:
+    async def _open(self, plan: Plan) -> dict[str, set[str]]:
+        """Start the plan's new replicas (or take warm members); returns, per new replica, the models
+        its Triton holds already (a standby's): it joins the rotation with them, nothing to load."""
         have = {m.id for m in self.set.members()}
         missing = [r for r in plan.assignment if r not in have]
-        targets = await asyncio.gather(*(self.pool.start(r) for r in missing))
+        targets = await asyncio.gather(*(self.pool.start(r, plan.assignment[r]) for r in missing))
+        held = {}
         for replica_id, target in zip(missing, targets):
-            client = self.client_factory(target)
-            await self.set.add_member(Member(replica_id, client, group="local", local=True, zone=plan.zones.get(replica_id, "")), probe=False)
+            member = Member(replica_id, self.client_factory(target), group="local", local=True, zone=plan.zones.get(replica_id, ""))
+            held[replica_id] = self.pool.holds(replica_id) & plan.assignment[replica_id]
+            member.models, member.wanted = set(held[replica_id]), set(held[replica_id])
+            await self.set.add_member(member, probe=False)
+        return held
 
     async def _close_empty(self, plan: Plan) -> None:
         for member in self._local():
@@ -239,7 +247,9 @@ class LocalExecutor:
             "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone,
                           "capacity": m.capacity, "state": m.state, "reclaimed": m.reclaimed} for m in members],
             "warm": [pid for pid in self.pool.warm_pids() if pid is not None],  # the warm pool's idle Tritons
-            "from_warm": sorted(self.pool.from_warm),
+            "standby": {m: [p for p in pids if p is not None] for m, pids in sorted(self.pool.standby_pids().items())},  # loaded, out of rotation
+            "from_warm": dict(sorted(self.pool.from_warm.items())),  # replica -> "empty" or the standby's model it took
+            "taken_over": self.pool.taken_over,  # dead replicas a standby replaced
             "capacity_mb": self.capacity_bytes >> 20,
             "copies": dict(sorted(self.copies.items())),
         }

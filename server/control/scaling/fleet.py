@@ -29,7 +29,7 @@ from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaS
 from server.dataplane.triton_client import TritonClient
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
 from server.settings import Settings
-from server.runtime.local_replicas import LocalReplicaPool
+from server.runtime.local_replicas import LocalReplicaPool, parse_standby
 from server.control.scaling.autoscaler import Waker
 from server.control.scaling.signals import SignalSampler
 from server.control.scaling.autoscaler import Autoscaler
@@ -87,6 +87,7 @@ class Fleet:
             pool = LocalReplicaPool(
                 s.model_repository, s.workdir, install=supervisor.install, startup_timeout=s.triton_startup_timeout_s,
                 response_cache_bytes=s.response_cache_bytes, otlp_traces_url=supervisor.otlp_traces_url, warm_pool=s.warm_pool,
+                standby=parse_standby(s.warm_standby), load=lambda target, model: _load_at(s, target, model),
             )  # fmt: skip
             pool.adopt(PRIMARY, supervisor)
             primary = Member(PRIMARY, client(s, supervisor.grpc_target), group="local", local=True, zone=(s.zones or ("",))[0], capacity=_capacity_of(s, 0))
@@ -98,7 +99,7 @@ class Fleet:
                 replicas.add_source(DnsSource(spec["service"], spec["grpc_port"], group=name, capacity=spec["capacity"]))
         fleet = cls(s, replicas, pool=pool, groups=groups)
         if pool is not None:
-            pool.on_down = replicas.mark_down
+            pool.on_down = fleet._local_down
             pool.on_restart = fleet._local_restarted
         return fleet
 
@@ -116,6 +117,17 @@ class Fleet:
                 await self.replicas.add_member(member, probe=False)
             await self.pool.fill_warm()
         self.replicas.start()
+
+    def _local_down(self, replica_id: str) -> None:
+        """A local replica's Triton died: a standby holding its models takes its place at once (the
+        dead one restarts as the standby); with none, no traffic to it until it rejoins."""
+        member = next((m for m in self.replicas.members() if m.id == replica_id), None)
+        target = self.pool.take_over(replica_id, set(member.wanted)) if member is not None else None
+        if target is None:
+            self.replicas.mark_down(replica_id)
+            return
+        self.replicas.replace_client(replica_id, client(self.settings, target))
+        self.replicas.revive(replica_id)  # its models stay: the standby holds them, ready
 
     async def _local_restarted(self, replica_id: str, target: str) -> None:
         member = self.replicas.member(replica_id)
@@ -318,6 +330,15 @@ def client(settings: Settings, target: str, remote: bool = False) -> TritonClien
     c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)
     c.connect()
     return c
+
+
+async def _load_at(settings: Settings, target: str, model: str) -> None:
+    """Load ``model`` on the Triton at ``target`` (a warm standby's), outside the replica set."""
+    c = client(settings, target)
+    try:
+        await c.load_model(model)
+    finally:
+        await c.close()
 
 
 def _capacity_of(settings: Settings, i: int) -> str:

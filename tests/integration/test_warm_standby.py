@@ -1,0 +1,101 @@
+"""Warm standbys (issue 29): ``INFERPLANE_WARM_STANDBY=fraud_xgboost=1`` keeps a Triton holding
+fraud_xgboost loaded, out of rotation. A scale-up to two copies takes it (its pid existed before the
+decision) into rotation without loading anything, its answers bit-exact with the first copy's and the
+frontend's, and the pool loads another standby behind it. ``kill -9`` of that replica's Triton under
+bounded load: the new standby takes its place at once (the frontend sends it traffic), the dead one
+restarts as the standby, and no admitted request is lost. Timings go to ``loadtest/warm_pool.py``
+and ``loadtest/crash_isolation.py`` (BENCHMARKS.md §19), not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+from server.protogen.inferplane.v1 import autoscale_pb2_grpc
+from tests.conftest import stop_stack, wait_until
+from tests.integration.test_failure_domains import FRAUD, Load, tree_stack
+from tests.integration.test_fleet import triton_rows
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENV = {
+    "INFERPLANE_ISOLATION": "llm", "INFERPLANE_WARM_STANDBY": f"{FRAUD}=1", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
+    "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.2",
+}  # fmt: skip
+QUICK = {"scale_down_window_s": 0.0, "down_cooldown_s": 0.0, "target": 1000.0, "predictive": False}
+
+
+@pytest.fixture(scope="module")
+def standby(demo_repository, tmp_path_factory):
+    stack = tree_stack(demo_repository, tmp_path_factory.mktemp("standby"), ENV)
+    yield stack
+    stop_stack(stack)
+
+
+def configure(stack, **fields) -> None:
+    with grpc.insecure_channel(stack.grpc) as channel:
+        config = apb.AutoscaleConfig(**{**QUICK, **fields})
+        autoscale_pb2_grpc.AutoscaleStub(channel).Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=config))
+
+
+def explain(stack) -> dict:
+    with grpc.insecure_channel(stack.grpc) as channel:
+        return json.loads(autoscale_pb2_grpc.AutoscaleStub(channel).Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD)).explain_json)
+
+
+def hosts(stack) -> dict[str, dict]:
+    return {r["id"]: r for r in explain(stack)["executor"]["replicas"] if FRAUD in r["models"]}
+
+
+def standbys(stack) -> list[int]:
+    return explain(stack)["executor"]["standby"].get(FRAUD, [])
+
+
+def answer(target: str) -> bytes:
+    x = grpcclient.InferInput("features", [8, 32], "FP32")
+    x.set_data_from_numpy(np.random.default_rng(29).random((8, 32), dtype=np.float32))
+    with grpcclient.InferenceServerClient(target) as client:
+        return client.infer(FRAUD, [x], client_timeout=30).as_numpy("probability").tobytes()
+
+
+def test_a_scale_up_takes_the_loaded_standby_into_rotation(standby):
+    configure(standby, min_replicas=1, max_replicas=1)
+    assert wait_until(lambda: len(standbys(standby)) == 1, 90), explain(standby)["executor"]
+    (waiting,) = standbys(standby)
+    assert waiting not in {r["pid"] for r in explain(standby)["executor"]["replicas"]}  # out of rotation
+    configure(standby, min_replicas=2, max_replicas=2)
+    assert wait_until(lambda: explain(standby)["serving_replicas"] == 2, 90), explain(standby)["executor"]
+    copies = hosts(standby)
+    (new,) = [r for r in copies.values() if r["id"] != "local-0"]
+    assert new["pid"] == waiting and new["models"] == [FRAUD]  # the standby's Triton, not a process started now
+    assert explain(standby)["executor"]["from_warm"] == {new["id"]: FRAUD}
+    assert answer(new["target"]) == answer(copies["local-0"]["target"]) == answer(standby.grpc)  # bit-exact
+    # the pool loads another standby behind it (a new process, not the one taken)
+    assert wait_until(lambda: len(standbys(standby)) == 1 and standbys(standby) != [waiting], 90), explain(standby)["executor"]
+
+
+def test_kill_9_of_its_triton_hands_the_replica_to_the_standby(standby):
+    (victim,) = [r for r in hosts(standby).values() if r["id"] != "local-0"]
+    (waiting,) = standbys(standby)
+    with Load(standby, FRAUD, threads=4) as load:
+        load.served(100)
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert wait_until(lambda: hosts(standby)[victim["id"]]["pid"] == waiting, 30), explain(standby)["executor"]
+        assert explain(standby)["executor"]["taken_over"] == 1
+        taken = hosts(standby)[victim["id"]]
+        before = triton_rows(taken["target"], FRAUD)
+        load.served(300)
+        assert triton_rows(taken["target"], FRAUD) > before  # the frontend sends the standby-turned-replica traffic
+        # the dead Triton restarted, loaded the model again and is the standby now
+        assert wait_until(lambda: standbys(standby) and standbys(standby)[0] not in (waiting, victim["pid"]), 90), explain(standby)["executor"]
+        load.served(50)
+    assert not load.errors, load.errors[:5]
+    assert answer(taken["target"]) == answer(standby.grpc)
