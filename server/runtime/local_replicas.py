@@ -54,9 +54,10 @@ def parse_standby(spec: str) -> dict[str, int]:
 
 
 def _signature(model_dir: Path) -> tuple[int, int]:
-    """What a model's directory holds, cheaply: (files, newest mtime in ns); the ``__pycache__`` the
-    Python backend's stub writes when it loads is not the model."""
-    files = [p for p in model_dir.rglob("*") if "__pycache__" not in p.parts] if model_dir.is_dir() else []
+    """What a model's directory holds, cheaply: (files, newest mtime in ns) of its files; the
+    ``__pycache__`` the Python backend's stub writes when it loads (and the directory mtimes it
+    bumps) are not the model."""
+    files = [p for p in model_dir.rglob("*") if "__pycache__" not in p.parts and p.is_file()] if model_dir.is_dir() else []
     stamps = [p.stat().st_mtime_ns for p in files]
     return len(stamps), max(stamps, default=0)
 
