@@ -306,7 +306,7 @@ class ReplicaSet:
         """The member came back on another address (a restarted local Triton on new ports)."""
         member = self.member(member_id)
         old, member.client = member.client, client
-        asyncio.get_running_loop().create_task(_close_quietly(old))
+        asyncio.get_running_loop().create_task(_close_later(old))
 
     def add_source(self, source: "DnsSource") -> None:
         self._sources.append(source)
@@ -514,13 +514,15 @@ class ReplicaSet:
         member.by_model[model] = member.by_model.get(model, 0) + 1
         SERVED_BY.set(member.target)
         started = time.perf_counter()
+        client = member.client
         try:
             if parsed is not None:
-                answer = await member.client.send_batch(request, timeout, parsed)
+                answer = await client.send_batch(request, timeout, parsed)
             else:
-                answer = await member.client.infer_raw(request, timeout, model=model)
+                answer = await client.infer_raw(request, timeout, model=model)
         except InferplaneError as err:
-            self._failed(member, model, err)
+            if member.client is client:  # a failure on a client it has replaced since (a standby took over) says nothing of it now
+                self._failed(member, model, err)
             raise
         else:
             self._succeeded(member, model, time.perf_counter() - started)
@@ -1097,6 +1099,13 @@ def _connection_refused(err: InferplaneError) -> bool:
 
 def _left(deadline: float, now: float) -> float:
     return max(0.0, deadline - now)
+
+
+async def _close_later(client, delay_s: float = 5.0) -> None:
+    """Close a replaced client once what was in flight on it has failed on its own (a dead Triton's
+    connection resets: the request is retried elsewhere); closing at once would cancel it instead."""
+    await asyncio.sleep(delay_s)
+    await _close_quietly(client)
 
 
 async def _close_quietly(client) -> None:
