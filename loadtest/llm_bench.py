@@ -125,9 +125,11 @@ def prepare_repository(out: Path, registry, dtype: str | None = None) -> list[st
     return [SMOLLM2_NAME, serial]
 
 
-def prepare_engines_repository(out: Path, registry, engines: list[str], dtype: str | None = None) -> list[str]:
+def prepare_engines_repository(out: Path, registry, engines: list[str], dtype: str | None = None, eager: bool = False) -> list[str]:
     """SmolLM2 once per engine (``smollm2_<engine>``: the same weights registered under each name,
-    ``engine`` in the version's hardware metadata), deployed from ``registry``; LoRA off."""
+    ``engine`` in the version's hardware metadata), deployed from ``registry``; LoRA off; ``eager``:
+    vLLM without torch.compile (it loads in a minute where the compile warm-up on a loaded machine
+    outlasts Triton's load deadline)."""
     from model_repository.llm import SMOLLM2_NAME, SMOLLM2_SETTINGS
     from server.control.rollout.llm_install import install_smollm2
 
@@ -135,7 +137,7 @@ def prepare_engines_repository(out: Path, registry, engines: list[str], dtype: s
     for engine in engines:
         name = f"{SMOLLM2_NAME}_{engine}"
         # base-model traffic: no engine in LoRA mode (loadtest.llm_lora measures that)
-        settings = dataclasses.replace(SMOLLM2_SETTINGS, engine=engine, max_loras=0, dtype=dtype or SMOLLM2_SETTINGS.dtype)
+        settings = dataclasses.replace(SMOLLM2_SETTINGS, engine=engine, max_loras=0, dtype=dtype or SMOLLM2_SETTINGS.dtype, vllm_enforce_eager=eager)
         install_smollm2(registry, out, name, settings, adapters=False)
         names.append(name)
     return names
@@ -160,6 +162,7 @@ def _start_standalone_vllm(model_dir: Path, workdir: Path):
         max_num_seqs=int(params.get("max_running") or 16), max_num_batched_tokens=int(params.get("max_prefill_tokens") or 4096),
         max_model_len=int(params.get("max_model_len") or 0),
         max_loras=int(params.get("max_loras") or 0), max_lora_rank=int(params.get("max_lora_rank") or 16),
+        enforce_eager=(params.get("vllm_enforce_eager") or "").lower() in ("1", "true", "yes"),
     )  # fmt: skip
     log_path = workdir / "vllm_standalone.log"
     proc, base = vllm_server.start(config, model_dir / "1" / "hf", log_path)
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", default=None, help="with --start: compare engines (e.g. cpu,vllm) instead of batching")
     parser.add_argument("--vllm-standalone", action="store_true",
                         help="with --engines: also vLLM's own OpenAI server, started as the adapter starts it (the raw engine)")
+    parser.add_argument("--vllm-eager", action="store_true", help="with --engines: vLLM without torch.compile, through the platform and standalone alike")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             registry = scratch_registry(workdir)  # the stack's registry: the models are deployed from it
             try:
                 if args.engines:
-                    models = prepare_engines_repository(repo, registry, [e.strip() for e in args.engines.split(",") if e.strip()], args.dtype)
+                    models = prepare_engines_repository(repo, registry, [e.strip() for e in args.engines.split(",") if e.strip()], args.dtype, args.vllm_eager)
                 else:
                     names = prepare_repository(repo, registry, args.dtype)
                     args.serial_model = args.serial_model or names[1]

@@ -509,8 +509,9 @@ def load_adapter(monkeypatch, tmp_path, tiny_dir):
 
         from model_repository.config_writer import write_config
 
-        repo = tmp_path / f"repo{len(loaded)}"  # each load its own registry: the same files with other settings are another deploy
-        registry = scratch_registry(tmp_path / f"registry{len(loaded)}")
+        n = len(list(tmp_path.glob("repo*")))  # each load its own registry: the same files with other settings are another deploy
+        repo = tmp_path / f"repo{n}"
+        registry = scratch_registry(tmp_path / f"registry{n}")
         try:
             install_llm(registry, repo, "m", tiny_dir, dataclasses.replace(TINY_SETTINGS, **settings))
         finally:
