@@ -35,7 +35,7 @@ import tritonclient.grpc as grpcclient
 from loadtest.stack import start_stack, stop_stack
 from model_repository.config_writer import read_config
 from model_repository.demo import build_demo_repository
-from model_repository.llm import build_llm_models
+from server.control.rollout.llm_install import install_llm_models
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
@@ -46,7 +46,7 @@ TABULAR = ("fraud_xgboost", "lightgbm_regressor", "mlp_classifier")
 def build(root: Path) -> Path:
     repository = root / "model_repository"
     build_demo_repository(repository)
-    build_llm_models(repository, tiny=True, smollm2=False, work=root)
+    install_llm_models(repository, tiny=True, work=root)  # registered in a scratch registry beside it, deployed from there
     return repository
 
 

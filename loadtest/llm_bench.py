@@ -13,6 +13,10 @@ first one's, measured with the same client in the same run::
 
     python -m loadtest.llm_bench --start --engines cpu,vllm --concurrency 1,4,16 --max-tokens 64
 
+Every model is registered in the stack's registry and deployed from it (``server.control.rollout.llm_install``),
+as ``make serve`` deploys ``smollm2``; ``--engines vllm --vllm-standalone --rounds 3`` compares vLLM
+through the platform with vLLM's own server, the models' order reversed in every other round.
+
 Against a running stack: ``--url http://127.0.0.1:8000 --model smollm2 [--serial-model NAME]``.
 Each of C concurrent streams sends requests back to back (closed loop) for ``--requests`` rounds;
 every request asks for exactly ``--max-tokens`` tokens (``ignore_eos``), greedy, with a distinct prompt.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -96,45 +101,45 @@ async def run_level(url: str, model: str | list[str], concurrency: int, requests
     return out
 
 
-def prepare_repository(out: Path, dtype: str | None = None) -> list[str]:
-    """SmolLM2 batched and serial (same weights, hard-linked) in a fresh repository; ``dtype``
-    overrides the engine's (``auto``)."""
-    from model_repository.config_writer import read_config, write_config
-    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+def _pooled_tokens_per_s(levels: list[dict]) -> dict[tuple[str, int], float]:
+    """(model, concurrency) -> tokens over wall seconds, pooled over every round."""
+    tokens: dict[tuple[str, int], float] = {}
+    wall: dict[tuple[str, int], float] = {}
+    for lv in levels:
+        key = (lv["model"], lv["concurrency"])
+        tokens[key] = tokens.get(key, 0) + lv["tokens"]
+        wall[key] = wall.get(key, 0) + lv["wall_s"]
+    return {k: round(tokens[k] / wall[k], 2) if wall[k] else 0.0 for k in tokens}
 
-    build_llm_models(out, tiny=False, smollm2=True)
-    if dtype:
-        config = read_config(out / SMOLLM2_NAME)
-        config.parameters["dtype"].string_value = dtype
-        write_config(config, out / SMOLLM2_NAME)
+
+def prepare_repository(out: Path, registry, dtype: str | None = None) -> list[str]:
+    """SmolLM2 batched and serial (the same registered weights, other engine settings) deployed from
+    ``registry`` into a fresh repository; ``dtype`` overrides the engine's (``auto``)."""
+    from model_repository.llm import SMOLLM2_NAME, SMOLLM2_SETTINGS
+    from server.control.rollout.llm_install import install_smollm2
+
+    batched = dataclasses.replace(SMOLLM2_SETTINGS, dtype=dtype or SMOLLM2_SETTINGS.dtype)
     serial = SMOLLM2_NAME + "_serial"
-    shutil.copytree(out / SMOLLM2_NAME, out / serial, copy_function=_link)
-    config = read_config(out / serial)
-    config.name = serial
-    config.parameters["max_running"].string_value = "1"
-    write_config(config, out / serial)
+    install_smollm2(registry, out, SMOLLM2_NAME, batched)
+    install_smollm2(registry, out, serial, dataclasses.replace(batched, max_running=1))
     return [SMOLLM2_NAME, serial]
 
 
-def prepare_engines_repository(out: Path, engines: list[str], dtype: str | None = None) -> list[str]:
-    """SmolLM2 once per engine (``smollm2_<engine>``, same weights, hard-linked), ``engine`` forced."""
-    from model_repository.config_writer import read_config, write_config
-    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+def prepare_engines_repository(out: Path, registry, engines: list[str], dtype: str | None = None, eager: bool = False) -> list[str]:
+    """SmolLM2 once per engine (``smollm2_<engine>``: the same weights registered under each name,
+    ``engine`` in the version's hardware metadata), deployed from ``registry``; LoRA off; ``eager``:
+    vLLM without torch.compile (it loads in a minute where the compile warm-up on a loaded machine
+    outlasts Triton's load deadline)."""
+    from model_repository.llm import SMOLLM2_NAME, SMOLLM2_SETTINGS
+    from server.control.rollout.llm_install import install_smollm2
 
-    build_llm_models(out, tiny=False, smollm2=True)
     names = []
     for engine in engines:
         name = f"{SMOLLM2_NAME}_{engine}"
-        shutil.copytree(out / SMOLLM2_NAME, out / name, copy_function=_link)
-        config = read_config(out / name)
-        config.name = name
-        config.parameters["engine"].string_value = engine
-        config.parameters["max_loras"].string_value = "0"  # base-model traffic: no engine in LoRA mode (loadtest.llm_lora measures that)
-        if dtype:
-            config.parameters["dtype"].string_value = dtype
-        write_config(config, out / name)
+        # base-model traffic: no engine in LoRA mode (loadtest.llm_lora measures that)
+        settings = dataclasses.replace(SMOLLM2_SETTINGS, engine=engine, max_loras=0, dtype=dtype or SMOLLM2_SETTINGS.dtype, vllm_enforce_eager=eager)
+        install_smollm2(registry, out, name, settings, adapters=False)
         names.append(name)
-    shutil.rmtree(out / SMOLLM2_NAME)
     return names
 
 
@@ -157,6 +162,7 @@ def _start_standalone_vllm(model_dir: Path, workdir: Path):
         max_num_seqs=int(params.get("max_running") or 16), max_num_batched_tokens=int(params.get("max_prefill_tokens") or 4096),
         max_model_len=int(params.get("max_model_len") or 0),
         max_loras=int(params.get("max_loras") or 0), max_lora_rank=int(params.get("max_lora_rank") or 16),
+        enforce_eager=(params.get("vllm_enforce_eager") or "").lower() in ("1", "true", "yes"),
     )  # fmt: skip
     log_path = workdir / "vllm_standalone.log"
     proc, base = vllm_server.start(config, model_dir / "1" / "hf", log_path)
@@ -168,19 +174,6 @@ def _start_standalone_vllm(model_dir: Path, workdir: Path):
     return proc, base
 
 
-def _link(src, dst):
-    """Hard-link the big weight files; copy the rest (the config is rewritten, it must not be shared)."""
-    import os
-
-    if os.path.getsize(src) >= 1 << 20:
-        try:
-            os.link(src, dst)
-            return
-        except OSError:
-            pass
-    shutil.copy2(src, dst)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="http://HOST:PORT of the REST bridge (not with --start)")
@@ -190,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=2, help="requests per stream at each level")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="run every level this many times, the models' order reversed in odd rounds")
     parser.add_argument("--dtype", default=None, help="with --start: the engine's dtype (default: the model's, auto)")
     parser.add_argument("--engines", default=None, help="with --start: compare engines (e.g. cpu,vllm) instead of batching")
     parser.add_argument("--vllm-standalone", action="store_true",
                         help="with --engines: also vLLM's own OpenAI server, started as the adapter starts it (the raw engine)")
+    parser.add_argument("--vllm-eager", action="store_true", help="with --engines: vLLM without torch.compile, through the platform and standalone alike")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -206,18 +201,20 @@ def main(argv: list[str] | None = None) -> int:
 
             workdir = Path(tempfile.mkdtemp(prefix="llm_bench_"))
             repo = workdir / "model_repository"
-            if args.engines:
-                models = prepare_engines_repository(repo, [e.strip() for e in args.engines.split(",") if e.strip()], args.dtype)
-            else:
-                names = prepare_repository(repo, args.dtype)
-                args.serial_model = args.serial_model or names[1]
-                models = [args.model, args.serial_model]
-            env = {
-                "INFERPLANE_AUTH": "off",
-                "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
-                "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts"),
-            }
-            stack = start_stack(repo, workdir / "stack", env=env, timeout=900)  # vLLM warms up for minutes
+            from server.control.rollout.llm_install import scratch_env, scratch_registry
+
+            registry = scratch_registry(workdir)  # the stack's registry: the models are deployed from it
+            try:
+                if args.engines:
+                    models = prepare_engines_repository(repo, registry, [e.strip() for e in args.engines.split(",") if e.strip()], args.dtype, args.vllm_eager)
+                else:
+                    names = prepare_repository(repo, registry, args.dtype)
+                    args.serial_model = args.serial_model or names[1]
+                    models = [args.model, args.serial_model]
+                deployed = {e.name: f"{e.name}:{e.live}" for e in registry.endpoints() if e.name in models}
+            finally:
+                registry.close()
+            stack = start_stack(repo, workdir / "stack", env={"INFERPLANE_AUTH": "off", **scratch_env(workdir)}, timeout=900)  # vLLM warms up for minutes
             args.url = f"http://{stack.http}"
         else:
             models = [args.model] + ([args.serial_model] if args.serial_model else [])
@@ -231,36 +228,44 @@ def main(argv: list[str] | None = None) -> int:
             models.append(STANDALONE)
             urls[STANDALONE] = standalone[1] + "/v1/chat/completions"
         report = {"max_tokens": args.max_tokens, "requests_per_stream": args.requests, "levels": []}
-        for c in levels:
-            for model in models:
-                level = asyncio.run(run_level(urls[model], model, c, args.requests, args.max_tokens))
-                report["levels"].append(level)
-                print(
-                    f"{model:>16} c={c:<3} tok/s={level['tokens_per_s']:>8} ttft p50={level['ttft_ms']['p50']:.0f}ms "
-                    f"p99={level['ttft_ms']['p99']:.0f}ms itl p50={level['itl_ms']['p50']:.1f}ms p99={level['itl_ms']['p99']:.1f}ms "
-                    f"errors={level['error_count']}",
-                    flush=True,
-                )
+        if args.start:
+            report["deployed_from_registry"] = deployed  # endpoint -> the registered version it serves
+        for round_ in range(args.rounds):
+            for c in levels:
+                # odd rounds take the models in reverse order: a drift of the (shared) machine's load
+                # during a level weighs on each side alike
+                for model in models if round_ % 2 == 0 else models[::-1]:
+                    level = asyncio.run(run_level(urls[model], model, c, args.requests, args.max_tokens))
+                    level["round"] = round_
+                    report["levels"].append(level)
+                    print(
+                        f"{model:>16} c={c:<3} tok/s={level['tokens_per_s']:>8} ttft p50={level['ttft_ms']['p50']:.0f}ms "
+                        f"p99={level['ttft_ms']['p99']:.0f}ms itl p50={level['itl_ms']['p50']:.1f}ms p99={level['itl_ms']['p99']:.1f}ms "
+                        f"errors={level['error_count']}",
+                        flush=True,
+                    )
         if len(models) > 1 and not args.serial_model:
-            by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
+            tps = _pooled_tokens_per_s(report["levels"])
+            report["tokens_per_s"] = {m: {str(c): tps[(m, c)] for c in levels} for m in models}  # over every round
             report["ratio_to_" + models[0]] = {
-                m: {str(c): round(by[(m, c)]["tokens_per_s"] / by[(models[0], c)]["tokens_per_s"], 2) for c in levels if by[(models[0], c)]["tokens_per_s"]}
-                for m in models[1:]
+                m: {str(c): round(tps[(m, c)] / tps[(models[0], c)], 2) for c in levels if tps[(models[0], c)]} for m in models[1:]
             }
             print(f"tokens/s over {models[0]}:", report["ratio_to_" + models[0]])
-            if STANDALONE in models and len(models) > 2:
+            if STANDALONE in models:
                 platform = models[-2]  # the engine the standalone server mirrors
                 report["platform_over_standalone"] = {
-                    str(c): round(by[(platform, c)]["tokens_per_s"] / by[(STANDALONE, c)]["tokens_per_s"], 2)
-                    for c in levels if by[(STANDALONE, c)]["tokens_per_s"]
+                    str(c): round(tps[(platform, c)] / tps[(STANDALONE, c)], 2) for c in levels if tps[(STANDALONE, c)]
+                }  # fmt: skip
+                by_round = {(lv["model"], lv["concurrency"], lv["round"]): lv["tokens_per_s"] for lv in report["levels"]}
+                report["platform_over_standalone_by_round"] = {
+                    str(c): [round(by_round[(platform, c, r)] / by_round[(STANDALONE, c, r)], 2) for r in range(args.rounds) if by_round[(STANDALONE, c, r)]]
+                    for c in levels
                 }  # fmt: skip
                 print(f"tokens/s of {platform} (through the platform) over vLLM standalone:", report["platform_over_standalone"])
         if args.serial_model:
-            by = {(lv["model"], lv["concurrency"]): lv for lv in report["levels"]}
+            tps = _pooled_tokens_per_s(report["levels"])
             report["speedup"] = {
-                str(c): round(by[(args.model, c)]["tokens_per_s"] / by[(args.serial_model, c)]["tokens_per_s"], 2)
-                for c in levels
-                if by[(args.serial_model, c)]["tokens_per_s"]
+                str(c): round(tps[(args.model, c)] / tps[(args.serial_model, c)], 2) for c in levels if tps[(args.serial_model, c)]
             }
             print("continuous batching / one-at-a-time tokens/s:", report["speedup"])
         if args.json:

@@ -20,6 +20,7 @@ over ``nolora`` at the same concurrency.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import shutil
@@ -27,29 +28,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadtest.llm_bench import _link, run_level
+from loadtest.llm_bench import run_level
 
 ADAPTERS = ("pirate", "robot")
 
 
-def prepare(out: Path, engines: list[str]) -> dict[str, dict[str, list[str] | str]]:
-    """The repository: per engine a LoRA-on and a LoRA-off SmolLM2; the workloads' model lists."""
-    from model_repository.config_writer import read_config, write_config
-    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+def prepare(out: Path, registry, engines: list[str]) -> dict[str, dict[str, list[str] | str]]:
+    """The repository: per engine a LoRA-on (with the demo adapters) and a LoRA-off SmolLM2, each
+    registered and deployed from ``registry``; the workloads' model lists."""
+    from model_repository.llm import SMOLLM2_NAME, SMOLLM2_SETTINGS
+    from server.control.rollout.llm_install import install_smollm2
 
-    build_llm_models(out, tiny=False, smollm2=True)  # with the demo adapters installed
     plans = {}
     for engine in engines:
         on, off = f"{SMOLLM2_NAME}_{engine}", f"{SMOLLM2_NAME}_{engine}_nolora"
-        for name, loras in ((on, "4"), (off, "0")):
-            shutil.copytree(out / SMOLLM2_NAME, out / name, copy_function=_link)
-            config = read_config(out / name)
-            config.name = name
-            config.parameters["engine"].string_value = engine
-            config.parameters["max_loras"].string_value = loras
-            write_config(config, out / name)
+        for name, loras in ((on, 4), (off, 0)):
+            install_smollm2(registry, out, name, dataclasses.replace(SMOLLM2_SETTINGS, engine=engine, max_loras=loras), adapters=bool(loras))
         plans[engine] = {"nolora": off, "base": on, "mixed": [f"{on}:{a}" for a in ADAPTERS] + [on]}
-    shutil.rmtree(out / SMOLLM2_NAME)
     return plans
 
 
@@ -68,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="llm_lora_"))
     stack = None
     try:
-        plans = prepare(workdir / "model_repository", engines)
-        env = {
-            "INFERPLANE_AUTH": "off",
-            "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
-            "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts"),
-        }
-        stack = start_stack(workdir / "model_repository", workdir / "stack", env=env, timeout=900)
+        from server.control.rollout.llm_install import scratch_env, scratch_registry
+
+        registry = scratch_registry(workdir)  # the stack's registry (below): the models are deployed from it
+        try:
+            plans = prepare(workdir / "model_repository", registry, engines)
+        finally:
+            registry.close()
+        stack = start_stack(workdir / "model_repository", workdir / "stack", env={"INFERPLANE_AUTH": "off", **scratch_env(workdir)}, timeout=900)
         url = f"http://{stack.http}/v1/chat/completions"
         report = {"max_tokens": args.max_tokens, "requests_per_stream": args.requests, "engines": {}}
         for engine, plan in plans.items():

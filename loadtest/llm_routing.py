@@ -23,6 +23,7 @@ prefix-aware figures over round robin's. The machine is shared: read the ratios,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import random
@@ -176,25 +177,21 @@ def engine_stats(target: str, model: str) -> dict:
     raise RuntimeError(f"no stats from {model} at {target}")
 
 
-def prepare_repository(out: Path, threads: int = 1) -> list[str]:
-    """SmolLM2 once per policy (same weights, hard-linked): engine cpu, ``threads``, prefix cache on."""
-    from loadtest.llm_bench import _link
+def prepare_repository(out: Path, registry, threads: int = 1) -> list[str]:
+    """SmolLM2 once per policy (the same weights registered under each name, deployed from
+    ``registry``): engine cpu, ``threads``, prefix cache on; the policy in the endpoint's config."""
     from model_repository.config_writer import read_config, write_config
-    from model_repository.llm import SMOLLM2_NAME, build_llm_models
+    from model_repository.llm import SMOLLM2_SETTINGS
+    from server.control.rollout.llm_install import install_smollm2
 
-    build_llm_models(out, tiny=False, smollm2=True)
     names = []
     for policy in POLICIES:
         name = ENDPOINTS[policy]
-        shutil.copytree(out / SMOLLM2_NAME, out / name, copy_function=_link)
+        install_smollm2(registry, out, name, dataclasses.replace(SMOLLM2_SETTINGS, engine="cpu", threads=threads))
         config = read_config(out / name)
-        config.name = name
-        config.parameters["engine"].string_value = "cpu"
-        config.parameters["threads"].string_value = str(threads)
-        config.parameters["inferplane.routing"].string_value = policy
+        config.parameters["inferplane.routing"].string_value = policy  # the endpoint's routing policy (server.control.scaling.fleet)
         write_config(config, out / name)
         names.append(name)
-    shutil.rmtree(out / SMOLLM2_NAME)
     return names
 
 
@@ -222,11 +219,16 @@ def main(argv: list[str] | None = None) -> int:
 
             workdir = Path(tempfile.mkdtemp(prefix="llm_routing_"))
             repo = workdir / "model_repository"
-            prepare_repository(repo, args.threads)
+            from server.control.rollout.llm_install import scratch_env, scratch_registry
+
+            registry = scratch_registry(workdir)  # the stack's registry (below): the models are deployed from it
+            try:
+                prepare_repository(repo, registry, args.threads)
+            finally:
+                registry.close()
             env = {
                 "INFERPLANE_AUTH": "off",
-                "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
-                "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts"),
+                **scratch_env(workdir),
                 "INFERPLANE_LOCAL_REPLICAS": str(args.replicas),
                 "INFERPLANE_REPLICA_MEMORY_MB": "16384",
             }

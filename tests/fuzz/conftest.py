@@ -13,12 +13,12 @@ from tests.stack_health import baseline, metrics_text, samples
 def fuzz_repository(tmp_path_factory):
     from model_repository.demo import build_demo_repository
     from model_repository.embeddings import build_embedding_model
-    from model_repository.llm import build_llm_models
+    from server.control.rollout.llm_install import install_llm_models
 
     out = tmp_path_factory.mktemp("fuzz") / "model_repository"
     build_demo_repository(out)
     build_embedding_model(out)
-    build_llm_models(out, tiny=True, smollm2=False)
+    install_llm_models(out, tiny=True)  # registered in a scratch registry beside the repository, deployed from it
     return out
 
 

@@ -116,13 +116,17 @@ def test_gpu_metrics_are_exported(gpu_stack):
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
-    from model_repository.llm import build_llm_models
+    import dataclasses
+
+    from model_repository.llm import TINY_SETTINGS
+    from server.control.rollout.llm_install import install_llm_models
 
     python = os.environ.get("INFERPLANE_VLLM_PYTHON", "")
     assert python and Path(python).exists(), "set INFERPLANE_VLLM_PYTHON to a vLLM environment's python (tests/gpu/run.sh builds one)"
     root = tmp_path_factory.mktemp("gpu_llm")
     repository = root / "model_repository"
-    build_llm_models(repository, tiny=True, smollm2=False, work=root)
+    # from the registry with engine vllm in its hardware metadata (the tiny model's own settings are our CPU engine's)
+    install_llm_models(repository, tiny=True, work=root, tiny_settings=dataclasses.replace(TINY_SETTINGS, engine="vllm"))
     stack = start_stack(repository, root / "stack", env={"INFERPLANE_VLLM_PYTHON": python}, timeout=900)
     yield stack
     stop_stack(stack)

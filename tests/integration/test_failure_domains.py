@@ -36,15 +36,18 @@ ENV = {"INFERPLANE_ISOLATION": "llm", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0
 def tree_stack(demo_repository, root, env: dict, *, llm: bool = False):
     """A stack of its own (its repository, registry and workdir under ``root``): the two tree models,
     and tiny_llama with ``llm``."""
-    from model_repository.llm import build_llm_models
+    from server.control.rollout.llm_install import install_llm_models, scratch_env, scratch_registry
 
     repository = root / "model_repository"
     for name in (FRAUD, LGBM):
         shutil.copytree(demo_repository / name, repository / name)
     if llm:
-        build_llm_models(repository, tiny=True, smollm2=False, work=root)
-    env = {**env, "INFERPLANE_DATABASE_URL": f"sqlite:///{root}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts")}
-    return start_stack(repository, root / "stack", env=env)
+        registry = scratch_registry(root)  # the stack's registry (below): tiny_llama is deployed from it
+        try:
+            install_llm_models(repository, registry, tiny=True, work=root)
+        finally:
+            registry.close()
+    return start_stack(repository, root / "stack", env={**env, **scratch_env(root)})
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def _copy_model(repo: Path, source: str, name: str) -> None:
 @pytest.fixture(scope="module")
 def repository(demo_repository, tmp_path_factory) -> Path:
     from model_repository.embeddings import build_embedding_model
-    from model_repository.llm import build_llm_models
+    from server.control.rollout.llm_install import install_llm_models
 
     out = tmp_path_factory.mktemp("inprocess") / "model_repository"
     out.mkdir()
@@ -57,7 +57,7 @@ def repository(demo_repository, tmp_path_factory) -> Path:
         shutil.copytree(demo_repository / model, out / model)
     _copy_model(out, "lightgbm_regressor", VICTIM)
     _copy_model(out, "mlp_classifier", STATS_MODEL)
-    build_llm_models(out, tiny=True, smollm2=False)
+    install_llm_models(out, tiny=True)  # registered in a scratch registry beside the repository, deployed from it
     build_embedding_model(out)
     return out
 

@@ -19,10 +19,9 @@ import grpc
 import pytest
 
 from model_repository.config_writer import read_config
-from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.protogen.inferplane.v1 import admin_pb2
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
-from server.protogen.inferplane.v1 import traffic_pb2_grpc
-from tests.conftest import start_stack, stop_stack
+from tests.conftest import registry_stack_fixtures
 
 pytestmark = pytest.mark.integration
 
@@ -43,33 +42,9 @@ def llamas(tmp_path_factory):
     return build_tiny_llama(root / "v1", seed=11), build_tiny_llama(root / "v2", seed=22)
 
 
-@pytest.fixture(scope="module")
-def llm_registry_stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llm_registry")
-    repository = root / "model_repository"
-    repository.mkdir()
-    env = {"INFERPLANE_ROLLBACK_GRACE_S": "600", "INFERPLANE_DEPLOY_TIMEOUT_S": "120"}
-    stack = start_stack(repository, root / "stack", env=env)
-    stack.env = {**env, "INFERPLANE_DATABASE_URL": f"sqlite:///{root / 'stack'}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(root / "stack" / "artifacts")}
-    stack.repository = repository
-    yield stack
-    stop_stack(stack)
-
-
-@pytest.fixture(scope="module")
-def channel(llm_registry_stack):
-    with grpc.insecure_channel(llm_registry_stack.grpc) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def admin(channel):
-    return admin_pb2_grpc.AdminStub(channel)
-
-
-@pytest.fixture(scope="module")
-def traffic(channel):
-    return traffic_pb2_grpc.TrafficStub(channel)
+llm_registry_stack, channel, admin, traffic = registry_stack_fixtures(
+    "llm_registry", lambda root: {"INFERPLANE_ROLLBACK_GRACE_S": "600", "INFERPLANE_DEPLOY_TIMEOUT_S": "120"}
+)
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,11 @@ SYSTEM = (
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory):
     from model_repository.config_writer import read_config, write_config
-    from model_repository.llm import build_llm_models
+    from server.control.rollout.llm_install import install_llm_models
 
     root = tmp_path_factory.mktemp("llm_routing")
     repository = root / "model_repository"
-    build_llm_models(repository, tiny=True)
+    install_llm_models(repository, tiny=True, work=root)  # registered in a scratch registry beside it, deployed from there
     config = read_config(repository / MODEL)
     config.parameters["inferplane.routing"].string_value = "prefix_aware"
     write_config(config, repository / MODEL)

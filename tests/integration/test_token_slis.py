@@ -20,10 +20,10 @@ MODEL = "tiny_llama"
 
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory):
-    from model_repository.llm import build_llm_models
+    from server.control.rollout.llm_install import install_llm_models
 
     root = tmp_path_factory.mktemp("token_slis")
-    build_llm_models(root / "model_repository", tiny=True, smollm2=False, work=root)
+    install_llm_models(root / "model_repository", tiny=True, work=root)  # registered in a scratch registry beside it, deployed from there
     stack = start_stack(root / "model_repository", root / "stack")
     yield stack
     stop_stack(stack)

@@ -28,10 +28,9 @@ import numpy as np
 import pytest
 
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.protogen.inferplane.v1 import admin_pb2
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
-from server.protogen.inferplane.v1 import traffic_pb2_grpc
-from tests.conftest import start_stack, stop_stack, wait_until
+from tests.conftest import registry_stack_fixtures, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -82,37 +81,15 @@ def _register(admin, artifact: bytes, weights: np.ndarray, run: str) -> int:
 SHADOW_KEY = "c2hhZG93LXJlY29yZHMta2V5LTMyLWJ5dGVzLWxvbmc="  # base64 of 32 bytes
 
 
-@pytest.fixture(scope="module")
-def traffic_stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("traffic")
-    repository = root / "model_repository"
-    repository.mkdir()
-    env = {
+def _stack_env(root) -> dict[str, str]:
+    return {
         "INFERPLANE_ROLLBACK_GRACE_S": "600", "INFERPLANE_DEPLOY_TIMEOUT_S": "60",
         # shadow disagreements are kept, sealed at rest (issue 23)
         "INFERPLANE_SHADOW_RECORD_DESTINATION": str(root / "shadow_records"), "INFERPLANE_ENCRYPTION_KEY": SHADOW_KEY,
     }  # fmt: skip
-    stack = start_stack(repository, root / "stack", env=env)
-    stack.env = {**env, "INFERPLANE_DATABASE_URL": f"sqlite:///{root / 'stack'}/registry.db"}
-    stack.root = root
-    yield stack
-    stop_stack(stack)
 
 
-@pytest.fixture(scope="module")
-def channel(traffic_stack):
-    with grpc.insecure_channel(traffic_stack.grpc) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def admin(channel):
-    return admin_pb2_grpc.AdminStub(channel)
-
-
-@pytest.fixture(scope="module")
-def traffic(channel):
-    return traffic_pb2_grpc.TrafficStub(channel)
+traffic_stack, channel, admin, traffic = registry_stack_fixtures("traffic", _stack_env)
 
 
 def _infer(channel, rows=ROWS, user: str | None = None, request_id: str = ""):

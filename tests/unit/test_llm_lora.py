@@ -16,13 +16,24 @@ from model_repository.adapters._llm_core import Engine, EngineConfig, SamplingPa
 from model_repository.adapters._lora import (  # noqa: E402
     AdapterError, AdapterIndex, AdapterNotFound, check_adapter,
 )  # fmt: skip
-from model_repository.llm import TINY_SETTINGS, build_tiny_llama, write_llm_model  # noqa: E402
+from model_repository.llm import TINY_SETTINGS, build_tiny_llama  # noqa: E402
 from model_repository.lora import base_dir, install_adapter, remove_adapter  # noqa: E402
+from server.control.rollout.llm_install import install_llm, scratch_registry  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+def _deployed(tiny, repo) -> tuple:
+    """``tiny`` registered as ``m`` in a scratch registry beside ``repo`` and deployed into it: (model dir, weights sha256)."""
+    registry = scratch_registry(repo.with_name(repo.name + ".registry"))
+    try:
+        record = install_llm(registry, repo, "m", tiny, TINY_SETTINGS)
+    finally:
+        registry.close()
+    return repo / "m", record.sha256
 
 
 def _random_adapter(base, out, seed, targets=("q_proj", "v_proj"), rank=4):
@@ -83,8 +94,8 @@ class _Collect:
 
 
 def test_the_engine_applies_each_rows_adapter_in_one_batch_as_peft_does(tiny, adapters, tmp_path):
-    model_dir = write_llm_model(tmp_path / "repo", "m", tiny, TINY_SETTINGS, "test")
-    index = AdapterIndex(model_dir, json.loads((model_dir / "inferplane.json").read_text())["sha256"])
+    model_dir, sha = _deployed(tiny, tmp_path / "repo")
+    index = AdapterIndex(model_dir, sha)
     for name, folder in adapters.items():
         install_adapter(model_dir, name, folder)
     engine = Engine(tiny, EngineConfig(kv_cache_memory="16MiB", max_loras=2, prefix_cache_tokens=256, prefix_block=4))
@@ -150,8 +161,7 @@ def test_adapter_check_refuses_what_does_not_fit_the_base(tiny, adapters, tmp_pa
 
 
 def test_installed_versions_and_their_digests(tiny, adapters, tmp_path):
-    model_dir = write_llm_model(tmp_path / "repo", "m", tiny, TINY_SETTINGS, "test")
-    sha = json.loads((model_dir / "inferplane.json").read_text())["sha256"]
+    model_dir, sha = _deployed(tiny, tmp_path / "repo")
     assert base_dir(model_dir).is_dir()
     first = install_adapter(model_dir, "tone", adapters["alpha"])
     assert first["version"] == 1 and install_adapter(model_dir, "tone", adapters["alpha"])["version"] == 1
@@ -187,7 +197,7 @@ def test_the_cli_adds_lists_and_removes_adapters(tiny, adapters, tmp_path):
     from server.cli.main import app
 
     repo = tmp_path / "repo"
-    write_llm_model(repo, "m", tiny, TINY_SETTINGS, "test")
+    _deployed(tiny, repo)
     run = CliRunner().invoke
     added = run(app, ["llm", "adapter", "add", "m", "tone", str(adapters["beta"]), "--model-repository", str(repo)])
     assert added.exit_code == 0, added.output

@@ -494,17 +494,34 @@ def load_adapter(monkeypatch, tmp_path, tiny_dir):
     from google.protobuf.json_format import MessageToDict
 
     from model_repository.config_writer import read_config
-    from model_repository.llm import TINY_SETTINGS, write_llm_model
+    from model_repository.llm import TINY_SETTINGS
+    from server.control.rollout.llm_install import install_llm, scratch_registry
 
     before = set(sys.modules)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
     monkeypatch.delenv("INFERPLANE_VLLM_PYTHON", raising=False)
     loaded = []
 
-    def load(**settings):
+    def load(raw: dict[str, str] | None = None, **settings):
+        """``settings`` as the version's engine settings; ``raw``: config parameters written over the
+        deployed config (values the registry refuses, to reach the adapter's own check)."""
         import dataclasses
 
-        model_dir = write_llm_model(tmp_path, "m", tiny_dir, dataclasses.replace(TINY_SETTINGS, **settings), "test")
+        from model_repository.config_writer import write_config
+
+        n = len(list(tmp_path.glob("repo*")))  # each load its own registry: the same files with other settings are another deploy
+        repo = tmp_path / f"repo{n}"
+        registry = scratch_registry(tmp_path / f"registry{n}")
+        try:
+            install_llm(registry, repo, "m", tiny_dir, dataclasses.replace(TINY_SETTINGS, **settings))
+        finally:
+            registry.close()
+        model_dir = repo / "m"
+        if raw:
+            edited = read_config(model_dir)
+            for key, value in raw.items():
+                edited.parameters[key].string_value = value
+            write_config(edited, model_dir)
         monkeypatch.syspath_prepend(str(model_dir / "1"))
         spec = importlib.util.spec_from_file_location("inferplane_llm_adapter", model_dir / "1" / "model.py")
         module = importlib.util.module_from_spec(spec)
@@ -529,7 +546,7 @@ def test_the_adapter_refuses_to_load_with_vllm_where_it_has_no_environment(load_
     with pytest.raises(_TritonModelException, match="does not exist"):
         load_adapter(engine="vllm", vllm_python=str(tmp_path / "nowhere" / "python"))
     with pytest.raises(_TritonModelException, match="one of auto, vllm, cpu"):
-        load_adapter(engine="gpu")
+        load_adapter(raw={"engine": "gpu"})  # the registry refuses it (unknown LLM engine): a hand-edited config
 
 
 def test_the_adapter_runs_the_cpu_engine_for_auto_without_vllms_environment(load_adapter):
