@@ -285,6 +285,7 @@ def test_a_page_holds_at_most_100(store):
         conn.execute(insert(jobs_table), [{**row, "id": f"batch_{i:032x}"} for i in range(101)])
     page = store.list("acme", limit=1000)
     assert len(page["data"]) == 100 and page["has_more"] is True
+    assert len(store.list("acme")["data"]) == 20 and store.list("acme")["has_more"] is True  # the default page
     assert len(store.list("acme", limit=101)["data"]) == 100
 
 
@@ -422,6 +423,7 @@ def test_an_expired_job_keeps_its_done_rows_and_names_the_rest(store):
     errors = _lines(store, "acme", doc["error_file_id"])
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("r1", "X"), ("r2", "batch_expired")]
     assert errors[1]["response"] is None and errors[1]["error"]["message"] == "the batch was expired before this request ran"
+    assert errors[1]["id"] == f"batch_req_{job[6:]}_2"
 
 
 def test_a_job_with_no_failure_has_no_error_file_and_one_with_no_success_no_output(store):
@@ -576,7 +578,7 @@ async def test_the_worker_loop_rides_out_a_failing_database_and_works_every_job(
     store.claim = claim
 
     async def run_row(endpoint, body, tenant):
-        return 200, {"tenant": tenant}
+        return 200, {"tenant": tenant, "endpoint": endpoint}
 
     task = asyncio.create_task(BatchWorker(store, run_row, owner="w", poll_s=0.001).run())
     while any(store.retrieve("acme", j)["status"] != "completed" for j in jobs):
@@ -585,7 +587,7 @@ async def test_the_worker_loop_rides_out_a_failing_database_and_works_every_job(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not failures
-    assert [o["response"]["body"] for o in _lines(store, "acme", store.retrieve("acme", jobs[0])["output_file_id"])] == [{"tenant": "acme"}] * 2
+    assert [o["response"]["body"] for o in _lines(store, "acme", store.retrieve("acme", jobs[0])["output_file_id"])] == [{"tenant": "acme", "endpoint": EP}] * 2
 
 
 async def test_a_stopping_worker_whose_release_fails_still_stops(store):
@@ -607,3 +609,39 @@ async def test_a_stopping_worker_whose_release_fails_still_stops(store):
         await task
     store.clock.now += 31  # its lease lapses by itself
     assert store.claim("next", 30).id == job
+
+
+def test_a_worker_acts_only_on_the_job_it_names_even_holding_another(store):
+    mine = _job(store, 2)
+    store.clock.now += 1
+    theirs = _job(store, 2)
+    assert store.claim("w1", 30).id == mine and store.claim("w2", 30).id == theirs
+    assert store.next_rows(theirs, "w1", 30, 10) is None  # w1's lease on its own job does not open another
+    assert store.commit_rows(theirs, "w1", 30, [(0, "done", 200, "{}")]) == -1
+    assert not store.finalize(theirs, "w1", "completed")
+    store.release(theirs, "w1")
+    store.fail(theirs, "w1", "x", "not its job")
+    assert store.commit_rows(mine, "w1", 30, [(0, "done", 200, "{}")]) == 1  # row 0 of w1's job only
+    assert store.finalize(mine, "w1", "expired")  # its pending row 1 expires; the other job's rows stay pending
+    doc = store.retrieve("acme", theirs)
+    assert (doc["status"], doc["errors"], doc["request_counts"]) == ("in_progress", None, {"total": 2, "completed": 0, "failed": 0})
+    _, rows = store.next_rows(theirs, "w2", 30, 10)
+    assert [r.index for r in rows] == [0, 1]
+    store.clock.now += 20
+    assert store.claim("w3", 30) is None  # w2 still holds its lease: the release named another job
+
+
+async def test_a_worker_with_nothing_to_do_keeps_polling_and_takes_a_job_that_comes_later(store):
+    async def run_row(endpoint, body, tenant):
+        return 200, {}
+
+    worker = BatchWorker(store, run_row, owner="w", poll_s=0.001)
+    task = asyncio.create_task(worker.run())
+    await asyncio.sleep(0.05)  # several empty polls
+    job = _job(store, 1)
+    while store.retrieve("acme", job)["status"] != "completed":
+        assert not task.done()
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -8,10 +8,11 @@ import base64
 import json
 
 import pytest
+from sqlalchemy import func, select
 
 from server import migrations
 from server.control.registry import retention
-from server.control.batches.batches import BatchFiles, BatchStore, file_store
+from server.control.batches.batches import BatchFiles, BatchStore, file_store, files_table, rows_table
 from server.db import make_engine
 from server.errors import ModelNotFound
 from server.settings import Settings
@@ -105,10 +106,6 @@ def test_retention_ages_out_finished_jobs_and_old_files_but_not_a_running_job(tm
 
 
 def _files(engine) -> list[dict]:
-    from sqlalchemy import select
-
-    from server.control.batches.batches import files_table
-
     with engine.connect() as conn:
         return [{"id": r.id} for r in conn.execute(select(files_table.c.id))]
 
@@ -160,5 +157,7 @@ def test_purging_a_tenant_takes_its_running_jobs_and_their_inputs_too(tmp_path):
             store.get_file("alpha", live_in["id"])
         assert _blobs(tmp_path) and store.claim("w", 30).id == kept["id"]
         assert [r.index for r in store.next_rows(kept["id"], "w", 30, 10)[1]] == [0]
+        with engine.connect() as conn:  # the erased jobs' rows (their request bodies) are gone from the table too
+            assert conn.execute(select(func.count()).select_from(rows_table).where(rows_table.c.job_id == live["id"])).scalar_one() == 0
     finally:
         engine.dispose()

@@ -15,18 +15,10 @@ from server.control.registry.artifacts import ArtifactStore
 from server.control.batches.batches import BatchStore, BatchWorker
 from server.db import make_engine
 from server.errors import Conflict, InvalidRequest, ModelNotFound, Overloaded
-from tests.unit.test_batch_jobs import migrated_sqlite
+from tests.unit.test_batch_jobs import Clock, migrated_sqlite
 from tests.unit.test_registry import db_url  # noqa: F401 - the fixture: SQLite, and PostgreSQL where CI has one
 
 EP = "/v2/models/m/infer"
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture
