@@ -629,6 +629,7 @@ def test_a_worker_acts_only_on_the_job_it_names_even_holding_another(store):
     assert [r.index for r in rows] == [0, 1]
     store.clock.now += 20
     assert store.claim("w3", 30) is None  # w2 still holds its lease: the release named another job
+    assert store.retrieve("acme", mine)["errors"] is None  # nor did fail() write on w1's own job
 
 
 async def test_a_worker_with_nothing_to_do_keeps_polling_and_takes_a_job_that_comes_later(store):
