@@ -21,7 +21,7 @@ CASES = [
     ("server/control/rollout/traffic.py", None, None, "tests/unit/test_traffic_policy.py::test_each_canary_step_lasts_its_whole_interval"),
     ("server/control/registry/safe_formats.py", "    if suffix in _PICKLE_SUFFIXES:\n        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])\n", "    if False and suffix in _PICKLE_SUFFIXES:\n        raise _refuse_pickle(filename, _PICKLE_SUFFIXES[suffix])\n",
      "tests/unit/test_safe_formats.py::test_a_pickle_extension_is_refused_even_when_the_bytes_are_valid_onnx"),
-    ("server/dataplane/pipeline.py", "if not granted(principal, call.endpoint, ctx) and (ctx is None or ctx.on_behalf is None):", "if ctx is None and not granted(principal, call.endpoint, ctx):",
+    ("server/dataplane/pipeline.py", "if not granted(principal, call.endpoint, ctx):", "if ctx is None and not granted(principal, call.endpoint, ctx):",
      "tests/unit/test_identity_policy.py::test_an_authenticated_call_to_a_model_not_granted_is_not_found"),
     ("server/dataplane/dataplane.py", "key = scoped(call.tenant.name, ctx.idempotency_key)", 'key = scoped("", ctx.idempotency_key)',
      "tests/unit/test_idempotency.py::test_the_same_idempotency_key_from_two_tenants_is_two_keys"),

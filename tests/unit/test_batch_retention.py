@@ -8,10 +8,11 @@ import base64
 import json
 
 import pytest
+from sqlalchemy import func, select
 
 from server import migrations
 from server.control.registry import retention
-from server.control.batches.batches import BatchStore, file_store
+from server.control.batches.batches import BatchFiles, BatchStore, file_store, files_table, rows_table
 from server.db import make_engine
 from server.errors import ModelNotFound
 from server.settings import Settings
@@ -105,9 +106,58 @@ def test_retention_ages_out_finished_jobs_and_old_files_but_not_a_running_job(tm
 
 
 def _files(engine) -> list[dict]:
-    from sqlalchemy import select
-
-    from server.control.batches.batches import files_table
-
     with engine.connect() as conn:
         return [{"id": r.id} for r in conn.execute(select(files_table.c.id))]
+
+
+def _job_at(store, tenant: str, tag: str, created: float, end: str | None = None) -> tuple[dict, dict]:
+    """A file and a job on it made at ``created``; ``end``: the job is then finalized that way."""
+    store.clock = lambda: created
+    f = store.create_file(tenant, f"{tag}.jsonl", "batch", _jsonl(tag, 1))
+    job = store.create_batch(tenant, "", f["id"], EP, "24h", None)
+    if end is not None:
+        assert store.claim(tag, 30).id == job["id"]
+        store.finalize(job["id"], tag, end)
+    return f, job
+
+
+def test_purge_before_drops_what_ended_before_the_cutoff_and_nothing_at_or_after_it(tmp_path):
+    settings = _settings(tmp_path)
+    store, engine = _store(settings)
+    try:
+        cutoff = 10_000.0
+        old_in, old_done = _job_at(store, "alpha", "old", cutoff - 1, end="completed")
+        edge_in, edge_done = _job_at(store, "alpha", "edge", cutoff, end="cancelled")
+        live_in, live = _job_at(store, "alpha", "live", cutoff - 5000)  # still running: keeps its old input
+        other_in, other = _job_at(store, "beta", "other", cutoff + 1)
+        stray = store.create_file("alpha", "stray.jsonl", "batch", _jsonl("old", 1))  # the same bytes as old_in: one blob
+        blobs = len(_blobs(tmp_path))
+        assert BatchFiles(settings).purge_before(cutoff) == 2  # old_in and old's output file
+        for gone in (lambda: store.retrieve("alpha", old_done["id"]), lambda: store.get_file("alpha", old_in["id"])):
+            with pytest.raises(ModelNotFound):
+                gone()
+        assert store.retrieve("alpha", edge_done["id"])["status"] == "cancelled" and store.get_file("alpha", edge_in["id"])
+        assert store.retrieve("alpha", live["id"])["request_counts"]["total"] == 1 and store.get_file("alpha", live_in["id"])
+        assert store.claim("w", 30).id == live["id"] and [r.index for r in store.next_rows(live["id"], "w", 30, 10)[1]] == [0]  # kept jobs keep their rows
+        assert store.file_content("alpha", stray["id"]) == _jsonl("old", 1)  # a blob another file names stays
+        assert len(_blobs(tmp_path)) == blobs - 1  # old's output blob, named by no one now, left the store
+        assert store.file_content("beta", other_in["id"])
+    finally:
+        engine.dispose()
+
+
+def test_purging_a_tenant_takes_its_running_jobs_and_their_inputs_too(tmp_path):
+    settings = _settings(tmp_path)
+    store, engine = _store(settings)
+    try:
+        live_in, live = _job_at(store, "alpha", "live", 1000.0)
+        kept_in, kept = _job_at(store, "beta", "kept", 1000.0)
+        assert BatchFiles(settings).purge_tenant("alpha") == 1
+        with pytest.raises(ModelNotFound):
+            store.get_file("alpha", live_in["id"])
+        assert _blobs(tmp_path) and store.claim("w", 30).id == kept["id"]
+        assert [r.index for r in store.next_rows(kept["id"], "w", 30, 10)[1]] == [0]
+        with engine.connect() as conn:  # the erased jobs' rows (their request bodies) are gone from the table too
+            assert conn.execute(select(func.count()).select_from(rows_table).where(rows_table.c.job_id == live["id"])).scalar_one() == 0
+    finally:
+        engine.dispose()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 
@@ -14,23 +15,19 @@ from server.control.registry.artifacts import ArtifactStore
 from server.control.batches.batches import BatchStore, BatchWorker
 from server.db import make_engine
 from server.errors import Conflict, InvalidRequest, ModelNotFound, Overloaded
+from tests.unit.test_batch_jobs import Clock, migrated_sqlite
 from tests.unit.test_registry import db_url  # noqa: F401 - the fixture: SQLite, and PostgreSQL where CI has one
 
 EP = "/v2/models/m/infer"
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 @pytest.fixture
 def store(db_url, tmp_path):
+    if db_url.startswith("sqlite:///"):  # a copy of a database migrated once (the migrations take a second or more)
+        shutil.copyfile(migrated_sqlite(), db_url.removeprefix("sqlite:///"))
     engine = make_engine(db_url)
-    migrations.upgrade(engine)
+    if not db_url.startswith("sqlite:///"):
+        migrations.upgrade(engine)
     yield BatchStore(engine, ArtifactStore(tmp_path / "artifacts"), clock=Clock())
     engine.dispose()
 

@@ -287,6 +287,15 @@ def test_quota_dict_round_trip():
     assert Quota.from_dict(None).unlimited
 
 
+def test_monthly_limits_survive_the_stored_form_under_their_own_names():
+    q = Quota(rps=2, requests_month=10_000, tokens_month=5_000_000)
+    assert q.to_dict() == {"rps": 2, "requests_month": 10_000, "tokens_month": 5_000_000}
+    back = Quota.from_dict({"requests_month": "10000", "tokens_month": 5_000_000.0})  # a stored row's JSON
+    assert (back.requests_month, back.tokens_month) == (10_000, 5_000_000)
+    assert type(back.requests_month) is int and type(back.tokens_month) is int
+    assert Quota.from_dict({"requests_month": 7}) == Quota(requests_month=7)
+
+
 # ---- the in-process policy's edges (the mutation pass of quota_policy.py) ---------------------------------
 
 

@@ -163,6 +163,8 @@ def parse_rows(data: bytes, endpoint: str) -> list[tuple[str, str]]:
     seen: set[str] = set()
     violations: list[Violation] = []
     for n, line in enumerate(text.splitlines(), 1):
+        if len(violations) >= 20:  # before each line: a line that is not JSON must not get past the cap either
+            break
         if not line.strip():
             continue
         where = f"line {n}"
@@ -187,8 +189,6 @@ def parse_rows(data: bytes, endpoint: str) -> list[tuple[str, str]]:
             violations.append(Violation(f"{where}.url", f"must be the batch's endpoint {endpoint}"))
         if not isinstance(doc.get("body"), dict):
             violations.append(Violation(f"{where}.body", "must be a JSON object"))
-        if len(violations) >= 20:
-            break
         if not violations:
             rows.append((cid, json.dumps(doc["body"], separators=(",", ":"))))
     if violations:
@@ -402,7 +402,7 @@ class BatchStore:
                 if r.state == "done":
                     body = json.loads(r.response)
                     out.append({"id": rid, "custom_id": r.custom_id, "response": {"status_code": r.status_code, "request_id": rid, "body": body}, "error": None})
-                elif r.state == "failed":
+                elif r.state == "failed" and r.response is not None:  # a failed job's rows left unrun are "failed" with no answer
                     body = json.loads(r.response)
                     e = body.get("error") if isinstance(body, dict) else None
                     message = e.get("message") if isinstance(e, dict) else str(e)
