@@ -141,7 +141,8 @@ def demo_build(
     names += members
     typer.echo(f"built {', '.join(names + composites)} into {out} in {time.perf_counter() - started:.1f}s")
     from server.cli.llm import smollm2_available
-    from server.cli.registry import actor_name, open_registry, register_model_dirs
+    from server.cli.options import actor_name
+    from server.cli.registry import open_registry, register_model_dirs
 
     with_smollm2 = smollm2 and smollm2_available()
     if not (register or with_smollm2):
