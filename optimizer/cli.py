@@ -66,7 +66,8 @@ def optimize(
     from optimizer.pipeline import optimize as run_optimize
     from optimizer.profile import ProfileSettings
     from server.errors import InferplaneError
-    from server.cli.registry import actor_name, fail, key_values, open_registry
+    from server.cli.options import actor_name
+    from server.cli.registry import fail, key_values, open_registry
 
     requested = [name for flag, name in ((graph, "graph"), (fp16, "fp16"), (int4, "int4"), (tree_onnx, "tree-onnx"), (tensorrt, "tensorrt")) if flag]
     for mode in int8 or []:

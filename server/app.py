@@ -168,15 +168,13 @@ class Frontend:
     async def _start_control_plane(self) -> None:
         """Registry, deployer, traffic, autoscaler, batches, retention (server.control.service.control_plane): their
         writers run while this process holds the leader lease; a standby watches the desired state."""
+        from server.composition import row_runner
         from server.control.service.control_plane import ControlPlane
-        from server.dataplane.batch_rows import RowRunner
-        from server.transports.openai.endpoints import row_answers as openai_rows
-        from server.transports.rest.endpoints import row_answers as rest_rows
 
         s, dp = self.settings, self.dataplane
         self.control = control = await asyncio.to_thread(
             ControlPlane, s, dp, self.fleet, usage_store=self.tenancy.store, shadow_records=self._shadow_records(),
-            row_runner=RowRunner(dp.gate.principal_of, [*openai_rows(dp.llm), *rest_rows(dp)]), audit=self.audit.add if self.audit is not None else None,
+            row_runner=row_runner(dp), audit=self.audit.add if self.audit is not None else None,
         )  # fmt: skip
         self.registry, self.deployer, self.traffic, self.batches = control.registry, control.deployer, control.traffic, control.batches
         self._directory = control.directory
@@ -328,27 +326,16 @@ class Frontend:
 
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
+        from server.composition import create_app
         from server.transports.openai.endpoints import SSEPolicy
-        from server.transports.rest.endpoints import create_app
         from server.transports.rest.http_errors import json_parse_errors
 
         s = self.settings
         app = create_app(
-            self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes,
-            sse=SSEPolicy(stall_s=s.sse_stall_s, heartbeat_s=s.sse_heartbeat_s),
+            self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes, sse=SSEPolicy(stall_s=s.sse_stall_s, heartbeat_s=s.sse_heartbeat_s),
+            status=self.observability, batches=self.batches, provisioner=self.fleet.provisioner,
         )
-        from server.transports.rest.status_page import STATUS
-
-        app[STATUS] = self.observability
-        if self.batches is not None:
-            from server.transports.openai.batches import BATCHES
-
-            app[BATCHES] = self.batches
         self._require_client_certificate(app)  # and the client certificate, for calls without an API key
-        if self.fleet.provisioner is not None:
-            from server.transports.rest.deploy import PROVISIONER
-
-            app[PROVISIONER] = self.fleet.provisioner
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=s.shutdown_grace_s, handler_cancellation=True)
         await runner.setup()
@@ -421,7 +408,7 @@ class Frontend:
 
         self._audit_writer = AuditWriter(self.settings.database_url)
         self.audit = AuditBuffer(self._audit_writer.write_many, self.settings.safety_audit_flush_s)
-        self._tasks.append(asyncio.create_task(self.audit.run(), name="audit-flush"))
+        self.audit.start()
         return self.audit.add
 
     def _require_client_certificate(self, app: web.Application) -> None:
@@ -550,7 +537,7 @@ class Frontend:
         if self.observability is not None:
             await self.observability.stop()
         if self.audit is not None:
-            await self.audit.flush()  # the last decisions
+            await self.audit.stop()  # the last decisions written
             self._audit_writer.close()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels

@@ -19,13 +19,10 @@ from typing import Optional
 
 import typer
 
-from server.cli.registry import _API_KEY, _URL, call_metadata
-from server.cli.traffic import parse_duration
+from server.cli.options import ACTOR, API_KEY, URL, frontend_call, parse_duration, table_wanted
 
 autoscale_app = typer.Typer(help="Autoscaling of deployed endpoints: status, explain, set.", no_args_is_help=True)
 control_app = typer.Typer(help="The control plane of a cluster (registry, autoscaler, Kubernetes executor).", no_args_is_help=True)
-
-_ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
 
 
 def mount(app: typer.Typer) -> None:
@@ -72,24 +69,10 @@ def scaling_options(
 TIER_HELP = "Availability tier 1|2|3: tier 1 gets >= 2 replicas, spread over zones, on Tritons of its own; 2 and 3 share."
 
 
-def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
-    from server.protogen.inferplane.v1 import autoscale_pb2_grpc
-    from server.tenancy.tls import frontend_channel
-
-    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
-    return channel, autoscale_pb2_grpc.AutoscaleStub(channel), call_metadata(actor, api_key)
-
-
 def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 60.0):
-    import grpc
+    from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
-    channel, stub, metadata = _stub(url, actor, api_key)
-    with channel:
-        try:
-            return getattr(stub, method)(request, metadata=metadata, timeout=timeout)
-        except grpc.RpcError as err:
-            typer.secho(f"error: {err.code().name}: {err.details()}", err=True, fg="red")
-            raise typer.Exit(1) from None
+    return frontend_call(autoscale_pb2_grpc.AutoscaleStub, url, actor, api_key, method, request, timeout)
 
 
 def configure(url: str, endpoint: str, fields: dict, actor: Optional[str] = None, api_key: Optional[str] = None) -> dict:
@@ -117,20 +100,16 @@ def _decision_line(d: dict | None) -> str:
 
 @autoscale_app.command("status")
 def status(
-    url: str = _URL,
+    url: str = URL,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per endpoint."),
-    api_key: Optional[str] = _API_KEY,
-    actor: Optional[str] = _ACTOR,
+    api_key: Optional[str] = API_KEY,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """Per endpoint: replicas, signal, target, last decisions and why."""
     from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 
     rows = [json.loads(s) for s in _call(url, actor, api_key, "Status", apb.AutoscaleStatusRequest()).endpoints_json]
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    if not rows:
-        typer.echo("no autoscaled endpoints (inferplane deploy NAME:VERSION --min-replicas ... --max-replicas ...)")
+    if not table_wanted(rows, as_json, "no autoscaled endpoints (inferplane deploy NAME:VERSION --min-replicas ... --max-replicas ...)"):
         return
     typer.echo(f"{'ENDPOINT':24} {'STATE':9} {'REPLICAS':>8} {'SERVING':>7} {'SIGNAL':10} {'VALUE':>8} {'TARGET':>7} {'MIN..MAX':>9} {'HELD':>5}  LAST DECISION")
     for r in rows:
@@ -146,11 +125,11 @@ def status(
 @autoscale_app.command("explain")
 def explain(
     endpoint: str = typer.Argument(..., help="Endpoint (model) name."),
-    url: str = _URL,
+    url: str = URL,
     last: int = typer.Option(20, help="How many samples and forecasts to print."),
     as_json: bool = typer.Option(False, "--json", help="Everything, as JSON."),
-    api_key: Optional[str] = _API_KEY,
-    actor: Optional[str] = _ACTOR,
+    api_key: Optional[str] = API_KEY,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """The signal history, the forecast next to reality, each decision with its inputs."""
     from server.protogen.inferplane.v1 import autoscale_pb2 as apb
@@ -205,9 +184,9 @@ def set_config(
     unit: Optional[str] = typer.Option(None, help="replicas (processes / pods) | instances (the model's Triton instances, local executor)."),
     predictive: Optional[bool] = typer.Option(None, "--predictive/--reactive", help="Pre-scale from the forecast, or react only."),
     tier: Optional[int] = typer.Option(None, min=1, max=3, help=TIER_HELP),
-    url: str = _URL,
-    api_key: Optional[str] = _API_KEY,
-    actor: Optional[str] = _ACTOR,
+    url: str = URL,
+    api_key: Optional[str] = API_KEY,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """Set an endpoint's autoscaling config (stored with the endpoint, audited)."""
     fields = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, signal, target, tier)

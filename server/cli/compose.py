@@ -16,7 +16,8 @@ from typing import Optional
 
 import typer
 
-from server.cli.registry import _ACTOR, _DB, _STORE, actor_name, fail, open_registry
+from server.cli.options import ACTOR, actor_name
+from server.cli.registry import _DB, _STORE, registry_for
 
 compose_app = typer.Typer(help="Composite endpoints: pipelines, ensembles and routers over registered models.", no_args_is_help=True)
 _REPO = typer.Option(None, "--model-repository", help="Where members that are not registered are served from [default: the settings' model_repository].")
@@ -42,21 +43,15 @@ def register(
     model_repository: Optional[Path] = _REPO,
     database_url: Optional[str] = _DB,
     artifact_store: Optional[str] = _STORE,
-    actor: Optional[str] = _ACTOR,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """Register a composition as the next version of its name (the same spec and members: the existing version)."""
     from server.control.composition.composites import register_composite
     from server.control.composition.composition import parse_spec
-    from server.errors import InferplaneError
 
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         parsed = parse_spec(spec.read_text(encoding="utf-8"), where=str(spec))
         record, created, compiled = register_composite(registry, parsed, _lookup(registry, model_repository), actor=actor_name(actor), owner_team=owner_team)
-    except InferplaneError as err:
-        fail(err)
-    finally:
-        registry.close()
     state = "registered" if created else "already registered as"
     typer.echo(f"{state} {record.ref} ({compiled.mode}: {'; '.join(compiled.reasons)})")
     typer.echo(f"deploy it with: inferplane deploy {record.ref}")
@@ -76,12 +71,10 @@ def explain(
     from server.control.composition.composition import parse_spec
     from server.control.composition.composition_compiler import compile_spec
     from server.control.registry.registry import parse_ref
-    from server.errors import InferplaneError
 
     if (ref is None) == (spec is None):
         raise typer.BadParameter("give NAME[:VERSION] or --spec FILE")
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         if spec is not None:
             parsed, version = parse_spec(spec.read_text(encoding="utf-8"), where=str(spec)), 0
         else:
@@ -89,10 +82,6 @@ def explain(
             record = registry.get(name, version)
             parsed, version = spec_of(registry, record), record.version
         compiled = compile_spec(parsed, version, _lookup(registry, model_repository))
-    except InferplaneError as err:
-        fail(err)
-    finally:
-        registry.close()
     doc = compiled.explain()
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
@@ -120,11 +109,8 @@ def list_composites(database_url: Optional[str] = _DB, artifact_store: Optional[
     """Registered composites: versions and how the newest runs."""
     from server.control.composition.composites import composites
 
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         rows = composites(registry)
-    finally:
-        registry.close()
     if not rows:
         typer.echo("no composites registered (inferplane compose register SPEC.yaml; the demos: inferplane demo build)")
         return
@@ -137,16 +123,10 @@ def lineage(ref: str = typer.Argument(..., help="NAME[:VERSION]"), database_url:
     """The member versions a composite version pins."""
     from server.control.composition.composites import members
     from server.control.registry.registry import parse_ref
-    from server.errors import InferplaneError
 
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         name, version = parse_ref(ref)
         record, rows = members(registry, name, version)
-    except InferplaneError as err:
-        fail(err)
-    finally:
-        registry.close()
     typer.echo(f"{record.ref} ({record.tags.get('mode', '')}, sha256 {record.sha256[:12]})")
     for m in rows:
         what = f"{m.model}:{m.version}" if m.version else m.model

@@ -14,7 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from server.cli.registry import actor_name, open_registry
+from server.cli.options import actor_name
+from server.cli.registry import open_registry
 
 budget_app = typer.Typer(help="Monthly cost budgets per team or endpoint: set, list, status, remove.", no_args_is_help=True)
 

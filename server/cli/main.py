@@ -132,7 +132,8 @@ def demo_build(
     started = time.perf_counter()
     names = build_demo_repository(out)
     from server.cli.llm import smollm2_available
-    from server.cli.registry import actor_name, open_registry, register_model_dirs
+    from server.cli.options import actor_name
+    from server.cli.registry import open_registry, register_model_dirs
 
     with_smollm2 = smollm2 and smollm2_available()
     if not (register or llm or with_smollm2):

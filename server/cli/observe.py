@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from server.cli.options import table_wanted
+
 slo_app = typer.Typer(help="Service-level objectives: error budgets and the Prometheus rules.", no_args_is_help=True)
 
 MetricsUrl = Annotated[Optional[str], typer.Option("--metrics-url", help="A running frontend's /metrics [default: the settings' host and metrics port].")]
@@ -46,11 +48,7 @@ def slo_status(metrics_url: MetricsUrl = DEFAULT_METRICS, as_json: AsJson = Fals
     from server.control.monitoring.slo import statuses_from_metrics
 
     rows = statuses_from_metrics(_scrape(metrics_url))
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    if not rows:
-        typer.echo("no SLO figures yet (the frontend computes them a few seconds after it starts)")
+    if not table_wanted(rows, as_json, "no SLO figures yet (the frontend computes them a few seconds after it starts)"):
         return
     typer.echo(f"{'endpoint':<28} {'slo':<13} {'objective':>10} {'achieved':>10} {'budget left':>12}")
     for r in rows:

@@ -20,7 +20,7 @@ from typing import Optional
 import typer
 
 from server.cli.autoscale import control_app
-from server.cli.traffic import parse_duration
+from server.cli.options import parse_duration
 
 
 def mount(app: typer.Typer) -> None:

@@ -9,22 +9,20 @@ Heavy imports happen inside the commands, so ``inferplane --help`` stays fast.
 
 from __future__ import annotations
 
-import getpass
+import contextlib
 import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from server.cli.options import ACTOR, API_KEY, URL, actor_name, frontend
+
 models_app = typer.Typer(help="The model registry: register, list, show, lineage, signing keys.", no_args_is_help=True)
 endpoints_app = typer.Typer(help="Deployed endpoints (via the running frontend's admin API).", no_args_is_help=True)
 
-DEFAULT_URL = "127.0.0.1:8001"
 _DB = typer.Option(None, "--database-url", help="Registry database URL [env INFERPLANE_DATABASE_URL; default sqlite:///DATA_DIR/inferplane.db].")
 _STORE = typer.Option(None, "--artifact-store", help="Artifact store folder or fsspec URL [env INFERPLANE_ARTIFACT_STORE; default DATA_DIR/artifacts].")
-_URL = typer.Option(DEFAULT_URL, "--url", help="The frontend's gRPC address (admin API).")
-_ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
-_API_KEY = typer.Option(None, "--api-key", help="Admin API key (with --auth on) [env INFERPLANE_API_KEY].")
 
 
 def mount(app: typer.Typer) -> None:
@@ -32,15 +30,6 @@ def mount(app: typer.Typer) -> None:
     app.add_typer(endpoints_app, name="endpoints")
     app.command("deploy")(deploy)
     app.command("rollback")(rollback)
-
-
-def actor_name(actor: Optional[str]) -> str:
-    if actor:
-        return actor
-    try:
-        return getpass.getuser()
-    except Exception:  # no user name in this environment
-        return "unknown"
 
 
 def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
@@ -52,6 +41,21 @@ def open_registry(database_url: Optional[str], artifact_store: Optional[str]):
     given = {k: v for k, v in (("database_url", database_url), ("artifact_store", artifact_store)) if v}
     settings = Settings(**given)  # flags > INFERPLANE_* environment > defaults (the data dir)
     return Registry(settings.database_url, artifact_store_for(settings))
+
+
+@contextlib.contextmanager
+def registry_for(database_url: Optional[str], artifact_store: Optional[str]):
+    """``open_registry``'s registry for the block, closed after it; a domain error in the block ends
+    the command with its reason (``fail``)."""
+    from server.errors import InferplaneError
+
+    registry = open_registry(database_url, artifact_store)
+    try:
+        yield registry
+    except InferplaneError as err:
+        fail(err)
+    finally:
+        registry.close()
 
 
 def fail(err) -> None:
@@ -139,7 +143,7 @@ def register(
     sign_key: Optional[Path] = typer.Option(None, help="Ed25519 private key (PEM) to sign the artifact digest with."),
     database_url: Optional[str] = _DB,
     artifact_store: Optional[str] = _STORE,
-    actor: Optional[str] = _ACTOR,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """Register an artifact as the next version of NAME (identical bytes: the existing version)."""
     from server.errors import InferplaneError
@@ -195,15 +199,12 @@ def register(
 @models_app.command("list")
 def list_models(database_url: Optional[str] = _DB, artifact_store: Optional[str] = _STORE) -> None:
     """Every registered model with its latest version."""
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         models = registry.list_models()
         for m in models:
             typer.echo(f"{m.name}\tlatest={m.latest_version}\tversions={m.version_count}\tteam={m.owner_team or '-'}")
         if not models:
             typer.echo(f"no models registered in {registry.url_for_display()} (`inferplane models register NAME ARTIFACT --signature FILE`, or `inferplane demo build`)")
-    finally:
-        registry.close()
 
 
 @models_app.command("show")
@@ -213,17 +214,11 @@ def show(
     artifact_store: Optional[str] = _STORE,
 ) -> None:
     """A model's versions, or one version, as JSON."""
-    from server.errors import InferplaneError
     from server.control.registry.registry import parse_ref
 
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         name, version = parse_ref(ref)
         records = [registry.get(name, version)] if version else registry.list_versions(name)
-    except InferplaneError as err:
-        fail(err)
-    finally:
-        registry.close()
     typer.echo(json.dumps([_version_dict(r) for r in records], indent=2))
 
 
@@ -234,16 +229,10 @@ def lineage(
     artifact_store: Optional[str] = _STORE,
 ) -> None:
     """The version and its ancestors: parent version, training run, dataset, experiment."""
-    from server.errors import InferplaneError
     from server.control.registry.registry import parse_ref
 
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         chain = registry.lineage(*parse_ref(ref))
-    except InferplaneError as err:
-        fail(err)
-    finally:
-        registry.close()
     for depth, r in enumerate(chain):
         arrow = "  " * depth + ("└─ " if depth else "")
         typer.echo(
@@ -271,14 +260,11 @@ def trust_key(
     public_key: Path = typer.Argument(..., help="Ed25519 public key (PEM)."),
     database_url: Optional[str] = _DB,
     artifact_store: Optional[str] = _STORE,
-    actor: Optional[str] = _ACTOR,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """Trust a public key for TEAM's artifact signatures."""
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         typer.echo(f"team {team} trusts key {registry.trust_key(team, public_key.read_text(), actor_name(actor))}")
-    finally:
-        registry.close()
 
 
 @models_app.command("require-signed")
@@ -287,14 +273,11 @@ def require_signed(
     off: bool = typer.Option(False, "--off", help="Turn the requirement off."),
     database_url: Optional[str] = _DB,
     artifact_store: Optional[str] = _STORE,
-    actor: Optional[str] = _ACTOR,
+    actor: Optional[str] = ACTOR,
 ) -> None:
     """Require (or stop requiring) TEAM's versions to be signed by a trusted key."""
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         registry.set_require_signed(team, not off, actor_name(actor))
-    finally:
-        registry.close()
     typer.echo(f"team {team}: require_signed={'off' if off else 'on'}")
 
 
@@ -306,45 +289,19 @@ def audit(
     artifact_store: Optional[str] = _STORE,
 ) -> None:
     """The control plane's audit records, newest first."""
-    registry = open_registry(database_url, artifact_store)
-    try:
+    with registry_for(database_url, artifact_store) as registry:
         for e in registry.audit_log(limit, target):
             typer.echo(f"{e.at.isoformat()}\t{e.actor}\t{e.action}\t{e.target}\t{e.outcome}\t{e.detail}")
-    finally:
-        registry.close()
 
 
 # ---- deploy / rollback / endpoints (admin gRPC) -----------------------------------------------
 
 
-def call_metadata(actor: Optional[str], api_key: Optional[str]) -> tuple[tuple[str, str], ...]:
-    """What every admin call sends: who acts (the audit log) and, with auth on, the API key."""
-    metadata = [("x-inferplane-actor", actor_name(actor))]
-    if not api_key:
-        from server.settings import Settings
-
-        api_key = Settings().api_key.get_secret_value()  # INFERPLANE_API_KEY
-    if api_key:
-        metadata.append(("authorization", f"Bearer {api_key}"))
-    return tuple(metadata)
-
-
-def _admin(url: str, actor: Optional[str], api_key: Optional[str]):
+def admin(url: str, actor: Optional[str], api_key: Optional[str]):
+    """``call(method, request, timeout)`` on the frontend's admin gRPC (``options.frontend``)."""
     from server.protogen.inferplane.v1 import admin_pb2_grpc
-    from server.tenancy.tls import frontend_channel
 
-    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
-    return channel, admin_pb2_grpc.AdminStub(channel), call_metadata(actor, api_key)
-
-
-def _call(method, request, metadata, timeout: float):
-    import grpc
-
-    try:
-        return method(request, metadata=metadata, timeout=timeout)
-    except grpc.RpcError as err:
-        typer.secho(f"error: {err.code().name}: {err.details()}", err=True, fg="red")
-        raise typer.Exit(1) from None
+    return frontend(admin_pb2_grpc.AdminStub, url, actor, api_key)
 
 
 def _print_result(r, verb: str) -> None:
@@ -371,10 +328,10 @@ def deploy(
     scale_to_zero_after: Optional[str] = typer.Option(None, help="Autoscaling: idle time before zero replicas (300s, 5m; never)."),
     cold_start_budget: Optional[str] = typer.Option(None, help="Autoscaling: how long a request waits for a load from zero (30s)."),
     tier: Optional[int] = typer.Option(None, min=1, max=3, help="Availability tier 1|2|3 (tier 1: >= 2 replicas over zones, Tritons of its own)."),
-    url: str = _URL,
+    url: str = URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Load a registered version, warm it up, then switch the endpoint's traffic to it. Autoscaling
     flags store the endpoint's scaling config first (so the deploy loads --min-replicas copies)."""
@@ -397,37 +354,34 @@ def deploy(
     for field, value in (("coalesce", coalesce), ("coalesce_max_inflight", coalesce_max_inflight), ("coalesce_window_us", coalesce_window_us)):
         if value is not None:
             setattr(serving, field, value)
-    channel, stub, metadata = _admin(url, actor, api_key)
-    with channel:
-        response = _call(stub.Deploy, admin_pb2.DeployRequest(ref=ref, serving=serving), metadata, timeout)
+    with admin(url, actor, api_key) as call:
+        response = call("Deploy", admin_pb2.DeployRequest(ref=ref, serving=serving), timeout)
     _print_result(response.result, "deployed")
 
 
 def rollback(
     name: str = typer.Argument(..., help="Endpoint (model) name."),
-    url: str = _URL,
+    url: str = URL,
     timeout: float = typer.Option(300.0),
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Traffic back to the previous version (instant while it is still loaded)."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor, api_key)
-    with channel:
-        response = _call(stub.Rollback, admin_pb2.RollbackRequest(name=name), metadata, timeout)
+    with admin(url, actor, api_key) as call:
+        response = call("Rollback", admin_pb2.RollbackRequest(name=name), timeout)
     _print_result(response.result, "rolled back to")
 
 
 @endpoints_app.command("list")
-def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def endpoints_list(url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """Every deployed endpoint: live, previous and loaded versions."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor, api_key)
-    with channel:
-        response = _call(stub.ListEndpoints, admin_pb2.ListEndpointsRequest(), metadata, 30)
-        served = _call(stub.ListModels, admin_pb2.ListModelsRequest(), metadata, 30).models
+    with admin(url, actor, api_key) as call:
+        response = call("ListEndpoints", admin_pb2.ListEndpointsRequest(), 30)
+        served = call("ListModels", admin_pb2.ListModelsRequest(), 30).models
     for e in response.endpoints:
         typer.echo(
             f"{e.name}\tlive={e.live or '-'}\tprevious={e.previous or '-'}\trouted={e.routed or '-'}\t"
@@ -445,14 +399,13 @@ def endpoints_list(url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Opti
 
 @endpoints_app.command("show")
 def endpoints_show(
-    name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY
+    name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY
 ) -> None:
     """One endpoint with its deployment history, as JSON."""
     from google.protobuf.json_format import MessageToDict
 
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor, api_key)
-    with channel:
-        response = _call(stub.GetEndpoint, admin_pb2.GetEndpointRequest(name=name), metadata, 30)
+    with admin(url, actor, api_key) as call:
+        response = call("GetEndpoint", admin_pb2.GetEndpointRequest(name=name), 30)
     typer.echo(json.dumps(MessageToDict(response.endpoint, preserving_proto_field_name=True), indent=2))

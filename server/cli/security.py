@@ -91,7 +91,7 @@ def purge(
     database_url: DbUrl = None,
 ) -> None:
     """Erase a tenant's stored data (right to erasure); the erasure is recorded in the audit log."""
-    from server.cli.registry import actor_name
+    from server.cli.options import actor_name
     from server.control.registry import retention
 
     s = _settings(database_url=database_url)

@@ -15,20 +15,16 @@ Heavy imports happen inside the commands, so ``inferplane --help`` stays fast.
 from __future__ import annotations
 
 import json
-import re
 from typing import Optional
 
 import typer
 
-from server.cli.registry import _API_KEY, _URL, call_metadata
+from server.cli.options import ACTOR, API_KEY, URL, frontend_call, parse_duration
 
 traffic_app = typer.Typer(help="Traffic of a deployed endpoint: status, promote, rollback.", no_args_is_help=True)
 bluegreen_app = typer.Typer(help="Blue-green: stage a version beside the live one, then switch at once.", no_args_is_help=True)
 ab_app = typer.Typer(help="A/B experiments: sticky arms by caller key, outcomes, significance report.", no_args_is_help=True)
 shadow_app = typer.Typer(help="Shadow traffic: copies to a version whose answers are compared, never returned.", no_args_is_help=True)
-
-_ACTOR = typer.Option(None, "--actor", help="Who is acting, for the audit log (default: the OS user).")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
 def mount(app: typer.Typer) -> None:
@@ -38,14 +34,6 @@ def mount(app: typer.Typer) -> None:
     app.add_typer(bluegreen_app, name="bluegreen")
     app.add_typer(ab_app, name="ab")
     app.add_typer(shadow_app, name="shadow")
-
-
-def parse_duration(text: str) -> float:
-    """``500ms``, ``60s``, ``60``, ``2m``, ``1h`` -> seconds."""
-    match = _DURATION.match(text or "")
-    if not match:
-        raise typer.BadParameter(f"expected a duration like 30s, 2m or 500ms, got {text!r}")
-    return float(match.group(1)) * {"ms": 0.001, "s": 1.0, None: 1.0, "m": 60.0, "h": 3600.0}[match.group(2)]
 
 
 def parse_ref(ref: str) -> tuple[str, int]:
@@ -67,24 +55,10 @@ def parse_arm(text: str) -> tuple[str, int, float]:
         raise typer.BadParameter(f"an arm is NAME=VERSION[:WEIGHT], got {text!r}") from None
 
 
-def _stub(url: str, actor: Optional[str], api_key: Optional[str]):
-    from server.protogen.inferplane.v1 import traffic_pb2_grpc
-    from server.tenancy.tls import frontend_channel
-
-    channel = frontend_channel(url)  # TLS / mTLS with INFERPLANE_CLIENT_TLS_* (server.tenancy.tls)
-    return channel, traffic_pb2_grpc.TrafficStub(channel), call_metadata(actor, api_key)
-
-
 def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 300.0):
-    import grpc
+    from server.protogen.inferplane.v1 import traffic_pb2_grpc
 
-    channel, stub, metadata = _stub(url, actor, api_key)
-    with channel:
-        try:
-            return getattr(stub, method)(request, metadata=metadata, timeout=timeout)
-        except grpc.RpcError as err:
-            typer.secho(f"error: {err.code().name}: {err.details()}", err=True, fg="red")
-            raise typer.Exit(1) from None
+    return frontend_call(traffic_pb2_grpc.TrafficStub, url, actor, api_key, method, request, timeout)
 
 
 def _print_policy(response) -> None:
@@ -120,9 +94,9 @@ def canary(
     max_p99_ms: Optional[float] = typer.Option(None, help="Absolute p99 limit in ms (default 1000)."),
     max_p99_ratio: Optional[float] = typer.Option(None, help="Limit of canary p99 / stable p99 (default 2)."),
     key_header: str = typer.Option("", help="Sticky on this caller header (e.g. x-user-id)."),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Start a canary: load and warm VERSION beside the live one, then split traffic with analysis."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
@@ -145,7 +119,7 @@ def canary(
 
 
 @traffic_app.command("status")
-def traffic_status(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def traffic_status(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """The endpoint's split, arms with their window figures, the latest verdict, the shadow."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 
@@ -153,7 +127,7 @@ def traffic_status(name: str = typer.Argument(...), url: str = _URL, actor: Opti
 
 
 @traffic_app.command("promote")
-def traffic_promote(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def traffic_promote(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """Make the canary (or blue-green green) live now."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 
@@ -161,7 +135,7 @@ def traffic_promote(name: str = typer.Argument(...), url: str = _URL, actor: Opt
 
 
 @traffic_app.command("rollback")
-def traffic_rollback(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def traffic_rollback(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """End the endpoint's canary / blue-green / experiment: all traffic to the live version."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 
@@ -172,7 +146,7 @@ def traffic_rollback(name: str = typer.Argument(...), url: str = _URL, actor: Op
 
 
 @bluegreen_app.command("stage")
-def bluegreen_stage(ref: str = typer.Argument(..., help="NAME:VERSION of green."), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def bluegreen_stage(ref: str = typer.Argument(..., help="NAME:VERSION of green."), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """Load and warm green beside the live (blue) version; no traffic moves."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 
@@ -181,7 +155,7 @@ def bluegreen_stage(ref: str = typer.Argument(..., help="NAME:VERSION of green."
 
 
 @bluegreen_app.command("switch")
-def bluegreen_switch(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def bluegreen_switch(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """Health-check green, then move all traffic to it at once (blue stays warm for the grace period)."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 
@@ -197,9 +171,9 @@ def ab_start(
     arm: list[str] = typer.Option(..., "--arm", help="NAME=VERSION[:WEIGHT]; the first arm is the control."),
     key_header: str = typer.Option("x-user-id", help="The caller key header arms stick to."),
     experiment: str = typer.Option("", help="The experiment's name (default: the endpoint's)."),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Start an experiment: two or more weighted arms, sticky by caller key."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
@@ -214,9 +188,9 @@ def ab_report(
     name: str = typer.Argument(...),
     alpha: float = typer.Option(0.05, help="Significance level."),
     as_json: bool = typer.Option(False, "--json", help="The report as JSON."),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Each arm's figures and significance tests against the control (the first arm)."""
     from google.protobuf.json_format import MessageToDict
@@ -243,7 +217,7 @@ def ab_report(
 
 
 @ab_app.command("stop")
-def ab_stop(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def ab_stop(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """End the experiment (its report stays available): all traffic to the live version."""
     traffic_rollback(name, url, actor, api_key)
 
@@ -252,9 +226,9 @@ def feedback(
     name: str = typer.Argument(..., help="Endpoint name."),
     request_id: str = typer.Argument(..., help="The request's id (ModelInferRequest.id or its x-request-id header)."),
     value: float = typer.Argument(..., help="The outcome: 0/1 for conversions, any number for continuous metrics."),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Record an experiment outcome for one request."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
@@ -270,9 +244,9 @@ def feedback(
 def shadow_start(
     ref: str = typer.Argument(..., help="NAME:VERSION of the shadow."),
     percent: float = typer.Option(100.0, help="Share of requests copied."),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Copy requests to a shadow version; its answers are compared with the primary's, never returned."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
@@ -282,14 +256,14 @@ def shadow_start(
 
 
 @shadow_app.command("stop")
-def shadow_stop(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def shadow_stop(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 
     _print_policy(_call(url, actor, api_key, "SetShadow", tpb.SetShadowRequest(name=name, percent=0)))
 
 
 @shadow_app.command("report")
-def shadow_report(name: str = typer.Argument(...), url: str = _URL, actor: Optional[str] = _ACTOR, api_key: Optional[str] = _API_KEY) -> None:
+def shadow_report(name: str = typer.Argument(...), url: str = URL, actor: Optional[str] = ACTOR, api_key: Optional[str] = API_KEY) -> None:
     """Copies sent, dropped and failed; agreement, mean abs diff and latency delta against the primary."""
     from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 

@@ -12,7 +12,8 @@ from typing import Optional
 
 import typer
 
-from server.cli.registry import _ACTOR, _API_KEY, _URL, _admin, _call, endpoints_app
+from server.cli.options import ACTOR, API_KEY, URL
+from server.cli.registry import admin, endpoints_app
 
 
 def proto(
@@ -20,32 +21,30 @@ def proto(
     version: Optional[str] = typer.Option(
         None, "--version", help="A schema major (v2) or a model version (3): the schema it is served under. Default: the newest schema."
     ),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Print the .proto of a model's typed gRPC API (generate stubs from it in any language)."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor, api_key)
-    with channel:
-        response = _call(stub.GetModelProto, admin_pb2.GetModelProtoRequest(name=name, version=version or ""), metadata, 30)
+    with admin(url, actor, api_key) as call:
+        response = call("GetModelProto", admin_pb2.GetModelProtoRequest(name=name, version=version or ""), 30)
     typer.echo(response.proto, nl=False)
 
 
 def retire_schema(
     name: str = typer.Argument(..., help="Endpoint (model) name."),
     major: str = typer.Argument(..., help="The schema major to retire: v1, v2, ..."),
-    url: str = _URL,
-    actor: Optional[str] = _ACTOR,
-    api_key: Optional[str] = _API_KEY,
+    url: str = URL,
+    actor: Optional[str] = ACTOR,
+    api_key: Optional[str] = API_KEY,
 ) -> None:
     """Stop serving an older typed-API schema major (kept after a breaking change bumped it)."""
     from server.protogen.inferplane.v1 import admin_pb2
 
-    channel, stub, metadata = _admin(url, actor, api_key)
-    with channel:
-        response = _call(stub.RetireSchema, admin_pb2.RetireSchemaRequest(name=name, major=major), metadata, 30)
+    with admin(url, actor, api_key) as call:
+        response = call("RetireSchema", admin_pb2.RetireSchemaRequest(name=name, major=major), 30)
     kept = ", ".join(f"v{s.major} ({s.service})" for s in response.served)
     typer.echo(f"retired {name} {major if major.lower().startswith('v') else 'v' + major}; still served: {kept}")
 

@@ -364,12 +364,15 @@ class LLMService:
     async def complete(
         self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
     ) -> Chunk:
-        """The whole answer: joined text, the final chunk's reason and counts."""
+        """The whole answer: the final chunk (its reason and counts) with every chunk's text joined;
+        the one join of a generation (the non-streaming OpenAI answers, a batch row's, a composite's)."""
         parts, last = [], None
-        async for chunk in self.generate(model, params, timeout, ctx):
-            parts.append(chunk.text)
-            last = chunk
-        assert last is not None
+        async with contextlib.aclosing(self.generate(model, params, timeout, ctx)) as chunks:
+            async for chunk in chunks:
+                parts.append(chunk.text)
+                last = chunk
+        if last is None:
+            raise BackendError("the model sent no response")
         last.text = "".join(parts)
         return last
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.runtime import capi, capi_codec
@@ -16,9 +16,9 @@ from server.runtime.capi_codec import RequestPlan
 
 if TYPE_CHECKING:
     import asyncio
+    import collections
 
-    from server.runtime.inprocess import InProcessTriton
-    from server.runtime.inprocess_stream import InProcessStream
+    from server.errors import InferplaneError
 
 FINAL_PARAMETER = "triton_final_response"
 CPU = capi.MEMORY_CPU
@@ -80,20 +80,49 @@ def _set_parameter(param: pb.InferParameter, value) -> None:
         param.string_param = value
 
 
+class CallOwner(Protocol):
+    """What a call, Triton's callbacks for it and its stream reach on the server that submitted it
+    (``server.runtime.inprocess.InProcessTriton``), declared here so that nothing names it back."""
+
+    _loop: asyncio.AbstractEventLoop
+    _released: collections.deque[_Call]
+    _sweep_posted: bool
+
+    def _on_response(self, call: _Call, response, flags: int) -> None: ...
+
+    def _sweep(self) -> None: ...
+
+    def _submit(self, call: _Call) -> None: ...
+
+    def _cancel(self, call: _Call) -> None: ...
+
+    def _refuse_if_healing(self, model: str) -> None: ...
+
+    def _failure(self, model: str, err: capi.TritonError) -> InferplaneError: ...
+
+
+class CallStream(Protocol):
+    """What the server hands a streamed call's answers to (``server.runtime.inprocess_stream.InProcessStream``)."""
+
+    def _deliver(self, call: _Call, result, final: bool) -> None: ...
+
+    def _abort(self, err: InferplaneError) -> None: ...
+
+
 class _Call:
     """One Triton request in flight: kept alive (and its ``handle`` valid) until Triton has
     released the request *and* sent its final response."""
 
     __slots__ = ("owner", "handle", "request", "keep", "buffers", "future", "stream", "plan", "final", "released", "timer")
 
-    def __init__(self, owner: "InProcessTriton", plan: RequestPlan):
+    def __init__(self, owner: CallOwner, plan: RequestPlan):
         self.owner = owner
         self.handle = ffi.new_handle(self)
         self.request = None  # the C request, until deleted after its release
         self.keep: list = []  # the input buffers Triton reads
         self.buffers: dict[int, bytes] = {}  # output storage, by the index given to Triton as buffer_userp
         self.future: asyncio.Future | None = None
-        self.stream: InProcessStream | None = None
+        self.stream: CallStream | None = None
         self.plan = plan
         self.final = False
         self.released = False

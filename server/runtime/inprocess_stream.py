@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING
 
 from server.errors import Cancelled, DeadlineExceeded, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.runtime import capi, capi_codec
-from server.runtime.inprocess_call import FINAL_PARAMETER, _Call
-
-if TYPE_CHECKING:
-    from server.runtime.inprocess import InProcessTriton
+from server.runtime.inprocess_call import FINAL_PARAMETER, CallOwner, _Call
 
 
 class InProcessStream:
@@ -20,7 +16,7 @@ class InProcessStream:
     call on bytes). Responses come in completion order; every one carries ``triton_final_response``
     like Triton's gRPC frontend sets it; a request Triton refuses gets an in-stream error."""
 
-    def __init__(self, owner: InProcessTriton, timeout: float | None):
+    def __init__(self, owner: CallOwner, timeout: float | None):
         self.owner = owner
         self._loop = owner._loop
         self._queue: collections.deque[bytes] = collections.deque()

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 
+from server.periodic import Periodic
 from server.tenancy.store import TenancyStore, UsageRecord
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,16 @@ DEFAULT_PRICES: dict[str, float] = {
 }
 
 
-class Meter:
+class Meter(Periodic):
+    """Sums per (tenant, team, model, version, traffic class), written every ``flush_s`` (``start()``), and once more at ``stop()``."""
+
     def __init__(self, write: Callable[[list[UsageRecord]], int] | None, flush_s: float = 5.0, clock: Callable[[], float] = time.time):
         self._write = write
         self.flush_s = flush_s
         self._clock = clock
         self._sums: dict[tuple[str, str, str, str], list[int]] = {}
         self._period_start = clock()
-        self._task: asyncio.Task | None = None
+        super().__init__("usage-flush", flush_s, self.flush, final=True)
         self.written = 0
         self.failures = 0
 
@@ -97,24 +100,6 @@ class Meter:
             return 0
         self.written += n
         return n
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_s)
-            await self.flush()
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        await self.flush()
 
 
 # ---- reports ------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_metrics_is_the_same_registry(stack, http_client):
 
 
 def test_openapi_is_the_route_table(stack):
-    from server.transports.rest.endpoints import openapi_document
+    from server.composition import openapi_document
 
     status, headers, body = _call(stack, "GET", "/openapi.json")
     assert status == 200 and headers["Content-Type"].startswith("application/json")

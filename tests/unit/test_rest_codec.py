@@ -239,7 +239,7 @@ def test_model_config_keeps_int64_as_numbers():
 
 
 def test_openapi_document_describes_every_registered_route():
-    from server.transports.rest.endpoints import ROUTES, create_app, openapi_document
+    from server.composition import ROUTES, create_app, openapi_document
     from server.dataplane.metrics import Metrics
 
     doc = openapi_document()

@@ -40,7 +40,7 @@ class _StubDataPlane:
 async def _in_process(max_body_bytes: int):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from server.transports.rest.endpoints import create_app
+    from server.composition import create_app
     from server.dataplane.metrics import Metrics
 
     client = TestClient(TestServer(create_app(_StubDataPlane(), Metrics(), max_body_bytes=max_body_bytes)))

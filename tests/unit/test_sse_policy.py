@@ -60,7 +60,7 @@ async def _server(llm, stall_s=30.0, heartbeat_s=15.0):
 
     from server.dataplane.metrics import Metrics
     from server.transports.openai.endpoints import SSEPolicy
-    from server.transports.rest.endpoints import create_app
+    from server.composition import create_app
 
     app = create_app(_StubDataPlane(llm), Metrics(), max_body_bytes=1 << 20, sse=SSEPolicy(stall_s=stall_s, heartbeat_s=heartbeat_s))
     client = TestClient(TestServer(app))

@@ -487,7 +487,8 @@ def test_controller_refuses_what_makes_no_sense(tmp_path):
 def test_cli_parsers():
     import typer
 
-    from server.cli.traffic import parse_arm, parse_duration, parse_ref
+    from server.cli.options import parse_duration
+    from server.cli.traffic import parse_arm, parse_ref
 
     assert [parse_duration(x) for x in ("60s", "60", "2m", "500ms", "1h")] == [60.0, 60.0, 120.0, 0.5, 3600.0]
     assert parse_ref("ranker:3") == ("ranker", 3) and parse_arm("treatment=2:25") == ("treatment", 2, 25.0)

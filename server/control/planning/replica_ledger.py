@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 
 from server.control.planning.cost_store import CostStore
 from server.dataplane.replicas import UP
+from server.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class ReplicaLedger:
         self.interval_s = interval_s
         self.close_on_stop = close_on_stop
         self.clock = clock
-        self._task: asyncio.Task | None = None
+        self._rounds = Periodic("replica-ledger", interval_s, self._round, first_s=0.0)
         self._seen: set[str] = set()
 
     def sync(self, observed: Mapping[str, set[str]] | None = None) -> tuple[int, int]:
@@ -58,24 +59,16 @@ class ReplicaLedger:
         return len(opened), len(closed)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._rounds.start()
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.sync, self.observe())
-            except Exception as err:  # the database is away: the next round catches up
-                log.warning("replica ledger sync failed (%s); next round in %.0fs", err, self.interval_s)
-            await asyncio.sleep(self.interval_s)
+    async def _round(self) -> None:
+        try:
+            await asyncio.to_thread(self.sync, self.observe())
+        except Exception as err:  # the database is away: the next round catches up
+            log.warning("replica ledger sync failed (%s); next round in %.0fs", err, self.interval_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._rounds.stop()
         if self.close_on_stop and self._seen:
             at = self.clock()
             try:

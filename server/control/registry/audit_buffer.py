@@ -17,8 +17,9 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from server import migrations
-from server.db import make_engine
+from server.periodic import Periodic
 from server.control.registry.registry import AuditRecord
+from server.db import make_engine
 
 log = logging.getLogger(__name__)
 
@@ -57,23 +58,21 @@ class AuditWriter:
             self._engine = None
 
 
-class AuditBuffer:
+class AuditBuffer(Periodic):
+    """Records added on the request path, flushed every ``flush_s`` (``start()``), and once more at ``stop()``."""
+
     def __init__(self, write_many: Callable[[list[dict]], int], flush_s: float = 2.0, capacity: int = 100_000):
         self._write = write_many
         self.flush_s = flush_s
         self._pending: deque[dict] = deque(maxlen=capacity)
         self.dropped = 0
         self.written = 0
+        super().__init__("audit-flush", flush_s, self.flush, final=True)
 
     def add(self, record: dict) -> None:
         if len(self._pending) == self._pending.maxlen:
             self.dropped += 1
         self._pending.append(record)
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_s)
-            await self.flush()
 
     async def flush(self) -> int:
         if not self._pending:

@@ -50,6 +50,7 @@ from server.control.registry.registry import AuditRecord
 from server.control.registry.records import RecordFiles
 from server.control.registry.envelope import KeyRing
 from server.control.registry.audit_buffer import AuditWriter
+from server.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -199,25 +200,20 @@ class RetentionJob:
         self.settings = settings
         self.audit = audit
         self.passes = 0
-        self._task: asyncio.Task | None = None
+        self._keys = None
+        interval = self.settings.retention_interval_s
+        self._passes = Periodic("retention", interval, self._pass, first_s=min(60.0, interval))
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="retention")
+        self._passes.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await self._passes.stop()
 
-    async def _run(self) -> None:
-        keys = keys_for(self.settings)
-        await asyncio.sleep(min(60.0, self.settings.retention_interval_s))
-        while True:
-            await self.run_once(keys)
-            await asyncio.sleep(self.settings.retention_interval_s)
+    async def _pass(self) -> None:
+        if self._keys is None:
+            self._keys = keys_for(self.settings)
+        await self.run_once(self._keys)
 
     async def run_once(self, keys=None) -> list[PassResult]:
         try:

@@ -17,6 +17,7 @@ import logging
 import os
 from collections import deque
 
+from server.periodic import Periodic
 from server.control.registry.envelope import seal_line
 from server.control.registry.records import RecordFiles
 
@@ -25,7 +26,9 @@ log = logging.getLogger(__name__)
 PREFIX = "shadow-"
 
 
-class ShadowRecords:
+class ShadowRecords(Periodic):
+    """Disagreements kept by each shadow's recorder, written every ``flush_s`` (``start()``), and once more at ``stop()``."""
+
     def __init__(self, destination: str, keys=None, max_per_shadow: int = 1000, flush_s: float = 1.0):
         self.files = RecordFiles(destination, PREFIX, keys)
         self.keys = keys
@@ -34,7 +37,7 @@ class ShadowRecords:
         self._pending: deque[dict] = deque(maxlen=10_000)
         self._counts: dict[str, int] = {}
         self.dropped = 0
-        self._task: asyncio.Task | None = None
+        super().__init__("shadow-records", flush_s, self.flush, final=True)
 
     def recorder(self, endpoint: str, version: str):
         """What a :class:`server.dataplane.routing.Shadow` calls with each disagreement."""
@@ -49,23 +52,6 @@ class ShadowRecords:
             self._pending.append({**doc, "model": endpoint})
 
         return record
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="shadow-records")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self.flush()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_s)
-            await self.flush()
 
     async def flush(self) -> int:
         if not self._pending:

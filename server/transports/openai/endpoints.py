@@ -64,7 +64,7 @@ def _ctx(request: web.Request) -> CallContext:
 
 
 def service(request: web.Request) -> LLMService:
-    return request.app[LLM]  # set by server.transports.rest.endpoints.create_app
+    return request.app[LLM]  # set by server.composition.create_app
 
 
 # ---- request parsing --------------------------------------------------------------------------
@@ -317,17 +317,9 @@ async def _first(stream):
         raise InferplaneError("the model sent no response") from None
 
 
-async def _whole(request: web.Request, stream) -> tuple[str, Chunk]:
-    """Join a stream for a non-streaming answer, cancelling it if the client goes away."""
-
-    async def join():
-        parts, last = [], None
-        async for chunk in stream:
-            parts.append(chunk.text)
-            last = chunk
-        return "".join(parts), last
-
-    task = asyncio.create_task(join())
+async def _whole(request: web.Request, answer) -> Chunk:
+    """A non-streaming answer (``LLMService.complete``), cancelled if the client goes away."""
+    task = asyncio.create_task(answer)
     watch = asyncio.create_task(_until_gone(request))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -340,7 +332,7 @@ async def _whole(request: web.Request, stream) -> tuple[str, Chunk]:
         if not task.done():
             task.cancel()
         with contextlib.suppress(BaseException):
-            await stream.aclose()
+            await task  # a cancelled generation closes its stream (the Triton call) before the answer leaves
 
 
 # ---- handlers ---------------------------------------------------------------------------------
@@ -407,12 +399,10 @@ async def _generate(request: web.Request, doc: dict, model: str, params: Generat
     ctx = _ctx(request)
     created = int(time.time())
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    stream = svc.generate(model, params, ctx=ctx)
     if stream_mode:
         render_cls = _ChatRender if chat else _CompletionRender
-        return await _stream_sse(request, stream, render_cls(cid, model, created, include_usage), include_usage)
-    text, last = await _whole(request, stream)
-    return web.json_response(_completion_doc(cid, model, created, chat, text, last))
+        return await _stream_sse(request, svc.generate(model, params, ctx=ctx), render_cls(cid, model, created, include_usage), include_usage)
+    return web.json_response(_completion_doc(cid, model, created, chat, await _whole(request, svc.complete(model, params, ctx=ctx))))
 
 
 def parse_generation(doc: dict, chat: bool) -> tuple[str, GenerateParams]:
@@ -437,16 +427,12 @@ async def completion_answer(svc: LLMService, doc: dict, ctx: CallContext, chat: 
         raise _bad("stream", "a batch request cannot stream")
     model, params = parse_generation(doc, chat)
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    parts, last = [], None
-    async for chunk in svc.generate(model, params, ctx=ctx):
-        parts.append(chunk.text)
-        last = chunk
-    if last is None:
-        raise InferplaneError("the model sent no response")
-    return _completion_doc(cid, model, int(time.time()), chat, "".join(parts), last)
+    return _completion_doc(cid, model, int(time.time()), chat, await svc.complete(model, params, ctx=ctx))
 
 
-def _completion_doc(cid: str, model: str, created: int, chat: bool, text: str, last: Chunk) -> dict:
+def _completion_doc(cid: str, model: str, created: int, chat: bool, last: Chunk) -> dict:
+    """The answer of a whole generation (``LLMService.complete``)."""
+    text = last.text
     finish = _FINISH.get(last.finish_reason, last.finish_reason)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
@@ -512,7 +498,7 @@ async def engine_stats(request: web.Request) -> web.Response:
     return web.json_response(await service(request).engine_stats(request.match_info["name"], _ctx(request)))
 
 
-# ---- routes (mounted into server.transports.rest.endpoints.ROUTES) ------------------------------------------------
+# ---- routes (mounted into server.composition.ROUTES) ------------------------------------------------------------
 
 _ANY_ERROR = {status: error_body(f"Error ({status}); see the error code", "OpenAIError") for status in error_statuses()}
 _OBJ = {"type": "object", "additionalProperties": True}

@@ -1,5 +1,5 @@
 """REST deploys for callers that deploy programmatically (spliced into
-``server.transports.rest.endpoints.ROUTES``):
+``server.composition.ROUTES``):
 
 * ``POST /v1/models/deploy`` ``{"model": NAME, "version"?: N, "serving"?: {instances, max_batch,
   queue_delay_us, cache}, "autoscaling"?: {min_replicas, max_replicas, target_inflight | target +

@@ -4,8 +4,9 @@ The twin of ``server.transports.grpc.inference``: every request becomes the same
 caller would send (``server.transports.rest.codec``) and goes through ``DataPlane.infer``, so validation,
 metrics and errors are the gRPC path's. One middleware turns every ``InferplaneError`` into the
 error table's HTTP status and ``{"error": {code, message, details}}`` body; anything unexpected
-becomes a 500 of the same shape. ``ROUTES`` both registers the handlers and builds
-``/openapi.json`` (``server.transports.rest.openapi``).
+becomes a 500 of the same shape. ``ROUTES`` is this module's table (inference, health, metadata,
+metrics, the OpenAPI document); ``server.composition`` puts it beside the other transports' tables,
+registers them all and builds ``/openapi.json`` (``server.transports.rest.openapi``).
 """
 
 from __future__ import annotations
@@ -22,20 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server import __version__
 from server.transports.rest import codec as rest_codec
 from server.control.batches.batches import OIP_ENDPOINT
-from server.dataplane.dataplane import DataPlane
 from server.dataplane.port import ModelPort
 from server.errors import BackendUnavailable, InferplaneError, RequestTooLarge, error_body, http_error
-from server.dataplane.metrics import Metrics
-from server.transports.openai.endpoints import LLM, SSE_POLICY, SSEPolicy
-from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
-from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
-from server.transports.rest.appkeys import DATAPLANE, MAX_BODY, METRICS, OPENAPI
+from server.transports.rest.appkeys import DATAPLANE, METRICS, OPENAI_OPERATIONS, OPENAPI
 from server.transports.rest.body import read_body, require_content_type
-from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
-from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, document, error_responses, error_statuses, json_body
+from server.transports.rest.openapi import BINARY, JSON, TEXT, Body, Route, error_responses, error_statuses, json_body
 from server.transports.rest.openapi import error_body as documented_error
-from server.transports.rest.typed import ROUTES as TYPED_ROUTES
-from server.transports.rest.status_page import ROUTES as STATUS_ROUTES
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.identity import CallContext
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
@@ -67,7 +60,7 @@ def _is_openai(request: web.Request | None) -> bool:
     if request is None:
         return False
     route = request.match_info.route
-    return getattr(route, "name", None) in OPENAI_OPERATIONS
+    return getattr(route, "name", None) in request.app.get(OPENAI_OPERATIONS, ())
 
 
 def _context(request: web.Request) -> CallContext:
@@ -267,16 +260,10 @@ ROUTES: list[Route] = [
           | {401: documented_error("No API key, or an unknown one"), 403: documented_error("The key is not an admin key")}),
     Route("GET", "/openapi.json", openapi, "openapi", "This document", "operations",
           {200: json_body("OpenAPI 3 document", "OpenAPI")} | _BASIC),
-    *REPOSITORY_ROUTES,
-    *OPENAI_ROUTES,
-    *TYPED_ROUTES,
-    *STATUS_ROUTES,
-    *DEPLOY_ROUTES,
 ]  # fmt: skip
-OPENAI_OPERATIONS = frozenset(r.operation_id for r in OPENAI_ROUTES if r.tag == "openai")
 
 
-# ---- middleware and app ---------------------------------------------------------------------
+# ---- middleware -----------------------------------------------------------------------------
 
 
 @web.middleware
@@ -300,27 +287,3 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception as exc:  # a bug, not the caller's fault: log it, answer 500, keep serving
         log.exception("unexpected error serving %s %s", request.method, request.path)
         return _error(InferplaneError(f"internal error ({type(exc).__name__})"), request)
-
-
-def create_app(dataplane: DataPlane, metrics: Metrics, *, max_body_bytes: int, sse: SSEPolicy | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
-    app[SSE_POLICY] = sse or SSEPolicy()
-    app[DATAPLANE] = dataplane
-    app[METRICS] = metrics
-    app[MAX_BODY] = max_body_bytes
-    if dataplane is not None:
-        app[LLM] = dataplane.llm
-    app[OPENAPI] = rest_codec.dumps(openapi_document())
-    for route in ROUTES:
-        app.router.add_route(route.method, route.path, route.handler, name=route.operation_id)
-    return app
-
-
-def openapi_document() -> dict:
-    return document(
-        ROUTES,
-        title="inferplane REST bridge",
-        version=__version__,
-        description="Open Inference Protocol v2 over HTTP (KServe v2, Triton binary tensor extension), "
-        "a KServe v1 predict form, metrics. Errors: {\"error\": {code, message, details}} with the gRPC codes.",
-    )

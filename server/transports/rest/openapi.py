@@ -1,6 +1,6 @@
 """The REST bridge's route table type and the OpenAPI 3 document built from it.
 
-``server.transports.rest.endpoints.ROUTES`` is a list of :class:`Route`; ``create_app`` registers each one with
+``server.composition.ROUTES`` is a list of :class:`Route`; ``create_app`` registers each one with
 aiohttp and :func:`document` describes the very same list, so the served ``/openapi.json``
 cannot drift from the handlers.
 """

@@ -2,7 +2,7 @@
 
 ``…/versions/{version}/proto`` names a schema major (``v2``) or a model version (``3``), like
 ``inferplane proto NAME --version V``. ``ROUTES`` is spliced into
-``server.transports.rest.endpoints.ROUTES``.
+``server.composition.ROUTES``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""The composition root's tables (with ``server.app``, the wiring): the HTTP port's routes assembled
+from each transport's own table, the REST application built on them, its OpenAPI document, and the
+batch row runner over the data plane's port. Transports define their routes; only this module puts
+them together, so no transport imports another's table.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server import __version__
+from server.dataplane.batch_rows import RowRunner
+from server.dataplane.metrics import Metrics
+from server.transports.openai.batches import BATCHES
+from server.transports.openai.endpoints import LLM, SSE_POLICY, SSEPolicy
+from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
+from server.transports.openai.endpoints import row_answers as openai_rows
+from server.transports.rest import codec as rest_codec
+from server.transports.rest.appkeys import DATAPLANE, MAX_BODY, METRICS, OPENAI_OPERATIONS, OPENAPI
+from server.transports.rest.deploy import PROVISIONER
+from server.transports.rest.deploy import ROUTES as DEPLOY_ROUTES
+from server.transports.rest.endpoints import ROUTES as INFERENCE_ROUTES
+from server.transports.rest.endpoints import error_middleware
+from server.transports.rest.endpoints import row_answers as inference_rows
+from server.transports.rest.openapi import Route, document
+from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
+from server.transports.rest.status_page import ROUTES as STATUS_ROUTES
+from server.transports.rest.status_page import STATUS
+from server.transports.rest.typed import ROUTES as TYPED_ROUTES
+
+# every route of the HTTP port, in the order they are registered and documented
+ROUTES: list[Route] = [*INFERENCE_ROUTES, *REPOSITORY_ROUTES, *OPENAI_ROUTES, *TYPED_ROUTES, *STATUS_ROUTES, *DEPLOY_ROUTES]
+# the operations whose errors take the OpenAI API's shape (``server.errors.error_body``)
+_OPENAI_OPERATIONS = frozenset(r.operation_id for r in OPENAI_ROUTES if r.tag == "openai")
+
+
+def openapi_document() -> dict:
+    return document(
+        ROUTES,
+        title="inferplane REST bridge",
+        version=__version__,
+        description="Open Inference Protocol v2 over HTTP (KServe v2, Triton binary tensor extension), "
+        "a KServe v1 predict form, metrics. Errors: {\"error\": {code, message, details}} with the gRPC codes.",
+    )
+
+
+def create_app(
+    dataplane, metrics: Metrics, *, max_body_bytes: int, sse: SSEPolicy | None = None, status=None, batches=None, provisioner=None
+) -> web.Application:
+    """The HTTP port's application: every route of ``ROUTES`` over ``dataplane`` (a DataPlane), one error
+    middleware; ``status``: the status page's observability tasks, ``batches``: the batch store,
+    ``provisioner``: deploys that answer at once (each route answers what it lacks when not given)."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app[SSE_POLICY] = sse or SSEPolicy()
+    app[DATAPLANE] = dataplane
+    app[METRICS] = metrics
+    app[MAX_BODY] = max_body_bytes
+    app[OPENAI_OPERATIONS] = _OPENAI_OPERATIONS
+    app[STATUS] = status
+    if dataplane is not None:
+        app[LLM] = dataplane.llm
+    if batches is not None:
+        app[BATCHES] = batches
+    if provisioner is not None:
+        app[PROVISIONER] = provisioner
+    app[OPENAPI] = rest_codec.dumps(openapi_document())
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, route.handler, name=route.operation_id)
+    return app
+
+
+def row_runner(dataplane) -> RowRunner:
+    """A batch job's rows answered as the live OpenAI and inference handlers answer them, through the port."""
+    return RowRunner(dataplane.gate.principal_of, [*openai_rows(dataplane.llm), *inference_rows(dataplane)])
