@@ -27,6 +27,7 @@ from server.control.scaling.placement import memory_need
 from server.dataplane.capacity_policy import parse_capacity, spot_opt_in
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
 from server.dataplane.triton_client import TritonClient
+from server.runtime.kube_api import ClusterAccess, EndpointSliceSource, KubeAPI
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
 from server.settings import Settings
 from server.runtime.local_replicas import LocalReplicaPool
@@ -95,7 +96,7 @@ class Fleet:
             replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
         if groups is not None:
             for name, spec in groups.groups.items():
-                replicas.add_source(DnsSource(spec["service"], spec["grpc_port"], group=name, capacity=spec["capacity"]))
+                replicas.add_source(_source(s, name, spec))
         fleet = cls(s, replicas, pool=pool, groups=groups)
         if pool is not None:
             pool.on_down = replicas.mark_down
@@ -318,6 +319,15 @@ def client(settings: Settings, target: str, remote: bool = False) -> TritonClien
     c = TritonClient(target, channels=settings.triton_channels, max_message_bytes=settings.max_request_bytes + (1 << 20), **tls)
     c.connect()
     return c
+
+
+def _source(settings: Settings, name: str, spec: dict):
+    """A model group's discovery: its headless Service's DNS, or its EndpointSlices (each pod's zone too)."""
+    dns = DnsSource(spec["service"], spec["grpc_port"], group=name, capacity=spec["capacity"])
+    if settings.replica_discovery == "endpointslices":
+        api = KubeAPI(ClusterAccess.from_dir(settings.kubernetes_token_dir, settings.kubernetes_namespace))
+        return EndpointSliceSource(spec["service"], spec["grpc_port"], name, spec["capacity"], api, fallback=dns)
+    return dns
 
 
 def _capacity_of(settings: Settings, i: int) -> str:
