@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     # set by `inferplane control run`: a replica that serves no traffic of its own (its autoscaler would see none)
     control_only: bool = False
     control_lease_ttl_s: float = Field(6.0, gt=0)  # SQLite's lease row; PostgreSQL renews its lock's session every ttl/6
+    # the leader lease: "database" (PostgreSQL advisory lock / SQLite row) or "kubernetes" (a coordination.k8s.io
+    # Lease in the pod's namespace, server.control.service.kube_lease; the database row still names the address)
+    control_lease: Literal["database", "kubernetes"] = "database"
     desired_state_poll_s: float = Field(0.02, gt=0)  # SQLite's data_version poll; also the leader's publish pass
     desired_state_reconcile_s: float = Field(1.0, gt=0)  # a full re-read even without a notification
     # load + readiness + warm-up budget of one deploy
@@ -195,6 +198,9 @@ class Settings(BaseSettings):
     replica_wait_s: float = Field(10.0, ge=0)  # a request waits this long for a replica of its model (per endpoint: its cold-start budget)
     replica_retry_lost: bool = True  # retry a unary request whose connection broke under it (see server/dataplane/replicas.py)
     discovery_interval_s: float = Field(5.0, gt=0)  # how often a group's headless Service is resolved again
+    # how a model group's Tritons are found: "dns" (the headless Service's addresses, no zones) or
+    # "endpointslices" (its EndpointSlices through the Kubernetes API: each pod's zone too, for locality)
+    replica_discovery: Literal["dns", "endpointslices"] = "dns"
     # LLM generations across replicas (batching.route_policy): round_robin | least_outstanding | prefix_aware
     # (an endpoint may name its own in its config: parameter inferplane.routing); prefix_aware keeps a
     # prefix key (a hash of the request's first llm_route_prefix_chars characters) on one replica while it
@@ -216,6 +222,8 @@ class Settings(BaseSettings):
     weight_cache_bytes: int = Field(2 << 30, ge=0)
     scale_to_zero_evict: bool = True  # a scaled-to-zero endpoint's artifacts leave the repository for the weight cache
     kubernetes_namespace: str | None = None
+    # the service-account folder (token, ca.crt, namespace) the Kubernetes API calls use (server.runtime.kube_api)
+    kubernetes_token_dir: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     # `inferplane control run`: the Prometheus the KEDA ScaledObjects query (unset: the frontend's own samples)
     prometheus_url: str | None = None
 
@@ -256,7 +264,8 @@ class Settings(BaseSettings):
     # artifacts stored sealed too (still named by the sha256 of their plaintext, which signatures sign)
     encrypt_artifacts: bool = False
     # retention per kind of stored data, in days (absent: kept until deleted); a background job enforces it
-    retention_days: dict[str, float] = {"payload_logs": 30.0, "shadow_records": 30.0, "batch_files": 30.0}
+    # (signal_reports / shadow_reports: the rows every process reports to the leader; a live shadow's are kept)
+    retention_days: dict[str, float] = {"payload_logs": 30.0, "shadow_records": 30.0, "batch_files": 30.0, "signal_reports": 1.0, "shadow_reports": 30.0}
     retention_interval_s: float = Field(3600.0, gt=0)
     # shadow records: the requests, primary and shadow answers of shadow copies that disagreed (a folder or
     # fsspec URL; unset: DATA_DIR/shadow_records); at most this many per shadow in each process

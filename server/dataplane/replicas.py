@@ -912,8 +912,11 @@ class ReplicaSet:
             if self._client_factory is None:
                 raise RuntimeError("discovery needs a client_factory")
             client = self._client_factory(target)
-            await self.add_member(Member(f"{source.name}/{target}", client, group=source.group, source=source.name, capacity=source.capacity))
+            zone = source.zones.get(target, "")
+            await self.add_member(Member(f"{source.name}/{target}", client, group=source.group, source=source.name, capacity=source.capacity, zone=zone))
             joined.append(target)
+        for target in targets & set(have):  # an address reused by a pod of another zone
+            have[target].zone = source.zones.get(target, have[target].zone)
         for target in sorted(set(have) - targets):
             await self.remove_member(have[target].id)
             left.append(target)
@@ -1036,13 +1039,16 @@ def resolve_dns(name: str) -> list[str]:
 @dataclass
 class DnsSource:
     """A DNS name whose addresses are the members (a Kubernetes headless Service), re-resolved on
-    every discovery round through ``resolver`` (injectable: tests answer with what they like)."""
+    every discovery round through ``resolver`` (injectable: tests answer with what they like). DNS names
+    no zones (``zones`` stays empty); ``server.runtime.kube_api.EndpointSliceSource`` is the same
+    interface with each member's zone, from the Service's EndpointSlices."""
 
     name: str  # e.g. triton-general (the Service) or triton-general.inferplane.svc.cluster.local
     port: int = 8001
     group: str = ""
     resolver: Callable[[str], list[str]] = field(default=resolve_dns)
     capacity: str = capacity_policy.ON_DEMAND  # its pods' capacity (a spot node pool's group: "spot")
+    zones: dict[str, str] = field(default_factory=dict)  # target -> zone: none known from DNS
 
     async def targets(self) -> set[str]:
         try:

@@ -233,6 +233,8 @@ def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothin
             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["inferplane-control-plane"], "verbs": ["get", "watch", "update", "patch"]},
         ],
+        # the frontends' discovery of Triton pods and their zones (server/runtime/kube_api.py)
+        "inferplane-read-endpointslices": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}],
     }  # fmt: skip
     control = next(o for o in _kind(objs, "Deployment") if o["metadata"]["name"] == "control-plane")
     sa = control["spec"]["template"]["spec"]["serviceAccountName"]
@@ -240,7 +242,8 @@ def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothin
     assert sorted(b["roleRef"]["name"] for b in bindings) == sorted(roles)
     for binding in bindings:
         assert binding["roleRef"]["apiGroup"] == "rbac.authorization.k8s.io" and binding["roleRef"]["kind"] == "Role"
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "inferplane"}]
+        holder = "inferplane-frontend" if binding["roleRef"]["name"] == "inferplane-read-endpointslices" else sa
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": holder, "namespace": "inferplane"}]
     # the one cluster-wide grant: the frontend pod's zone init step reads nodes (get), nothing more
     (cluster_role,) = _kind(objs, "ClusterRole")
     assert cluster_role["metadata"]["name"] == "inferplane-read-nodes"
@@ -248,16 +251,24 @@ def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothin
     (cluster_binding,) = _kind(objs, "ClusterRoleBinding")
     assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "inferplane-read-nodes"}
     assert cluster_binding["subjects"] == [{"kind": "ServiceAccount", "name": "inferplane-frontend", "namespace": "inferplane"}]
-    # nobody else gets a token; in the frontend pod only the zone init step has one (projected, mounted there alone)
+    # nobody else gets the automounted token; in the frontend pod the zone init step has one projected token
+    # (nodes: get) and the frontend container another (endpointslices: list), each mounted there alone
     for d in _kind(objs, "Deployment"):
         if d is not control:
             assert d["spec"]["template"]["spec"].get("automountServiceAccountToken") is False
     frontend = _deployment(objs, "frontend")["spec"]["template"]["spec"]
-    (reader,) = [v for v in frontend["volumes"] if "projected" in v]
-    assert any("serviceAccountToken" in src for src in reader["projected"]["sources"])
+    readers = {v["name"]: v for v in frontend["volumes"] if "projected" in v}
+    assert set(readers) == {"node-reader", "endpoint-reader"}
+    for reader in readers.values():
+        assert any("serviceAccountToken" in src for src in reader["projected"]["sources"])
     (zone_step,) = frontend["initContainers"]
-    assert reader["name"] in {m["name"] for m in zone_step["volumeMounts"]}
-    assert all(reader["name"] not in {m["name"] for m in c.get("volumeMounts", [])} for c in frontend["containers"])
+    (container,) = frontend["containers"]
+    assert {m["name"] for m in zone_step["volumeMounts"]} & set(readers) == {"node-reader"}
+    assert {m["name"] for m in container["volumeMounts"]} & set(readers) == {"endpoint-reader"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "endpoint-reader")
+    assert env["INFERPLANE_REPLICA_DISCOVERY"] == "endpointslices" and env["INFERPLANE_KUBERNETES_TOKEN_DIR"] == mount
+    assert {p["path"] for src in readers["endpoint-reader"]["projected"]["sources"] for p in next(iter(src.values())).get("items", [{"path": "token"}])} == {"token", "ca.crt", "namespace"}
     (dev_cluster_binding,) = _kind(objects("dev"), "ClusterRoleBinding")
     assert dev_cluster_binding["metadata"]["name"] != cluster_binding["metadata"]["name"]
     assert dev_cluster_binding["subjects"][0]["namespace"] == "inferplane-dev"

@@ -10,6 +10,8 @@ Each kind of stored data is a *target* named by its ``retention_days`` key:
 | ``payload_logs`` | sampled requests and answers (``server.control.monitoring.payload_log``) | yes |
 | ``shadow_records`` | disagreeing shadow copies (``server.control.rollout.shadow_records``) | yes |
 | ``batch_files`` | batch jobs' input and output files (registered by the batch jobs' module) | yes |
+| ``signal_reports`` | every process's latest load sample (``server.control.scaling.signal_reports``) | no |
+| ``shadow_reports`` | every process's shadow counts (``server.control.rollout.shadow_reports``; a live shadow's rows are kept) | no |
 
 ``INFERPLANE_RETENTION_DAYS='{"payload_logs": 30, "usage": 400}'``: a kind with no entry is kept
 until deleted. The job runs every ``retention_interval_s`` in the process that runs the control plane
@@ -41,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 import datetime as dt
 
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 
 from server import migrations
 from server.db import make_engine
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 DAY_S = 86400.0
 _FACTORIES: dict[str, Callable] = {}
 # modules that register targets of their own (imported, when present, before the targets are built)
-PROVIDERS: tuple[str, ...] = ("server.control.batches.batches",)
+PROVIDERS: tuple[str, ...] = ("server.control.batches.batches", "server.control.scaling.signal_reports", "server.control.rollout.shadow_reports")
 
 
 def register(name: str, factory: Callable) -> None:
@@ -68,20 +70,29 @@ def register(name: str, factory: Callable) -> None:
 # ---- the built-in targets ------------------------------------------------------------------------
 
 
-class _Rows:
-    """Rows of one table older than a cutoff (``column()`` names the ORM column: float or datetime)."""
+class Rows:
+    """Rows of one table older than a cutoff (``column()`` names the column, ORM or Core: float or datetime);
+    ``keep(conn, old)`` may name, of the old rows' primary keys, those still in use (they stay)."""
 
-    def __init__(self, url: str, column: Callable, as_datetime: bool):
-        self.url, self.column, self.as_datetime = url, column, as_datetime
+    def __init__(self, url: str, column: Callable, as_datetime: bool, keep: Callable | None = None):
+        self.url, self.column, self.as_datetime, self.keep = url, column, as_datetime, keep
 
     def purge_before(self, cutoff: float) -> int:
         engine = make_engine(self.url)
         try:
             migrations.upgrade(engine)
-            column = self.column()
+            column = self.column().expression
             value = dt.datetime.fromtimestamp(cutoff, dt.timezone.utc) if self.as_datetime else cutoff
             with engine.begin() as conn:
-                return conn.execute(delete(column.class_).where(column < value)).rowcount or 0
+                if self.keep is None:
+                    return conn.execute(delete(column.table).where(column < value)).rowcount or 0
+                key = list(column.table.primary_key.columns)
+                old = [tuple(r) for r in conn.execute(select(*key).where(column < value))]
+                kept = self.keep(conn, old)
+                gone = [k for k in old if k not in kept]
+                for values in gone:
+                    conn.execute(delete(column.table).where(*(c == v for c, v in zip(key, values))))
+                return len(gone)
         finally:
             engine.dispose()
 
@@ -104,8 +115,8 @@ def _record_files(destination_setting: str, prefix: str):
     return factory
 
 
-register("usage", lambda s, keys: _Rows(s.tenancy_url, _usage_ts, as_datetime=False))
-register("audit", lambda s, keys: _Rows(s.database_url, _audit_at, as_datetime=True))
+register("usage", lambda s, keys: Rows(s.tenancy_url, _usage_ts, as_datetime=False))
+register("audit", lambda s, keys: Rows(s.database_url, _audit_at, as_datetime=True))
 register("payload_logs", _record_files("payload_log_destination", "payloads-"))
 register("shadow_records", _record_files("shadow_record_destination", "shadow-"))
 

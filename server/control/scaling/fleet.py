@@ -27,6 +27,7 @@ from server.control.scaling.placement import memory_need
 from server.dataplane.capacity_policy import parse_capacity, spot_opt_in
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
 from server.dataplane.triton_client import TritonClient
+from server.runtime.kube_api import ClusterAccess, EndpointSliceSource, KubeAPI
 from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
 from server.settings import Settings
 from server.runtime.local_replicas import LocalReplicaPool, parse_standby
@@ -96,7 +97,7 @@ class Fleet:
             replicas._add(Member(f"remote-{i}", client(s, url, remote=True), group="remote"))
         if groups is not None:
             for name, spec in groups.groups.items():
-                replicas.add_source(DnsSource(spec["service"], spec["grpc_port"], group=name, capacity=spec["capacity"]))
+                replicas.add_source(_source(s, name, spec))
         fleet = cls(s, replicas, pool=pool, groups=groups)
         if pool is not None:
             pool.on_down = fleet._local_down
@@ -339,6 +340,15 @@ async def _load_at(settings: Settings, target: str, model: str) -> None:
         await c.load_model(model)
     finally:
         await c.close()
+
+
+def _source(settings: Settings, name: str, spec: dict):
+    """A model group's discovery: its headless Service's DNS, or its EndpointSlices (each pod's zone too)."""
+    dns = DnsSource(spec["service"], spec["grpc_port"], group=name, capacity=spec["capacity"])
+    if settings.replica_discovery == "endpointslices":
+        api = KubeAPI(ClusterAccess.from_dir(settings.kubernetes_token_dir, settings.kubernetes_namespace))
+        return EndpointSliceSource(spec["service"], spec["grpc_port"], name, spec["capacity"], api, fallback=dns)
+    return dns
 
 
 def _capacity_of(settings: Settings, i: int) -> str:

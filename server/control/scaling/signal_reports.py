@@ -9,7 +9,9 @@ queue, held, request rate, token rate. The leader's ``SignalSampler`` reads the 
 other process through ``SignalPeers`` and adds them to its own samples, so the policy decides on the
 load of all frontends and workers, and a request held on any of them is the leader's ``demand`` to wake.
 A row older than ``stale_s`` (its process died or stalled) counts for nothing; the leader deletes rows
-older than ``keep_s``. The gauges on /metrics stay each process's own (they are summed by Prometheus).
+older than ``keep_s`` while its autoscaler reads them, and the retention job
+(``retention_days["signal_reports"]``, server.control.registry.retention) deletes rows older than that
+in any case — of processes gone while no leader read them. The gauges on /metrics stay each process's own (they are summed by Prometheus).
 
 Each report also carries the desired-state generation the process has applied, so the leader can wait,
 before it unloads an endpoint it scales to zero, until every reporting process holds that endpoint's
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, delete, func, insert, select
 
+from server.control.registry import retention
 from server.db import session_factory
 
 log = logging.getLogger(__name__)
@@ -153,3 +156,10 @@ class SignalPeers:
                 .group_by(signal_reports.c.reporter)
             ).all()
         return sorted(reporter for reporter, applied in rows if int(applied) < generation)
+
+
+def _at():
+    return signal_reports.c.at
+
+
+retention.register("signal_reports", lambda settings, keys: retention.Rows(settings.database_url, _at, as_datetime=False))

@@ -26,6 +26,7 @@ from server.control.batches.batches import BatchStore, BatchWorker, file_store
 from server.control.rollout.deployer import build_control_plane
 from server.control.service.desired_state import DesiredStateStore
 from server.control.service.leader import LeaderDirectory, Leadership, holder_id, lease_for
+from server.runtime.kube_api import ClusterAccess, KubeAPI
 from server.control.scaling.placement_store import PlacementStore
 from server.control.service.reconciler import from_settings as reconcilers
 from server.control.planning.replica_ledger import fleet_ledger
@@ -52,7 +53,8 @@ class ControlPlane:
         self.desired = DesiredStateStore(self.registry.engine)
         self.directory = LeaderDirectory(self.registry.engine)
         self.reporter = holder_id()  # this process's rows in arm_reports / signal_reports while it stands by
-        self.lease = lease_for(self.registry.engine, self.registry.url, holder_id(), "", ttl_s=settings.control_lease_ttl_s)
+        kube = KubeAPI(ClusterAccess.from_dir(settings.kubernetes_token_dir, settings.kubernetes_namespace)) if settings.control_lease == "kubernetes" else None
+        self.lease = lease_for(self.registry.engine, self.registry.url, holder_id(), "", ttl_s=settings.control_lease_ttl_s, kubernetes=kube)
         self.leadership = Leadership(self.lease, self._lead, self._lost)
         self.writers: list = []  # more writers: async start()/stop(), run while this process leads
         # the versions the deployer loads are every Triton's placements; the reconciler loads them on Tritons that

@@ -9,7 +9,10 @@
   row (migration 0010) names a holder and an expiry; a replica takes the row when it is free or
   expired and renews it every ``ttl_s / 4``; a renewal that finds another holder has lost.
 
-Either way the leader writes its address (where frontends carry control RPCs) into that row, and
+* **Kubernetes** (``KubernetesLease``, ``INFERPLANE_CONTROL_LEASE=kubernetes``): a ``coordination.k8s.io/v1``
+  Lease (server.control.service.kube_lease).
+
+Every way the leader writes its address (where frontends carry control RPCs) into that row, and
 ``LeaderDirectory`` reads it back. ``Leadership`` is the loop: acquire (retrying every ``retry_s``),
 run ``on_lead``, renew until a renewal fails, then ``on_lost``.
 """
@@ -27,6 +30,7 @@ from collections.abc import Awaitable, Callable
 import psycopg
 from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, insert, select, update
 
+from server.control.service.kube_lease import KubernetesLease
 from server.db import libpq_url, session_factory
 
 log = logging.getLogger(__name__)
@@ -112,6 +116,37 @@ class RowLease:
         await asyncio.to_thread(self._release)
 
 
+class AddressRow:
+    """The lease row of a lease held elsewhere (PostgreSQL's advisory lock, a Kubernetes Lease): it only
+    tells frontends the leader's address (``LeaderDirectory``), with an expiry renewals push forward."""
+
+    def __init__(self, engine: Engine, holder: str, ttl_s: float):
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self._session = session_factory(engine)
+
+    def take(self, address: str) -> int:
+        """The lease is ours: the row names us whatever it said; returns the new term."""
+        with self._session() as session:
+            row = session.execute(select(control_lease.c.term).where(control_lease.c.name == LEASE).with_for_update()).first()
+            term = (row[0] + 1) if row else 1
+            values = {"holder": self.holder, "address": address, "expires_at": time.time() + self.ttl_s, "term": term}
+            if row is None:
+                session.execute(insert(control_lease).values(name=LEASE, **values))
+            else:
+                session.execute(update(control_lease).where(control_lease.c.name == LEASE).values(**values))
+            session.commit()
+        return term
+
+    def advertise(self, address: str) -> None:
+        with self._session() as session:
+            session.execute(
+                update(control_lease).where(control_lease.c.name == LEASE)
+                .values(holder=self.holder, address=address, expires_at=time.time() + self.ttl_s)
+            )  # fmt: skip
+            session.commit()
+
+
 class PostgresLease:
     """``pg_try_advisory_lock`` on a session of its own; the row only tells frontends the address."""
 
@@ -123,7 +158,7 @@ class PostgresLease:
         self.renew_s = renew_s
         self.keepalive_s = keepalive_s
         self._conn: psycopg.AsyncConnection | None = None
-        self._row = RowLease(engine, holder, address, ttl_s=10 * renew_s)
+        self._row = AddressRow(engine, holder, ttl_s=10 * renew_s)
         self.term = 0
 
     async def _connect(self) -> psycopg.AsyncConnection:
@@ -142,30 +177,8 @@ class PostgresLease:
         got = (await (await self._conn.execute("SELECT pg_try_advisory_lock(%s)", (ADVISORY_KEY,))).fetchone())[0]
         if not got:
             return False
-        await asyncio.to_thread(self._take_row)
-        self.term = self._row.term
+        self.term = await asyncio.to_thread(self._row.take, self.address)
         return True
-
-    def _take_row(self) -> None:
-        """The lock is ours: the row names us whatever it said (its expiry means nothing on PostgreSQL)."""
-        with self._row._session() as session:
-            row = session.execute(select(control_lease.c.term).where(control_lease.c.name == LEASE).with_for_update()).first()
-            term = (row[0] + 1) if row else 1
-            values = {"holder": self.holder, "address": self.address, "expires_at": time.time() + 10 * self.renew_s, "term": term}
-            if row is None:
-                session.execute(insert(control_lease).values(name=LEASE, **values))
-            else:
-                session.execute(update(control_lease).where(control_lease.c.name == LEASE).values(**values))
-            session.commit()
-        self._row.term = term
-
-    def _advertise(self) -> None:
-        with self._row._session() as session:
-            session.execute(
-                update(control_lease).where(control_lease.c.name == LEASE)
-                .values(holder=self.holder, address=self.address, expires_at=time.time() + 10 * self.renew_s)
-            )  # fmt: skip
-            session.commit()
 
     async def renew(self) -> bool:
         try:
@@ -174,7 +187,7 @@ class PostgresLease:
             log.error("the control-plane lease's session failed (%s): leadership lost", err)
             return False
         try:
-            await asyncio.to_thread(self._advertise)  # the address row's expiry (frontends check it)
+            await asyncio.to_thread(self._row.advertise, self.address)  # the address row's expiry (frontends check it)
         except Exception as err:  # the lock still holds; only the advertisement is late
             log.warning("renewing the leader's address row failed: %s", err)
         return True
@@ -184,7 +197,10 @@ class PostgresLease:
             await self._conn.close()  # the session ends: the lock goes with it
 
 
-def lease_for(engine: Engine, database_url: str, holder: str, address: str, *, ttl_s: float = 6.0):
+def lease_for(engine: Engine, database_url: str, holder: str, address: str, *, ttl_s: float = 6.0, kubernetes=None):
+    """The database's lease, or with ``kubernetes`` (a ``server.runtime.kube_api.KubeAPI``) a Kubernetes Lease."""
+    if kubernetes is not None:
+        return KubernetesLease(kubernetes, AddressRow(engine, holder, ttl_s), holder, address, ttl_s=ttl_s)
     if engine.dialect.name == "postgresql":
         return PostgresLease(engine, database_url, holder, address, renew_s=ttl_s / 6)
     return RowLease(engine, holder, address, ttl_s=ttl_s)
