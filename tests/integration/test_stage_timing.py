@@ -17,6 +17,7 @@ import pytest
 from model_repository.demo import load_validation
 from model_repository.llm import TINY_NAME
 from server.dataplane.stage_timing import SERVER_TIMING, TIMING_HEADER, parse
+from server.dataplane.wire import varint
 from server.protogen.inference import grpc_service_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -101,19 +102,10 @@ TYPED_PREDICT = "/inferplane.models.fraud_xgboost.v1.FraudXgboostService/Predict
 TYPED_STAGES = ["auth", "decode", *[s for s in STAGES if s not in ("decode", "auth")]]
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _typed_request(stack) -> bytes:
     """A FraudXgboostRequest by hand (its fields are ``optional float`` 1..32, one per feature): no stubs to compile."""
     row = load_validation(stack.repository / MODEL)["features"][0]
-    return b"".join(_varint(number << 3 | 5) + struct.pack("<f", value) for number, value in enumerate(row.tolist(), start=1))
+    return b"".join(varint(number << 3 | 5) + struct.pack("<f", value) for number, value in enumerate(row.tolist(), start=1))
 
 
 def test_typed_predict_carries_the_breakdown_when_asked(stack, channel):
