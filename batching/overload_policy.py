@@ -139,14 +139,19 @@ class LoopPolicy:
     min_limit: int = 16  # never cut the in-flight limit below this
     decrease: float = 0.75  # on each standing interval the limit becomes this x what is in flight
     increase: float = 1.25  # on each sample below target it grows by this factor (lifted once far above in flight)
+    ceiling: int | None = None  # the most unary requests in flight at once, lag or not (None: no bound of its own)
+    rate_window_s: float = 0.1  # completions are counted over windows this long (the drain rate of the retry hint)
 
 
 class LoopGate:
     """AIMD on the process's in-flight unary requests, driven by the event loop's lag (CoDel's
     standing-time test): no limit while the loop keeps up; once its lag stood above ``target`` for
     an ``interval`` the limit is cut to ``decrease x`` what is in flight, again every interval it
-    still stands, and grows back (then lifts) while the lag is below target. An arrival over the
-    limit is refused before any work — before its body is decoded — with a retry hint of the lag."""
+    still stands, and grows back (then lifts) while the lag is below target. ``ceiling`` bounds the
+    in-flight requests whatever the lag (the process's admitted work: past it a request is refused,
+    not queued behind the others). An arrival over either limit is refused before any work — before
+    its body is decoded — with a retry hint: the time the measured completion rate needs to drain
+    what is in flight (at least the loop's lag)."""
 
     def __init__(self, policy: LoopPolicy = LoopPolicy(), clock: Callable[[], float] = time.monotonic):
         self.policy = policy
@@ -156,6 +161,9 @@ class LoopGate:
         self.lag_s = 0.0
         self.refused = 0
         self._above_since: float | None = None
+        self.rate = 0.0  # completions per second over the last whole window (0: none measured yet)
+        self._window_start = clock()
+        self._window_done = 0
 
     def sample(self, lag_s: float) -> None:
         """One reading of the loop's lag (a timer's lateness)."""
@@ -177,12 +185,25 @@ class LoopGate:
 
     def enter(self) -> float | None:
         """None: admitted (call :meth:`exit` when done). Otherwise refused: retry after this many seconds."""
-        limit = self.limit
-        if limit is not None and self.inflight >= limit:
+        limit, ceiling = self.limit, self.policy.ceiling
+        if (limit is not None and self.inflight >= limit) or (ceiling is not None and self.inflight >= ceiling):
             self.refused += 1
-            return max(MIN_RETRY_S, self.lag_s)
+            return self.retry_after_s()
+        if self.inflight == 0:  # idle until now: the completion count starts afresh (an idle gap is no slow drain)
+            self._window_start, self._window_done = self._clock(), 0
         self.inflight += 1
         return None
 
     def exit(self) -> None:
         self.inflight -= 1
+        self._window_done += 1
+        now = self._clock()
+        elapsed = now - self._window_start
+        if elapsed >= self.policy.rate_window_s:
+            self.rate = self._window_done / elapsed
+            self._window_start, self._window_done = now, 0
+
+    def retry_after_s(self) -> float:
+        """How long what is in flight takes to drain at the measured completion rate, at least the loop's lag."""
+        drain = self.inflight / self.rate if self.rate > 0 else 0.0
+        return max(MIN_RETRY_S, self.lag_s, drain)

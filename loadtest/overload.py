@@ -1,13 +1,17 @@
 """Overload benchmark (issue 30): goodput, admitted latency and refusal latency past capacity.
 
     python -m loadtest.overload [--model fraud_xgboost] [--seconds 3] [--processes 2]
-        [--callers 1024] [--protocols grpc,rest,rest-json] [--paced MS,N] [--server-root DIR] [--json OUT]
+        [--callers 1024] [--protocols grpc,rest,rest-json] [--paced MS,N] [--server-root DIR]
+        [--baseline-root DIR] [--variant LABEL:KEY=VALUE,...] [--json OUT]
 
 Starts the stack (demo models, auth off, ``--model`` loaded; ``--server-root``: another checkout's
 code and interpreter, e.g. ``/work/main`` for the before figures — the load generator is this one
 either way; ``--paced 20,4``: the paced model, 4 instances x 20 ms, which saturates before the frontend
 does, so the figures are the queueing policy's and not the shared CPU's), then per protocol, every phase spread over ``--processes`` load-generator processes so
-the client is not the bottleneck:
+the client is not the bottleneck. ``--baseline-root DIR`` (another checkout, its ``.venv`` or this
+interpreter) and each ``--variant LABEL:KEY=VALUE,...`` (this code with those ``INFERPLANE_*``
+settings) are measured in the same run: per protocol, each target's own stack in turn (one stack at
+a time, so they never share the CPU), the baseline first:
 
 1. capacity: closed loop at 32 callers (``--capacity-callers``; paced: its slots and as many waiting,
    within the queue's bound) → ``capacity_rps`` (answered requests per second);
@@ -78,6 +82,25 @@ def measure(stack, protocol: str, model: str, seconds: float, processes: int, ca
     return out
 
 
+def _python(root: Path) -> str | None:
+    venv = root / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else None  # without its own venv: this interpreter, run from that root
+
+
+def _targets(args) -> list[tuple[str, Path | None, dict[str, str]]]:
+    """(label, server root, extra env) of every stack this run measures."""
+    targets = []
+    if args.baseline_root:
+        targets.append(("baseline", args.baseline_root, {}))
+    if args.variant:
+        for spec in args.variant:
+            label, _, pairs = spec.partition(":")
+            targets.append((label, args.server_root, dict(p.split("=", 1) for p in pairs.split(",") if p)))
+    else:
+        targets.append((args.label or "candidate", args.server_root, {}))
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="fraud_xgboost")
@@ -88,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paced", default="", help="SERVICE_MS,INSTANCES: add the paced model (loadtest.paced_model) and load it instead")
     ap.add_argument("--capacity-callers", type=int, default=None, help="closed-loop callers of the capacity phase (default 32; paced: 2 x instances)")
     ap.add_argument("--server-root", type=Path, default=None, help="run the frontend from this checkout (its .venv)")
+    ap.add_argument("--baseline-root", type=Path, default=None, help="also measure this checkout's frontend, in the same run")
+    ap.add_argument("--variant", action="append", default=[], help="LABEL:KEY=VALUE,...: this code with these env settings (repeatable)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    python = str(args.server_root / ".venv" / "bin" / "python") if args.server_root else None
     work = Path(tempfile.mkdtemp(prefix="inferplane-overload-"))
     try:
         build_demo_repository(work / "model_repository")
@@ -101,13 +125,18 @@ def main(argv: list[str] | None = None) -> int:
             build_paced_model(work / "model_repository", float(service_ms), int(instances), jitter=0.2)
             args.model = PACED
             args.capacity_callers = args.capacity_callers or 2 * int(instances)  # its slots, and as many waiting
-        stack = start_stack(work / "model_repository", work, "--auth", "off", "--model", args.model,
-                            env={"INFERPLANE_DATABASE_URL": f"sqlite:///{work}/registry.db"}, python=python, cwd=args.server_root)  # fmt: skip
-        try:
-            rows = [measure(stack, p.strip(), args.model, args.seconds, args.processes, args.callers, args.capacity_callers or 32)
-                    for p in args.protocols.split(",")]  # fmt: skip
-        finally:
-            stop_stack(stack)
+        rows = []
+        for protocol in (p.strip() for p in args.protocols.split(",")):
+            for label, root, extra in _targets(args):
+                run_dir = work / f"{label}-{protocol}"
+                env = {"INFERPLANE_DATABASE_URL": f"sqlite:///{run_dir}/registry.db", **extra}
+                stack = start_stack(work / "model_repository", run_dir, "--auth", "off", "--model", args.model, env=env,
+                                    python=_python(root) if root else None, cwd=root)  # fmt: skip
+                try:
+                    row = measure(stack, protocol, args.model, args.seconds, args.processes, args.callers, args.capacity_callers or 32)
+                finally:
+                    stop_stack(stack)
+                rows.append({"label": label, "server_root": str(root or "."), "env": extra, **row})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {"label": args.label, "paced": args.paced, "server_root": str(args.server_root or "."), "model": args.model, "seconds": args.seconds,
@@ -116,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
-    print(json.dumps([{"protocol": r["protocol"], "capacity_rps": round(r["capacity_rps"]), **r["summary"]} for r in rows], indent=1))
+    print(json.dumps([{"label": r["label"], "protocol": r["protocol"], "capacity_rps": round(r["capacity_rps"]), **r["summary"]} for r in rows], indent=1))
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from batching.coalescer import Coalescer
 from batching.fair_queue import AdmissionPolicy
-from batching.overload_policy import OverloadPolicy
+from batching.overload_policy import LoopPolicy, OverloadPolicy
 from server.dataplane.circuit_breaker import BreakerPolicy
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.feature_store import FeatureFetcher, store_for
@@ -64,6 +64,7 @@ def build_dataplane(
     # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
     dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    dataplane.loop_gate.policy = LoopPolicy(ceiling=s.max_inflight)  # the process's in-flight bound (server.dataplane.loop_gate)
     if s.feature_store_url:  # the feature-store stage (server.dataplane.feature_store)
         dataplane.features = FeatureFetcher(store_for(s.feature_store_url))
     dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)

@@ -1,11 +1,15 @@
-"""The process's own admission: unary requests refused before decode while the event loop stands behind.
+"""The process's own admission: unary requests refused before decode past the process's in-flight
+bound, or while the event loop stands behind.
 
-Past the frontend's CPU capacity the backlog is not in any model's queue but in the event loop —
-requests read and waiting for their turn to run — so every request, answered or refused, waits
-there first (issue 30: refusals at 148 ms, admitted requests at seconds). :func:`watch` samples the
-loop's lag (how late a short timer fires) into a ``batching.overload_policy.LoopGate``; gRPC
-ModelInfer and REST infer enter through :class:`UnaryAdmission` before they decode anything, and
-an arrival over the gate's limit is RESOURCE_EXHAUSTED / 429 with the lag as its retry hint.
+Past the frontend's CPU capacity the backlog is not in any model's queue but ahead of the pipeline —
+requests accepted and waiting for their turn to run — so every request, answered or refused, waits
+there first (issue 30: refusals at 148 ms, admitted requests at seconds). gRPC ModelInfer, REST
+infer, the typed API and the OpenAI inference routes enter through :class:`UnaryAdmission` before
+they decode anything, into a ``batching.overload_policy.LoopGate``: past its ``ceiling``
+(``INFERPLANE_MAX_INFLIGHT``, on by default) or, opt-in (``INFERPLANE_LOOP_ADMISSION``), over the
+limit :func:`watch` sets from the loop's lag (how late a short timer fires), an arrival is
+RESOURCE_EXHAUSTED / 429 with the time to drain what is in flight as its retry hint. A refusal costs
+no decode, no task and no pipeline stage, so the frontend keeps pace with arrivals it cannot serve.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ class UnaryAdmission:
         self.gate = gate
 
     def __enter__(self) -> None:
-        retry = self.gate.enter()
+        gate = self.gate
+        retry = gate.enter()
         if retry is not None:
-            raise Overloaded(
-                f"the frontend is saturated: its event loop runs {self.gate.lag_s * 1000:.1f} ms behind "
-                f"({self.gate.inflight} requests in flight, limit {self.gate.limit})",
-                retry_after_s=retry,
-            )
+            ceiling = gate.policy.ceiling
+            if gate.limit is None or (ceiling is not None and ceiling <= gate.limit):
+                why = f"{gate.inflight} requests in flight, its bound is {ceiling}"
+            else:
+                why = f"its event loop runs {gate.lag_s * 1000:.1f} ms behind ({gate.inflight} requests in flight, limit {gate.limit})"
+            raise Overloaded(f"the frontend is saturated: {why}", retry_after_s=retry)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.gate.exit()

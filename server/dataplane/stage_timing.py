@@ -1,5 +1,6 @@
-"""Per-stage timing of one request, on the caller's request: ``Server-Timing`` on REST, trailing
-metadata on gRPC.
+"""Per-stage timing of one request, on the caller's request: ``Server-Timing`` on REST (the OIP
+routes and the OpenAI ones), trailing metadata on gRPC (ModelInfer and the typed API's Predict /
+PredictBatch).
 
 A caller that sends ``inferplane-timing`` (HTTP header or gRPC metadata, any value) gets the time its
 request spent in each stage, in order, and the total::
@@ -21,7 +22,12 @@ sum to at most ``total`` (each is floored to the microsecond). The stages:
 - ``answer``: the batch's answer split and handed back to this request's task (the loop's wake-up)
 - ``exit``: output filters (an endpoint with a safety policy), the pipeline's bookkeeping (queue
   release, metrics, metering, traffic observation)
-- ``encode``: the answer encoded for the caller (REST JSON / binary; nothing on gRPC)
+- ``encode``: the answer encoded for the caller (REST JSON / binary, the typed API's message; nothing
+  on OIP gRPC)
+
+The typed API adds an ``auth`` before ``decode`` (the model's visibility, checked before its fields
+are decoded; :func:`parse` sums it with the pipeline's). An OpenAI stream's ``Server-Timing`` header
+is sent with its first event, so it holds the stages until then and the total so far.
 
 A timed request that is also sampled for tracing (``server.dataplane.tracing``) gets its ``decode``,
 ``replica`` and ``answer`` stages as spans beside the hops' (the other stages have spans already).

@@ -110,3 +110,55 @@ def test_rest_refusal_is_429_with_retry_after(overload_stack):
     for status, headers, doc in results:
         if status == 429:
             assert int(headers["Retry-After"]) >= 1 and "paced" in json.dumps(doc)
+
+
+# ---- the process's in-flight bound (INFERPLANE_MAX_INFLIGHT): refused before decode, on every transport ----
+
+BOUND = 2
+
+
+@pytest.fixture(scope="module")
+def bounded_stack(demo_repository, tmp_path_factory):
+    """A frontend holding at most ``BOUND`` inference requests at once; the paced model (one instance,
+    2 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds."""
+    repository = tmp_path_factory.mktemp("bounded") / "model_repository"
+    repository.mkdir()
+    build_paced_model(repository, service_ms=2000, instances=1)
+    shutil.copytree(demo_repository / "fraud_xgboost", repository / "fraud_xgboost")
+    s = start_stack(repository, tmp_path_factory.mktemp("bounded_stack"), env={"INFERPLANE_MAX_INFLIGHT": str(BOUND)})
+    yield s
+    stop_stack(s)
+
+
+def _post_fraud(http: str):
+    body = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 32], "data": [0.0] * 32}]}).encode()
+    request = urllib.request.Request(f"http://{http}/v2/models/fraud_xgboost/infer", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answers_again(bounded_stack):
+    with grpc.insecure_channel(bounded_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
+        infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        held = [infer.future(_paced(), timeout=60) for _ in range(BOUND)]
+        refused = rest = None
+        while refused is None and not all(f.done() for f in held):  # until the held pair is in flight
+            try:
+                infer(_fraud(), timeout=30)
+            except grpc.RpcError as err:
+                refused = err
+        if refused is not None:  # the pair still holds the bound (2 s each, one after the other): REST is refused too
+            rest = _post_fraud(bounded_stack.http)
+        answers = [pb.ModelInferResponse.FromString(f.result()) for f in held]  # the held requests are served, not dropped
+        after = pb.ModelInferResponse.FromString(infer(_fraud(), timeout=30))  # below the bound again: answered
+    assert refused is not None, "no request was refused while the bound was full"
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+    assert "in flight" in refused.details() and (_retry_delay_ms(refused) or 0) > 0
+    assert float(dict(refused.trailing_metadata())["retry-after"]) > 0
+    status, headers, doc = rest
+    assert status == 429 and int(headers["Retry-After"]) >= 1, (status, doc)
+    assert doc["code"] == "RESOURCE_EXHAUSTED" and "in flight" in doc["error"], doc
+    assert all(a.model_name == "paced" for a in answers) and after.model_name == "fraud_xgboost"

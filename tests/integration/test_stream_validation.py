@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
+from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER, RESERVED_PARAMETERS, SHARED_MEMORY_PARAMETERS, TENSOR_PARAMETERS
 from server.protogen.inference import grpc_service_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -59,11 +60,28 @@ CASES = [
     ("negative priority", _request_param("priority", "int64_param", -1), "parameters.priority"),
     ("negative timeout", _request_param("timeout", "int64_param", -5), "parameters.timeout"),
     ("sequence_start as a number", _request_param("sequence_start", "int64_param", 1), "parameters.sequence_start"),
+    ("sequence_end as text", _request_param("sequence_end", "string_param", "yes"), "parameters.sequence_end"),
+    ("empty final response as a number", _request_param("triton_enable_empty_final_response", "int64_param", 1),
+     "parameters.triton_enable_empty_final_response"),
+    ("binary_data_output as a number", _request_param("binary_data_output", "int64_param", 1), "parameters.binary_data_output"),
+    ("priority as a double", _request_param("priority", "double_param", 1.0), "parameters.priority"),
+    ("timeout as text", _request_param("timeout", "string_param", "5"), "parameters.timeout"),
+    ("binary_data_size as text", _input_param("binary_data_size", "string_param", "4"), "inputs[0].parameters.binary_data_size"),
+    ("shared memory byte size", _input_param("shared_memory_byte_size", "int64_param", 4), "inputs[0].parameters.shared_memory_byte_size"),
+    ("shared memory offset", _output_param("shared_memory_offset", "int64_param", 0), "outputs[0].parameters.shared_memory_offset"),
+    ("frontend's adapter parameter", _request_param("inferplane_adapter", "string_param", "a"), "parameters.inferplane_adapter"),
     ("sequence_id as a double", _request_param("sequence_id", "double_param", 1.5), "parameters.sequence_id"),
     ("custom parameter as a double", _request_param("headers", "double_param", 2.0), "parameters.headers"),
     ("frontend's own parameter", _request_param("inferplane_priority", "int64_param", 0), "parameters.inferplane_priority"),
     ("parameter without a name", _request_param("", "bool_param", True), "parameters"),
 ]
+
+
+def test_every_parameter_the_validator_knows_has_a_case():
+    """A parameter added to ``server.dataplane.validation`` without a stream case here fails this."""
+    named = {field.rsplit(".", 1)[-1] for _, _, field in CASES}
+    known = {*RESERVED_PARAMETERS, *SHARED_MEMORY_PARAMETERS, *TENSOR_PARAMETERS, PRIORITY_PARAMETER, ADAPTER_PARAMETER}
+    assert known <= named, sorted(known - named)
 
 
 @pytest.fixture(scope="module")

@@ -256,6 +256,61 @@ def test_the_loop_gate_never_cuts_below_its_floor_nor_refuses_under_it(lags, arr
             gate.exit()
 
 
+# ---- the process's in-flight bound (LoopPolicy.ceiling, INFERPLANE_MAX_INFLIGHT) -------------
+
+
+def test_the_in_flight_bound_refuses_past_it_with_the_time_to_drain_what_is_in_flight():
+    from batching.overload_policy import LoopGate, LoopPolicy
+
+    clock = Clock()
+    gate = LoopGate(LoopPolicy(ceiling=4, rate_window_s=0.1), clock)
+    for _ in range(4):
+        assert gate.enter() is None
+    assert gate.enter() == pytest.approx(0.001)  # nothing measured yet: the floor, never zero
+    assert gate.refused == 1 and gate.inflight == 4  # a refusal holds nothing
+    for i in range(40):  # 40 completions over 0.2 s, each slot refilled at once: 200 answers a second
+        clock.t = (i + 1) * 0.005
+        gate.exit()
+        assert gate.enter() is None
+    assert gate.rate == pytest.approx(200.0)
+    assert gate.enter() == pytest.approx(4 / 200.0)  # 4 in flight at 200/s: 20 ms to drain
+    gate.exit()
+    assert gate.enter() is None  # a slot freed: admitted again
+
+
+def test_an_idle_gap_is_not_read_as_a_slow_drain():
+    from batching.overload_policy import LoopGate, LoopPolicy
+
+    clock = Clock()
+    gate = LoopGate(LoopPolicy(ceiling=2, rate_window_s=0.1), clock)
+    clock.t = 100.0  # idle since the start
+    assert gate.enter() is None  # busy from here: one request always in flight
+    for i in range(20):
+        assert gate.enter() is None
+        clock.t += 0.01
+        gate.exit()
+    assert gate.rate == pytest.approx(100.0, rel=0.1)  # the window started at the first arrival, not at t=0
+
+
+@given(steps=st.lists(st.tuples(st.sampled_from(["enter", "exit", "tick"]), st.floats(0.0, 0.5)), max_size=300),
+       ceiling=st.integers(1, 16))  # fmt: skip
+def test_in_flight_never_passes_the_bound_and_nothing_is_refused_under_it(steps, ceiling):
+    from batching.overload_policy import MIN_RETRY_S, LoopGate, LoopPolicy
+
+    clock = Clock()
+    gate = LoopGate(LoopPolicy(ceiling=ceiling), clock)
+    for op, dt in steps:
+        clock.t += dt
+        if op == "enter":
+            before = gate.inflight
+            retry = gate.enter()
+            assert (retry is None) == (before < ceiling)  # refused exactly when full (no lag samples: no AIMD limit)
+            assert retry is None or (MIN_RETRY_S <= retry < float("inf"))
+        elif op == "exit" and gate.inflight:
+            gate.exit()
+        assert 0 <= gate.inflight <= ceiling
+
+
 def test_a_models_queue_ttl_comes_from_its_config_parameter():
     from server.dataplane.pipeline import QUEUE_TTL_PARAMETER, model_overload
     from server.dataplane.signature import ModelSignature

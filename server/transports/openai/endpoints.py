@@ -15,6 +15,10 @@ the tokens generated so far are charged and metered). A stream with nothing to s
 keeps idle-timing proxies from closing a slow prefill or a long queue wait: when the first chunk is
 that late the response's headers go out first (200), so an error after that travels in the stream.
 Both come from ``Settings`` (``sse_stall_s``, ``sse_heartbeat_s``).
+
+A request with an ``inferplane-timing`` header gets ``Server-Timing`` (``server.dataplane.stage_timing``):
+``decode`` (the JSON body and its parameters), the pipeline's stages, ``encode`` (the JSON answer); a
+stream's headers carry the stages until they are sent (its first token, or its first heartbeat).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from aiohttp import web
 
 from server.errors import Cancelled, InferplaneError, InvalidRequest, http_error
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
+from server.dataplane.stage_timing import TIMING_HEADER, StageTimer
 from server.tenancy.identity import CallContext
 from server.transports import limits
 from server.transports.openai.body import json_object
@@ -60,7 +65,33 @@ _FINISH = {"stop": "stop", "length": "length"}
 
 
 def _ctx(request: web.Request) -> CallContext:
-    return CallContext.from_headers(request.headers)
+    """The call's context, made once the body is parsed: a timed request's ``decode`` ends here."""
+    ctx = CallContext.from_headers(request.headers)
+    timer = request.get(_TIMER)
+    if timer is not None:
+        timer.mark("decode")
+        ctx.timing = timer
+    return ctx
+
+
+# a request that sent inferplane-timing: its StageTimer (server.dataplane.stage_timing), from the handler's start
+_TIMER = "inferplane.stage_timer"
+
+
+def _start_timer(request: web.Request) -> None:
+    if TIMING_HEADER in request.headers:
+        request[_TIMER] = StageTimer()
+
+
+def _server_timing(request: web.Request, response: web.StreamResponse, stage: str | None = None) -> web.StreamResponse:
+    """``Server-Timing`` on a timed request's response (``stage``: the one that ends now); an SSE stream's
+    headers carry the stages until they are sent."""
+    timer = request.get(_TIMER)
+    if timer is not None:
+        if stage is not None:
+            timer.mark(stage)
+        response.headers["Server-Timing"] = timer.header()
+    return response
 
 
 def service(request: web.Request) -> LLMService:
@@ -206,6 +237,7 @@ def _policy(request: web.Request) -> SSEPolicy:
 
 async def _open_stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    _server_timing(request, response)
     await response.prepare(request)
     if request.transport is not None:
         request.transport.set_write_buffer_limits(high=64 << 10)
@@ -381,12 +413,14 @@ class _CompletionRender(_ChatRender):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    _start_timer(request)
     doc = await json_object(request)
     model, params = parse_generation(doc, chat=True)
     return await _generate(request, doc, model, params, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    _start_timer(request)
     doc = await json_object(request)
     model, params = parse_generation(doc, chat=False)
     return await _generate(request, doc, model, params, chat=False)
@@ -402,7 +436,8 @@ async def _generate(request: web.Request, doc: dict, model: str, params: Generat
     if stream_mode:
         render_cls = _ChatRender if chat else _CompletionRender
         return await _stream_sse(request, svc.generate(model, params, ctx=ctx), render_cls(cid, model, created, include_usage), include_usage)
-    return web.json_response(_completion_doc(cid, model, created, chat, await _whole(request, svc.complete(model, params, ctx=ctx))))
+    last = await _whole(request, svc.complete(model, params, ctx=ctx))
+    return _server_timing(request, web.json_response(_completion_doc(cid, model, created, chat, last)), "encode")
 
 
 def parse_generation(doc: dict, chat: bool) -> tuple[str, GenerateParams]:
@@ -445,8 +480,9 @@ def _completion_doc(cid: str, model: str, created: int, chat: bool, last: Chunk)
 
 
 async def embeddings(request: web.Request) -> web.Response:
+    _start_timer(request)
     doc = await json_object(request)
-    return web.json_response(await embeddings_answer(service(request), doc, _ctx(request)))
+    return _server_timing(request, web.json_response(await embeddings_answer(service(request), doc, _ctx(request))), "encode")
 
 
 async def embeddings_answer(svc: LLMService, doc: dict, ctx: CallContext) -> dict:

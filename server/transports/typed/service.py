@@ -6,7 +6,10 @@ message classes from the message factory, and answers ``/<package>.<Name>Service
 ``/PredictBatch`` on raw bytes: the request is decoded straight into tensors
 (``server.transports.typed.codec``), goes through ``DataPlane.infer`` — the one pipeline, so
 auth, quotas, admission, coalescing and traffic splits apply as to an OIP call — and Triton's
-answer is encoded back. The services follow the catalog: it is checked (one integer compare) on
+answer is encoded back. As on ModelInfer, a call enters the process's in-flight bound before it
+decodes anything (``server.dataplane.loop_gate``), and one with ``inferplane-timing`` metadata gets
+its stages in the ``server-timing`` trailer (``server.dataplane.stage_timing``; ``auth`` twice: the
+typed check before decode and the pipeline's). The services follow the catalog: it is checked (one integer compare) on
 every call, and a call to an unknown typed method first asks it for newly loaded models.
 """
 
@@ -22,6 +25,7 @@ from server.control.typed.typed_catalog import SchemaCatalog
 from server.control.typed.typed_schema import PACKAGE_ROOT, TypedSchema
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.routing import ARM_HEADER, VERSION_HEADER
+from server.dataplane.stage_timing import SERVER_TIMING
 from server.errors import BackendError, InferplaneError, InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.transports.grpc.context import abort, call_context
@@ -115,11 +119,26 @@ class TypedServices(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(call)
 
     async def _predict(self, built: Built, raw: bytes, context, batch: bool) -> bytes:
+        with self.dp.unary_admission:  # refused before decode past the process's in-flight bound
+            ctx = call_context(context, timed=True)
+            timer = ctx.timing  # None unless the caller sent inferplane-timing (server.dataplane.stage_timing)
+            answer, n, batched = await self._infer(built, raw, ctx, batch)
+        typed = built.codec.encode(pb.ModelInferResponse.FromString(answer[0]), n, batch, batched)
+        answered = ((VERSION_HEADER, answer[1]), (ARM_HEADER, answer[2]))  # who answered
+        if timer is not None:
+            timer.mark("encode")
+            answered = (*answered, (SERVER_TIMING, timer.header()))
+        context.set_trailing_metadata(answered)
+        return typed
+
+    async def _infer(self, built: Built, raw: bytes, ctx, batch: bool):
+        """The typed request decoded and sent through the pipeline: ((answer, version, arm), rows, batched)."""
         name = built.schema.model
         if built.source is not None and self.dp.signature(name) is not built.source:
             self.sync()  # the model was reloaded: its schema may have changed (next calls use it)
-        ctx = call_context(context)
         self.dp.authorize(ctx, name)  # before decoding: a caller the model is hidden from learns nothing of its fields
+        if ctx.timing is not None:
+            ctx.timing.mark("auth")  # the pipeline's own auth stage follows: a parsed header sums the two
         arrays, n = built.codec.decode(raw, batch)
         signature = self.dp.signature(name)
         batched = signature is None or signature.max_batch_size > 0
@@ -132,6 +151,6 @@ class TypedServices(grpc.GenericRpcHandler):
                     [Violation("rows", f"expected 1..{signature.max_batch_size} rows (max_batch_size), got {n}")],
                 )
         request = built.codec.infer_request(arrays, batched)
-        answer, version, arm = await self.dp.infer(request, None, ctx.timeout, ctx)
-        context.set_trailing_metadata(((VERSION_HEADER, version), (ARM_HEADER, arm)))  # who answered
-        return built.codec.encode(pb.ModelInferResponse.FromString(answer), n, batch, batched)
+        if ctx.timing is not None:
+            ctx.timing.mark("decode")
+        return await self.dp.infer(request, None, ctx.timeout, ctx), n, batched
