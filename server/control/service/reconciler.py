@@ -20,6 +20,10 @@ headless Service's addresses: ``server.dataplane.replicas.DnsSource``):
   group (``for_groups``: the group's headless Service, the models the group serves), so a ``*``
   placement never loads a GPU group's model on the CPU group's pods.
 
+One Triton's actions run concurrently, at most ``LOAD_CONCURRENCY`` at a time (Triton loads them on its
+``--model-load-thread-count`` threads, server.runtime.supervisor), so a late Triton's set loads in the time
+of its slowest model, not of their sum.
+
 Nothing is remembered between rounds but the Triton clients: a Triton that joins late, restarts
 with nothing loaded, or was unreachable during a change converges on the next round by itself.
 Every Triton reads the same repository (a shared folder here; ``s3://``/``gs://`` on a cluster,
@@ -44,11 +48,13 @@ from server.dataplane.replicas import DnsSource
 from server.dataplane.triton_client import TritonClient
 from server.errors import InferplaneError
 from server.protogen.inference import model_config_pb2
+from server.runtime.supervisor import MODEL_LOAD_THREADS
 
 log = logging.getLogger(__name__)
 
 READY = "READY"
 LOAD, UNLOAD = "load", "unload"
+LOAD_CONCURRENCY = MODEL_LOAD_THREADS  # one Triton's model-control calls in flight at once
 
 
 @dataclass(frozen=True)
@@ -220,8 +226,16 @@ class TritonReconciler:
             log.debug("triton %s: %s", target, state.error)
             return []
         state.ready, state.seen_at, state.error = ready, now, None
-        applied = []
-        for action in plan_triton(desired, configs, named, ready, busy, prune=self.prune, draining=draining):
+        gate = asyncio.Semaphore(LOAD_CONCURRENCY)
+        actions = plan_triton(desired, configs, named, ready, busy, prune=self.prune, draining=draining)
+        done = await asyncio.gather(*(self._apply(target, client, action, gate) for action in actions))
+        applied = [action for action, ok in zip(actions, done) if ok]
+        state.applied = [str(a) for a in applied]
+        return applied
+
+    async def _apply(self, target: str, client: TritonClient, action: Action, gate: asyncio.Semaphore) -> bool:
+        """One load or unload on one Triton (one action per model, so concurrent ones never race)."""
+        async with gate:
             try:
                 if action.kind == LOAD:
                     config = await asyncio.to_thread(self._config_for, action)
@@ -229,13 +243,11 @@ class TritonReconciler:
                 else:
                     await client.unload_model(action.model)
             except (InferplaneError, OSError, json_format.ParseError, text_format.ParseError) as err:
-                state.error = f"{action}: {getattr(err, 'message', err)}"
-                log.warning("triton %s: %s failed: %s", target, action, state.error)
-                continue
-            log.info("triton %s: %s", target, action)
-            applied.append(action)
-        state.applied = [str(a) for a in applied]
-        return applied
+                self.state[target].error = f"{action}: {getattr(err, 'message', err)}"
+                log.warning("triton %s: %s failed: %s", target, action, self.state[target].error)
+                return False
+        log.info("triton %s: %s", target, action)
+        return True
 
     async def run(self, stop_event: asyncio.Event, interval_s: float = 2.0) -> None:
         """Reconcile every ``interval_s`` until ``stop_event`` is set (a failed round is logged, not fatal)."""
