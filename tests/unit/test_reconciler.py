@@ -13,7 +13,7 @@ import pytest
 from server import migrations
 from server.control.scaling.placement_store import EVERY_TRITON, Placement, PlacementStore
 from server.control.scaling.executors import ModelGroups
-from server.control.service.reconciler import LOAD, LOAD_CONCURRENCY, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
+from server.control.service.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
 from server.db import make_engine
 from server.protogen.inference import model_config_pb2
 from tests.backend_fake import FakeBackend
@@ -148,22 +148,23 @@ class _SlowLoads(FakeBackend):
 
 
 def test_a_late_triton_loads_its_models_concurrently_within_the_bound(tmp_path):
-    names = [f"m{i}" for i in range(LOAD_CONCURRENCY + 2)]
+    bound = 3  # explicit: the default follows this host's cores (1 on 2 cores)
+    names = [f"m{i}" for i in range(bound + 2)]
     for name in names:
         (tmp_path / "repo" / name).mkdir(parents=True)
         (tmp_path / "repo" / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n')
     engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
     migrations.upgrade(engine)
     store = PlacementStore(engine)
-    triton = _SlowLoads(release_at=LOAD_CONCURRENCY)
-    rec = TritonReconciler(store, StaticSource(["late"]), repository=tmp_path / "repo", client_factory=lambda target: triton)
+    triton = _SlowLoads(release_at=bound)
+    rec = TritonReconciler(store, StaticSource(["late"]), repository=tmp_path / "repo", client_factory=lambda target: triton, load_concurrency=bound)
 
     async def scenario():
         for name in names:
             store.place(name, 1)
         applied = (await asyncio.wait_for(rec.reconcile_once(), 30))["late"]
         assert sorted(a.model for a in applied) == names
-        assert triton.most == LOAD_CONCURRENCY  # loads overlap, never more than the bound
+        assert triton.most == bound  # loads overlap, never more than the bound
         assert triton.loaded == {name: {1} for name in names}
 
     try:
