@@ -157,7 +157,7 @@ class Frontend:
             self._tasks.append(asyncio.create_task(watch_loop(self.dataplane.loop_gate), name="loop-lag"))
         await self._start_grpc()
         if self.control is not None:
-            await self.control.advertise(s.control_advertise or f"{_reachable(s.host)}:{self.grpc_port}")
+            await self.control.advertise(s.control_advertise or await self._leader_address())
         if not s.worker:
             await self._start_metrics()
         await self._start_http()
@@ -263,7 +263,10 @@ class Frontend:
         s = self.settings
         if self._directory is not None and self._forwarder is None:
             control = self.control
-            self._forwarder = LeaderForwarder(lambda: control is not None and control.leading, self._directory, max_message_bytes=s.max_request_bytes + (1 << 20))
+            self._forwarder = LeaderForwarder(
+                lambda: control is not None and control.leading, self._directory,
+                max_message_bytes=s.max_request_bytes + (1 << 20), tls=self._leader_tls(),
+            )  # fmt: skip
         forward = (self._forwarder,) if self._forwarder is not None else ()  # innermost: control RPCs to the leader
         server = grpc.aio.server(
             # domain errors -> statuses; an unparsable typed request body -> INVALID_ARGUMENT, not UNKNOWN
@@ -420,6 +423,27 @@ class Frontend:
 
     def _ssl_context(self):
         return self.tls.ssl_context() if self.tls is not None else None
+
+    def _leader_tls(self) -> tuple | None:
+        """The forwarded control RPCs' TLS (server.tenancy.tls.leader_credentials); its files must load."""
+        from server.tenancy.tls import TLSConfigError, leader_credentials
+
+        try:
+            return leader_credentials(self.settings)
+        except TLSConfigError as err:
+            raise StartupError(str(err)) from None
+
+    async def _leader_address(self) -> str:
+        """The address this process advertises in the lease row. Forwarders dial a loopback address in
+        plaintext (server.transports.grpc.forward): a TLS process on loopback advertises a plaintext loopback
+        control port of its own, as the parent of workers does."""
+        from server.tenancy.tls import is_loopback
+
+        address = f"{_reachable(self.settings.host)}:{self.grpc_port}"
+        if self.tls is None or not is_loopback(address):
+            return address
+        self._control_server, port = await self._grpc_server("127.0.0.1:0", internal=True)
+        return f"127.0.0.1:{port}"
 
     def _bind_grpc(self, server: grpc.aio.Server, address: str) -> int:
         if self.tls is None:

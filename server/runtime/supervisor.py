@@ -25,6 +25,7 @@ from server.runtime.triton_install import TritonInstallation
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+MODEL_LOAD_THREADS = 4  # Triton loads this many models at once (the reconciler keeps as many load calls in flight)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -104,6 +105,7 @@ class TritonSupervisor:
             f"--model-repository={self.repository}",
             "--model-control-mode=explicit",
             "--disable-auto-complete-config",
+            f"--model-load-thread-count={MODEL_LOAD_THREADS}",  # concurrent loads (the reconciler's LOAD_CONCURRENCY)
             f"--backend-directory={self._backends}",
             f"--cache-directory={self.install.caches}",
             "--allow-http=false",

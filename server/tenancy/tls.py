@@ -15,7 +15,8 @@ identity a client certificate proves.
   bound to: each SAN URI (a SPIFFE ID, ``spiffe://trust-domain/path``) and the subject in a canonical
   form (:func:`canonical_subject`, so ``CN=a,O=b`` and ``O=b, CN=a`` name the same subject).
 - :func:`channel_credentials` is the client side: the frontend's channel to a remote Triton;
-  :func:`frontend_channel` the CLIs' and the control plane's channel to a frontend (``client_tls_*``).
+  :func:`frontend_channel` the CLIs' and the control plane's channel to a frontend (``client_tls_*``);
+  :func:`leader_credentials` a frontend's channel to the control-plane leader (forwarded control writes).
 
 The private key is read from its file and handed to OpenSSL / grpc; it is never logged or echoed.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import ipaddress
 import logging
 import os
 import ssl
@@ -348,3 +350,39 @@ def frontend_channel(url: str, settings=None, *, aio: bool = False, options: lis
     if settings.client_tls_server_name:
         options.append(("grpc.ssl_target_name_override", settings.client_tls_server_name))
     return module.secure_channel(url, grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert), options=options)
+
+
+# ---- the client side: a frontend's channel to the control-plane leader (server.transports.grpc.forward) -------
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``host:port`` target is a loopback address of this host (127.0.0.0/8, ::1, localhost)."""
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def leader_credentials(settings) -> tuple[object, list] | None:
+    """Credentials and channel options for forwarded control RPCs while this platform serves TLS (None: it
+    does not). The leader's certificate is checked against ``client_tls_ca``, else the platform's own
+    client CA (``tls_client_ca``), else the system's; the client certificate is ``client_tls_cert`` (mTLS),
+    else — when the platform requires client certificates — the frontend's own ``tls_cert`` (it must
+    allow clientAuth); the name checked is ``client_tls_server_name`` when set."""
+    import grpc
+
+    if not settings.tls:
+        return None
+    ca_path = settings.client_tls_ca or settings.tls_client_ca
+    ca = _read(ca_path, "CA bundle of the control-plane leader") if ca_path else None
+    cert_path, key_path = settings.client_tls_cert, settings.client_tls_key
+    if cert_path is None and settings.tls_client_ca is not None:
+        cert_path, key_path = settings.tls_cert, settings.tls_key
+    cert = _read(cert_path, "client certificate") if cert_path else None
+    key = _read(key_path, "client key") if key_path else None
+    options = [("grpc.ssl_target_name_override", settings.client_tls_server_name)] if settings.client_tls_server_name else []
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert), options

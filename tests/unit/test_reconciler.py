@@ -127,6 +127,52 @@ def test_loop_converges_a_late_and_a_returning_triton_and_drains_removed_version
         engine.dispose()
 
 
+class _SlowLoads(FakeBackend):
+    """Loads that wait for each other: the most that were in flight at once is recorded."""
+
+    def __init__(self, release_at: int):
+        super().__init__()
+        self.in_flight = self.most = 0
+        self.release_at = release_at
+        self.all_in = asyncio.Event()
+
+    async def load_model(self, name: str, timeout: float = 300.0, *, config: str | None = None) -> None:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        if self.in_flight >= self.release_at:
+            self.all_in.set()
+        await self.all_in.wait()  # a one-at-a-time loop would wait here forever (bounded by wait_for below)
+        await asyncio.sleep(0)
+        self.in_flight -= 1
+        await super().load_model(name, timeout, config=config)
+
+
+def test_a_late_triton_loads_its_models_concurrently_within_the_bound(tmp_path):
+    bound = 3  # explicit: the default follows this host's cores (1 on 2 cores)
+    names = [f"m{i}" for i in range(bound + 2)]
+    for name in names:
+        (tmp_path / "repo" / name).mkdir(parents=True)
+        (tmp_path / "repo" / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n')
+    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
+    migrations.upgrade(engine)
+    store = PlacementStore(engine)
+    triton = _SlowLoads(release_at=bound)
+    rec = TritonReconciler(store, StaticSource(["late"]), repository=tmp_path / "repo", client_factory=lambda target: triton, load_concurrency=bound)
+
+    async def scenario():
+        for name in names:
+            store.place(name, 1)
+        applied = (await asyncio.wait_for(rec.reconcile_once(), 30))["late"]
+        assert sorted(a.model for a in applied) == names
+        assert triton.most == bound  # loads overlap, never more than the bound
+        assert triton.loaded == {name: {1} for name in names}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.dispose()
+
+
 def test_run_reconciles_until_stopped(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\n')

@@ -71,6 +71,11 @@ def test_register_is_versioned_content_addressed_and_idempotent(registry):
 
     again, created = registry.register("m", a, signature=SIGNATURE, metrics={"rmse": 0.1}, training_run="other")
     assert not created and again == v1  # same version, and a version never changes
+    # ...so the same bytes asking to be served on other hardware are refused, not answered with v1's metadata
+    with pytest.raises(Conflict, match="already holds these bytes as version 1"):
+        registry.register("m", a, signature=SIGNATURE, hardware={"gpu": 1, "memory_mb": 256})
+    same, created = registry.register("m", a, signature=SIGNATURE, hardware={"gpu": 0, "memory_mb": 256})
+    assert not created and same == v1
 
     v2, created = registry.register("m", b, signature=SIGNATURE, parent="m:1")
     assert created and v2.version == 2 and v2.parent == "m:1"

@@ -240,6 +240,16 @@ class AuditEntry:
     detail: str
 
 
+def _same_hardware(existing: ModelVersion, hardware: Mapping[str, Any] | None) -> None:
+    """The same bytes registered again are the version they already are; asking for other hardware metadata
+    with them is a conflict, not a silent return of the old metadata (the digest covers the content only)."""
+    if hardware and dict(hardware) != dict(existing.hardware or {}):
+        raise Conflict(
+            f"model '{existing.model.name}' already holds these bytes as version {existing.version} with hardware "
+            f"{dict(existing.hardware or {})}; the same content cannot be registered again with hardware {dict(hardware)}"
+        )
+
+
 def _record(v: ModelVersion) -> VersionRecord:
     parent = f"{v.parent.model.name}:{v.parent.version}" if v.parent is not None else None
     return VersionRecord(
@@ -441,6 +451,7 @@ class Registry:
             if model is not None:
                 existing = session.scalar(select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.content_sha256 == content))
             if existing is not None:
+                _same_hardware(existing, hardware)
                 return _record(existing), False
             team = owner_team or (model.owner_team if model is not None else "")
             if model is not None and owner_team and model.owner_team and owner_team != model.owner_team:
@@ -462,6 +473,7 @@ class Registry:
                         select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.content_sha256 == content)
                     )
                     if existing is not None:
+                        _same_hardware(existing, hardware)
                         return _record(existing), False
                     latest = session.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.model_id == model.id))
                     row = ModelVersion(

@@ -10,6 +10,10 @@ authenticates and authorizes the call itself, so a frontend grants nothing it wo
 A server interceptor (the innermost, so the error table still wraps it; registered method handlers
 would win over a generic handler): while this process leads, or for any other method, the call goes
 on to the local service.
+
+While the platform serves TLS the channel to the leader is TLS too (server.tenancy.tls.leader_credentials:
+the frontend's CA, its client certificate for mTLS); plaintext only to a loopback address of this host
+(the loopback control port of a parent of workers, server.app), never to another host.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 import grpc
 
 from server.errors import BackendUnavailable
+from server.tenancy.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,12 @@ def _identity(raw: bytes) -> bytes:
 
 
 class LeaderForwarder(grpc.aio.ServerInterceptor):
-    def __init__(self, leading: Callable[[], bool], directory, *, max_message_bytes: int, methods: frozenset[str] = FORWARDED):
+    def __init__(
+        self, leading: Callable[[], bool], directory, *, max_message_bytes: int, methods: frozenset[str] = FORWARDED, tls: tuple | None = None,
+    ):  # fmt: skip
+        """``tls``: (channel credentials, channel options) from ``leader_credentials`` while the platform serves TLS."""
         self.leading = leading
+        self.tls = tls
         self.directory = directory  # server.control.service.leader.LeaderDirectory
         self.methods = methods
         self.options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
@@ -65,7 +74,12 @@ class LeaderForwarder(grpc.aio.ServerInterceptor):
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self.options)
+            if self.tls is None or is_loopback(address):
+                channel = grpc.aio.insecure_channel(address, options=self.options)
+            else:
+                credentials, options = self.tls
+                channel = grpc.aio.secure_channel(address, credentials, options=self.options + options)
+            self._channels[address] = channel
         return channel
 
     async def _forward(self, method: str, request: bytes, context) -> bytes:
