@@ -50,7 +50,7 @@ MODULES: dict[str, list[str]] = {
     # batches: its SQLite cases only ("-k"): the PostgreSQL ones run the same statements, and a fresh
     # database each (seconds) for every mutant would not fit a pass (CI runs them in the unit suite)
     "server.control.batches.batches": ["tests/unit/test_batch_jobs.py", "tests/unit/test_batch_store.py", "tests/unit/test_batch_retention.py", "-k", "not postgresql"],
-    "server.control.scaling.placement": ["tests/unit/test_placement.py"],
+    "server.control.scaling.placement": ["tests/unit/test_placement.py", "tests/unit/test_failure_domains.py"],
 }
 
 KILLED = {"killed", "timeout", "caught by type check"}
