@@ -96,7 +96,7 @@ def mlp_classifier(seed: int = SEED) -> ModelBundle:
         n_clusters_per_class=1, random_state=seed,
     )
     x_train, y_train, rows = _split(x, y)
-    clf = MLPClassifier(hidden_layer_sizes=(128,), max_iter=15, batch_size=128, random_state=seed)
+    clf = MLPClassifier(hidden_layer_sizes=(128,), max_iter=30, batch_size=128, random_state=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         clf.fit(x_train, y_train)
