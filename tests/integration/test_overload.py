@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 from loadtest.paced_model import FEATURES, build_paced_model, sample_features
 from model_repository.config_writer import read_config, write_config
 from server.protogen.inference import grpc_service_pb2 as pb
-from tests.conftest import start_stack, stop_stack
+from tests.conftest import start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -140,18 +140,27 @@ def _post_fraud(http: str):
         return err.code, dict(err.headers), json.loads(err.read())
 
 
+def _paced_in_flight(stack) -> float:
+    text = urllib.request.urlopen(f"http://{stack.metrics}/metrics", timeout=10).read().decode()
+    line = next((l for l in text.splitlines() if l.startswith('inferplane_inflight_requests{model="paced"}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answers_again(bounded_stack):
     with grpc.insecure_channel(bounded_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
         infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
         held = [infer.future(_paced(), timeout=60) for _ in range(BOUND)]
+        wait_until(lambda: _paced_in_flight(bounded_stack) == BOUND)  # both admitted before any probe can take a place
         refused = rest = None
         while refused is None and not all(f.done() for f in held):  # until the held pair is in flight
             try:
                 infer(_fraud(), timeout=30)
             except grpc.RpcError as err:
                 refused = err
-        if refused is not None:  # the pair still holds the bound (2 s each, one after the other): REST is refused too
-            rest = _post_fraud(bounded_stack.http)
+        while refused is not None and not all(f.done() for f in held):  # the pair still holds the bound: REST is refused too
+            rest = _post_fraud(bounded_stack.http)  # (asked until refused: the first held answer frees a place after 2 s)
+            if rest[0] == 429:
+                break
         answers = [pb.ModelInferResponse.FromString(f.result()) for f in held]  # the held requests are served, not dropped
         after = pb.ModelInferResponse.FromString(infer(_fraud(), timeout=30))  # below the bound again: answered
     assert refused is not None, "no request was refused while the bound was full"
