@@ -4,9 +4,10 @@ bound, or while the event loop stands behind.
 Past the frontend's CPU capacity the backlog is not in any model's queue but ahead of the pipeline —
 requests accepted and waiting for their turn to run — so every request, answered or refused, waits
 there first (issue 30: refusals at 148 ms, admitted requests at seconds). gRPC ModelInfer, REST
-infer, the typed API and the OpenAI inference routes enter through :class:`UnaryAdmission` before
-they decode anything, into a ``batching.overload_policy.LoopGate``: past its ``ceiling``
-(``INFERPLANE_MAX_INFLIGHT``, on by default) or, opt-in (``INFERPLANE_LOOP_ADMISSION``), over the
+infer and the typed API's Predict/PredictBatch enter through :class:`UnaryAdmission` before they
+decode anything (the OpenAI/LLM routes and ModelStreamInfer do not: the LLM engine admits its
+own), into a ``batching.overload_policy.LoopGate``: past its ``ceiling`` (``INFERPLANE_MAX_INFLIGHT``,
+on by default) or, opt-in (``INFERPLANE_LOOP_ADMISSION``), over the
 limit :func:`watch` sets from the loop's lag (how late a short timer fires), an arrival is
 RESOURCE_EXHAUSTED / 429 with the time to drain what is in flight as its retry hint. A refusal costs
 no decode, no task and no pipeline stage, so the frontend keeps pace with arrivals it cannot serve.
