@@ -344,12 +344,20 @@ def frontend_channel(url: str, settings=None, *, aio: bool = False, options: lis
     module = grpc.aio if aio else grpc
     if settings.client_tls_ca is None and settings.client_tls_cert is None:
         return module.insecure_channel(url, options=options)
-    ca = _read(settings.client_tls_ca, "client CA bundle") if settings.client_tls_ca else None
-    cert = _read(settings.client_tls_cert, "client certificate") if settings.client_tls_cert else None
-    key = _read(settings.client_tls_key, "client key") if settings.client_tls_key else None
-    if settings.client_tls_server_name:
-        options.append(("grpc.ssl_target_name_override", settings.client_tls_server_name))
-    return module.secure_channel(url, grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert), options=options)
+    credentials, name = _client_credentials(settings.client_tls_ca, "client CA bundle", settings.client_tls_cert, settings.client_tls_key, settings)
+    return module.secure_channel(url, credentials, options=options + name)
+
+
+def _client_credentials(ca_path, ca_label: str, cert_path, key_path, settings) -> tuple[object, list]:
+    """A client side's gRPC credentials (the CA to check the server by; a client certificate for mTLS when
+    given) and the channel option naming the server to check (``client_tls_server_name``, when set)."""
+    import grpc
+
+    ca = _read(ca_path, ca_label) if ca_path else None
+    cert = _read(cert_path, "client certificate") if cert_path else None
+    key = _read(key_path, "client key") if key_path else None
+    options = [("grpc.ssl_target_name_override", settings.client_tls_server_name)] if settings.client_tls_server_name else []
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert), options
 
 
 # ---- the client side: a frontend's channel to the control-plane leader (server.transports.grpc.forward) -------
@@ -373,16 +381,10 @@ def leader_credentials(settings) -> tuple[object, list] | None:
     client CA (``tls_client_ca``), else the system's; the client certificate is ``client_tls_cert`` (mTLS),
     else — when the platform requires client certificates — the frontend's own ``tls_cert`` (it must
     allow clientAuth); the name checked is ``client_tls_server_name`` when set."""
-    import grpc
-
     if not settings.tls:
         return None
-    ca_path = settings.client_tls_ca or settings.tls_client_ca
-    ca = _read(ca_path, "CA bundle of the control-plane leader") if ca_path else None
     cert_path, key_path = settings.client_tls_cert, settings.client_tls_key
     if cert_path is None and settings.tls_client_ca is not None:
         cert_path, key_path = settings.tls_cert, settings.tls_key
-    cert = _read(cert_path, "client certificate") if cert_path else None
-    key = _read(key_path, "client key") if key_path else None
-    options = [("grpc.ssl_target_name_override", settings.client_tls_server_name)] if settings.client_tls_server_name else []
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert), options
+    ca_path = settings.client_tls_ca or settings.tls_client_ca
+    return _client_credentials(ca_path, "CA bundle of the control-plane leader", cert_path, key_path, settings)
