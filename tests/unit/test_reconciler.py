@@ -279,6 +279,9 @@ def test_cli_reconcile_once_names_an_unreachable_triton_and_migrates_the_databas
     monkeypatch.delenv("INFERPLANE_MODEL_GROUPS_FILE", raising=False)
     missing = CliRunner().invoke(app, ["control", "reconcile", "--once"])
     assert missing.exit_code == 2 and "name the Tritons" in missing.output
+    # --triton-service takes the same settings (drain, load concurrency) as from_settings: a name that resolves to none
+    service = CliRunner().invoke(app, ["control", "reconcile", "--triton-service", "nothing.invalid:8001", "--repository", str(tmp_path), "--once"])
+    assert service.exit_code == 0 and service.output == "", service.output
 
 
 def test_a_spot_group_loads_what_the_on_demand_group_it_mirrors_loads(tmp_path):
