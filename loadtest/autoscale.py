@@ -286,10 +286,11 @@ async def run_trace(api: Api, stack, repository: Path, args, runs=TRACE_RUNS, la
 def trace_ratios(out: dict) -> None:
     """Each autoscaling run's p99 and replica-seconds over fixed-max's (of the same run)."""
     fixed_max = out.get("fixed_max")
+    if fixed_max is None:
+        return
     for key in [k for k in out if k.startswith("autoscaling") and isinstance(out[k], dict)]:
-        if fixed_max is not None:
-            out[f"{key}_p99_over_fixed_max"] = _ratio(out[key]["p99_ms"], fixed_max["p99_ms"])
-            out[f"{key}_replica_seconds_over_fixed_max"] = _ratio(out[key]["replica_seconds"], fixed_max["replica_seconds"])
+        out[f"{key}_p99_over_fixed_max"] = _ratio(out[key]["p99_ms"], fixed_max["p99_ms"])
+        out[f"{key}_replica_seconds_over_fixed_max"] = _ratio(out[key]["replica_seconds"], fixed_max["replica_seconds"])
 
 
 async def run_trace_standby(root: Path, args) -> dict:
