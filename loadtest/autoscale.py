@@ -1,6 +1,7 @@
 """Fleet and autoscaling benchmarks against the embedded stack (local Triton replicas).
 
     python -m loadtest.autoscale [--quick] [--json benchmarks/autoscale/results.json] [--parts trace,predictive,zero,failover]
+    python -m loadtest.autoscale --parts trace --trace-runs fixed_max,autoscaling --standby 3 --json …
 
 All in one stack (``inferplane serve`` with local replicas started and stopped by its autoscaler),
 open loop (latency from the scheduled send), on ``paced`` (``loadtest.paced_model``: each replica
@@ -11,7 +12,11 @@ more capacity) and on the demo models for cold starts:
 1. **trace** — a replayed trace: a ramp, a spike of 5x the base, a diurnal wave; with autoscaling
    (1..max replicas), fixed at the minimum (1) and fixed at the maximum: p99 of admitted requests,
    requests refused, replica-seconds (the serving replicas integrated over the run). Goal: p99
-   within 1.5x of fixed-max at <= 60 % of its replica-seconds.
+   within 1.5x of fixed-max at <= 60 % of its replica-seconds. ``--standby N`` adds, after those runs,
+   the autoscaling run on a second stack with ``INFERPLANE_WARM_STANDBY=paced=N`` (Tritons holding
+   paced loaded, out of rotation: a scale-up takes one instead of starting a process and loading):
+   ``autoscaling_standby``, with the standbys' own Triton-seconds beside its replica-seconds (they hold
+   the model's memory and a process while they wait, serving nothing).
 2. **predictive** — the diurnal wave replayed for several periods with the forecast off (reactive,
    the profile learning meanwhile), then on: p99 over the rising half of each wave, replica-seconds.
 3. **zero** — scale-from-zero first-answer latency per demo model (registry-deployed, so its
@@ -112,12 +117,14 @@ async def open_loop(target: str, payload: bytes, rate, duration: float, timeout:
     return out
 
 
-async def sample_replicas(api: "Api", endpoint: str, stop: asyncio.Event, every: float = 0.25) -> list[tuple[float, int]]:
+async def sample_replicas(api: "Api", endpoint: str, stop: asyncio.Event, every: float = 0.25, read=None) -> list[tuple[float, int]]:
+    """(t, count) every ``every`` s until ``stop``: the serving replicas, or what ``read()`` counts."""
+    read = read or (lambda: api.status(endpoint)["serving_replicas"])
     samples = []
     t0 = time.perf_counter()
     while not stop.is_set():
         try:
-            samples.append((time.perf_counter() - t0, (await asyncio.to_thread(api.status, endpoint))["serving_replicas"]))
+            samples.append((time.perf_counter() - t0, await asyncio.to_thread(read)))
         except Exception:  # noqa: BLE001 - a sample lost is a sample lost
             pass
         await asyncio.sleep(every)
@@ -184,6 +191,10 @@ class Api:
     def wait_serving(self, endpoint: str, n: int) -> None:
         self.wait(lambda: self.status(endpoint)["serving_replicas"] == n and self.status(endpoint)["replicas"] == n, what=f"{endpoint} on {n} replicas")
 
+    def standbys(self, endpoint: str) -> int:
+        """The loaded standbys of ``endpoint`` waiting out of rotation."""
+        return len(self.explain(endpoint)["executor"]["standby"].get(endpoint, []))
+
 
 def payload(model: str, repository: Path, rows: int = 1) -> bytes:
     from loadtest.paced_model import sample_features
@@ -200,7 +211,7 @@ def payload(model: str, repository: Path, rows: int = 1) -> bytes:
     return request.SerializeToString()
 
 
-def start(root: Path, service_ms: float, profile_period_s: float, lead_s: float):
+def start(root: Path, service_ms: float, profile_period_s: float, lead_s: float, env: dict[str, str] | None = None):
     from loadtest.paced_model import build_paced_model
     from loadtest.stack import start_stack
     from model_repository.demo import build_demo_repository
@@ -224,6 +235,7 @@ def start(root: Path, service_ms: float, profile_period_s: float, lead_s: float)
         "INFERPLANE_ADMISSION_QUEUE_DELAY_S": "2.0",  # queue up to 2 s of work instead of refusing early
         "INFERPLANE_ADMISSION_CODEL": "false",  # and keep it queued: no standing-queue drops (batching.overload_policy)
         "INFERPLANE_LOG_LEVEL": "WARNING",
+        **(env or {}),
     }
     stack = start_stack(repository, root / "stack", env=env)
     return stack, repository, demo_dirs
@@ -232,36 +244,69 @@ def start(root: Path, service_ms: float, profile_period_s: float, lead_s: float)
 # ---- parts -----------------------------------------------------------------------------------------
 
 
-async def run_trace(api: Api, stack, repository: Path, args) -> dict:
+TRACE_RUNS = ("fixed_max", "fixed_min", "autoscaling")
+
+
+async def run_trace(api: Api, stack, repository: Path, args, runs=TRACE_RUNS, label: str = "") -> dict:
+    """The trace replayed once per run of ``runs`` (``label``: a suffix of the result keys)."""
     capacity = 1000.0 / args.service_ms  # per replica
     base, peak = 0.4 * capacity, 0.8 * args.max_replicas * capacity
     duration = TRACE_S * args.scale
     body = payload(PACED, repository)
     quick = {"scale_down_window_s": 5.0 * args.scale, "down_cooldown_s": 2.0 * args.scale, "scale_up_window_s": 0.0, "predictive": False}
     out = {"per_replica_capacity_rps": capacity, "base_rps": base, "peak_rps": peak, "spike_rps": 5 * base, "duration_s": duration}
-    runs = {
+    bounds_of = {
         "fixed_max": dict(min_replicas=args.max_replicas, max_replicas=args.max_replicas),
         "fixed_min": dict(min_replicas=1, max_replicas=1),
         "autoscaling": dict(min_replicas=1, max_replicas=args.max_replicas),
     }
-    for name, bounds in runs.items():
+    for name in runs:
+        bounds = bounds_of[name]
         api.configure(PACED, target=args.target_inflight, **bounds, **quick)
         api.wait_serving(PACED, bounds["min_replicas"])
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_replicas(api, PACED, stop))
+        waiting = asyncio.create_task(sample_replicas(api, PACED, stop, every=0.5, read=lambda: api.standbys(PACED))) if label else None
         results = await open_loop(stack.grpc, body, lambda t: trace_rate(t, base, peak, args.scale), duration)
         stop.set()
         samples = await sampler
-        out[name] = {**summary(results, duration), "replica_seconds": replica_seconds(samples, duration),
-                     "max_replicas_seen": max((n for _, n in samples), default=0)}  # fmt: skip
-        if name == "autoscaling":  # how long each scale-up took: start the replica, load the model, live
-            out[name]["scale_up_s"] = scale_up_seconds(api.explain(PACED)["decisions"])
-        print(f"trace {name}: {json.dumps(out[name])}", flush=True)
-    fixed_max = out["fixed_max"]
-    auto = out["autoscaling"]
-    out["autoscaling_p99_over_fixed_max"] = _ratio(auto["p99_ms"], fixed_max["p99_ms"])
-    out["autoscaling_replica_seconds_over_fixed_max"] = _ratio(auto["replica_seconds"], fixed_max["replica_seconds"])
+        key = name + label
+        out[key] = {**summary(results, duration), "replica_seconds": replica_seconds(samples, duration),
+                    "max_replicas_seen": max((n for _, n in samples), default=0)}  # fmt: skip
+        if waiting is not None:  # loaded Tritons out of rotation: the standbys' cost, not serving
+            out[key]["standby_seconds"] = replica_seconds(await waiting, duration)
+        if name == "autoscaling":  # how long each scale-up took: start the replica (or take a standby), load the model, live
+            explained = api.explain(PACED)
+            out[key]["scale_up_s"] = scale_up_seconds(explained["decisions"])
+            out[key]["from_warm"] = explained["executor"]["from_warm"]
+        print(f"trace {key}: {json.dumps(out[key])}", flush=True)
     return out
+
+
+def trace_ratios(out: dict) -> None:
+    """Each autoscaling run's p99 and replica-seconds over fixed-max's (of the same run)."""
+    fixed_max = out.get("fixed_max")
+    if fixed_max is None:
+        return
+    for key in [k for k in out if k.startswith("autoscaling") and isinstance(out[k], dict)]:
+        out[f"{key}_p99_over_fixed_max"] = _ratio(out[key]["p99_ms"], fixed_max["p99_ms"])
+        out[f"{key}_replica_seconds_over_fixed_max"] = _ratio(out[key]["replica_seconds"], fixed_max["replica_seconds"])
+
+
+async def run_trace_standby(root: Path, args) -> dict:
+    """The autoscaling run again on a stack of its own that keeps ``args.standby`` standbys of paced."""
+    from loadtest.stack import stop_stack
+
+    (root / "standby").mkdir()
+    stack, repository, _ = start(root / "standby", args.service_ms, args.period, args.lead, env={"INFERPLANE_WARM_STANDBY": f"{PACED}={args.standby}"})
+    api = Api(stack)
+    try:
+        api.configure(PACED, min_replicas=1, max_replicas=args.max_replicas, target=args.target_inflight)
+        api.wait(lambda: api.standbys(PACED) == args.standby, timeout=180, what=f"{args.standby} standbys of {PACED}")
+        return await run_trace(api, stack, repository, args, runs=("autoscaling",), label="_standby")
+    finally:
+        api.channel.close()
+        stop_stack(stack)
 
 
 async def run_predictive(api: Api, stack, repository: Path, args) -> dict:
@@ -414,10 +459,10 @@ async def main_async(args) -> dict:
     stack, repository, demo_dirs = start(root, args.service_ms, args.period, args.lead)
     api = Api(stack)
     out: dict = {"service_ms": args.service_ms, "max_replicas": args.max_replicas, "target_inflight": args.target_inflight}
+    parts = args.parts.split(",")
     try:
-        parts = args.parts.split(",")
         if "trace" in parts:
-            out["trace"] = await run_trace(api, stack, repository, args)
+            out["trace"] = await run_trace(api, stack, repository, args, runs=args.trace_runs.split(","))
         if "predictive" in parts:
             out["predictive"] = await run_predictive(api, stack, repository, args)
         if "failover" in parts:
@@ -428,6 +473,13 @@ async def main_async(args) -> dict:
     finally:
         api.channel.close()
         stop_stack(stack)
+    try:
+        if "trace" in parts and args.standby:  # after the first stack stopped: the two never share the cores
+            out["trace"]["standby"] = args.standby
+            out["trace"].update({k: v for k, v in (await run_trace_standby(root, args)).items() if k.endswith("_standby")})
+        if "trace" in parts:
+            trace_ratios(out["trace"])
+    finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     return out
@@ -440,6 +492,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-replicas", type=int, default=4)
     p.add_argument("--target-inflight", type=float, default=0.7, help="autoscaling target: requests in flight per replica")
     p.add_argument("--scale", type=float, default=1.0, help="stretch the trace's time (1: 80 s)")
+    p.add_argument("--trace-runs", default=",".join(TRACE_RUNS), help="which of the trace's runs, in order")
+    p.add_argument("--standby", type=int, default=0, help="also the autoscaling run on a stack keeping N standbys of paced (0: not)")
     p.add_argument("--period", type=float, default=30.0, help="the diurnal wave's period (s): the forecast's compressed day")
     p.add_argument("--periods", type=int, default=4)
     p.add_argument("--lead", type=float, default=4.0, help="how far ahead the forecast looks (s)")
@@ -450,6 +504,9 @@ def main(argv=None) -> None:
     p.add_argument("--keep", action="store_true", help="keep the temporary stack folder")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    unknown = set(args.trace_runs.split(",")) - set(TRACE_RUNS)
+    if unknown:
+        p.error(f"--trace-runs: unknown {', '.join(sorted(unknown))} (of {', '.join(TRACE_RUNS)})")
     if args.quick:
         args.scale, args.periods, args.period, args.zero_repeats, args.failover_s = 0.4, 2, 16.0, 1, 6.0
     out = asyncio.run(main_async(args))

@@ -78,7 +78,7 @@ async def _reconcile(settings, triton_service: str | None, prune: bool, once: bo
 
     from server import migrations
     from server.control.scaling.placement_store import PlacementStore
-    from server.control.service.reconciler import TritonReconciler, from_settings
+    from server.control.service.reconciler import TritonReconciler, from_settings, settings_kwargs
     from server.dataplane.replicas import DnsSource
     from server.db import make_engine
 
@@ -87,8 +87,7 @@ async def _reconcile(settings, triton_service: str | None, prune: bool, once: bo
     store = PlacementStore(engine)
     if triton_service:
         host, _, port = triton_service.rpartition(":")
-        repository = settings.model_repository_url or settings.model_repository
-        reconcilers = [TritonReconciler(store, DnsSource(host, int(port)), repository=repository, drain_s=settings.reconcile_drain_s, prune=prune)]
+        reconcilers = [TritonReconciler(store, DnsSource(host, int(port)), prune=prune, **settings_kwargs(settings))]
     else:
         reconcilers = from_settings(settings, store, prune=prune)
     try:

@@ -20,7 +20,8 @@ Warm pool (issue 29): Tritons started before any scale-up asks for them, of two 
 A taken member's id and callbacks are re-pointed to the replica and the pool is refilled in the
 background. A standby is taken only while the model's directory is what it loaded (``_signature``:
 a deploy that wrote another version makes it an empty member's worth: the executor loads again); a
-standby whose Triton died and restarted loads its model again.
+standby whose Triton died and restarted loads its model again. Placement decides how many standbys
+the pool keeps (``keep_standby``: those whose model fits a replica, server.control.scaling.placement).
 """
 
 from __future__ import annotations
@@ -168,11 +169,29 @@ class LocalReplicaPool:
                 out.setdefault(w.model, []).append(w.supervisor.pid)
         return out
 
+    async def keep_standby(self, counts: dict[str, int]) -> None:
+        """Keep ``counts`` standbys per model from now on (placement's: those that fit a replica): the
+        waiting ones beyond them stop, freeing their memory; missing ones start in the background."""
+        self.standby = {m: n for m, n in counts.items() if n > 0}
+        surplus: list[_Warm] = []
+        for model in sorted({w.model for w in self.warm if w.model is not None}):
+            surplus += [w for w in self.warm if w.model == model][self.standby.get(model, 0) :]
+        for warm in surplus:
+            self.warm.remove(warm)
+            log.warning("warm standby of %s (pid %s) stopped: placement keeps %d", warm.model, warm.supervisor.pid, self.standby.get(warm.model, 0))
+        await asyncio.gather(*(w.supervisor.stop() for w in surplus))
+        if self._short():
+            self._refill()
+
+    def _kept(self, model: str | None) -> int:
+        """The warm members of ``model`` (None: the empty ones)."""
+        return sum(1 for w in self.warm if w.model == model)
+
     def _short(self) -> list[str | None]:
         """One entry per member missing (counting those starting): empty ones (None), then standbys."""
         kinds: list[str | None] = []
         for kind, n in [(None, self.warm_pool), *self.standby.items()]:
-            have = sum(1 for w in self.warm if w.model == kind) + self._warming.get(kind, 0)
+            have = self._kept(kind) + self._warming.get(kind, 0)
             kinds += [kind] * max(0, n - have)
         return kinds
 
@@ -195,6 +214,10 @@ class LocalReplicaPool:
             if model is not None:
                 warm.signature = _signature(self.repository / model)
                 await self.load(warm.supervisor.grpc_target, model)
+                if self._kept(model) >= self.standby.get(model, 0):  # placement refused it while it started
+                    log.info("warm Triton %s for %s not kept: the pool keeps %d", name, model, self.standby.get(model, 0))
+                    await warm.supervisor.stop()
+                    return
             self.warm.append(warm)
             log.info("warm Triton %s ready at %s%s", name, warm.supervisor.grpc_target, f" holding {model}" if model else "")
         except Exception as err:  # the pool stays short; the next scale-up starts cold

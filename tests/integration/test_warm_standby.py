@@ -1,7 +1,8 @@
 """Warm standbys (issue 29): ``INFERPLANE_WARM_STANDBY=fraud_xgboost=1`` keeps a Triton holding
 fraud_xgboost loaded, out of rotation. A scale-up to two copies takes it (its pid existed before the
 decision) into rotation without loading anything, its answers bit-exact with the first copy's and the
-frontend's, and the pool loads another standby behind it. ``kill -9`` of that replica's Triton under
+frontend's, and the pool loads another standby behind it; placement counts the standby's memory (a
+standby larger than a replica is refused: tests/unit/test_warm_pool.py). ``kill -9`` of that replica's Triton under
 bounded load: the new standby takes its place at once (the frontend sends it traffic), the dead one
 restarts as the standby, and no admitted request is lost. Timings go to ``loadtest/warm_pool.py``
 and ``loadtest/crash_isolation.py`` (BENCHMARKS.md §19), not here.
@@ -70,7 +71,9 @@ def test_a_scale_up_takes_the_loaded_standby_into_rotation(standby):
     configure(standby, min_replicas=1, max_replicas=1)
     assert wait_until(lambda: len(standbys(standby)) == 1, 90), explain(standby)["executor"]
     (waiting,) = standbys(standby)
-    assert waiting not in {r["pid"] for r in explain(standby)["executor"]["replicas"]}  # out of rotation
+    executor = explain(standby)["executor"]
+    assert waiting not in {r["pid"] for r in executor["replicas"]}  # out of rotation
+    assert executor["standby_refused"] == {} and executor["memory_mb"]["standby"] > 0  # placed: it holds the model's memory
     configure(standby, min_replicas=2, max_replicas=2)
     assert wait_until(lambda: explain(standby)["serving_replicas"] == 2, 90), explain(standby)["executor"]
     copies = hosts(standby)

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.autoscale import scale_up_seconds
+from loadtest.autoscale import main as autoscale_main
+from loadtest.autoscale import replica_seconds, scale_up_seconds, trace_ratios
 from loadtest.compare import compare, summarize
 from loadtest.engine import LoadSpec, Stats, clock, run_engine
 from loadtest.histogram import LatencyHistogram
@@ -739,3 +740,18 @@ def test_the_autoscale_benchmark_reads_each_scale_ups_duration_from_the_decision
         {"action": "failed", "reason": "up to 3: no port"},
     ]  # fmt: skip
     assert scale_up_seconds(decisions) == [1.07, 0.91]
+
+
+def test_the_autoscale_benchmark_sets_every_autoscaling_run_beside_fixed_max():
+    out = {"fixed_max": {"p99_ms": 20.0, "replica_seconds": 320.0}, "autoscaling": {"p99_ms": 50.0, "replica_seconds": 160.0},
+           "autoscaling_standby": {"p99_ms": 25.0, "replica_seconds": 240.0, "standby_seconds": 200.0}}  # fmt: skip
+    trace_ratios(out)
+    assert out["autoscaling_p99_over_fixed_max"] == 2.5 and out["autoscaling_replica_seconds_over_fixed_max"] == 0.5
+    assert out["autoscaling_standby_p99_over_fixed_max"] == 1.25 and out["autoscaling_standby_replica_seconds_over_fixed_max"] == 0.75
+    assert replica_seconds([(0.0, 3), (10.0, 2)], until=20.0) == 50.0  # a standby count integrates like a replica count
+
+
+def test_the_autoscale_benchmark_refuses_an_unknown_trace_run(capsys):
+    with pytest.raises(SystemExit):
+        autoscale_main(["--parts", "trace", "--trace-runs", "fixed_max,warm"])
+    assert "unknown warm" in capsys.readouterr().err

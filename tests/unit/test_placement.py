@@ -118,3 +118,45 @@ def test_a_copy_that_fills_a_replica_exactly_is_not_oversized():
 def test_a_replica_the_plan_does_not_know_uses_nothing():
     assert Plan({}).used({"m": Demand(1, 5)}, "local-9") == 0
     assert Plan({"r": {"m", "gone"}}).used({"m": Demand(1, 5)}, "r") == 5
+
+
+# ---- warm standbys in the budget ------------------------------------------------------------------------
+
+
+def test_a_standby_that_fits_a_replica_is_kept_and_its_memory_counted():
+    demands = {"fraud": Demand(1, 300 * MB, standby=2), "mlp": Demand(1, 100 * MB)}
+    plan = place(demands, {"local-0": set()}, 4000 * MB)
+    assert plan.standby == {"fraud": 2} and plan.refused_standby == {}
+    assert plan.memory(demands) == {"replicas": 400 * MB, "standby": 600 * MB}  # two idle copies beside the serving ones
+    assert plan.assignment == {"local-0": {"fraud", "mlp"}} and not plan.opened  # standbys open no replica of their own
+
+
+def test_a_standby_larger_than_a_replica_is_refused_while_its_copy_still_serves():
+    demands = {"huge": Demand(1, 9000 * MB, standby=1), "fraud": Demand(1, 300 * MB, standby=1)}
+    plan = place(demands, {"local-0": set()}, 4000 * MB)
+    assert plan.refused_standby == {"huge": 1} and plan.standby == {"fraud": 1}
+    assert plan.oversized == ["huge"] and plan.replicas_of("huge")  # serving, on a replica of its own
+    assert plan.memory(demands)["standby"] == 300 * MB  # the refused one holds nothing
+    assert place({"m": Demand(1, 10, standby=1)}, {}, capacity=10).standby == {"m": 1}  # fills a replica exactly: fits
+
+
+def test_a_model_at_zero_copies_keeps_its_standby_and_no_replica():
+    plan = place({"m": Demand(0, 100 * MB, standby=1)}, {"local-0": {"m"}}, 4000 * MB)
+    assert plan.standby == {"m": 1} and plan.assignment == {"local-0": set()}
+    assert plan.memory({"m": Demand(0, 100 * MB, standby=1)}) == {"replicas": 0, "standby": 100 * MB}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    demands=st.dictionaries(st.sampled_from("abcdef"), st.tuples(st.integers(0, 3), st.integers(1, 3000), st.integers(0, 3)), max_size=6),
+    capacity=st.integers(500, 4000),
+)
+def test_every_standby_asked_for_is_kept_within_a_replica_or_refused(demands, capacity):
+    wanted = {m: Demand(c, mb * MB, standby=n) for m, (c, mb, n) in demands.items()}
+    plan = place(wanted, {"local-0": set()}, capacity * MB)
+    assert {**plan.standby, **plan.refused_standby} == {m: d.standby for m, d in wanted.items() if d.standby}
+    assert not set(plan.standby) & set(plan.refused_standby)
+    assert all(wanted[m].memory <= capacity * MB for m in plan.standby) and all(wanted[m].memory > capacity * MB for m in plan.refused_standby)
+    assert plan.memory(wanted)["standby"] == sum(wanted[m].memory * n for m, n in plan.standby.items())
+    without = place({m: Demand(d.copies, d.memory) for m, d in wanted.items()}, {"local-0": set()}, capacity * MB)
+    assert plan.assignment == without.assignment and plan.opened == without.opened  # standbys change nothing of where copies go

@@ -13,9 +13,13 @@ import pytest
 from server import migrations
 from server.control.scaling.placement_store import EVERY_TRITON, Placement, PlacementStore
 from server.control.scaling.executors import ModelGroups
-from server.control.service.reconciler import LOAD, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, load_config, observed_versions, plan_triton
+from server.control.service.reconciler import (
+    LOAD, LOAD_CONCURRENCY, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, from_settings, load_config, observed_versions,
+    plan_triton,
+)
 from server.db import make_engine
 from server.protogen.inference import model_config_pb2
+from server.settings import Settings
 from tests.backend_fake import FakeBackend
 from tests.unit.test_registry import db_url  # noqa: F401 - a fixture (SQLite and PostgreSQL)
 
@@ -173,6 +177,20 @@ def test_a_late_triton_loads_its_models_concurrently_within_the_bound(tmp_path):
         engine.dispose()
 
 
+def test_the_load_concurrency_is_a_setting_not_the_leaders_cores(tmp_path, monkeypatch):
+    """INFERPLANE_LOAD_CONCURRENCY bounds every reconciler from_settings builds (a group's too); unset: the host's default."""
+    groups = tmp_path / "groups.json"
+    groups.write_text(json.dumps({"cpu": {"service": "triton-cpu", "models": ["*"]}, "gpu": {"service": "triton-gpu", "models": ["llm"]}}))
+    monkeypatch.setenv("INFERPLANE_LOAD_CONCURRENCY", "7")
+    assert Settings().load_concurrency == 7
+    assert [r.load_concurrency for r in from_settings(Settings(triton_url="a:8001,b:8001"), store=None)] == [7]
+    assert [r.load_concurrency for r in from_settings(Settings(model_groups_file=groups), store=None)] == [7, 7]
+    monkeypatch.delenv("INFERPLANE_LOAD_CONCURRENCY")
+    assert [r.load_concurrency for r in from_settings(Settings(triton_url="a:8001"), store=None)] == [LOAD_CONCURRENCY]
+    with pytest.raises(ValueError):
+        Settings(load_concurrency=0)
+
+
 def test_run_reconciles_until_stopped(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\n')
@@ -261,6 +279,9 @@ def test_cli_reconcile_once_names_an_unreachable_triton_and_migrates_the_databas
     monkeypatch.delenv("INFERPLANE_MODEL_GROUPS_FILE", raising=False)
     missing = CliRunner().invoke(app, ["control", "reconcile", "--once"])
     assert missing.exit_code == 2 and "name the Tritons" in missing.output
+    # --triton-service takes the same settings (drain, load concurrency) as from_settings: a name that resolves to none
+    service = CliRunner().invoke(app, ["control", "reconcile", "--triton-service", "nothing.invalid:8001", "--repository", str(tmp_path), "--once"])
+    assert service.exit_code == 0 and service.output == "", service.output
 
 
 def test_a_spot_group_loads_what_the_on_demand_group_it_mirrors_loads(tmp_path):

@@ -101,3 +101,45 @@ async def test_a_standby_whose_model_changed_is_not_taken(tmp_path):
     os.utime(tmp_path / "m" / "config.pbtxt", ns=(stamp, stamp))
     await pool.start("local-1", {"m"})
     assert pool.holds("local-1") == set() and "local-1" not in pool.from_warm  # started cold: the executor loads it
+
+
+async def test_placement_sets_how_many_standbys_the_pool_keeps(tmp_path):
+    pool, loads = pool_of(tmp_path, standby={"m": 2})
+    await pool.fill_warm()
+    waiting = pool.standby_pids()["m"]
+    assert len(waiting) == 2
+    await pool.keep_standby({"m": 0})  # refused (its copy outgrows a replica): the waiting ones stop
+    assert pool.standby_pids() == {} and pool._short() == [] and not pool._refills
+    await pool.keep_standby({"m": 1})  # fits again: one starts in the background
+    await asyncio.gather(*pool._refills)
+    assert len(pool.standby_pids()["m"]) == 1 and not set(pool.standby_pids()["m"]) & set(waiting)
+
+
+async def test_a_standby_refused_while_it_started_is_not_kept(tmp_path):
+    pool, loads = pool_of(tmp_path, standby={"m": 1})
+
+    async def refused_meanwhile(target, model):
+        loads.append((target, model))
+        pool.standby = {}  # what keep_standby({"m": 0}) does while this one loads
+
+    pool.load = refused_meanwhile
+    await pool.fill_warm()
+    assert loads and pool.standby_pids() == {} and pool.warm == []
+
+
+async def test_the_local_executor_refuses_a_standby_larger_than_a_replica_and_reports_it(tmp_path):
+    from server.control.scaling.executors import LocalExecutor
+    from server.dataplane.replicas import ReplicaSet
+
+    pool, _ = pool_of(tmp_path, standby={"m": 1})
+    await pool.fill_warm()
+    assert len(pool.standby_pids()["m"]) == 1  # started before placement knew the model's memory need
+    need = {"m": 512 << 20}
+    executor = LocalExecutor(ReplicaSet(), pool, client_factory=None, capacity_bytes=4 << 30, memory_of=need.get, standby={"m": 1})
+    await executor.keep_standby()
+    assert pool.standby_pids()["m"] and executor.describe()["memory_mb"] == {"replicas": 0, "standby": 512}
+    need["m"] = 8 << 30  # the registry says 8 GiB: more than a replica's 4 GiB
+    await executor.keep_standby()
+    described = executor.describe()
+    assert pool.standby_pids() == {} and pool.standby == {}  # stopped, and none started again
+    assert described["standby_refused"] == {"m": 1} and described["memory_mb"] == {"replicas": 0, "standby": 0}

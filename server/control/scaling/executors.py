@@ -9,7 +9,9 @@ only: the next load of the model lands there), ``describe()``.
   needs, sticky); a new copy is loaded on its replica and joins the rotation once Triton says ready;
   a removed copy is drained first (in-flight requests finish) and then unloaded; a replica left
   hosting nothing stops (not the embedded one). ``set_instances`` scales a model's Triton
-  ``instance_group`` count instead, with Triton's load-with-config.
+  ``instance_group`` count instead, with Triton's load-with-config. The warm standbys asked for
+  (``standby``) are placed too: the pool keeps those that fit a replica (``keep_standby``), and
+  ``describe`` reports the refused ones and the memory the standbys hold.
 * :class:`KubernetesGroupExecutor` — the replica count of the model group's Triton Deployment
   (``server.control.scaling.kubernetes_executor``: the scale subresource); a group serving several
   endpoints gets the largest count any of them asks for. Kubernetes places and restarts the pods;
@@ -63,7 +65,10 @@ class LocalExecutor:
         default_copies: int = 1,  # copies of a model nobody autoscales
         group_of: Callable[[str], str] = lambda model: "",  # its isolation group (server.control.scaling.isolation)
         zones: tuple[str, ...] = (),  # the zones new replicas open in (placement spreads copies over them)
+        standby: dict[str, int] | None = None,  # model -> warm standbys asked for (INFERPLANE_WARM_STANDBY)
     ):
+        self.standby = {m: n for m, n in (standby or {}).items() if n > 0}
+        self._refused: dict[str, int] = {}  # the standbys last refused (logged once)
         self.default_copies = max(1, default_copies)
         self.group_of = group_of
         self.zones = tuple(zones)
@@ -103,7 +108,8 @@ class LocalExecutor:
             copies[model] = self.replicas(model)
         copies.update(self.copies)
         copies.update(overrides or {})
-        return {model: Demand(n, self.memory_of(model), self.group_of(model)) for model, n in copies.items() if n > 0}
+        models = [m for m in copies if copies[m] > 0] + [m for m in self.standby if copies.get(m, 0) <= 0]  # a standby's even at zero copies
+        return {m: Demand(max(0, copies.get(m, 0)), self.memory_of(m), self.group_of(m), self.standby.get(m, 0)) for m in models}
 
     def plan(self, overrides: dict[str, int] | None = None) -> Plan:
         zone_of = {m.id: m.zone for m in self._local()}
@@ -118,6 +124,7 @@ class LocalExecutor:
             for model in models:
                 self.set.placement[model] = plan.replicas_of(model)
             self.last_plan = plan
+            await self._keep_standby(plan)
 
     def place_one(self, model: str) -> list[str] | None:
         """Where a model nobody scaled goes when it is loaded (the replica set asks): its copies'
@@ -148,6 +155,7 @@ class LocalExecutor:
             await self._open(plan)
             self.set.placement[endpoint] = plan.replicas_of(endpoint)
             self.last_plan = plan
+            await self._keep_standby(plan)
 
     async def set_replicas(self, endpoint: str, n: int) -> None:
         if n < 0:
@@ -174,10 +182,29 @@ class LocalExecutor:
                 self.set.placement[model] = plan.replicas_of(model)
             await asyncio.gather(*(self.set.unload_from(r, m) for r, m in unloads), return_exceptions=True)
             await self._close_empty(plan)
+            await self._keep_standby(plan)
             if loads or joined:
                 self.provision_s[endpoint] = loop.time() - began
         for model in changed:
             await self._refresh(model)
+
+    async def keep_standby(self) -> None:
+        """Place the standbys again (the models' memory needs changed: the registry was read)."""
+        async with self._lock:
+            self.last_plan = plan = self.plan()
+            await self._keep_standby(plan)
+
+    async def _keep_standby(self, plan: Plan) -> None:
+        """The pool keeps the standbys the plan keeps; one whose model outgrows a replica is refused
+        (stopped if it waits already) and reported."""
+        if not self.standby:
+            return
+        for model, n in plan.refused_standby.items():
+            if self._refused.get(model) != n:  # once, not at every scaling step
+                log.warning("warm standby of %s refused (%d asked for): one copy needs %d MiB, a local replica offers %d MiB",
+                            model, n, self.memory_of(model) >> 20, self.capacity_bytes >> 20)  # fmt: skip
+        self._refused = dict(plan.refused_standby)
+        await self.pool.keep_standby(plan.standby)
 
     async def _refresh(self, model: str) -> None:
         if self.refresh is None:
@@ -242,6 +269,8 @@ class LocalExecutor:
 
     def describe(self) -> dict:
         members = self._local()
+        plan = self.last_plan
+        memory = plan.memory(self._demands()) if plan is not None else {}
         return {
             "executor": "local",
             "replicas": [{"id": m.id, "target": m.target, "pid": self.pool.pid(m.id), "models": sorted(m.wanted), "zone": m.zone,
@@ -250,6 +279,8 @@ class LocalExecutor:
             "standby": {m: [p for p in pids if p is not None] for m, pids in sorted(self.pool.standby_pids().items())},  # loaded, out of rotation
             "from_warm": dict(sorted(self.pool.from_warm.items())),  # replica -> "empty" or the standby's model it took
             "taken_over": self.pool.taken_over,  # dead replicas a standby replaced
+            "standby_refused": dict(sorted(plan.refused_standby.items())) if plan is not None else {},  # a copy outgrows a replica
+            "memory_mb": {k: v >> 20 for k, v in memory.items()},  # placed: the replicas' copies, the standbys'
             "capacity_mb": self.capacity_bytes >> 20,
             "copies": dict(sorted(self.copies.items())),
         }

@@ -193,7 +193,7 @@ class Fleet:
             self.executor = LocalExecutor(
                 self.replicas, self.pool, lambda target: client(s, target),
                 capacity_bytes=s.replica_memory_mb << 20, memory_of=self.memory_of, primary=PRIMARY, refresh=dataplane.refresh,
-                default_copies=s.local_replicas, group_of=self.isolation_of, zones=s.zones,
+                default_copies=s.local_replicas, group_of=self.isolation_of, zones=s.zones, standby=parse_standby(s.warm_standby),
             )  # fmt: skip
 
     def isolation_of(self, model: str) -> str:
@@ -250,6 +250,8 @@ class Fleet:
             self._memory.update(await asyncio.to_thread(read))
         except Exception as err:  # an unreachable registry: defaults
             log.warning("reading memory needs from the registry failed: %s", err)
+        if isinstance(self.executor, LocalExecutor):  # a standby holds its model's memory: placed again with the needs read
+            await self.executor.keep_standby()
 
     def start_control(self, *, registry=None, deployer=None, usage_store=None) -> None:
         s = self.settings

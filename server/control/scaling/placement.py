@@ -14,6 +14,13 @@ one group only, so a crash of the Triton serving one group (the LLMs, a tier-1 e
 group) never touches another's. Replicas carry a zone (``zone_of``); a copy goes to the replica
 with room whose zone holds the fewest copies of that model, and a new replica opens in the zone
 (of ``zones``) with the fewest, so an endpoint's copies spread over zones before any zone gets two.
+
+Warm standbys (``Demand.standby``, ``INFERPLANE_WARM_STANDBY``) are in the budget too: each is a
+Triton of its own holding one copy loaded, out of rotation, and the replica a scale-up makes of it
+when it takes one. So a standby needs the model's memory within one replica's ``capacity``; the
+plan keeps those that fit (``standby``) and refuses the others (``refused_standby``: a copy larger
+than a replica still gets a replica of its own when it serves, but nothing holds it idle), and
+``memory`` counts what the standbys hold beside the replicas' copies.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class Demand:
     copies: int
     memory: int  # bytes per copy
     group: str = ""  # isolation group: shares a replica only with models of the same group
+    standby: int = 0  # warm standbys kept: Tritons holding one copy each, loaded and out of rotation
 
 
 @dataclass
@@ -37,12 +45,21 @@ class Plan:
     opened: list[str] = field(default_factory=list)  # replica ids the plan needs that do not exist yet
     oversized: list[str] = field(default_factory=list)
     zones: dict[str, str] = field(default_factory=dict)  # replica id -> zone ('' where none is known)
+    standby: dict[str, int] = field(default_factory=dict)  # model -> standbys kept (each fits a replica)
+    refused_standby: dict[str, int] = field(default_factory=dict)  # model -> standbys refused: a copy outgrows a replica
 
     def replicas_of(self, model: str) -> list[str]:
         return sorted(r for r, models in self.assignment.items() if model in models)
 
     def used(self, demands: Mapping[str, Demand], replica: str) -> int:
         return sum(demands[m].memory for m in self.assignment.get(replica, ()) if m in demands)
+
+    def memory(self, demands: Mapping[str, Demand]) -> dict[str, int]:
+        """Bytes the plan holds: the replicas' copies and the standbys' (idle, but loaded)."""
+        return {
+            "replicas": sum(self.used(demands, r) for r in self.assignment),
+            "standby": sum(demands[m].memory * n for m, n in self.standby.items() if m in demands),
+        }
 
 
 def memory_need(hardware: Mapping | None, default: int = DEFAULT_MEMORY_BYTES) -> int:
@@ -102,6 +119,9 @@ def place(
                 if need.memory > capacity:
                     plan.oversized.append(model)
             plan.assignment[target].add(model)
+    for model in sorted(m for m in demands if demands[m].standby > 0):
+        need = demands[model]
+        (plan.standby if need.memory <= capacity else plan.refused_standby)[model] = need.standby
     return plan
 
 

@@ -20,9 +20,10 @@ headless Service's addresses: ``server.dataplane.replicas.DnsSource``):
   group (``for_groups``: the group's headless Service, the models the group serves), so a ``*``
   placement never loads a GPU group's model on the CPU group's pods.
 
-One Triton's actions run concurrently, at most ``LOAD_CONCURRENCY`` at a time (half this host's cores, 1 on 2 cores, up to Triton's
-``--model-load-thread-count`` threads, server.runtime.supervisor), so a late Triton's set loads in the time
-of its slowest model, not of their sum.
+One Triton's actions run concurrently, at most ``load_concurrency`` at a time (``INFERPLANE_LOAD_CONCURRENCY``;
+unset: ``LOAD_CONCURRENCY``, half this host's cores, 1 on 2 cores, up to Triton's ``--model-load-thread-count``
+threads, server.runtime.supervisor), so a late Triton's set loads in the time of its slowest model, not of their
+sum. On a cluster the leader's cores say nothing of the Tritons' (the manifests set it to their 4 load threads).
 
 Nothing is remembered between rounds but the Triton clients: a Triton that joins late, restarts
 with nothing loaded, or was unreachable during a change converges on the next round by itself.
@@ -288,12 +289,20 @@ def from_settings(settings, store, **kwargs) -> list[TritonReconciler]:
     """The reconcilers of a control plane: one per model group (``model_groups_file``), else one over
     ``triton_url``'s Tritons; none without remote Tritons (the embedded Triton is the deployer's own).
     Set ``Deployer.placements`` to the same store, so what the deployer loads is what is placed."""
-    kwargs = {"repository": settings.model_repository_url or settings.model_repository, "drain_s": settings.reconcile_drain_s, **kwargs}
+    kwargs = {**settings_kwargs(settings), **kwargs}
     if settings.model_groups_file:
         return for_groups(ModelGroups.load(settings.model_groups_file), store, **kwargs)
     if settings.triton_urls:
         return [TritonReconciler(store, StaticSource(settings.triton_urls), **kwargs)]
     return []
+
+
+def settings_kwargs(settings) -> dict:
+    """What a ``TritonReconciler`` takes from the settings: the repository, the drain and the load concurrency."""
+    return {
+        "repository": settings.model_repository_url or settings.model_repository, "drain_s": settings.reconcile_drain_s,
+        "load_concurrency": settings.load_concurrency or LOAD_CONCURRENCY,
+    }  # fmt: skip
 
 
 def _client(target: str) -> TritonClient:
