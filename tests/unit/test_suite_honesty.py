@@ -60,3 +60,78 @@ def test_every_real_service_has_a_suite_that_needs_it():
     }
     uses_redis = any("redis_url" in {a.arg for a in node.args.args} for _, tree in _modules() for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"))
     assert marked | ({"redis"} if uses_redis else set()) == set(SERVICES), sorted(marked)
+
+
+_CLOCKS = {"perf_counter", "monotonic", "time", "clock", "perf_counter_ns", "monotonic_ns"}
+
+
+def _reads_a_clock_difference(node: ast.AST) -> bool:
+    """``node`` holds ``<clock>() - x`` (time.monotonic, perf_counter, time.time, the loadtest's clock)."""
+    return any(
+        isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Sub)
+        and any(isinstance(c, ast.Call) and (getattr(c.func, "attr", None) or getattr(c.func, "id", None)) in _CLOCKS for c in ast.walk(sub))
+        for sub in ast.walk(node)
+    )  # fmt: skip
+
+
+def _a_number(node: ast.AST) -> bool:
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in {"pytest.approx", "approx"} and node.args:
+        node = node.args[0]
+    return isinstance(node, ast.Constant) and isinstance(node.value, (int, float))
+
+
+def timed_assertions(tree: ast.Module) -> list[int]:
+    """Lines of asserts that compare an elapsed time (a clock difference, or a name assigned one in the same
+    function) with a fixed number: what a slower machine fails."""
+    lines = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        elapsed = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and _reads_a_clock_difference(n.value) for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Assert):
+                continue
+            for cmp in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+                sides = [cmp.left, *cmp.comparators]
+                for a, b in zip(sides, sides[1:]):
+                    for timed, bound in ((a, b), (b, a)):
+                        if _a_number(bound) and ((isinstance(timed, ast.Name) and timed.id in elapsed) or _reads_a_clock_difference(timed)):
+                            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_timed_assertion_finder_finds_what_it_should_and_nothing_else():
+    timed = ast.parse(
+        "def t():\n"
+        "    t0 = time.monotonic()\n"
+        "    wall_ms = (time.perf_counter() - t0) * 1000\n"
+        "    assert wall_ms < 1000\n"
+        "    assert clock() - t0 == pytest.approx(1.2, abs=0.3)\n"
+        "    assert 1.5 <= time.time() - t0 <= 3.5\n"
+    )  # fmt: skip
+    assert timed_assertions(timed) == [4, 5, 6]
+    honest = ast.parse(
+        "def t():\n"
+        "    t0 = time.monotonic()\n"
+        "    elapsed = time.monotonic() - t0\n"
+        "    assert 20.0 - elapsed - 0.05 <= retry <= 20.0\n"  # a bound measured around what it checks
+        "    assert stats.ok == 400 and lat['p90'] >= 50\n"
+    )  # fmt: skip
+    assert timed_assertions(honest) == []
+
+
+def test_no_test_asserts_an_elapsed_time_against_a_fixed_bound():
+    # non-negotiable 4: how long something took is a benchmark's figure (loadtest/, BENCHMARKS.md)
+    found = [f"{path.relative_to(TESTS)}:{line}" for path, tree in _modules() for line in timed_assertions(tree)]
+    assert not found, found
+
+
+def test_the_session_keeps_its_data_out_of_the_users_data_dir(session_data_dir):
+    import subprocess
+    import sys
+
+    from server.settings import Settings, default_data_dir
+
+    assert Settings().data_dir == session_data_dir and session_data_dir != default_data_dir()
+    child = subprocess.run([sys.executable, "-c", "from server.settings import Settings; print(Settings().data_dir)"], capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == str(session_data_dir), child.stderr  # and every process the suite starts
