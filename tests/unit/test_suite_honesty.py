@@ -29,14 +29,29 @@ def test_wait_until_fails_the_test_when_it_never_happens_and_returns_the_value_w
     assert poll(lambda: 0, timeout=0.02, interval=0.01) == 0  # poll hands a timeout back to its caller
 
 
+# the suite's pollers that hand a timeout back as their last value instead of failing: a statement calling one
+# and dropping the value waits, then passes whatever happened
+RETURNING_POLLERS = {"poll", "_wait_for", "wait_for", "wait_async", "_until_all", "_settled"}
+
+
+def dropped_poller_results(tree: ast.Module) -> list[int]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr):
+            call = node.value.value if isinstance(node.value, ast.Await) else node.value
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) in RETURNING_POLLERS:
+                out.append(node.lineno)
+    return out
+
+
+def test_the_dropped_result_finder_sees_plain_and_awaited_calls():
+    tree = ast.parse("async def t():\n    poll(f)\n    await _wait_for(r, d)\n    assert await _wait_for(r, d)\n    await asyncio.wait_for(x, 1)\n")
+    assert dropped_poller_results(tree) == [2, 3]
+
+
 def test_no_test_drops_a_pollers_result():
-    dropped = [
-        f"{path.relative_to(TESTS)}:{node.lineno}"
-        for path, tree in _modules()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "poll"
-    ]
-    assert not dropped, f"poll()'s result dropped (use wait_until, which fails the test): {dropped}"
+    dropped = [f"{path.relative_to(TESTS)}:{line}" for path, tree in _modules() for line in dropped_poller_results(tree)]
+    assert not dropped, f"a poller's result dropped (assert it, or use wait_until, which fails the test): {dropped}"
 
 
 def test_no_test_skips_on_a_timing():
