@@ -406,6 +406,21 @@ def test_compare_runs_both_real_servers_in_each_round(dummy_factory):
     json.dumps(res)
 
 
+def test_delay_check_reports_the_difference_and_exits_1_outside_its_tolerance(tmp_path):
+    from typer.testing import CliRunner
+
+    from loadtest.cli import app
+
+    out = tmp_path / "delay.json"
+    args = ["delay-check", "--rounds", "1", "-d", "0.2", "-w", "0.05", "--json", str(out), "-q"]
+    assert CliRunner().invoke(app, [*args, "--tolerance-ms", "1000"]).exit_code == 0  # any measured difference is within
+    check = json.loads(out.read_text())["delay_check"]
+    assert check["delay_ms"] == 2.0 and check["within"] is True and len(check["diff_p50_ms"]["rounds"]) == 1
+    assert len(check["load_average_before"]) == 3 and check["cpus"] == os.cpu_count()
+    refused = CliRunner().invoke(app, [*args, "--tolerance-ms", "-1"])  # none is within a negative tolerance
+    assert refused.exit_code == 1 and json.loads(out.read_text())["delay_check"]["within"] is False
+
+
 def test_summarize_spread():
     ra = [{"throughput_rps": 100.0, "latency_ms": {k: 1.0 for k in ("p50", "p90", "p99", "p99.9", "max", "mean")},
            "errors_total": 0, "requests": 100}] * 2
