@@ -101,7 +101,7 @@ def versions(admin) -> tuple[int, int, int]:
 
 
 def _v2_live(admin, versions) -> None:
-    """ranker live on v2 with no split, as the first test leaves it (deployed here when a test runs alone or first)."""
+    """ranker live on v2, as the first test leaves it (deployed here when a test runs alone or first)."""
     try:
         if admin.GetEndpoint(admin_pb2.GetEndpointRequest(name=NAME)).endpoint.live == 2:
             return
