@@ -10,9 +10,7 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,8 +27,6 @@ from loadtest.request_pool import build_pool, concrete_shape, random_pool, valid
 from loadtest.runner import RunConfig, prepare_pool, run
 from loadtest.schedule import arrival_offsets, split_rate
 from server.protogen.inference import grpc_service_pb2 as pb
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- helpers
