@@ -1,4 +1,4 @@
-"""Command line: `python -m loadtest run|compare|sweep|perf-analyzer ...` (typer app `app`)."""
+"""Command line: `python -m loadtest run|compare|delay-check|sweep|perf-analyzer ...` (typer app `app`)."""
 
 from __future__ import annotations
 
@@ -259,6 +259,36 @@ def _print_compare(result: dict) -> None:
             f"{f(ratio['min'])}–{f(ratio['max'])}", f(diff["median"]),
         )
     Console(stderr=True).print(t)
+
+
+@app.command("delay-check")
+def delay_check_cmd(
+    delay_ms: Annotated[float, typer.Option("--delay-ms", help="the delay server B adds to each answer")] = 2.0,
+    rounds: Annotated[int, typer.Option("--rounds", help="interleaved rounds A, B, A, B, ...")] = 6,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="closed loop: N concurrent callers")] = 2,
+    duration: Duration = 2.0,
+    warmup: Warmup = 0.5,
+    tolerance_ms: Annotated[float, typer.Option("--tolerance-ms", help="exit 1 when the median B-A p50 is further from the delay")] = 1.0,
+    json_out: JsonOut = None,
+    quiet: Quiet = False,
+) -> None:
+    """compare() against two local dummy servers, B adding --delay-ms: the B-A p50 it measures (a benchmark)."""
+    from loadtest.delay_check import delay_check
+
+    result = delay_check(delay_ms, rounds=rounds, concurrency=concurrency, warmup=warmup, duration=duration, tolerance_ms=tolerance_ms)
+    check = result["delay_check"]
+    if not quiet:
+        _print_compare(result)
+        diff = check["diff_p50_ms"]
+        typer.echo(
+            f"B-A p50: median {diff['median']:.3f} ms (min {diff['min']:.3f}, max {diff['max']:.3f}) for a {delay_ms:g} ms delay;"
+            f" {'within' if check['within'] else 'NOT within'} {tolerance_ms:g} ms; load average {check['load_average_before'][0]:.2f}"
+            f" -> {check['load_average_after'][0]:.2f}",
+            err=True,
+        )
+    _emit(result, json_out, quiet)
+    if not check["within"]:
+        raise typer.Exit(1)
 
 
 def _levels(text: str) -> list[float]:

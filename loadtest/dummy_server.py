@@ -3,15 +3,18 @@
 It answers ModelInfer / ModelStreamInfer with a fixed response (bytes, no parsing), and
 ModelMetadata with a small FP32 signature. Knobs: extra delay per request, failing every n-th
 request with INVALID_ARGUMENT, and one stall (holding every request) to test coordinated
-omission. `python -m loadtest.dummy_server --port 0` prints `PORT <n>` once serving.
+omission. `python -m loadtest.dummy_server --port 0` prints `PORT <n>` once serving; `DummyProcess`
+starts it so (the unit tests' servers, `python -m loadtest delay-check`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -143,6 +146,42 @@ async def start(behaviour: DummyBehaviour | None = None, port: int = 0) -> tuple
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, bound
+
+
+class DummyProcess:
+    """`python -m loadtest.dummy_server` in a subprocess on a free loopback port (``args``: its knobs,
+    e.g. ``"--delay-ms", "2"``); ``target`` is its grpc:// address once started."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loadtest.dummy_server", "--port", "0", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"dummy server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.target = f"grpc://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+    def __enter__(self) -> "DummyProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,18 @@ MAX_REQUEST_BYTES = 4 << 20  # the test stack's request size limit (the default 
 TEST_ENV = {"INFERPLANE_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES), "INFERPLANE_STATS_POLL_S": "0.5", "INFERPLANE_AUTH": "off", "INFERPLANE_ISOLATION": "none"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_data_dir(tmp_path_factory) -> Path:
+    """INFERPLANE_DATA_DIR for every process the session starts: what a stack, a benchmark run from a test
+    or a CLI keeps when not told where (the registry's SQLite, artifacts, payload logs, shadow records) goes
+    to this run's temporary folder, not the user's ~/.local/share/inferplane, where one run's rows and
+    files met the next run's (and every other run's on the machine). Restored at the end of the session."""
+    data_dir = tmp_path_factory.mktemp("data_dir")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFERPLANE_DATA_DIR", str(data_dir))
+        yield data_dir
+
+
 @pytest.fixture(scope="session")
 def demo_repository(tmp_path_factory) -> Path:
     from model_repository.demo import build_demo_repository

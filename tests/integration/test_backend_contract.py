@@ -145,7 +145,7 @@ async def test_statistics_count_the_models_requests(backend, demo_repository):
 
 async def test_unload_then_load_again(backend, demo_repository):
     await backend.unload_model(SPARE)
-    await _wait_for(lambda: _ready(backend), lambda ready: SPARE not in ready)
+    assert SPARE not in await _wait_for(lambda: _ready(backend), lambda ready: SPARE not in ready)  # the unload happened
     await backend.load_model(SPARE)
     assert SPARE in await _wait_for(lambda: _ready(backend), lambda ready: SPARE in ready)
     assert (await backend.model_config(SPARE)).name == SPARE

@@ -114,7 +114,7 @@ def test_deploy_through_any_frontend_reaches_every_worker(two_frontends, bundles
 
 
 def _deployed(admin, bundles) -> None:
-    """scorer:1 live with scorer:2 registered (what the first test leaves; done here when it ran alone)."""
+    """scorer:1 live with scorer:2 registered (what the first test leaves; done here when a test runs alone or first)."""
     if ENDPOINT not in {e.name for e in admin.ListEndpoints(admin_pb2.ListEndpointsRequest()).endpoints}:
         for bundle in bundles:
             admin.RegisterModel(_bundle_request(bundle), metadata=ACTOR)
@@ -177,10 +177,11 @@ def test_traffic_through_frontend_b_is_shadowed_and_counted_in_the_report_read_t
         assert report_a.ShadowReport(tpb.ShadowReportRequest(name=ENDPOINT)).compared >= after.compared  # readable after the end
 
 
-def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends):
+def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends, bundles):
     _, b = two_frontends
     with grpc.insecure_channel(b.grpc) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
+        _deployed(admin, bundles)  # the listing below names scorer, also when this test runs alone
         with pytest.raises(grpc.RpcError) as err:
             admin.Deploy(admin_pb2.DeployRequest(ref="no_such_model:1"), metadata=ACTOR)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no_such_model" in err.value.details()

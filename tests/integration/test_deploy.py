@@ -128,12 +128,9 @@ def test_register_deploy_infer_then_rollback(deploy_stack, admin, client, bundle
     pinned, out = _infer(client, v1, version="1")  # callers may still pin the old version during the grace period
     assert pinned == "1"
 
-    started = time.perf_counter()
+    # a switch, not a reload (how long a switch takes between loaded versions: BENCHMARKS.md §17)
     rolled = admin.Rollback(admin_pb2.RollbackRequest(name=ENDPOINT), metadata=ACTOR).result
-    wall_ms = (time.perf_counter() - started) * 1000
-    print(f"\nrollback {ENDPOINT} 2 -> 1: server switch {rolled.switch_ms:.2f} ms, RPC round trip {wall_ms:.2f} ms")
-    assert rolled.version == 1 and not rolled.reloaded
-    assert rolled.switch_ms < 1000 and wall_ms < 1000
+    assert rolled.version == 1 and not rolled.reloaded and rolled.switch_ms > 0
     answered = {_infer(client, v1, rows=1)[0] for _ in range(50)}
     assert answered == {"1"}  # after the switch returns, the retired version answers nothing
     _, out = _infer(client, v1)

@@ -6,7 +6,9 @@ held first requests, REST deploys — driven through the public surfaces (triton
 
 One stack for the module (two tree models); the tests run in order and share it: fraud_xgboost
 goes 1 -> 2 -> 3 -> 2 replicas (a kill -9 on the way) -> 1, lightgbm_regressor goes to zero and
-back, a registry version is deployed over REST, and the stack restarts with its configs.
+back, a registry version is deployed over REST, and the stack restarts with its configs. A test that
+starts from an earlier one's state makes it when absent (``_fraud_on``, ``_registered``,
+``_deployed``), so each also runs alone.
 """
 
 from __future__ import annotations
@@ -160,6 +162,12 @@ class Load:
             w.join(30)
 
 
+def _fraud_on(api, replicas: int) -> None:
+    """fraud_xgboost served by ``replicas`` replicas (what the test before leaves; configured here when absent)."""
+    api.configure(FRAUD, min_replicas=replicas, max_replicas=replicas, **QUICK)
+    wait_until(lambda: api.serving(FRAUD) == replicas and len(api.replicas(FRAUD)) == replicas, 60, explain=lambda: api.explain(FRAUD)["decisions"][-3:])
+
+
 def _served(load: Load, more: int, timeout: float = 30.0) -> None:
     target = load.ok + more
     wait_until(lambda: load.ok >= target, timeout, explain=lambda: f"load stalled at {load.ok} (errors: {load.errors[:3]})")
@@ -210,7 +218,7 @@ def test_kill_9_of_a_replica_under_load_loses_no_request_and_it_rejoins(fleet, a
 
 
 def test_scale_down_under_load_drains_with_zero_errors(fleet, api):
-    assert api.serving(FRAUD) == 2
+    _fraud_on(api, 2)
     leaving = next(r for r in api.replicas(FRAUD) if r["id"] != "local-0")
     with Load(fleet, FRAUD, threads=4) as load:
         _served(load, 100)
@@ -241,6 +249,7 @@ def _asleep(api, model):
 
 
 def test_scale_to_zero_then_twenty_first_requests_share_one_load(fleet, api):
+    _fraud_on(api, 1)  # as the test before leaves it: the executor's replicas are read through its explain below
     client = grpcclient.InferenceServerClient(fleet.grpc)
     infer(client, LGBM)
     targets = [r["target"] for r in api.explain(FRAUD)["executor"]["replicas"]]
@@ -274,7 +283,7 @@ def test_scale_to_zero_then_twenty_first_requests_share_one_load(fleet, api):
 
 
 def test_past_the_cold_start_budget_the_caller_gets_503_with_retry_after(fleet, api):
-    api.configure(LGBM, cold_start_budget_s=0.001)
+    api.configure(LGBM, min_replicas=1, max_replicas=1, scale_to_zero_after_s=1.0, cold_start_budget_s=0.001, **QUICK)
     assert wait_until(lambda: _asleep(api, LGBM), 30)
     body = json.dumps({"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}).encode()
     request = urllib.request.Request(f"http://{fleet.http}/v2/models/{LGBM}/infer", data=body, headers={"Content-Type": "application/json"})
@@ -330,6 +339,21 @@ def _register(api) -> None:
     ))  # fmt: skip
 
 
+def _registered(api) -> None:
+    """fleet_lgbm:1 in the registry (the REST deploy test registers it; here when a test runs without it)."""
+    if DEPLOYED not in {m.name for m in api.admin.ListRegisteredModels(admin_pb2.ListRegisteredModelsRequest()).models}:
+        _register(api)
+
+
+def _deployed(api) -> None:
+    """fleet_lgbm:1 deployed from the registry, on two replicas (what the REST and CLI deploys leave)."""
+    _registered(api)
+    if DEPLOYED not in {e.name for e in api.admin.ListEndpoints(admin_pb2.ListEndpointsRequest()).endpoints}:
+        assert api.admin.Deploy(admin_pb2.DeployRequest(ref=f"{DEPLOYED}:1")).result.version == 1
+    api.configure(DEPLOYED, min_replicas=2, max_replicas=4, target=8.0)
+    wait_until(lambda: api.serving(DEPLOYED) == 2, 120, explain=lambda: api.explain(DEPLOYED)["decisions"][-3:])
+
+
 def _rest(stack, method: str, path: str, body: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(f"http://{stack.http}{path}", data=data, method=method, headers={"Content-Type": "application/json"})
@@ -341,7 +365,7 @@ def _rest(stack, method: str, path: str, body: dict | None = None):
 
 
 def test_rest_deploy_answers_202_then_the_endpoint_serves_on_its_replicas(fleet, api):
-    _register(api)
+    _registered(api)
     status, headers, op = _rest(fleet, "POST", "/v1/models/deploy", {
         "model": DEPLOYED, "autoscaling": {"min_replicas": 2, "max_replicas": 3, "target_inflight": 8, "scale_to_zero_after_s": 300},
     })  # fmt: skip
@@ -371,7 +395,8 @@ def test_rest_deploy_answers_202_then_the_endpoint_serves_on_its_replicas(fleet,
     ({"model": DEPLOYED, "autoscaling": {"target_inflight": "many"}}, 400),
     ({"model": DEPLOYED, "serving": {"gpus": 8}}, 400),
 ])  # fmt: skip
-def test_rest_deploy_refuses_what_it_cannot_do_before_accepting(fleet, body, code):
+def test_rest_deploy_refuses_what_it_cannot_do_before_accepting(fleet, api, body, code):
+    _registered(api)  # the refusals of a registered model's bad request are 400s (an unknown model's is the 404)
     status, _, answer = _rest(fleet, "POST", "/v1/models/deploy", body)
     assert status == code and answer["error"] and answer["code"], answer
     assert _rest(fleet, "GET", "/v1/models/deploy/nope-123")[0] == 404
@@ -383,6 +408,9 @@ def _cli(stack, *args) -> subprocess.CompletedProcess:
 
 
 def test_cli_deploy_with_autoscaling_flags_status_and_explain(fleet, api):
+    _registered(api)
+    _fraud_on(api, 1)  # the two tree models configured, as the tests before leave them: status lists every configured one
+    api.configure(LGBM, min_replicas=1, max_replicas=1)
     deployed = _cli(fleet, "deploy", f"{DEPLOYED}:1", "--min-replicas", "2", "--max-replicas", "4", "--target-inflight", "8",
                     "--scale-to-zero-after", "300s")  # fmt: skip
     assert deployed.returncode == 0, deployed.stderr
@@ -403,6 +431,7 @@ def test_cli_deploy_with_autoscaling_flags_status_and_explain(fleet, api):
 
 
 def test_a_registry_endpoint_at_zero_keeps_its_artifact_in_the_weight_cache(fleet, api):
+    _deployed(api)
     pin = json.loads((fleet.repository_dir / DEPLOYED / "1" / "inferplane_version.json").read_text())
     artifact = fleet.repository_dir / DEPLOYED / "1" / pin["artifact"]
     assert artifact.is_file()
@@ -418,7 +447,9 @@ def test_a_registry_endpoint_at_zero_keeps_its_artifact_in_the_weight_cache(flee
     assert wait_until(lambda: api.serving(DEPLOYED) == 2, 60)
 
 
-def test_the_configs_survive_a_restart(fleet):
+def test_the_configs_survive_a_restart(fleet, api):
+    _fraud_on(api, 1)  # the configs the tests before leave, set here when this test runs alone
+    _deployed(api)
     stop_stack(fleet)
     again = start_stack(fleet.repository_dir, fleet.root / "stack2", env=fleet.env)
     again.env = fleet.env

@@ -9,7 +9,9 @@ from the registry. Its versions are tiny ONNX linear models (features[4] -> scor
   one-element constant — it answers its validation rows (small values), so it deploys and warms
   up, but ONNX Runtime raises at execute on production rows with a value above 100.
 
-The tests run in order and share the endpoint's state.
+The tests share the endpoint: the first registers the three versions (the module's ``versions``
+fixture) and ends with v2 live; each later test starts from that state (``_v2_live`` deploys it when the
+test runs alone or first), so any one of them runs on its own.
 """
 
 from __future__ import annotations
@@ -92,6 +94,23 @@ def _stack_env(root) -> dict[str, str]:
 traffic_stack, channel, admin, traffic = registry_stack_fixtures("traffic", _stack_env)
 
 
+@pytest.fixture(scope="module")
+def versions(admin) -> tuple[int, int, int]:
+    """ranker's versions, registered once for the module: v1 (W1), v2 (W2), v3 (W1, faulty)."""
+    return _register(admin, _onnx(W1), W1, "w1"), _register(admin, _onnx(W2), W2, "w2"), _register(admin, _onnx(W1, faulty=True), W1, "w1-faulty")
+
+
+def _v2_live(admin, versions) -> None:
+    """ranker live on v2, as the first test leaves it (deployed here when a test runs alone or first)."""
+    try:
+        if admin.GetEndpoint(admin_pb2.GetEndpointRequest(name=NAME)).endpoint.live == 2:
+            return
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+    assert admin.Deploy(admin_pb2.DeployRequest(ref=f"{NAME}:{versions[1]}"), metadata=ACTOR).result.version == 2
+
+
 def _infer(channel, rows=ROWS, user: str | None = None, request_id: str = ""):
     """One ModelInfer with the raw stub: (answering version, arm, score) from the answer and its trailing metadata."""
     request = pb.ModelInferRequest(model_name=NAME, id=request_id)
@@ -135,11 +154,8 @@ def _audit(admin, limit=10):
     return admin.ListAudit(admin_pb2.ListAuditRequest(target=NAME, limit=limit), metadata=ACTOR).entries
 
 
-def test_canary_split_is_weighted_sticky_and_promotes(traffic_stack, channel, admin, traffic):
-    v1 = _register(admin, _onnx(W1), W1, "w1")
-    v2 = _register(admin, _onnx(W2), W2, "w2")
-    v3 = _register(admin, _onnx(W1, faulty=True), W1, "w1-faulty")
-    assert (v1, v2, v3) == (1, 2, 3)
+def test_canary_split_is_weighted_sticky_and_promotes(traffic_stack, channel, admin, traffic, versions):
+    assert versions == (1, 2, 3)
     admin.Deploy(admin_pb2.DeployRequest(ref=f"{NAME}:1"), metadata=ACTOR)
     assert _infer(channel) == ("1", "", pytest.approx(ROWS @ W1))
 
@@ -185,9 +201,18 @@ def test_canary_split_is_weighted_sticky_and_promotes(traffic_stack, channel, ad
     shown = admin.GetEndpoint(admin_pb2.GetEndpointRequest(name=NAME)).endpoint
     assert (shown.live, shown.previous, list(shown.loaded_versions)) == (2, 1, [1, 2])
     assert [(e.action, e.outcome) for e in _audit(admin, 3)][:2] == [("canary.promote", "ok"), ("deploy", "ok")]
+    assert _policy_rows(traffic_stack)[-1] == ("canary", "promoted")
 
 
-def test_a_failing_canary_is_rolled_back_automatically(traffic_stack, channel, admin, traffic):
+def _policy_rows(stack) -> list[tuple[str, str]]:
+    """ranker's traffic policies as the registry database holds them, oldest first: (kind, status)."""
+    with sqlite3.connect(stack.env["INFERPLANE_DATABASE_URL"].removeprefix("sqlite:///")) as db:
+        return db.execute("SELECT kind, status FROM traffic_policies WHERE endpoint = ? ORDER BY id", (NAME,)).fetchall()
+
+
+def test_a_failing_canary_is_rolled_back_automatically(traffic_stack, channel, admin, traffic, versions):
+    _v2_live(admin, versions)
+    policies_before = len(_policy_rows(traffic_stack))
     request = tpb.SetCanaryRequest(
         name=NAME, version=3, percent=10, steps=[10, 50], interval_s=60, window_s=30,
         thresholds=tpb.CanaryThresholds(min_samples=10, max_error_rate=0.05),
@@ -211,12 +236,11 @@ def test_a_failing_canary_is_rolled_back_automatically(traffic_stack, channel, a
     entry = next(e for e in _audit(admin) if e.action == "canary.rollback")
     assert (entry.outcome, entry.actor, entry.target) == ("rolled_back", "traffic-controller", f"{NAME}:3")
     assert "canary error rate" in entry.detail and "canary_requests=" in entry.detail and "stable_error_rate=0" in entry.detail
-    with sqlite3.connect(traffic_stack.env["INFERPLANE_DATABASE_URL"].removeprefix("sqlite:///")) as db:
-        rows = db.execute("SELECT kind, status FROM traffic_policies WHERE endpoint = ? ORDER BY id", (NAME,)).fetchall()
-    assert rows == [("canary", "promoted"), ("canary", "rolled_back")]
+    assert _policy_rows(traffic_stack)[policies_before:] == [("canary", "rolled_back")]  # this canary's row, and only it
 
 
-def test_shadow_never_changes_answers_and_survives_a_failing_shadow(channel, traffic, traffic_stack):
+def test_shadow_never_changes_answers_and_survives_a_failing_shadow(channel, admin, traffic, traffic_stack, versions):
+    _v2_live(admin, versions)
     traffic.SetShadow(tpb.SetShadowRequest(name=NAME, version=1, percent=100), metadata=ACTOR)
     rows = np.arange(40, dtype=np.float32).reshape(10, 4) / 10
     for i in range(30):
@@ -287,7 +311,8 @@ def _run_experiment(channel, traffic, experiment, arms, rates, seed, users=300):
     return report
 
 
-def test_ab_report_detects_a_planted_difference_and_not_an_a_a_test(traffic_stack, channel, traffic):
+def test_ab_report_detects_a_planted_difference_and_not_an_a_a_test(traffic_stack, channel, admin, traffic, versions):
+    _v2_live(admin, versions)
     planted = _run_experiment(channel, traffic, "ab", [("control", 2, 50), ("treatment", 1, 50)], {"control": 0.2, "treatment": 0.45}, 1)
     arms = {a.name: a for a in planted.arms}
     assert arms["control"].requests + arms["treatment"].requests == 300
@@ -308,7 +333,8 @@ def test_ab_report_detects_a_planted_difference_and_not_an_a_a_test(traffic_stac
     assert "experiment aa" in cli.stdout and "b vs a [outcome, two_proportion_z]" in cli.stdout and "not significant" in cli.stdout
 
 
-def test_blue_green_stages_green_then_switches_at_once(channel, admin, traffic):
+def test_blue_green_stages_green_then_switches_at_once(channel, admin, traffic, versions):
+    _v2_live(admin, versions)
     staged = traffic.SetBlueGreen(tpb.SetBlueGreenRequest(name=NAME, version=1), metadata=ACTOR).policy
     assert (staged.kind, staged.green, staged.live) == ("bluegreen", "1", "2")
     assert {_infer(channel)[0] for _ in range(20)} == {"2"}  # green takes no traffic before the switch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -106,9 +107,12 @@ async def test_deploy_rollback_and_grace_expiry(setup, tmp_path):
     assert dp.routes["m"] == "2" and r2.previous == 1
 
     loads = dp.loads
+    ticks = iter([10.0, 10.004])  # the deployer's clock at the rollback's start and at the switch
+    deployer.clock = lambda: next(ticks)
     back = await deployer.rollback("m", actor="bob")
+    deployer.clock = time.perf_counter
     assert dp.routes["m"] == "1" and not back.reloaded and dp.loads == loads  # no reload: only traffic moved
-    assert back.switch_ms < 1000
+    assert back.switch_ms == pytest.approx(4.0) and back.total_ms == back.switch_ms  # reported from its clock, in ms
 
     await deployer.expire("m")  # the grace period ends: only the live version stays
     assert list(read_config(tmp_path / "repo" / "m").version_policy.specific.versions) == [1]
