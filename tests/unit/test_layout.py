@@ -256,14 +256,19 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
     assert [(module, inside) for _, module, inside in _placed_imports(room / "b.py")] == [("server.room.a", True), ("server.room.a.x", True)]
 
 
-# rooms where an import inside a function needs a reason (the control plane: its cycles are gone)
-NO_IMPORTS_IN_FUNCTIONS = ("server/control",)
+# rooms where an import inside a function needs a reason (their cycles are gone; what is left is an
+# optional or heavy dependency used on one path only)
+NO_IMPORTS_IN_FUNCTIONS = ("server/control", "server/tenancy", "server/runtime")
 # (file, imported module) -> why it is imported where it is used
 IMPORTS_IN_FUNCTIONS = {
     ("server/control/scaling/kubernetes_executor.py", "kubernetes"): "the Kubernetes client (~1 s to import), only with a cluster",
     ("server/control/scaling/kubernetes_executor.py", "kubernetes.client.exceptions"): "the Kubernetes client, only with a cluster",
     ("server/control/scaling/kubernetes_executor.py", "urllib3.exceptions"): "what the Kubernetes client raises, only with a cluster",
     ("server/control/registry/safe_formats.py", "onnx"): "onnx (heavy), only to check an ONNX artifact",
+    ("server/tenancy/redis_quotas.py", "redis"): "the Redis client, only with INFERPLANE_REDIS_URL",
+    ("server/tenancy/redis_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
+    ("server/tenancy/monthly_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
+    ("server/runtime/workers.py", "prometheus_client"): "prometheus_client.multiprocess, only in the parent of --workers N",
 }
 
 
