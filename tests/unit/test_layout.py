@@ -258,7 +258,7 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
 
 # rooms where an import inside a function needs a reason (their cycles are gone; what is left is an
 # optional or heavy dependency used on one path only)
-NO_IMPORTS_IN_FUNCTIONS = ("server/control", "server/tenancy", "server/runtime")
+NO_IMPORTS_IN_FUNCTIONS = ("server/control", "server/tenancy", "server/runtime", "server/app.py", "server/composition.py")
 # (file, imported module) -> why it is imported where it is used
 IMPORTS_IN_FUNCTIONS = {
     ("server/control/scaling/kubernetes_executor.py", "kubernetes"): "the Kubernetes client (~1 s to import), only with a cluster",
@@ -269,12 +269,13 @@ IMPORTS_IN_FUNCTIONS = {
     ("server/tenancy/redis_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
     ("server/tenancy/monthly_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
     ("server/runtime/workers.py", "prometheus_client"): "prometheus_client.multiprocess, only in the parent of --workers N",
+    ("server/app.py", "uvloop"): "the event loop's ImportError fallback (asyncio's own loop)",
 }
 
 
 def _imports_in_functions():
     for folder in NO_IMPORTS_IN_FUNCTIONS:
-        for path in _modules(folder):
+        for path in [ROOT / folder] if folder.endswith(".py") else _modules(folder):
             rel = str(path.relative_to(ROOT))
             seen = set()
             for line, module, inside in _placed_imports(path):
