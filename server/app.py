@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-import sys
 
 import grpc
 from aiohttp import web
@@ -39,6 +37,7 @@ from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
 from server.runtime.inprocess import InProcessTriton
+from server.runtime.process import log_to_stderr, stop_on_signals
 from server.runtime.supervisor import TritonSupervisor
 from server.runtime.workers import READY_MARK, WorkerPool, worker_settings
 from server.settings import Settings
@@ -562,10 +561,7 @@ def _add_to_pool(file_descriptor) -> None:
 
 async def serve(settings: Settings) -> None:
     frontend = Frontend(settings)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await frontend.start()
     except BaseException:
@@ -582,9 +578,7 @@ async def serve(settings: Settings) -> None:
 
 
 def run(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_to_stderr(settings.log_level)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it

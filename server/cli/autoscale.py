@@ -20,6 +20,7 @@ from typing import Optional
 import typer
 
 from server.cli.options import ACTOR, API_KEY, URL, frontend_call, parse_duration, table_wanted
+from server.runtime.process import log_to_stderr
 
 autoscale_app = typer.Typer(help="Autoscaling of deployed endpoints: status, explain, set.", no_args_is_help=True)
 control_app = typer.Typer(help="The control plane of a cluster (registry, autoscaler, Kubernetes executor).", no_args_is_help=True)
@@ -225,7 +226,6 @@ def control_run(
     INFERPLANE_DATABASE_URL (the registry: configs), INFERPLANE_MODEL_GROUPS_FILE (endpoint -> Deployment),
     INFERPLANE_KUBERNETES_NAMESPACE, INFERPLANE_PROMETHEUS_URL (fleet-wide load; unset: the frontend's own samples)."""
     import asyncio
-    import logging
 
     from server.settings import Settings
 
@@ -238,7 +238,7 @@ def control_run(
     if settings.model_groups_file is None:
         typer.secho("error: INFERPLANE_MODEL_GROUPS_FILE is not set (the model groups: which Deployment serves which model)", err=True, fg="red")
         raise typer.Exit(2)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr(settings.log_level)
     asyncio.run(_control(settings, frontend_url, parse_duration(interval), once))
 
 
