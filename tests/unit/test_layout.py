@@ -7,6 +7,8 @@ and the import, so the message says what to move.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -282,6 +284,18 @@ def _imports_in_functions():
                 if inside and line not in seen:
                     seen.add(line)
                     yield rel, line, module
+
+
+# server/cli is not in NO_IMPORTS_IN_FUNCTIONS: a command imports what only it runs there, so that
+# `inferplane --help` (and every command's start) reads no control plane, data plane or database layer
+CLI_STARTS_WITHOUT = ("server.app", "server.control", "server.dataplane", "server.tenancy", "sqlalchemy", "numpy", "tritonclient")
+
+
+def test_the_cli_starts_without_the_heavy_rooms():
+    code = "import sys, server.cli.main; print('\\n'.join(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    heavy = sorted(m for m in loaded if m.startswith(CLI_STARTS_WITHOUT))
+    assert not heavy, "server.cli.main imports these at its start (import them inside the command that needs them):\n" + "\n".join(heavy)
 
 
 def test_imports_in_functions_have_a_reason():
