@@ -34,8 +34,6 @@ def mount(app: typer.Typer) -> None:
     app.add_typer(control_app, name="control")
 
 
-
-
 def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 60.0):
     from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
