@@ -20,7 +20,6 @@ from server.control.registry.audit_buffer import AuditBuffer, AuditWriter
 from server.control.registry.envelope import EncryptionError, KeyRing
 from server.control.rollout.shadow_records import ShadowRecords
 from server.control.scaling.fleet import Fleet, PRIMARY
-from server.control.service.control_plane import ControlPlane
 from server.control.service.leader import LeaderDirectory
 from server.control.service.state_watch import follow
 from server.dataplane.builder import build_dataplane
@@ -36,7 +35,6 @@ from server.errors import BackendUnavailable, InferplaneError
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
-from server.runtime.inprocess import InProcessTriton
 from server.runtime.process import log_to_stderr, stop_on_signals
 from server.runtime.supervisor import TritonSupervisor
 from server.runtime.workers import READY_MARK, WorkerPool, worker_settings
@@ -182,6 +180,8 @@ class Frontend:
     async def _start_control_plane(self) -> None:
         """Registry, deployer, traffic, autoscaler, batches, retention (server.control.service.control_plane): their
         writers run while this process holds the leader lease; a standby watches the desired state."""
+        from server.control.service.control_plane import ControlPlane
+
         s, dp = self.settings, self.dataplane
         self.control = control = await asyncio.to_thread(
             ControlPlane, s, dp, self.fleet, usage_store=self.tenancy.store, shadow_records=self._shadow_records(),
@@ -202,6 +202,8 @@ class Frontend:
 
     async def _inprocess(self):
         """Triton in this process through its C API (``--triton-mode in-process``): the fleet's one member."""
+        from server.runtime.inprocess import InProcessTriton
+
         s = self.settings
         return await InProcessTriton.start(
             s.model_repository, s.workdir, response_cache_bytes=s.response_cache_bytes, startup_timeout=s.triton_startup_timeout_s

@@ -272,6 +272,8 @@ IMPORTS_IN_FUNCTIONS = {
     ("server/tenancy/monthly_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
     ("server/runtime/workers.py", "prometheus_client"): "prometheus_client.multiprocess, only in the parent of --workers N",
     ("server/app.py", "uvloop"): "the event loop's ImportError fallback (asyncio's own loop)",
+    ("server/app.py", "server.control.service.control_plane"): "the control plane's writers (~1.5 s of imports), only in the process that may lead: never in a worker of --workers N",
+    ("server/app.py", "server.runtime.inprocess"): "libtritonserver's bindings, only with --triton-mode in-process",
 }
 
 
