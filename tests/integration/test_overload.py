@@ -24,6 +24,7 @@ from tests.conftest import start_stack, stop_stack, wait_until
 pytestmark = pytest.mark.integration
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 FLOOD = 4  # one in the slot, three waiting: within the queue's bound (4), so only the TTL refuses
 
 
@@ -41,15 +42,15 @@ def overload_stack(demo_repository, tmp_path_factory):
     stop_stack(s)
 
 
-def _paced(rows: int = 1) -> bytes:
-    req = pb.ModelInferRequest(model_name="paced")
+def _paced(rows: int = 1, id: str = "") -> bytes:
+    req = pb.ModelInferRequest(model_name="paced", id=id)
     req.inputs.add(name="features", datatype="FP32", shape=[rows, FEATURES])
     req.raw_input_contents.append(sample_features(rows).tobytes())
     return req.SerializeToString()
 
 
-def _fraud() -> bytes:
-    req = pb.ModelInferRequest(model_name="fraud_xgboost")
+def _fraud(id: str = "") -> bytes:
+    req = pb.ModelInferRequest(model_name="fraud_xgboost", id=id)
     req.inputs.add(name="features", datatype="FP32", shape=[2, 32])
     req.raw_input_contents.append(np.zeros((2, 32), np.float32).tobytes())
     return req.SerializeToString()
@@ -120,10 +121,11 @@ BOUND = 2
 @pytest.fixture(scope="module")
 def bounded_stack(demo_repository, tmp_path_factory):
     """A frontend holding at most ``BOUND`` inference requests at once; the paced model (one instance,
-    2 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds."""
+    4 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds (4 s: the probes of
+    the OpenAI routes below, openai SDK clients on a shared machine, all run while the pair holds)."""
     repository = tmp_path_factory.mktemp("bounded") / "model_repository"
     repository.mkdir()
-    build_paced_model(repository, service_ms=2000, instances=1)
+    build_paced_model(repository, service_ms=4000, instances=1)
     shutil.copytree(demo_repository / "fraud_xgboost", repository / "fraud_xgboost")
     s = start_stack(repository, tmp_path_factory.mktemp("bounded_stack"), env={"INFERPLANE_MAX_INFLIGHT": str(BOUND)})
     yield s
@@ -158,7 +160,7 @@ def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answe
             except grpc.RpcError as err:
                 refused = err
         while refused is not None and not all(f.done() for f in held):  # the pair still holds the bound: REST is refused too
-            rest = _post_fraud(bounded_stack.http)  # (asked until refused: the first held answer frees a place after 2 s)
+            rest = _post_fraud(bounded_stack.http)  # (asked until refused: the first held answer frees a place after 4 s)
             if rest[0] == 429:
                 break
         answers = [pb.ModelInferResponse.FromString(f.result()) for f in held]  # the held requests are served, not dropped
@@ -171,3 +173,60 @@ def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answe
     assert status == 429 and int(headers["Retry-After"]) >= 1, (status, doc)
     assert doc["code"] == "RESOURCE_EXHAUSTED" and "in flight" in doc["error"], doc
     assert all(a.model_name == "paced" for a in answers) and after.model_name == "fraud_xgboost"
+
+
+def test_stream_messages_and_the_openai_routes_take_places_in_the_same_bound(bounded_stack):
+    """ModelStreamInfer takes a place per message (held until its final response) and the OpenAI routes
+    one per request: with one stream message and one unary request of the paced model holding the bound,
+    another stream message is refused in-stream (RESOURCE_EXHAUSTED, its id, a ``retry-after``
+    parameter) and the openai SDK's chat completion (stream or not), completion and embeddings are 429
+    with ``Retry-After`` and the OpenAI error body — before the stream's first byte and before the body
+    names a model this stack does not even serve. Once the pair is answered both are served again."""
+    import queue
+
+    import openai
+
+    outbox: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(bounded_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
+        infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        stream = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=pb.ModelStreamInferResponse.FromString)
+        responses = stream(iter(outbox.get, None), timeout=60)
+        outbox.put(_paced(id="held"))
+        held = infer.future(_paced(), timeout=60)
+        wait_until(lambda: _paced_in_flight(bounded_stack) == BOUND)  # the message and the request both admitted
+        outbox.put(_fraud(id="probe"))
+        refused = next(responses)  # the held message's answer comes seconds later
+        client = openai.OpenAI(base_url=f"http://{bounded_stack.http}/v1", api_key="unused", max_retries=0, timeout=30)
+        messages = [{"role": "user", "content": "hi"}]
+        probes = {
+            "chat stream": lambda: client.chat.completions.create(model="tiny_llama", messages=messages, stream=True),
+            "chat": lambda: client.chat.completions.create(model="tiny_llama", messages=messages),
+            "completion": lambda: client.completions.create(model="tiny_llama", prompt="hi", stream=True),
+            "embeddings": lambda: client.embeddings.create(model="minilm_embeddings", input="hi"),
+        }
+        errors = {}
+        for name, probe in probes.items():
+            try:
+                probe()
+            except openai.APIStatusError as err:
+                errors[name] = err
+        still_held = _paced_in_flight(bounded_stack)  # the premise: every probe ran while the pair held the bound
+        client.close()
+        answered_held = next(responses)
+        answer = pb.ModelInferResponse.FromString(held.result())
+        outbox.put(_fraud(id="after"))  # below the bound again: the stream serves
+        after = next(responses)
+        outbox.put(None)
+        assert list(responses) == []
+    assert still_held == BOUND, still_held
+    assert refused.error_message.startswith("RESOURCE_EXHAUSTED: ") and "in flight" in refused.error_message, refused.error_message
+    assert refused.infer_response.id == "probe" and refused.infer_response.model_name == "fraud_xgboost"
+    assert refused.infer_response.parameters["retry-after"].double_param > 0
+    assert sorted(errors) == sorted(probes), {name: repr(err) for name, err in errors.items()}
+    for name, err in errors.items():
+        assert isinstance(err, openai.RateLimitError) and err.status_code == 429, (name, err)
+        assert err.code == "RESOURCE_EXHAUSTED" and "in flight" in err.message, (name, err.body)
+        assert int(err.response.headers["retry-after"]) >= 1, name
+    assert not answered_held.error_message and answered_held.infer_response.id == "held"
+    assert answer.model_name == "paced"
+    assert not after.error_message and after.infer_response.id == "after" and after.infer_response.model_name == "fraud_xgboost"
