@@ -115,9 +115,8 @@ def _plainly_valid(request, signature: ModelSignature) -> bool:
         if spec is None or name in seen or name in text or tensor.parameters:
             return False
         seen.add(name)
-        datatype = spec.datatype
-        size = spec.element_size
-        if tensor.datatype != datatype or datatype == "BYTES" or size is None:
+        size = spec.element_size  # None for BYTES: its framing is the full check's
+        if tensor.datatype != spec.datatype or size is None:
             return False
         shape = tensor.shape
         dims = spec.dims

@@ -6,6 +6,7 @@ one slot far longer than its 30 ms queue budget, so whoever waits behind it is r
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+import openai
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
@@ -116,16 +118,19 @@ def test_rest_refusal_is_429_with_retry_after(overload_stack):
 # ---- the process's in-flight bound (INFERPLANE_MAX_INFLIGHT): refused before decode, on every transport ----
 
 BOUND = 2
+HELD = "held"
 
 
 @pytest.fixture(scope="module")
 def bounded_stack(demo_repository, tmp_path_factory):
     """A frontend holding at most ``BOUND`` inference requests at once; the paced model (one instance,
-    4 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds (4 s: the probes of
-    the OpenAI routes below, openai SDK clients on a shared machine, all run while the pair holds)."""
+    2 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds, and ``held`` (two
+    instances, 20 s a request) for as long as a test takes on a loaded machine — its requests are
+    cancelled, not awaited."""
     repository = tmp_path_factory.mktemp("bounded") / "model_repository"
     repository.mkdir()
-    build_paced_model(repository, service_ms=4000, instances=1)
+    build_paced_model(repository, service_ms=2000, instances=1)
+    build_paced_model(repository, service_ms=20000, instances=2, name=HELD)
     shutil.copytree(demo_repository / "fraud_xgboost", repository / "fraud_xgboost")
     s = start_stack(repository, tmp_path_factory.mktemp("bounded_stack"), env={"INFERPLANE_MAX_INFLIGHT": str(BOUND)})
     yield s
@@ -142,9 +147,9 @@ def _post_fraud(http: str):
         return err.code, dict(err.headers), json.loads(err.read())
 
 
-def _paced_in_flight(stack) -> float:
+def _paced_in_flight(stack, model: str = "paced") -> float:
     text = urllib.request.urlopen(f"http://{stack.metrics}/metrics", timeout=10).read().decode()
-    line = next((l for l in text.splitlines() if l.startswith('inferplane_inflight_requests{model="paced"}')), None)
+    line = next((l for l in text.splitlines() if l.startswith(f'inferplane_inflight_requests{{model="{model}"}}')), None)
     return float(line.split()[-1]) if line else 0.0
 
 
@@ -160,7 +165,7 @@ def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answe
             except grpc.RpcError as err:
                 refused = err
         while refused is not None and not all(f.done() for f in held):  # the pair still holds the bound: REST is refused too
-            rest = _post_fraud(bounded_stack.http)  # (asked until refused: the first held answer frees a place after 4 s)
+            rest = _post_fraud(bounded_stack.http)  # (asked until refused: the first held answer frees a place after 2 s)
             if rest[0] == 429:
                 break
         answers = [pb.ModelInferResponse.FromString(f.result()) for f in held]  # the held requests are served, not dropped
@@ -176,57 +181,62 @@ def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answe
 
 
 def test_stream_messages_and_the_openai_routes_take_places_in_the_same_bound(bounded_stack):
-    """ModelStreamInfer takes a place per message (held until its final response) and the OpenAI routes
-    one per request: with one stream message and one unary request of the paced model holding the bound,
-    another stream message is refused in-stream (RESOURCE_EXHAUSTED, its id, a ``retry-after``
-    parameter) and the openai SDK's chat completion (stream or not), completion and embeddings are 429
-    with ``Retry-After`` and the OpenAI error body — before the stream's first byte and before the body
-    names a model this stack does not even serve. Once the pair is answered both are served again."""
-    import queue
-
-    import openai
-
+    """ModelStreamInfer takes a place per message (held until its final response or the stream's end)
+    and the OpenAI routes one per request: with one stream message and one unary request of ``held``
+    holding the bound, another stream message is refused in-stream (RESOURCE_EXHAUSTED, its id, a
+    ``retry-after`` parameter) and the openai SDK's chat completion (stream or not), completion and
+    embeddings are 429 with ``Retry-After`` and the OpenAI error body — before the stream's first byte,
+    before the body names a model this stack does not serve. Once the holders are cancelled (the stream
+    closed, the unary call cancelled) their places come back: a stream message is answered and the
+    OpenAI routes answer what they answer here (NOT_FOUND: no such model)."""
     outbox: queue.Queue = queue.Queue()
-    with grpc.insecure_channel(bounded_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
-        infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
-        stream = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=pb.ModelStreamInferResponse.FromString)
-        responses = stream(iter(outbox.get, None), timeout=60)
-        outbox.put(_paced(id="held"))
-        held = infer.future(_paced(), timeout=60)
-        wait_until(lambda: _paced_in_flight(bounded_stack) == BOUND)  # the message and the request both admitted
-        outbox.put(_fraud(id="probe"))
-        refused = next(responses)  # the held message's answer comes seconds later
-        client = openai.OpenAI(base_url=f"http://{bounded_stack.http}/v1", api_key="unused", max_retries=0, timeout=30)
-        messages = [{"role": "user", "content": "hi"}]
-        probes = {
-            "chat stream": lambda: client.chat.completions.create(model="tiny_llama", messages=messages, stream=True),
-            "chat": lambda: client.chat.completions.create(model="tiny_llama", messages=messages),
-            "completion": lambda: client.completions.create(model="tiny_llama", prompt="hi", stream=True),
-            "embeddings": lambda: client.embeddings.create(model="minilm_embeddings", input="hi"),
-        }
-        errors = {}
+    client = openai.OpenAI(base_url=f"http://{bounded_stack.http}/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "hi"}]
+    probes = {
+        "chat stream": lambda: client.chat.completions.create(model="tiny_llama", messages=messages, stream=True),
+        "chat": lambda: client.chat.completions.create(model="tiny_llama", messages=messages),
+        "completion": lambda: client.completions.create(model="tiny_llama", prompt="hi", stream=True),
+        "embeddings": lambda: client.embeddings.create(model="minilm_embeddings", input="hi"),
+    }
+
+    def errors() -> dict:
+        found = {}
         for name, probe in probes.items():
             try:
                 probe()
             except openai.APIStatusError as err:
-                errors[name] = err
-        still_held = _paced_in_flight(bounded_stack)  # the premise: every probe ran while the pair held the bound
-        client.close()
-        answered_held = next(responses)
-        answer = pb.ModelInferResponse.FromString(held.result())
-        outbox.put(_fraud(id="after"))  # below the bound again: the stream serves
-        after = next(responses)
-        outbox.put(None)
-        assert list(responses) == []
+                found[name] = err
+        return found
+
+    held_message = pb.ModelInferRequest.FromString(_paced(id="held"))
+    held_message.model_name = HELD
+    with grpc.insecure_channel(bounded_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
+        infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        stream = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=pb.ModelStreamInferResponse.FromString)
+        responses = stream(iter(outbox.get, None), timeout=120)
+        outbox.put(held_message.SerializeToString())
+        unary = pb.ModelInferRequest.FromString(_paced())
+        unary.model_name = HELD
+        held = infer.future(unary.SerializeToString(), timeout=120)
+        wait_until(lambda: _paced_in_flight(bounded_stack, HELD) == BOUND)  # the message and the request both admitted
+        outbox.put(_fraud(id="probe"))
+        refused = next(responses)  # the held message's answer would come 20 s later
+        refusals = errors()
+        still_held = _paced_in_flight(bounded_stack, HELD)  # the premise: every probe ran while the pair held the bound
+        responses.cancel()  # the holders go: the stream's message and the unary call give their places back
+        held.cancel()
+        wait_until(lambda: _paced_in_flight(bounded_stack, HELD) == 0, timeout=30)
+        after = list(stream(iter([_fraud(id="after")]), timeout=30))
+        admitted = errors()
+    client.close()
     assert still_held == BOUND, still_held
     assert refused.error_message.startswith("RESOURCE_EXHAUSTED: ") and "in flight" in refused.error_message, refused.error_message
     assert refused.infer_response.id == "probe" and refused.infer_response.model_name == "fraud_xgboost"
     assert refused.infer_response.parameters["retry-after"].double_param > 0
-    assert sorted(errors) == sorted(probes), {name: repr(err) for name, err in errors.items()}
-    for name, err in errors.items():
+    assert sorted(refusals) == sorted(probes), {name: repr(err) for name, err in refusals.items()}
+    for name, err in refusals.items():
         assert isinstance(err, openai.RateLimitError) and err.status_code == 429, (name, err)
         assert err.code == "RESOURCE_EXHAUSTED" and "in flight" in err.message, (name, err.body)
         assert int(err.response.headers["retry-after"]) >= 1, name
-    assert not answered_held.error_message and answered_held.infer_response.id == "held"
-    assert answer.model_name == "paced"
-    assert not after.error_message and after.infer_response.id == "after" and after.infer_response.model_name == "fraud_xgboost"
+    assert [(r.error_message, r.infer_response.id, r.infer_response.model_name) for r in after] == [("", "after", "fraud_xgboost")]
+    assert {name: err.status_code for name, err in admitted.items()} == {name: 404 for name in probes}, admitted

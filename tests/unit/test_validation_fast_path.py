@@ -28,7 +28,7 @@ def _signature(max_batch: int, text: bool = False) -> ModelSignature:
     return ModelSignature.from_config(config, versions=["1"])
 
 
-SIGNATURES = [_signature(8), _signature(0), _signature(4, text=True)]
+SIGNATURES = [_signature(8), _signature(0), _signature(1), _signature(4, text=True)]
 SIZES = {"FP32": 4, "INT64": 8, "FP16": 2, "BYTES": 1, "FP64": 8}
 DIMS = {"x": [4], "k": [3, 2], "s": [1], "o": [3]}
 TYPES = {"x": "FP32", "k": "INT64", "s": "BYTES", "o": "FP16"}
@@ -100,12 +100,52 @@ def requests(draw):
     return req, signature
 
 
+def _eligible(req, signature) -> bool:
+    """What the fast path is for: no parameters anywhere, every input in raw_input_contents, none BYTES or text."""
+    return (
+        not req.parameters
+        and len(req.raw_input_contents) == len(req.inputs) > 0
+        and not any(t.parameters or t.datatype == "BYTES" or t.name in signature.text_inputs for t in req.inputs)
+        and not any(o.parameters for o in req.outputs)
+    )
+
+
 @settings(max_examples=600, deadline=None)
 @given(requests())
-def test_a_request_the_fast_path_accepts_has_no_violation(case):
+def test_the_fast_path_accepts_exactly_the_valid_requests_it_is_for(case):
+    """Sound (what it accepts, the full check finds nothing wrong with) and complete over its domain
+    (a valid request without parameters, BYTES or text inputs is accepted: else it saves nothing)."""
     req, signature = case
-    if _plainly_valid(req, signature):
-        assert infer_request_violations(req, signature) == []
+    valid = infer_request_violations(req, signature) == []
+    assert _plainly_valid(req, signature) == (valid and _eligible(req, signature))
+
+
+def _valid(signature, rows=2, k_rows=3):
+    req = pb.ModelInferRequest(model_name="m")
+    batch = [rows] if signature.max_batch_size > 0 else []
+    req.inputs.add(name="x", datatype="FP32", shape=batch + [4])
+    req.inputs.add(name="k", datatype="INT64", shape=batch + [k_rows, 2])
+    n = rows if batch else 1
+    req.raw_input_contents.extend([b"\x00" * n * 16, b"\x00" * n * k_rows * 16])
+    return req
+
+
+@pytest.mark.parametrize(
+    ("signature", "rows", "k_rows"),
+    [(SIGNATURES[0], 1, 3), (SIGNATURES[0], 8, 3), (SIGNATURES[0], 2, 0), (SIGNATURES[2], 1, 1), (SIGNATURES[1], 1, 3)],
+    ids=["one row", "max_batch_size rows", "a variable dimension of 0", "max_batch_size 1", "unbatched"],
+)
+def test_the_edges_of_valid_take_the_fast_path(signature, rows, k_rows):
+    req = _valid(signature, rows, k_rows)
+    assert infer_request_violations(req, signature) == [] and _plainly_valid(req, signature)
+
+
+def test_a_negative_count_parameter_is_never_waved_through():
+    req = _valid(SIGNATURES[0])
+    req.inputs[1].parameters["classification"].int64_param = -1
+    assert not _plainly_valid(req, SIGNATURES[0])
+    with pytest.raises(InvalidRequest, match="must be >= 0"):
+        validate_infer_request(req, SIGNATURES[0])
 
 
 @pytest.mark.parametrize("signature", SIGNATURES[:2], ids=["batched", "unbatched"])

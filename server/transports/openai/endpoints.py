@@ -16,6 +16,10 @@ keeps idle-timing proxies from closing a slow prefill or a long queue wait: when
 that late the response's headers go out first (200), so an error after that travels in the stream.
 Both come from ``Settings`` (``sse_stall_s``, ``sse_heartbeat_s``).
 
+Chat completions, completions and embeddings take a place in the process's in-flight bound
+(``server.dataplane.loop_gate``) before their body is read and hold it to the answer's last byte:
+past the bound a 429 with ``Retry-After`` and the OpenAI error body, before any byte of a stream.
+
 A request with an ``inferplane-timing`` header gets ``Server-Timing`` (``server.dataplane.stage_timing``):
 ``decode`` (the JSON body and its parameters), the pipeline's stages, ``encode`` (the JSON answer); a
 stream's headers carry the stages until they are sent (its first token, or its first heartbeat).
