@@ -139,12 +139,12 @@ class LoopPolicy:
     min_limit: int = 16  # never cut the in-flight limit below this
     decrease: float = 0.75  # on each standing interval the limit becomes this x what is in flight
     increase: float = 1.25  # on each sample below target it grows by this factor (lifted once far above in flight)
-    ceiling: int | None = None  # the most unary requests in flight at once, lag or not (None: no bound of its own)
+    ceiling: int | None = None  # the most requests in flight at once, lag or not (None: no bound of its own)
     rate_window_s: float = 0.1  # completions are counted over windows this long (the drain rate of the retry hint)
 
 
 class LoopGate:
-    """AIMD on the process's in-flight unary requests, driven by the event loop's lag (CoDel's
+    """AIMD on the process's in-flight inference requests, driven by the event loop's lag (CoDel's
     standing-time test): no limit while the loop keeps up; once its lag stood above ``target`` for
     an ``interval`` the limit is cut to ``decrease x`` what is in flight, again every interval it
     still stands, and grows back (then lifts) while the lag is below target. ``ceiling`` bounds the

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-import sys
 
 import grpc
 from aiohttp import web
@@ -16,31 +14,45 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from server.control.scaling.fleet import PRIMARY, Fleet
+from server.composition import create_app, row_runner
+from server.control.monitoring.observability import Observability
+from server.control.registry.audit_buffer import AuditBuffer, AuditWriter
+from server.control.registry.envelope import EncryptionError, KeyRing
+from server.control.rollout.shadow_records import ShadowRecords
+from server.control.scaling.fleet import Fleet, PRIMARY
+from server.control.service.leader import LeaderDirectory
+from server.control.service.state_watch import follow
 from server.dataplane.builder import build_dataplane
-from server.db import display_url
-from server.errors import InferplaneError
+from server.dataplane.composite import read_plan_files
 from server.dataplane.dataplane import DataPlane
 from server.dataplane.fleet_hooks import FleetHooks
-from server.transports.grpc.decoding import DecodeErrorsInterceptor
-from server.dataplane.metrics import Metrics
 from server.dataplane.loop_gate import watch as watch_loop
+from server.dataplane.metrics import Metrics
+from server.dataplane.safety import PolicyError, policy_source
+from server.dataplane.tracing import traces_url
+from server.db import display_url, make_engine
+from server.errors import BackendUnavailable, InferplaneError
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
+from server.runtime.process import log_to_stderr, stop_on_signals
 from server.runtime.supervisor import TritonSupervisor
+from server.runtime.workers import READY_MARK, WorkerPool, worker_settings
 from server.settings import Settings
 from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
+from server.tenancy.tls import CertificateFiles, FileStamp, TLSConfigError, channel_credentials, is_loopback, leader_credentials, triton_files
 from server.transports.grpc.admin import AdminService
-from server.transports.grpc.autoscale import AutoscaleService
-from server.transports.grpc.autoscale import add_to_server as add_autoscale
+from server.transports.grpc.autoscale import AutoscaleService, add_to_server as add_autoscale
 from server.transports.grpc.context import DomainErrorInterceptor
+from server.transports.grpc.decoding import DecodeErrorsInterceptor
+from server.transports.grpc.forward import LeaderForwarder
 from server.transports.grpc.generation import add_to_server as add_generation
-from server.transports.grpc.inference import SERVICE, InferenceService
-from server.transports.grpc.tenancy import TenancyService
-from server.transports.grpc.tenancy import add_to_server as add_tenancy
-from server.transports.grpc.traffic import TrafficService
-from server.transports.grpc.traffic import add_to_server as add_traffic
+from server.transports.grpc.inference import InferenceService, SERVICE
+from server.transports.grpc.tenancy import TenancyService, add_to_server as add_tenancy
+from server.transports.grpc.traffic import TrafficService, add_to_server as add_traffic
+from server.transports.openai.endpoints import SSEPolicy
+from server.transports.rest.http_errors import json_parse_errors
+from server.transports.rest.tls import peer_certificate
 from server.transports.typed import add_typed_services
 
 log = logging.getLogger("inferplane")
@@ -168,7 +180,6 @@ class Frontend:
     async def _start_control_plane(self) -> None:
         """Registry, deployer, traffic, autoscaler, batches, retention (server.control.service.control_plane): their
         writers run while this process holds the leader lease; a standby watches the desired state."""
-        from server.composition import row_runner
         from server.control.service.control_plane import ControlPlane
 
         s, dp = self.settings, self.dataplane
@@ -183,10 +194,6 @@ class Frontend:
     def _watch_desired_state(self) -> None:
         """A process that serves without a control plane: the desired state applied to its pipeline, control
         RPCs carried to the leader the lease row names."""
-        from server.control.service.leader import LeaderDirectory
-        from server.control.service.state_watch import follow
-        from server.db import make_engine
-
         s = self.settings
         self._engine = engine = make_engine(s.database_url)
         self._directory = LeaderDirectory(engine)
@@ -204,8 +211,6 @@ class Frontend:
 
     def _start_observability(self) -> None:
         """SLO budgets, the status page's history, drift, payload logs, device metrics (server.control.monitoring.observability)."""
-        from server.control.monitoring.observability import Observability
-
         s = self.settings
         supervisor = self.supervisor
 
@@ -221,8 +226,6 @@ class Frontend:
         self.observability.start()
 
     async def _start_workers(self, target: str) -> None:
-        from server.runtime.workers import WorkerPool, worker_settings
-
         s = self.settings
         self.grpc_port, self.http_port = s.grpc_port, s.http_port
         self.workers = WorkerPool(worker_settings(s, target, s.grpc_port, s.http_port), s.workers)
@@ -241,7 +244,6 @@ class Frontend:
             else:
                 await self.dataplane.load_model(name)
                 log.info("model %s ready", name)
-        from server.dataplane.composite import read_plan_files
 
         for plan in read_plan_files(self.settings.model_repository):  # composite endpoints (their parts loaded above)
             try:
@@ -258,8 +260,6 @@ class Frontend:
     async def _grpc_server(self, address: str, internal: bool = False) -> tuple[grpc.aio.Server, int]:
         """Every service on one server bound to ``address``; control RPCs this process cannot answer go to the leader.
         ``internal``: the loopback port of the parent of workers, where they carry control RPCs (plaintext)."""
-        from server.transports.grpc.forward import LeaderForwarder
-
         s = self.settings
         if self._directory is not None and self._forwarder is None:
             control = self.control
@@ -329,10 +329,6 @@ class Frontend:
 
     async def _start_http(self) -> None:
         """The REST bridge (KServe v2 + v1 predict), on the same event loop and data plane."""
-        from server.composition import create_app
-        from server.transports.openai.endpoints import SSEPolicy
-        from server.transports.rest.http_errors import json_parse_errors
-
         s = self.settings
         app = create_app(
             self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes, sse=SSEPolicy(stall_s=s.sse_stall_s, heartbeat_s=s.sse_heartbeat_s),
@@ -350,8 +346,6 @@ class Frontend:
 
     async def _load_models_or_say_why(self) -> None:
         """A remote Triton that refuses the first calls (a TLS mismatch, most often) stops the start in one line."""
-        from server.errors import BackendUnavailable
-
         try:
             await self._load_models()
         except BackendUnavailable as err:
@@ -372,9 +366,6 @@ class Frontend:
 
     def _check_security(self) -> None:
         """TLS files, encryption keys and safety policies are checked before anything starts."""
-        from server.control.registry.envelope import EncryptionError, KeyRing
-        from server.dataplane.safety import PolicyError, policy_source
-
         s = self.settings
         try:
             self.keys = KeyRing.from_settings(s)
@@ -384,8 +375,6 @@ class Frontend:
         self._start_tls()
 
     def _shadow_records(self):
-        from server.control.rollout.shadow_records import ShadowRecords
-
         s = self.settings
         self.shadow_records = ShadowRecords(s.shadow_record_destination, self.keys, s.shadow_record_max)
         self.shadow_records.start()
@@ -393,8 +382,6 @@ class Frontend:
 
     def _start_tls(self) -> None:
         """The certificate files every port serves, watched for changes; a file that cannot be used stops the start."""
-        from server.tenancy.tls import CertificateFiles, TLSConfigError
-
         s = self.settings
         if s.triton_tls and s.triton_url is None and not s.worker:
             raise StartupError("triton_tls_* settings are for a remote Triton: give --triton-url (the embedded one listens on loopback only)")
@@ -407,8 +394,6 @@ class Frontend:
 
     def _audit_buffer(self):
         """Safety-filter decisions go to the audit log in batches (``server.control.registry.audit_buffer``)."""
-        from server.control.registry.audit_buffer import AuditBuffer, AuditWriter
-
         self._audit_writer = AuditWriter(self.settings.database_url)
         self.audit = AuditBuffer(self._audit_writer.write_many, self.settings.safety_audit_flush_s)
         self.audit.start()
@@ -417,8 +402,6 @@ class Frontend:
     def _require_client_certificate(self, app: web.Application) -> None:
         """mTLS on an aiohttp port: a request whose connection presented no certificate is a 401."""
         if self.tls is not None and self.tls.mutual:
-            from server.transports.rest.tls import peer_certificate
-
             app.middlewares.insert(0, peer_certificate)
 
     def _ssl_context(self):
@@ -426,8 +409,6 @@ class Frontend:
 
     def _leader_tls(self) -> tuple | None:
         """The forwarded control RPCs' TLS (server.tenancy.tls.leader_credentials); its files must load."""
-        from server.tenancy.tls import TLSConfigError, leader_credentials
-
         try:
             return leader_credentials(self.settings)
         except TLSConfigError as err:
@@ -437,8 +418,6 @@ class Frontend:
         """The address this process advertises in the lease row. Forwarders dial a loopback address in
         plaintext (server.transports.grpc.forward): a TLS process on loopback advertises a plaintext loopback
         control port of its own, as the parent of workers does."""
-        from server.tenancy.tls import is_loopback
-
         address = f"{_reachable(self.settings.host)}:{self.grpc_port}"
         if self.tls is None or not is_loopback(address):
             return address
@@ -452,8 +431,6 @@ class Frontend:
 
     def _triton_tls(self) -> None:
         """The remote Triton channel's TLS files load (``server.control.scaling.fleet.client`` reads them for each remote replica)."""
-        from server.tenancy.tls import TLSConfigError, channel_credentials
-
         if not self.settings.triton_tls:
             return
         try:
@@ -463,8 +440,6 @@ class Frontend:
 
     def _watch_triton_tls(self, replicas) -> None:
         """A renewed client certificate (or CA) for the remote Tritons: new channels to each remote replica, without a restart."""
-        from server.tenancy.tls import FileStamp, TLSConfigError, channel_credentials, triton_files
-
         s = self.settings
         if not s.triton_tls:
             return
@@ -589,18 +564,13 @@ def _add_to_pool(file_descriptor) -> None:
 
 async def serve(settings: Settings) -> None:
     frontend = Frontend(settings)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await frontend.start()
     except BaseException:
         await frontend.stop()
         raise
     if settings.worker:
-        from server.runtime.workers import READY_MARK
-
         print(f"{READY_MARK} pid={os.getpid()}", flush=True)
     else:
         print(frontend.ready_line(), flush=True)
@@ -611,9 +581,7 @@ async def serve(settings: Settings) -> None:
 
 
 def run(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_to_stderr(settings.log_level)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
@@ -626,7 +594,6 @@ def _triton_traces_url(settings: Settings) -> str | None:
     """Where the embedded Triton's OpenTelemetry trace mode exports (the frontend's collector)."""
     if not settings.otlp_endpoint or not settings.triton_tracing:
         return None
-    from server.dataplane.tracing import traces_url
 
     return traces_url(settings.otlp_endpoint)
 

@@ -122,8 +122,8 @@ class Settings(BaseSettings):
     # unset: grpc's default (no limit). Measured (BENCHMARKS, overload section): grpc's Python client
     # answers streams over the limit with RST_STREAM REFUSED_STREAM (UNAVAILABLE), not by queueing them
     grpc_max_streams_per_connection: int | None = Field(None, ge=1)
-    # the most unary inference requests (gRPC, REST, typed, OpenAI) this process holds at once: past it an
-    # arrival is refused before decode with a retry hint (server.dataplane.loop_gate; BENCHMARKS, section 23)
+    # the most inference requests (gRPC, REST, typed, OpenAI, each ModelStreamInfer message) this process holds
+    # at once: past it an arrival is refused before decode with a retry hint (server.dataplane.loop_gate; BENCHMARKS, sections 23-24)
     max_inflight: int | None = Field(256, ge=1)
     # refuse unary requests before decode while the event loop lags (server.dataplane.loop_gate); off by default:
     # on a shared, loaded machine timer lag alone (no backlog) cuts the limit for a few ticks

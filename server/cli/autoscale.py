@@ -19,7 +19,11 @@ from typing import Optional
 
 import typer
 
-from server.cli.options import ACTOR, API_KEY, URL, frontend_call, parse_duration, table_wanted
+from server.cli.options import (
+    ACTOR, API_KEY, URL, ColdStartBudget, MaxReplicas, MinReplicas, ScaleToZeroAfter, TargetInflight, Tier, frontend_call, parse_duration,
+    scaling_options, table_wanted,
+)  # fmt: skip
+from server.runtime.process import log_to_stderr
 
 autoscale_app = typer.Typer(help="Autoscaling of deployed endpoints: status, explain, set.", no_args_is_help=True)
 control_app = typer.Typer(help="The control plane of a cluster (registry, autoscaler, Kubernetes executor).", no_args_is_help=True)
@@ -28,45 +32,6 @@ control_app = typer.Typer(help="The control plane of a cluster (registry, autosc
 def mount(app: typer.Typer) -> None:
     app.add_typer(autoscale_app, name="autoscale")
     app.add_typer(control_app, name="control")
-
-
-# ---- options shared with `inferplane deploy` ------------------------------------------------------
-
-
-def scaling_options(
-    min_replicas: Optional[int] = None,
-    max_replicas: Optional[int] = None,
-    target_inflight: Optional[float] = None,
-    scale_to_zero_after: Optional[str] = None,
-    cold_start_budget: Optional[str] = None,
-    signal: Optional[str] = None,
-    target: Optional[float] = None,
-    tier: Optional[int] = None,
-) -> dict:
-    """The autoscaling fields the flags set (the rest keep the endpoint's or the defaults)."""
-    if target_inflight is not None and target is not None:
-        raise typer.BadParameter("give --target-inflight or --target, not both")
-    out: dict = {}
-    if min_replicas is not None:
-        out["min_replicas"] = min_replicas
-    if max_replicas is not None:
-        out["max_replicas"] = max_replicas
-    if target_inflight is not None:
-        out["target"], out["signal"] = target_inflight, "inflight"
-    if target is not None:
-        out["target"] = target
-    if signal is not None:
-        out["signal"] = signal
-    if scale_to_zero_after is not None:  # "never" (or 0) turns it off
-        out["scale_to_zero_after_s"] = 0.0 if scale_to_zero_after.strip().lower() in ("never", "off") else parse_duration(scale_to_zero_after)
-    if cold_start_budget is not None:
-        out["cold_start_budget_s"] = parse_duration(cold_start_budget)
-    if tier is not None:
-        out["tier"] = tier
-    return out
-
-
-TIER_HELP = "Availability tier 1|2|3: tier 1 gets >= 2 replicas, spread over zones, on Tritons of its own; 2 and 3 share."
 
 
 def _call(url: str, actor: Optional[str], api_key: Optional[str], method: str, request, timeout: float = 60.0):
@@ -174,16 +139,16 @@ def explain(
 @autoscale_app.command("set")
 def set_config(
     endpoint: str = typer.Argument(..., help="Endpoint (model) name."),
-    min_replicas: Optional[int] = typer.Option(None, help="Fewest replicas while in use."),
-    max_replicas: Optional[int] = typer.Option(None, help="Most replicas."),
-    target_inflight: Optional[float] = typer.Option(None, help="Requests in flight (queue included) per replica to aim at."),
+    min_replicas: MinReplicas = None,
+    max_replicas: MaxReplicas = None,
+    target_inflight: TargetInflight = None,
     target: Optional[float] = typer.Option(None, help="Target per replica of --signal."),
     signal: Optional[str] = typer.Option(None, help="inflight | queue | qps | tokens_per_s | triton_queue_ms"),
-    scale_to_zero_after: Optional[str] = typer.Option(None, help="Idle time before zero replicas (300s, 5m)."),
-    cold_start_budget: Optional[str] = typer.Option(None, help="How long a request waits for a load from zero (30s)."),
+    scale_to_zero_after: ScaleToZeroAfter = None,
+    cold_start_budget: ColdStartBudget = None,
     unit: Optional[str] = typer.Option(None, help="replicas (processes / pods) | instances (the model's Triton instances, local executor)."),
     predictive: Optional[bool] = typer.Option(None, "--predictive/--reactive", help="Pre-scale from the forecast, or react only."),
-    tier: Optional[int] = typer.Option(None, min=1, max=3, help=TIER_HELP),
+    tier: Tier = None,
     url: str = URL,
     api_key: Optional[str] = API_KEY,
     actor: Optional[str] = ACTOR,
@@ -225,7 +190,6 @@ def control_run(
     INFERPLANE_DATABASE_URL (the registry: configs), INFERPLANE_MODEL_GROUPS_FILE (endpoint -> Deployment),
     INFERPLANE_KUBERNETES_NAMESPACE, INFERPLANE_PROMETHEUS_URL (fleet-wide load; unset: the frontend's own samples)."""
     import asyncio
-    import logging
 
     from server.settings import Settings
 
@@ -238,7 +202,7 @@ def control_run(
     if settings.model_groups_file is None:
         typer.secho("error: INFERPLANE_MODEL_GROUPS_FILE is not set (the model groups: which Deployment serves which model)", err=True, fg="red")
         raise typer.Exit(2)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr(settings.log_level)
     asyncio.run(_control(settings, frontend_url, parse_duration(interval), once))
 
 

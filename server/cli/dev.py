@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from server.runtime.process import log_to_stderr, stop_on_signals
+
 dev_app = typer.Typer(help="Development helpers: a local cluster on loopback.", no_args_is_help=True)
 
 
@@ -28,12 +30,10 @@ def cluster(
     """PostgreSQL + Redis (this machine's), TRITONS Triton processes, CONTROLS control-plane replicas, FRONTENDS frontends with
     WORKERS workers each, all on loopback; prints the addresses; Ctrl-C stops everything."""
     import asyncio
-    import logging
-    import signal
 
     from server.runtime.local_cluster import ClusterError, LocalCluster, check_postgres, check_redis
 
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr("INFO")
     if not model_repository.is_dir():
         typer.secho(f"error: {model_repository} is not a folder: `make models` builds the demo models there", err=True, fg="red")
         raise typer.Exit(2)
@@ -44,10 +44,7 @@ def cluster(
             check_redis(redis_url)
         local = LocalCluster(database_url, redis_url or None, model_repository.resolve(), workdir.resolve(), controls, frontends, workers,
                              env={"INFERPLANE_AUTH": "true" if auth == "on" else "false"}, tritons=tritons)  # fmt: skip
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         try:
             await local.start()
             typer.echo("inferplane dev cluster ready\n" + local.describe(), color=False)

@@ -1,7 +1,8 @@
 """What the ``inferplane`` commands share: the options that reach the running frontend (``URL``,
 ``ACTOR``, ``API_KEY``), who acts (``actor_name``), durations (``parse_duration``), a listing's
-``--json`` or table (``table_wanted``) and the one way a command calls the frontend's gRPC
-(``frontend``, ``frontend_call``). Every CLI module takes these
+``--json`` or table (``table_wanted``), the one way a command calls the frontend's gRPC
+(``frontend``, ``frontend_call``) and the autoscaling options of ``autoscale set`` and ``deploy``
+(``MinReplicas`` … ``Tier``, read by ``scaling_options``). Every CLI module takes these
 from here; none takes them from another command's module.
 """
 
@@ -12,7 +13,7 @@ import getpass
 import json
 import re
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -92,3 +93,49 @@ def frontend_call(stub_type: Callable[[Any], Any], url: str, actor: Optional[str
     """One call through ``frontend``."""
     with frontend(stub_type, url, actor, api_key) as call:
         return call(method, request, timeout)
+
+
+# ---- autoscaling: `inferplane autoscale set` and `inferplane deploy` -------------------------------
+
+
+MinReplicas = Annotated[Optional[int], typer.Option(help="Autoscaling: fewest replicas while in use.")]
+MaxReplicas = Annotated[Optional[int], typer.Option(help="Autoscaling: most replicas.")]
+TargetInflight = Annotated[Optional[float], typer.Option(help="Autoscaling: requests in flight (queue included) per replica to aim at.")]
+ScaleToZeroAfter = Annotated[Optional[str], typer.Option(help="Autoscaling: idle time before zero replicas (300s, 5m; never).")]
+ColdStartBudget = Annotated[Optional[str], typer.Option(help="Autoscaling: how long a request waits for a load from zero (30s).")]
+Tier = Annotated[
+    Optional[int], typer.Option(min=1, max=3, help="Availability tier 1|2|3: tier 1 gets >= 2 replicas, spread over zones, on Tritons of its own; 2 and 3 share.")
+]
+
+
+def scaling_options(
+    min_replicas: Optional[int] = None,
+    max_replicas: Optional[int] = None,
+    target_inflight: Optional[float] = None,
+    scale_to_zero_after: Optional[str] = None,
+    cold_start_budget: Optional[str] = None,
+    signal: Optional[str] = None,
+    target: Optional[float] = None,
+    tier: Optional[int] = None,
+) -> dict:
+    """The autoscaling fields the flags set (the rest keep the endpoint's or the defaults)."""
+    if target_inflight is not None and target is not None:
+        raise typer.BadParameter("give --target-inflight or --target, not both")
+    out: dict = {}
+    if min_replicas is not None:
+        out["min_replicas"] = min_replicas
+    if max_replicas is not None:
+        out["max_replicas"] = max_replicas
+    if target_inflight is not None:
+        out["target"], out["signal"] = target_inflight, "inflight"
+    if target is not None:
+        out["target"] = target
+    if signal is not None:
+        out["signal"] = signal
+    if scale_to_zero_after is not None:  # "never" (or 0) turns it off
+        out["scale_to_zero_after_s"] = 0.0 if scale_to_zero_after.strip().lower() in ("never", "off") else parse_duration(scale_to_zero_after)
+    if cold_start_budget is not None:
+        out["cold_start_budget_s"] = parse_duration(cold_start_budget)
+    if tier is not None:
+        out["tier"] = tier
+    return out

@@ -14,13 +14,13 @@ inferplane control reconcile --triton-url 127.0.0.1:8001,127.0.0.1:8011 --reposi
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Optional
 
 import typer
 
 from server.cli.autoscale import control_app
 from server.cli.options import parse_duration
+from server.runtime.process import log_to_stderr, stop_on_signals
 
 
 def mount(app: typer.Typer) -> None:
@@ -69,13 +69,11 @@ def control_reconcile(
     settings = Settings(**{k: v for k, v in given.items() if v is not None})
     if not (settings.triton_urls or triton_service or settings.model_groups_file):
         raise typer.BadParameter("name the Tritons: --triton-url, --triton-service or INFERPLANE_MODEL_GROUPS_FILE")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr(settings.log_level)
     asyncio.run(_reconcile(settings, triton_service, prune, once))
 
 
 async def _reconcile(settings, triton_service: str | None, prune: bool, once: bool) -> None:
-    import signal
-
     from server import migrations
     from server.control.scaling.placement_store import PlacementStore
     from server.control.service.reconciler import TritonReconciler, from_settings, settings_kwargs
@@ -97,10 +95,7 @@ async def _reconcile(settings, triton_service: str | None, prune: bool, once: bo
                     state = reconciler.state[target]
                     typer.echo(f"{target}: {', '.join(map(str, actions)) or 'in step'}" + (f" ({state.error})" if state.error else ""))
             return
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         await asyncio.gather(*(r.run(stop, settings.reconcile_interval_s) for r in reconcilers))
     finally:
         for reconciler in reconcilers:

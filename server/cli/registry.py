@@ -16,7 +16,9 @@ from typing import Optional
 
 import typer
 
-from server.cli.options import ACTOR, API_KEY, URL, actor_name, frontend
+from server.cli.options import (
+    ACTOR, API_KEY, URL, ColdStartBudget, MaxReplicas, MinReplicas, ScaleToZeroAfter, TargetInflight, Tier, actor_name, frontend, scaling_options,
+)  # fmt: skip
 
 models_app = typer.Typer(help="The model registry: register, list, show, lineage, signing keys.", no_args_is_help=True)
 endpoints_app = typer.Typer(help="Deployed endpoints (via the running frontend's admin API).", no_args_is_help=True)
@@ -322,12 +324,12 @@ def deploy(
     coalesce: Optional[bool] = typer.Option(None, "--coalesce/--no-coalesce", help="The frontend merges concurrent requests into one Triton call."),
     coalesce_max_inflight: Optional[int] = typer.Option(None, help="Merged calls at Triton at once (default: one per instance)."),
     coalesce_window_us: Optional[int] = typer.Option(None, help="Longest a request waits for a free call slot, µs (default 0: until one frees)."),
-    min_replicas: Optional[int] = typer.Option(None, help="Autoscaling: fewest replicas while in use."),
-    max_replicas: Optional[int] = typer.Option(None, help="Autoscaling: most replicas."),
-    target_inflight: Optional[float] = typer.Option(None, help="Autoscaling: requests in flight (queue included) per replica."),
-    scale_to_zero_after: Optional[str] = typer.Option(None, help="Autoscaling: idle time before zero replicas (300s, 5m; never)."),
-    cold_start_budget: Optional[str] = typer.Option(None, help="Autoscaling: how long a request waits for a load from zero (30s)."),
-    tier: Optional[int] = typer.Option(None, min=1, max=3, help="Availability tier 1|2|3 (tier 1: >= 2 replicas over zones, Tritons of its own)."),
+    min_replicas: MinReplicas = None,
+    max_replicas: MaxReplicas = None,
+    target_inflight: TargetInflight = None,
+    scale_to_zero_after: ScaleToZeroAfter = None,
+    cold_start_budget: ColdStartBudget = None,
+    tier: Tier = None,
     url: str = URL,
     timeout: float = typer.Option(300.0, help="Seconds to wait for the deploy."),
     actor: Optional[str] = ACTOR,
@@ -335,7 +337,7 @@ def deploy(
 ) -> None:
     """Load a registered version, warm it up, then switch the endpoint's traffic to it. Autoscaling
     flags store the endpoint's scaling config first (so the deploy loads --min-replicas copies)."""
-    from server.cli.autoscale import configure, scaling_options
+    from server.cli.autoscale import configure
     from server.protogen.inferplane.v1 import admin_pb2
 
     scaling = scaling_options(min_replicas, max_replicas, target_inflight, scale_to_zero_after, cold_start_budget, tier=tier)

@@ -7,6 +7,8 @@ with ``INFERPLANE_KEY_PEPPER``: give the CLI the same one as the server.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
 from typing import Annotated, Optional
@@ -87,6 +89,33 @@ def _tenant_fields(team, plan, models, rps, rpm, tpm, concurrency, model_quota, 
     return fields
 
 
+Admin = Annotated[Optional[bool], typer.Option("--admin/--no-admin", help="May manage keys via the Tenancy API.")]
+TENANT_OPTIONS = {"team": Team, "plan": Plan, "model": Models, "rps": Rps, "rpm": Rpm, "tpm": Tpm, "concurrency": Concurrency,
+                  "requests_month": RequestsMonth, "tokens_month": TokensMonth, "model_quota": ModelQuota, "admin": Admin}  # fmt: skip
+
+
+def tenant_options(command):
+    """A command that takes a tenant's fields: its ``fields`` parameter becomes the ``TENANT_OPTIONS``
+    (in its place, in ``--help`` too), and the command gets them as one ``_tenant_fields`` dict."""
+    own = inspect.signature(command, eval_str=True).parameters.values()
+    options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind) for name, kind in TENANT_OPTIONS.items()]
+    params = [q for p in own for q in (options if p.name == "fields" else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)])]
+
+    @functools.wraps(command)
+    def with_fields(**given):
+        tenant = {name: given.pop(name) for name in TENANT_OPTIONS}
+        try:
+            fields = _tenant_fields(tenant["team"], tenant["plan"], tenant["model"], tenant["rps"], tenant["rpm"], tenant["tpm"], tenant["concurrency"],
+                                    tenant["model_quota"], tenant["admin"], tenant["requests_month"], tenant["tokens_month"])  # fmt: skip
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        return command(**given, fields=fields)
+
+    with_fields.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    with_fields.__annotations__ = {p.name: p.annotation for p in params}
+    return with_fields
+
+
 def _tenant_json(t) -> dict:
     return {
         "name": t.name,
@@ -103,26 +132,16 @@ def _tenant_json(t) -> dict:
 
 
 @keys_app.command("create")
+@tenant_options
 def keys_create(
     tenant: Annotated[str, typer.Option(help="Tenant the key belongs to (created if new).")],
-    team: Team = None,
-    plan: Plan = None,
-    model: Models = None,
-    rps: Rps = None,
-    rpm: Rpm = None,
-    tpm: Tpm = None,
-    concurrency: Concurrency = None,
-    requests_month: RequestsMonth = None,
-    tokens_month: TokensMonth = None,
-    model_quota: ModelQuota = None,
-    admin: Annotated[Optional[bool], typer.Option("--admin/--no-admin", help="May manage keys via the Tenancy API.")] = None,
+    fields: dict,
     database_url: DbUrl = None,
     as_json: AsJson = False,
 ) -> None:
     """Create a key; it is printed once and stored only as a hash."""
     store = _store(database_url)
     try:
-        fields = _tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin, requests_month, tokens_month)
         key_id, key = store.create_key(tenant, _pepper(), **fields)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
@@ -169,24 +188,11 @@ def keys_list(tenant: Annotated[Optional[str], typer.Option()] = None, database_
 
 
 @tenants_app.command("set")
-def tenants_set(
-    name: str,
-    team: Team = None,
-    plan: Plan = None,
-    model: Models = None,
-    rps: Rps = None,
-    rpm: Rpm = None,
-    tpm: Tpm = None,
-    concurrency: Concurrency = None,
-    requests_month: RequestsMonth = None,
-    tokens_month: TokensMonth = None,
-    model_quota: ModelQuota = None,
-    admin: Annotated[Optional[bool], typer.Option("--admin/--no-admin")] = None,
-    database_url: DbUrl = None,
-) -> None:
+@tenant_options
+def tenants_set(name: str, fields: dict, database_url: DbUrl = None) -> None:
     """Create a tenant or change its team, plan, grants (replaced) or quotas."""
     try:
-        t = _store(database_url).put_tenant(name, **_tenant_fields(team, plan, model, rps, rpm, tpm, concurrency, model_quota, admin, requests_month, tokens_month))
+        t = _store(database_url).put_tenant(name, **fields)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     typer.echo(json.dumps(_tenant_json(t)))

@@ -23,7 +23,7 @@ from server.dataplane.backend import Backend
 from server.dataplane.capacity_policy import BATCH, TRAFFIC
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
-from server.dataplane.loop_gate import UnaryAdmission
+from server.dataplane.loop_gate import Admission
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
 from server.dataplane.composite import Composites
@@ -80,7 +80,7 @@ class DataPlane:
         self._stat_readings: dict = {}
         self.llm = LLMService(self, pipeline, backend)
         self.loop_gate = LoopGate()  # fed by server.dataplane.loop_gate.watch (started with the servers)
-        self.unary_admission = UnaryAdmission(self.loop_gate)
+        self.admission = Admission(self.loop_gate)
         self.composites = Composites(self, self.llm, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
         self.features = None  # server.dataplane.feature_store.FeatureFetcher, with INFERPLANE_FEATURE_STORE_URL
 
@@ -438,7 +438,8 @@ class DataPlane:
         out: asyncio.Queue = asyncio.Queue()
         streams: dict[str, object] = {}  # model -> its Triton stream
         relays: list[asyncio.Task] = []
-        ledger = StreamLedger(self._pipeline)
+        admission = self.admission
+        ledger = StreamLedger(self._pipeline, release=admission.exit)  # gives a message's place back when it ends
         relay_done, pump_done = object(), object()
 
         async def relay(stream) -> None:
@@ -467,14 +468,19 @@ class DataPlane:
                     request = None
                     try:
                         request = parse_infer_request(raw)
-                        validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
-                        rewritten: list = []
-                        texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
-                        call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts, port=self)
-                        if call.safety is not None and call.safety.output is not None:
-                            await self._refuse_unscreened_stream(call)
-                        if rewritten:
-                            raw = request.SerializeToString()
+                        admission.enter()  # a place per message (server.dataplane.loop_gate), refused in-stream past the bound
+                        try:
+                            validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
+                            rewritten: list = []
+                            texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
+                            call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts, port=self)
+                            if call.safety is not None and call.safety.output is not None:
+                                await self._refuse_unscreened_stream(call)
+                            if rewritten:
+                                raw = request.SerializeToString()
+                        except BaseException:
+                            admission.exit()  # refused or gone before the ledger holds it
+                            raise
                     except InferplaneError as err:
                         await out.put(_stream_error(err, request))
                         continue
@@ -529,6 +535,8 @@ def _screened_texts(request: pb.ModelInferRequest, rewritten: list):
     return texts
 
 
+RETRY_AFTER_PARAMETER = "retry-after"
+
 _DESCRIBE = {
     "ModelMetadata": pb.ModelMetadataRequest,
     "ModelConfig": pb.ModelConfigRequest,
@@ -537,7 +545,11 @@ _DESCRIBE = {
 
 
 def _stream_error(err: InferplaneError, request) -> bytes:
+    """An in-stream error: ``REASON: message``; a refusal's retry hint as the ``retry-after`` parameter
+    (seconds, as the unary trailer names it)."""
     response = pb.ModelStreamInferResponse(error_message=f"{err.reason}: {public_message(err)}")
+    if err.retry_after_s is not None:
+        response.infer_response.parameters[RETRY_AFTER_PARAMETER].double_param = err.retry_after_s
     if request is not None:
         response.infer_response.model_name = request.model_name
         response.infer_response.id = request.id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from batching.coalescer import CoalescePolicy
 from server.dataplane.codecs import CONFIG_TO_WIRE, element_size
@@ -71,7 +72,7 @@ class ModelSignature:
             params={k: v for k, v in params.items() if k.startswith("inferplane.")},
         )
 
-    @property
+    @cached_property  # read by every request that names no version; a signature never changes
     def latest_version(self) -> str:
         """The version Triton serves when a request names none (highest number)."""
         return max(self.versions, key=version_key) if self.versions else ""

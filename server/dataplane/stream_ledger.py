@@ -36,6 +36,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.dataplane import codecs
@@ -61,8 +62,11 @@ class _Pending:
 
 
 class StreamLedger:
-    def __init__(self, pipeline: Pipeline):
+    """``release``: called once per request as it ends (its place in the process's in-flight bound)."""
+
+    def __init__(self, pipeline: Pipeline, release: Callable[[], None] = lambda: None):
         self.pipeline = pipeline
+        self.release = release
         self._pending: dict[str, list[_Pending]] = {}
 
     def __len__(self) -> int:
@@ -108,7 +112,10 @@ class StreamLedger:
             entry.call.version = answer.model_version
         if response.error_message and error is None:
             error = BackendError(response.error_message)
-        await self.pipeline.exit(entry.call, error)
+        try:
+            await self.pipeline.exit(entry.call, error)
+        finally:
+            self.release()
         return raw
 
     async def close(self) -> None:
@@ -116,7 +123,10 @@ class StreamLedger:
         pending, self._pending = self._pending, {}
         for entries in pending.values():
             for entry in entries:
-                await self.pipeline.exit(entry.call, Cancelled("the stream ended before the request finished"))
+                try:
+                    await self.pipeline.exit(entry.call, Cancelled("the stream ended before the request finished"))
+                finally:
+                    self.release()
 
     @staticmethod
     def _read_info(entry: _Pending, answer: pb.ModelInferResponse) -> str | None:

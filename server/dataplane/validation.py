@@ -84,6 +84,72 @@ def check_parameters(request, violations: list[Violation]) -> None:
 
 def validate_infer_request(request, signature: ModelSignature) -> None:
     """Raise InvalidRequest (with one Violation per problem) unless the request fits the signature."""
+    if _plainly_valid(request, signature):
+        return
+    violations = infer_request_violations(request, signature)
+    if violations:
+        _raise(signature, violations)
+
+
+def _plainly_valid(request, signature: ModelSignature) -> bool:
+    """The common request, accepted in one pass with no message built: no request, tensor or output
+    parameters, every input in ``raw_input_contents``, known, once, of its declared datatype (not
+    BYTES, not text), rank and dims, one batch size within ``max_batch_size``, exactly its bytes; every
+    required input present, every output known. True only where :func:`infer_request_violations`
+    finds nothing (``tests/unit/test_validation_fast_path.py``); anything else — an error, or merely
+    an unusual request — takes that full check, whose messages are unchanged."""
+    if request.parameters:
+        return False
+    raw = request.raw_input_contents
+    inputs = request.inputs
+    if not raw or len(raw) != len(inputs):
+        return False
+    specs = signature.inputs
+    max_batch = signature.max_batch_size
+    text = signature.text_inputs
+    batch = None
+    seen = set()
+    for index, tensor in enumerate(inputs):
+        name = tensor.name
+        spec = specs.get(name)
+        if spec is None or name in seen or name in text or tensor.parameters:
+            return False
+        seen.add(name)
+        size = spec.element_size  # None for BYTES: its framing is the full check's
+        if tensor.datatype != spec.datatype or size is None:
+            return False
+        shape = tensor.shape
+        dims = spec.dims
+        count = 1
+        if max_batch > 0:
+            if len(shape) != len(dims) + 1:
+                return False
+            rows = shape[0]
+            if not 1 <= rows <= max_batch or (batch is not None and rows != batch):
+                return False
+            batch = count = rows
+            got = shape[1:]
+        else:
+            if len(shape) != len(dims):
+                return False
+            got = shape
+        for have, want in zip(got, dims):
+            if have < 0 or (want != -1 and have != want):
+                return False
+            count *= have
+        if len(raw[index]) != count * size:
+            return False
+    if len(seen) < len(signature.required) or not signature.required <= seen:
+        return False
+    outputs = signature.outputs
+    for output in request.outputs:
+        if output.name not in outputs or output.parameters:
+            return False
+    return True
+
+
+def infer_request_violations(request, signature: ModelSignature) -> list[Violation]:
+    """Every problem of the request against the signature (empty: it fits)."""
     violations: list[Violation] = []
     check_parameters(request, violations)
     raw = request.raw_input_contents
@@ -95,7 +161,7 @@ def validate_infer_request(request, signature: ModelSignature) -> None:
                 f"expected {len(request.inputs)} entries, one per input, got {len(raw)}",
             )
         )
-        _raise(signature, violations)
+        return violations
     seen: set[str] = set()
     batch: int | None = None
     for index, tensor in enumerate(request.inputs):
@@ -134,8 +200,7 @@ def validate_infer_request(request, signature: ModelSignature) -> None:
                     f"unknown output '{output.name}': model '{signature.name}' gives {sorted(signature.outputs)}",
                 )
             )
-    if violations:
-        _raise(signature, violations)
+    return violations
 
 
 def _check_header(tensor, spec: TensorSpec, signature: ModelSignature, batch, violations) -> int | None:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from server.runtime.triton_install import TritonInstallation
+from server.runtime.triton_install import TritonInstallation, TritonNotInstalled
 
 API_MAJOR, API_MINOR = 1, 34  # what these declarations were written against (Triton 2.51)
 
@@ -371,8 +371,6 @@ _load_lock = threading.Lock()
 def library_path(install: TritonInstallation) -> Path:
     found = sorted(glob.glob(str(install.libs / "libtritonserver*.so")))
     if not found:
-        from server.runtime.triton_install import TritonNotInstalled
-
         raise TritonNotInstalled(f"no libtritonserver in {install.libs}")
     return Path(found[0])
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from tritonclient.grpc import service_pb2
 
 from server.dataplane.wire import tag, varint
 from server.dataplane.backend_errors import backend_error, stub_died
@@ -83,8 +84,6 @@ def _full_protos():
     default pool; the project's protogen is a subset in a pool of its own). Answers are built with
     them, so their bytes carry every field the remote Triton's frontend sends (a config's
     ``optimization``, the statistics' ``memory_usage`` and ``response_stats``, ...)."""
-    from tritonclient.grpc import service_pb2
-
     return service_pb2
 
 

@@ -92,6 +92,8 @@ import signal
 import time
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
+
 from server.dataplane.backend import DOWN, LIVE
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, InvalidRequest, Unimplemented
 from server.protogen.inference import grpc_service_pb2 as pb
@@ -99,8 +101,11 @@ from server.protogen.inference import model_config_pb2
 from server.runtime import capi, capi_codec
 from server.runtime.capi import ffi
 from server.runtime.capi_codec import RequestPlan, Tensor
+from server.runtime.inprocess_batch import CODEC, MergedBatch
 from server.runtime.inprocess_call import CPU, FINAL_PARAMETER, InferResult, Output, _Call, _parameter_value, callbacks
 from server.runtime.inprocess_stream import InProcessStream
+from server.runtime.inprocess_unary import UNARY
+from server.runtime.supervisor import _is_dead, kill_stale_stubs, remove_shm_regions
 from server.runtime.triton_install import TritonInstallation
 
 __all__ = ["FINAL_PARAMETER", "InProcessTriton", "InProcessStream", "InferResult", "Output", "Tensor"]
@@ -175,7 +180,6 @@ class InProcessTriton:
     ) -> "InProcessTriton":
         """Start Triton in this process with the supervisor's options, then load ``models``."""
         global _generation, _running
-        from server.runtime.supervisor import _is_dead, kill_stale_stubs, remove_shm_regions
 
         if _running is not None and not _running._stopped:
             # libtritonserver keeps process-wide state (the response cache manager, the backends)
@@ -431,10 +435,6 @@ class InProcessTriton:
 
     async def unary_raw(self, method: str, request: bytes, timeout: float | None = 30.0) -> bytes:
         """A serialized GRPCInferenceService request in, the serialized answer out (TritonClient parity)."""
-        from google.protobuf.message import DecodeError
-
-        from server.runtime.inprocess_unary import UNARY
-
         handler = UNARY.get(method)
         if handler is None:
             raise Unimplemented(f"method '{method}' is not offered by the in-process Triton")
@@ -452,14 +452,10 @@ class InProcessTriton:
 
     def batch_codec(self):
         """Merged batches as one request over the members' own buffers (``inprocess_batch``)."""
-        from server.runtime.inprocess_batch import CODEC
-
         return CODEC
 
     async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest | None = None):
         """A lone request (its bytes; ``request``, when given, is the same request parsed) or a merged batch."""
-        from server.runtime.inprocess_batch import MergedBatch
-
         if isinstance(payload, MergedBatch):
             return await self.infer_tensors(payload.model, payload.tensors, model_version=payload.version, outputs=payload.outputs, timeout=timeout)
         if request is None:
@@ -467,8 +463,6 @@ class InProcessTriton:
         return await self.infer_bytes(request, timeout)
 
     async def infer_raw(self, request: bytes, timeout: float | None = None, *, model: str = "") -> bytes:
-        from google.protobuf.message import DecodeError
-
         try:
             message = pb.ModelInferRequest.FromString(request)
         except DecodeError as err:

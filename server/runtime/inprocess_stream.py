@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from google.protobuf.message import DecodeError
+
 from server.errors import Cancelled, DeadlineExceeded, InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.runtime import capi, capi_codec
@@ -28,8 +30,6 @@ class InProcessStream:
         self._deadline = self._loop.call_later(timeout, self._expire) if timeout is not None else None
 
     async def write(self, raw: bytes) -> None:
-        from google.protobuf.message import DecodeError
-
         if self._closed or self._done_writing:
             raise Cancelled("the stream is closed for writing")
         try:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from server.dataplane.triton_client import TritonClient
 from server.runtime.triton_install import TritonInstallation
 
 log = logging.getLogger(__name__)
@@ -154,8 +155,6 @@ class TritonSupervisor:
         await self._wait_live()
 
     async def _wait_live(self) -> None:
-        from server.dataplane.triton_client import TritonClient
-
         client = TritonClient(self.grpc_target)
         client.connect()
         deadline = time.monotonic() + self.startup_timeout

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from server.settings import Settings
 from server.tenancy.identity import Gatekeeper, KeyRing
 from server.tenancy.quota_policy import Quota
+from server.tenancy.metering import Meter
+from server.tenancy.store import TenancyStore
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,6 @@ async def build_tenancy(settings: Settings) -> Tenancy:
     if not settings.auth:
         log.warning("auth off: every caller is the open tenant and sees every model (development mode)")
         return open_tenancy(settings)
-    from server.tenancy.metering import Meter
-    from server.tenancy.store import TenancyStore
 
     store = await asyncio.to_thread(TenancyStore, settings.tenancy_url)
     ring = KeyRing(settings.key_pepper.get_secret_value().encode())

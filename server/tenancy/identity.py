@@ -16,8 +16,10 @@ not exist (``DataPlane`` raises the same ``ModelNotFound`` for both).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -353,9 +355,6 @@ class Gatekeeper:
 
     async def refresh_forever(self, load: Callable[[], tuple[list[Tenant], list[KeyEntry]]], every_s: float) -> None:
         """Reload the key ring from the store every ``every_s`` (off the event loop)."""
-        import asyncio
-        import logging
-
         while True:
             await asyncio.sleep(every_s)
             try:

@@ -10,6 +10,7 @@ Nothing on the request path reads or writes the database.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,8 +19,13 @@ from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, String,
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from server.tenancy.quota_policy import Quota
+from server import migrations
+from server.db import make_engine
+from server.settings import Settings
 from server.tenancy.identity import ALL_MODELS, DEFAULT_PLAN, PLAN_WEIGHTS, KeyEntry, Tenant, hash_key, new_key
+from server.tenancy.quota_policy import Quota
+from server.tenancy.tls import canonical_identity
+
 
 class Base(DeclarativeBase):
     pass
@@ -124,18 +130,12 @@ class TenancyStore:
 
     def __init__(self, url: str | None = None, *, engine: Engine | None = None, migrate: bool = True):
         if url is None:  # the settings' URL (flags > INFERPLANE_* environment > the data dir's SQLite)
-            from server.settings import Settings
-
             url = Settings().tenancy_url
         self.url = url
         if engine is None:
-            from server.db import make_engine  # the registry's engine rules (SQLite pragmas, psycopg 3)
-
-            engine = make_engine(self.url)
+            engine = make_engine(self.url)  # the registry's engine rules (SQLite pragmas, psycopg 3)
         self.engine = engine
         if migrate:
-            from server import migrations
-
             migrations.upgrade(engine)  # the schema comes from Alembic (0003), never create_all
 
     def close(self) -> None:
@@ -242,10 +242,6 @@ class TenancyStore:
         """Bind a client-certificate identity (a SPIFFE ID / SAN URI, or a subject) to ``tenant``
         (created with ``tenant_fields`` if new); returns ``(binding_id, canonical identity)``. An
         identity names one tenant: binding it again moves it."""
-        import secrets
-
-        from server.tenancy.tls import canonical_identity
-
         canonical = canonical_identity(identity)
         self.put_tenant(tenant, **tenant_fields)
         binding_id = "x509" + secrets.token_hex(2)
@@ -256,8 +252,6 @@ class TenancyStore:
         return binding_id, canonical
 
     def unbind_identity(self, identity_or_id: str) -> bool:
-        from server.tenancy.tls import canonical_identity
-
         try:
             canonical = canonical_identity(identity_or_id)
         except ValueError:

@@ -35,6 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from cryptography import x509
+
+from server.settings import Settings
+
 log = logging.getLogger(__name__)
 
 # The client certificate of the REST request being served (set by the aiohttp middleware of
@@ -193,16 +198,12 @@ class CertificateFiles:
         return context
 
     def _grpc_config(self):
-        import grpc
-
         m = self.material
         return grpc.ssl_server_certificate_configuration([(m.key, m.cert)], root_certificates=m.client_ca)
 
     def grpc_credentials(self):
         """``grpc.dynamic_ssl_server_credentials``: grpc calls the fetcher at each new handshake; it
         answers a new configuration only when the files changed since the last one it gave."""
-        import grpc
-
         seen = [self.generation]
 
         def fetch():
@@ -220,8 +221,6 @@ class CertificateFiles:
 def canonical_subject(name) -> str:
     """A subject (``cryptography`` Name or an RFC 4514 string, any attribute order or spacing) as one
     canonical string: ``TYPE=value`` pairs sorted, joined by commas (``CN=svc,O=Acme``)."""
-    from cryptography import x509
-
     if isinstance(name, str):
         try:
             name = x509.Name.from_rfc4514_string(name.strip())
@@ -250,8 +249,6 @@ def canonical_identity(identity: str) -> str:
 def peer_identities(cert: bytes) -> tuple[str, ...]:
     """The identities a client certificate (DER or PEM) proves, most specific first: its SAN URIs
     (SPIFFE IDs), then its canonical subject. An unreadable certificate proves nothing (``()``)."""
-    from cryptography import x509
-
     try:
         certificate = x509.load_pem_x509_certificate(cert) if cert.lstrip().startswith(b"-----BEGIN") else x509.load_der_x509_certificate(cert)
     except ValueError:
@@ -290,8 +287,6 @@ def transport_peer_cert(transport) -> bytes | None:
 
 def channel_credentials(settings):
     """grpc channel credentials for ``--triton-url`` from the settings' ``triton_tls_*`` (None: plaintext)."""
-    import grpc
-
     if not settings.triton_tls:
         return None
     ca = _read(settings.triton_tls_ca, "Triton CA bundle") if settings.triton_tls_ca else None
@@ -334,11 +329,7 @@ class FileStamp:
 def frontend_channel(url: str, settings=None, *, aio: bool = False, options: list | None = None):
     """A gRPC channel to a frontend: TLS with the settings' ``client_tls_ca`` (and a client certificate
     from ``client_tls_cert``/``_key`` for mTLS) when it is set, plaintext otherwise."""
-    import grpc
-
     if settings is None:
-        from server.settings import Settings
-
         settings = Settings()
     options = list(options or [])
     module = grpc.aio if aio else grpc
@@ -351,8 +342,6 @@ def frontend_channel(url: str, settings=None, *, aio: bool = False, options: lis
 def _client_credentials(ca_path, ca_label: str, cert_path, key_path, settings) -> tuple[object, list]:
     """A client side's gRPC credentials (the CA to check the server by; a client certificate for mTLS when
     given) and the channel option naming the server to check (``client_tls_server_name``, when set)."""
-    import grpc
-
     ca = _read(ca_path, ca_label) if ca_path else None
     cert = _read(cert_path, "client certificate") if cert_path else None
     key = _read(key_path, "client key") if key_path else None

@@ -14,5 +14,7 @@ def pytest_collection_modifyitems(config, items):
     if observe_gpus() > 0:
         return
     for item in items:
-        if "gpu" in item.keywords:
+        # the mark, not the keyword: a parameter id "gpu" (tests/unit/test_deploy.py's overlays) is a keyword too,
+        # and this hook sees every item of the session
+        if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.skip(reason=NO_GPU))

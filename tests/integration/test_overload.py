@@ -6,6 +6,7 @@ one slot far longer than its 30 ms queue budget, so whoever waits behind it is r
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+import openai
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
@@ -24,6 +26,7 @@ from tests.conftest import start_stack, stop_stack, wait_until
 pytestmark = pytest.mark.integration
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 FLOOD = 4  # one in the slot, three waiting: within the queue's bound (4), so only the TTL refuses
 
 
@@ -41,15 +44,15 @@ def overload_stack(demo_repository, tmp_path_factory):
     stop_stack(s)
 
 
-def _paced(rows: int = 1) -> bytes:
-    req = pb.ModelInferRequest(model_name="paced")
+def _paced(rows: int = 1, id: str = "") -> bytes:
+    req = pb.ModelInferRequest(model_name="paced", id=id)
     req.inputs.add(name="features", datatype="FP32", shape=[rows, FEATURES])
     req.raw_input_contents.append(sample_features(rows).tobytes())
     return req.SerializeToString()
 
 
-def _fraud() -> bytes:
-    req = pb.ModelInferRequest(model_name="fraud_xgboost")
+def _fraud(id: str = "") -> bytes:
+    req = pb.ModelInferRequest(model_name="fraud_xgboost", id=id)
     req.inputs.add(name="features", datatype="FP32", shape=[2, 32])
     req.raw_input_contents.append(np.zeros((2, 32), np.float32).tobytes())
     return req.SerializeToString()
@@ -115,15 +118,19 @@ def test_rest_refusal_is_429_with_retry_after(overload_stack):
 # ---- the process's in-flight bound (INFERPLANE_MAX_INFLIGHT): refused before decode, on every transport ----
 
 BOUND = 2
+HELD = "held"
 
 
 @pytest.fixture(scope="module")
 def bounded_stack(demo_repository, tmp_path_factory):
     """A frontend holding at most ``BOUND`` inference requests at once; the paced model (one instance,
-    2 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds."""
+    2 s a request, no TTL of its own) keeps ``BOUND`` of them in flight for seconds, and ``held`` (two
+    instances, 20 s a request) for as long as a test takes on a loaded machine — its requests are
+    cancelled, not awaited."""
     repository = tmp_path_factory.mktemp("bounded") / "model_repository"
     repository.mkdir()
     build_paced_model(repository, service_ms=2000, instances=1)
+    build_paced_model(repository, service_ms=20000, instances=2, name=HELD)
     shutil.copytree(demo_repository / "fraud_xgboost", repository / "fraud_xgboost")
     s = start_stack(repository, tmp_path_factory.mktemp("bounded_stack"), env={"INFERPLANE_MAX_INFLIGHT": str(BOUND)})
     yield s
@@ -140,9 +147,9 @@ def _post_fraud(http: str):
         return err.code, dict(err.headers), json.loads(err.read())
 
 
-def _paced_in_flight(stack) -> float:
+def _paced_in_flight(stack, model: str = "paced") -> float:
     text = urllib.request.urlopen(f"http://{stack.metrics}/metrics", timeout=10).read().decode()
-    line = next((l for l in text.splitlines() if l.startswith('inferplane_inflight_requests{model="paced"}')), None)
+    line = next((l for l in text.splitlines() if l.startswith(f'inferplane_inflight_requests{{model="{model}"}}')), None)
     return float(line.split()[-1]) if line else 0.0
 
 
@@ -171,3 +178,65 @@ def test_past_the_in_flight_bound_every_transport_refuses_with_a_hint_then_answe
     assert status == 429 and int(headers["Retry-After"]) >= 1, (status, doc)
     assert doc["code"] == "RESOURCE_EXHAUSTED" and "in flight" in doc["error"], doc
     assert all(a.model_name == "paced" for a in answers) and after.model_name == "fraud_xgboost"
+
+
+def test_stream_messages_and_the_openai_routes_take_places_in_the_same_bound(bounded_stack):
+    """ModelStreamInfer takes a place per message (held until its final response or the stream's end)
+    and the OpenAI routes one per request: with one stream message and one unary request of ``held``
+    holding the bound, another stream message is refused in-stream (RESOURCE_EXHAUSTED, its id, a
+    ``retry-after`` parameter) and the openai SDK's chat completion (stream or not), completion and
+    embeddings are 429 with ``Retry-After`` and the OpenAI error body — before the stream's first byte,
+    before the body names a model this stack does not serve. Once the holders are cancelled (the stream
+    closed, the unary call cancelled) their places come back: a stream message is answered and the
+    OpenAI routes answer what they answer here (NOT_FOUND: no such model)."""
+    outbox: queue.Queue = queue.Queue()
+    client = openai.OpenAI(base_url=f"http://{bounded_stack.http}/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "hi"}]
+    probes = {
+        "chat stream": lambda: client.chat.completions.create(model="tiny_llama", messages=messages, stream=True),
+        "chat": lambda: client.chat.completions.create(model="tiny_llama", messages=messages),
+        "completion": lambda: client.completions.create(model="tiny_llama", prompt="hi", stream=True),
+        "embeddings": lambda: client.embeddings.create(model="minilm_embeddings", input="hi"),
+    }
+
+    def errors() -> dict:
+        found = {}
+        for name, probe in probes.items():
+            try:
+                probe()
+            except openai.APIStatusError as err:
+                found[name] = err
+        return found
+
+    held_message = pb.ModelInferRequest.FromString(_paced(id="held"))
+    held_message.model_name = HELD
+    with grpc.insecure_channel(bounded_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
+        infer = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        stream = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=pb.ModelStreamInferResponse.FromString)
+        responses = stream(iter(outbox.get, None), timeout=120)
+        outbox.put(held_message.SerializeToString())
+        unary = pb.ModelInferRequest.FromString(_paced())
+        unary.model_name = HELD
+        held = infer.future(unary.SerializeToString(), timeout=120)
+        wait_until(lambda: _paced_in_flight(bounded_stack, HELD) == BOUND)  # the message and the request both admitted
+        outbox.put(_fraud(id="probe"))
+        refused = next(responses)  # the held message's answer would come 20 s later
+        refusals = errors()
+        still_held = _paced_in_flight(bounded_stack, HELD)  # the premise: every probe ran while the pair held the bound
+        responses.cancel()  # the holders go: the stream's message and the unary call give their places back
+        held.cancel()
+        wait_until(lambda: _paced_in_flight(bounded_stack, HELD) == 0, timeout=30)
+        after = list(stream(iter([_fraud(id="after")]), timeout=30))
+        admitted = errors()
+    client.close()
+    assert still_held == BOUND, still_held
+    assert refused.error_message.startswith("RESOURCE_EXHAUSTED: ") and "in flight" in refused.error_message, refused.error_message
+    assert refused.infer_response.id == "probe" and refused.infer_response.model_name == "fraud_xgboost"
+    assert refused.infer_response.parameters["retry-after"].double_param > 0
+    assert sorted(refusals) == sorted(probes), {name: repr(err) for name, err in refusals.items()}
+    for name, err in refusals.items():
+        assert isinstance(err, openai.RateLimitError) and err.status_code == 429, (name, err)
+        assert err.code == "RESOURCE_EXHAUSTED" and "in flight" in err.message, (name, err.body)
+        assert int(err.response.headers["retry-after"]) >= 1, name
+    assert [(r.error_message, r.infer_response.id, r.infer_response.model_name) for r in after] == [("", "after", "fraud_xgboost")]
+    assert {name: err.status_code for name, err in admitted.items()} == {name: 404 for name in probes}, admitted

@@ -39,7 +39,7 @@ REPORT = ROOT / "benchmarks" / "mutation"
 MODULES: dict[str, list[str]] = {
     "server.tenancy.identity": ["tests/unit/test_tenancy.py", "tests/unit/test_identity_policy.py"],
     "server.tenancy.quota_policy": ["tests/unit/test_quota_policy.py", "tests/unit/test_tenancy.py"],
-    "server.dataplane.validation": ["tests/unit/test_validation.py"],
+    "server.dataplane.validation": ["tests/unit/test_validation.py", "tests/unit/test_validation_fast_path.py"],
     "server.control.registry.safe_formats": ["tests/unit/test_safe_formats.py"],
     "server.dataplane.idempotency": ["tests/unit/test_idempotency.py"],
     "batching.fair_queue": ["tests/unit/test_fair_queue.py", "tests/unit/test_fair_queue_batch.py"],

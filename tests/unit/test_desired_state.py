@@ -233,7 +233,7 @@ def test_arm_outcomes_of_other_processes_reach_the_leaders_windows(engine):
             router.splits["m"].windows["canary"].add(0.01, i < errors)
             router.splits["m"].totals["canary"].add(0.01, i < errors)
         reporter = ArmReporter(router, engine, f"front-{errors}")
-        reporter._write(reporter.collect())
+        reporter.write(reporter.collect())
         assert reporter.collect() == []  # reported once
     assert collector.apply(collector._read()) == 2
     stats = leader.splits["m"].window("canary")
@@ -241,7 +241,7 @@ def test_arm_outcomes_of_other_processes_reach_the_leaders_windows(engine):
     leader.splits["m"] = Split("canary", [Arm("stable", "1", 90.0), Arm("canary", "3", 10.0)], "", "canary:m:3", 60.0)
     front_a.splits["m"].totals["canary"].add(0.02, True)
     reporter = ArmReporter(front_a, engine, "front-late")
-    reporter._write(reporter.collect())
+    reporter.write(reporter.collect())
     assert collector.apply(collector._read()) == 0  # a report of the ended split is dropped
 
 
@@ -295,17 +295,17 @@ def test_shadow_comparisons_of_other_processes_are_summed_by_shadow_key(engine):
         shadow.stats = ShadowStats(sent=compared, compared=compared, agreed=compared - 1, abs_diff_sum=0.5, abs_diff_count=compared,
                                    latency_deltas=[0.001] * compared)  # fmt: skip
         reporter = ShadowReporter(router, engine, reporter)
-        reporter._write(reporter.collect())
+        reporter.write(reporter.collect())
         assert reporter.collect() == []  # nothing moved since
         reporter._failed()  # a write that failed: the same cumulative counts go again
         assert [r["stats"]["compared"] for r in reporter.collect()] == [compared]
         shadow.stats.sent += 1
         shadow.stats.compared += 1
-        reporter._write(reporter.collect())  # replaces this process's row: counts are cumulative, never added twice
+        reporter.write(reporter.collect())  # replaces this process's row: counts are cumulative, never added twice
     old = Router({"m": "1"})
     old.shadows["m"] = Shadow("2", 100.0, key="shadow:m:0")  # an earlier shadow of the same endpoint
     old.shadows["m"].stats.compared = 100
-    ShadowReporter(old, engine, "front-a")._write(ShadowReporter(old, engine, "front-a").collect())
+    ShadowReporter(old, engine, "front-a").write(ShadowReporter(old, engine, "front-a").collect())
     leader_own = ShadowStats(sent=2, compared=2, agreed=2)
     total = summed(leader_own, peers.reported("m", "shadow:m:1"))
     assert (total.sent, total.compared, total.agreed, total.abs_diff_count, len(total.latency_deltas)) == (12, 12, 8, 8, 8)

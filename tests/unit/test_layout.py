@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -273,26 +275,46 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
     assert [(module, inside) for _, module, inside in _placed_imports(room / "b.py")] == [("server.room.a", True), ("server.room.a.x", True)]
 
 
-# rooms where an import inside a function needs a reason (the control plane: its cycles are gone)
-NO_IMPORTS_IN_FUNCTIONS = ("server/control",)
+# rooms where an import inside a function needs a reason (their cycles are gone; what is left is an
+# optional or heavy dependency used on one path only)
+NO_IMPORTS_IN_FUNCTIONS = ("server/control", "server/tenancy", "server/runtime", "server/app.py", "server/composition.py")
 # (file, imported module) -> why it is imported where it is used
 IMPORTS_IN_FUNCTIONS = {
     ("server/control/scaling/kubernetes_executor.py", "kubernetes"): "the Kubernetes client (~1 s to import), only with a cluster",
     ("server/control/scaling/kubernetes_executor.py", "kubernetes.client.exceptions"): "the Kubernetes client, only with a cluster",
     ("server/control/scaling/kubernetes_executor.py", "urllib3.exceptions"): "what the Kubernetes client raises, only with a cluster",
     ("server/control/registry/safe_formats.py", "onnx"): "onnx (heavy), only to check an ONNX artifact",
+    ("server/tenancy/redis_quotas.py", "redis"): "the Redis client, only with INFERPLANE_REDIS_URL",
+    ("server/tenancy/redis_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
+    ("server/tenancy/monthly_quotas.py", "redis.exceptions"): "what the Redis client raises, only with a Redis quota store",
+    ("server/runtime/workers.py", "prometheus_client"): "prometheus_client.multiprocess, only in the parent of --workers N",
+    ("server/app.py", "uvloop"): "the event loop's ImportError fallback (asyncio's own loop)",
+    ("server/app.py", "server.control.service.control_plane"): "the control plane's writers (~1.5 s of imports), only in the process that may lead: never in a worker of --workers N",
+    ("server/app.py", "server.runtime.inprocess"): "libtritonserver's bindings, only with --triton-mode in-process",
 }
 
 
 def _imports_in_functions():
     for folder in NO_IMPORTS_IN_FUNCTIONS:
-        for path in _modules(folder):
+        for path in [ROOT / folder] if folder.endswith(".py") else _modules(folder):
             rel = str(path.relative_to(ROOT))
             seen = set()
             for line, module, inside in _placed_imports(path):
                 if inside and line not in seen:
                     seen.add(line)
                     yield rel, line, module
+
+
+# server/cli is not in NO_IMPORTS_IN_FUNCTIONS: a command imports what only it runs there, so that
+# `inferplane --help` (and every command's start) reads no control plane, data plane or database layer
+CLI_STARTS_WITHOUT = ("server.app", "server.control", "server.dataplane", "server.tenancy", "sqlalchemy", "numpy", "tritonclient")
+
+
+def test_the_cli_starts_without_the_heavy_rooms():
+    code = "import sys, server.cli.main; print('\\n'.join(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    heavy = sorted(m for m in loaded if m.startswith(CLI_STARTS_WITHOUT))
+    assert not heavy, "server.cli.main imports these at its start (import them inside the command that needs them):\n" + "\n".join(heavy)
 
 
 def test_imports_in_functions_have_a_reason():

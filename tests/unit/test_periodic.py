@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from server.periodic import Periodic
+from server.control.registry.audit_buffer import AuditBuffer
+from server.periodic import Buffer, Periodic
 
 HOUR = 3600.0  # the next tick never comes within a test: what runs is the first tick and stop's
 
@@ -55,3 +56,28 @@ async def test_stop_before_any_tick_and_a_failing_tick_end_quietly():
     p.start()
     await failed.wait()
     await p.stop()  # what the task raised ends with it
+
+
+async def test_a_buffer_writes_in_one_batch_and_a_failed_write_runs_its_policy():
+    """Buffer: the flushed kind. The base loses a failed batch (counted); the audit buffer keeps it for the next flush."""
+    written: list = []
+    down = [True]
+
+    def write(batch):
+        if down[0]:
+            raise ConnectionError("away")
+        written.append(batch)
+
+    lossy = Buffer("t", HOUR, write, capacity=10)
+    lossy._pending.extend([{"n": 1}, {"n": 2}])
+    assert await lossy.flush() == 0 and lossy.dropped == 2 and not lossy._pending
+    down[0] = False
+    lossy._pending.append({"n": 3})
+    assert await lossy.flush() == 1 and written == [[{"n": 3}]]
+
+    down[0] = True
+    audit = AuditBuffer(lambda batch: write(batch) or len(batch), capacity=10)
+    audit.add({"n": 4})
+    assert await audit.flush() == 0 and list(audit._pending) == [{"n": 4}]  # kept
+    down[0] = False
+    assert await audit.flush() == 1 and audit.written == 1 and written[-1] == [{"n": 4}]

@@ -20,7 +20,7 @@ class _StubDataPlane:
     """Resolves nothing, and its infer raises an unexpected (non-domain) exception."""
 
     llm = None  # no generation here
-    unary_admission = contextlib.nullcontext()  # no loop gate
+    admission = contextlib.nullcontext()  # no loop gate
 
     def is_ready(self) -> bool:
         return True

@@ -165,3 +165,33 @@ def test_the_leader_knows_which_processes_have_not_applied_a_generation(engine):
     assert set(peers.read()) == {"m"}  # the process rows are no model's load
     now[0] += 5.0
     assert peers.lagging(8) == []  # gone quiet: not waited for
+
+
+async def test_a_nudge_reports_at_once_and_a_failed_write_only_waits_for_the_next_report(engine, caplog):
+    """The reporters' one loop (ProcessReporter.run): the hour-long interval never passes here."""
+    reporter = SignalReporter(_Sampler({}, {"m": 1}), engine, "worker-9", every_s=3600.0)
+    peers = SignalPeers(engine, own="leader", stale_s=1e9)
+    written, loop = asyncio.Event(), asyncio.get_running_loop()
+    failing = [True]
+    real_write = reporter.write
+
+    def write(rows):  # runs in a worker thread: the event is set on the loop
+        try:
+            if failing[0]:
+                failing[0] = False
+                raise ConnectionError("the database is away")
+            real_write(rows)
+        finally:
+            loop.call_soon_threadsafe(written.set)
+
+    reporter.write = write
+    task = asyncio.create_task(reporter.run())
+    try:
+        for _ in range(2):  # the first write fails, the second lands
+            written.clear()
+            reporter.nudge()
+            await asyncio.wait_for(written.wait(), 30)
+        assert "reporting load signals failed: the database is away" in caplog.text
+        assert peers.read()["m"].held == 1.0
+    finally:
+        task.cancel()

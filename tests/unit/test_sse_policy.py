@@ -11,6 +11,7 @@ import socket
 
 from server.dataplane.generation import Chunk
 from server.errors import Overloaded
+from server.transports.rest.appkeys import DATAPLANE
 
 JSON = {"Content-Type": "application/json"}
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -48,21 +49,25 @@ class _FakeLLM:
 
 
 class _StubDataPlane:
-    def __init__(self, llm):
+    def __init__(self, llm, bound: int | None = None):
+        from batching.overload_policy import LoopGate, LoopPolicy
+        from server.dataplane.loop_gate import Admission
+
         self.llm = llm
+        self.admission = Admission(LoopGate(LoopPolicy(ceiling=bound)))  # the real in-flight bound
 
     def is_ready(self) -> bool:
         return True
 
 
-async def _server(llm, stall_s=30.0, heartbeat_s=15.0):
+async def _server(llm, stall_s=30.0, heartbeat_s=15.0, bound=None):
     from aiohttp.test_utils import TestClient, TestServer
 
     from server.dataplane.metrics import Metrics
     from server.transports.openai.endpoints import SSEPolicy
     from server.composition import create_app
 
-    app = create_app(_StubDataPlane(llm), Metrics(), max_body_bytes=1 << 20, sse=SSEPolicy(stall_s=stall_s, heartbeat_s=heartbeat_s))
+    app = create_app(_StubDataPlane(llm, bound), Metrics(), max_body_bytes=1 << 20, sse=SSEPolicy(stall_s=stall_s, heartbeat_s=heartbeat_s))
     client = TestClient(TestServer(app))
     await client.start_server()
     return client
@@ -142,3 +147,37 @@ async def test_a_client_that_stops_reading_is_disconnected_and_its_generation_cl
         sock.close()
     finally:
         await client.close()
+
+
+async def test_a_stream_holds_its_place_until_its_last_byte_and_past_the_bound_is_refused_before_its_first():
+    """The process's in-flight bound (server.dataplane.loop_gate) on the OpenAI routes: with a bound of
+    one, a stream still waiting for its first token holds the place; a second chat completion (stream or
+    not) and an embeddings request are 429 with Retry-After and the OpenAI error body, no SSE byte; once
+    the first stream ends the place is free again."""
+    llm = _FakeLLM()
+    client = await _server(llm, heartbeat_s=0.05, bound=1)
+    try:
+        held = await client.post("/v1/chat/completions", json=BODY)
+        assert held.status == 200 and await held.content.readline() == b": heartbeat\n"  # in flight, no token yet
+        stub = client.server.app[DATAPLANE]
+        assert stub.admission.gate.inflight == 1
+        for path, body in (("/v1/chat/completions", BODY), ("/v1/chat/completions", {**BODY, "stream": False}),
+                           ("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}),
+                           ("/v1/embeddings", {"model": "m", "input": "hi"})):  # fmt: skip
+            refused = await client.post(path, json=body)
+            assert refused.status == 429, (path, refused.status)
+            assert int(refused.headers["Retry-After"]) >= 1 and refused.headers["Content-Type"].startswith("application/json")
+            error = (await refused.json())["error"]
+            assert error["code"] == "RESOURCE_EXHAUSTED" and "in flight" in error["message"], error
+        llm.release.set()
+        events = [line async for line in held.content if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]\n"  # the held stream was served whole
+        await asyncio.wait_for(_until(lambda: stub.admission.gate.inflight == 0), 30)  # its place came back
+        assert stub.admission.gate.refused == 4
+    finally:
+        await client.close()
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)

@@ -225,3 +225,22 @@ async def test_tritons_own_in_stream_errors_get_the_code_they_mean():
     assert pb.ModelStreamInferResponse.FromString(relayed).error_message == "INVALID_ARGUMENT: invalid request: max_tokens must be > 0"
     ours = pb.ModelStreamInferResponse(error_message="NOT_FOUND: unknown model 'z'").SerializeToString()
     assert await ledger.answered(ours) == ours  # already coded: relayed untouched
+
+
+async def test_each_request_gives_its_place_back_once_when_it_ends_answered_or_closed():
+    """``release`` (the process's in-flight bound, server.dataplane.loop_gate): once per request, at
+    its final response or at the stream's end — not at a partial response nor at one it did not write."""
+    policy = QuotaPolicy(Clock())
+    pipeline = _pipeline(policy)
+    released = []
+    ledger = StreamLedger(pipeline, release=lambda: released.append(1))
+    for signature, id in ((LLM, "g"), (TABULAR, "t"), (TABULAR, "u")):
+        ledger.sent(_request(signature, id), await _open(pipeline, signature))
+    await ledger.answered(_response("llm", "g", final=False, info={"prompt_tokens": 1, "completion_tokens": 1}))
+    await ledger.answered(_response("gbm", "zzz", final=True))  # not a request it wrote
+    assert released == []
+    await ledger.answered(_response("gbm", "t", final=True))
+    assert len(released) == 1
+    await ledger.close()  # g and u end with the stream
+    await ledger.close()
+    assert len(released) == 3 and len(ledger) == 0

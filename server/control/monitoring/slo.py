@@ -26,6 +26,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 import yaml
 
+from server.control.monitoring import scrape
 from server.dataplane.metrics import LATENCY_BUCKETS, UNKNOWN_MODEL_LABEL
 from model_repository.config_writer import read_config
 
@@ -112,28 +113,21 @@ class Counts:
 def read_counts(text: str) -> dict[str, Counts]:
     """Per model: the counters the SLIs need, from a /metrics text (all workers summed)."""
     out: dict[str, Counts] = {}
-    buckets: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            model = s.labels.get("model")
-            if model in (None, UNKNOWN_MODEL_LABEL):
-                continue
-            if s.name == "inferplane_requests_total":
-                c = out.setdefault(model, Counts())
-                c.total += s.value
-                if s.labels.get("code") in BAD_CODES:
-                    c.bad += s.value
-            elif s.name == "inferplane_admissions_total":
-                if s.labels.get("path") == "refused":
-                    out.setdefault(model, Counts()).bad += s.value
-            elif s.name == "inferplane_request_duration_seconds_bucket":
-                le = float(s.labels["le"])
-                per = buckets.setdefault(model, {})
-                per[le] = per.get(le, 0.0) + s.value
-            elif s.name == "inferplane_request_duration_seconds_count":
-                out.setdefault(model, Counts()).observed += s.value
-    for model, per in buckets.items():
-        out.setdefault(model, Counts()).buckets = tuple(sorted(per.items()))
+
+    def add(model: str, s) -> None:
+        if s.name == "inferplane_requests_total":
+            c = out.setdefault(model, Counts())
+            c.total += s.value
+            if s.labels.get("code") in BAD_CODES:
+                c.bad += s.value
+        elif s.name == "inferplane_admissions_total":
+            if s.labels.get("path") == "refused":
+                out.setdefault(model, Counts()).bad += s.value
+        elif s.name == "inferplane_request_duration_seconds_count":
+            out.setdefault(model, Counts()).observed += s.value
+
+    for model, buckets in scrape.per_model(text, add).items():
+        out.setdefault(model, Counts()).buckets = buckets
     return out
 
 

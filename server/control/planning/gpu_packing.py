@@ -36,29 +36,16 @@ from dataclasses import dataclass, field
 import yaml
 
 # GPU types: memory (GiB; the field keeps its historical name) and the MIG profiles each supports:
-# name -> (compute slices, memory as the profile names it)
+# name -> (compute slices, memory as the profile names it); an 80 GB A100 and an H100 80GB have the same ones
+MIG_80GB = {"1g.10gb": (1, 10.0), "1g.20gb": (1, 20.0), "2g.20gb": (2, 20.0), "3g.40gb": (3, 40.0), "4g.40gb": (4, 40.0), "7g.80gb": (7, 80.0)}
 GPU_TYPES: dict[str, dict] = {
     "A100-40": {
         "memory_gb": 40.0,
         "product": "NVIDIA-A100-SXM4-40GB",
         "mig": {"1g.5gb": (1, 5.0), "2g.10gb": (2, 10.0), "3g.20gb": (3, 20.0), "4g.20gb": (4, 20.0), "7g.40gb": (7, 40.0)},
     },
-    "A100-80": {
-        "memory_gb": 80.0,
-        "product": "NVIDIA-A100-SXM4-80GB",
-        "mig": {
-            "1g.10gb": (1, 10.0), "1g.20gb": (1, 20.0), "2g.20gb": (2, 20.0), "3g.40gb": (3, 40.0),
-            "4g.40gb": (4, 40.0), "7g.80gb": (7, 80.0),
-        },
-    },
-    "H100-80": {
-        "memory_gb": 80.0,
-        "product": "NVIDIA-H100-80GB-HBM3",
-        "mig": {
-            "1g.10gb": (1, 10.0), "1g.20gb": (1, 20.0), "2g.20gb": (2, 20.0), "3g.40gb": (3, 40.0),
-            "4g.40gb": (4, 40.0), "7g.80gb": (7, 80.0),
-        },
-    },
+    "A100-80": {"memory_gb": 80.0, "product": "NVIDIA-A100-SXM4-80GB", "mig": MIG_80GB},
+    "H100-80": {"memory_gb": 80.0, "product": "NVIDIA-H100-80GB-HBM3", "mig": MIG_80GB},
 }  # fmt: skip
 MIG_COMPUTE_SLICES = 7
 MODES = ("whole", "mig", "mps")

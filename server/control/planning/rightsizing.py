@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from server.control.monitoring import scrape
 from server.control.planning.capacity import HOURS_PER_MONTH
 from server.tenancy.metering import DEFAULT_PRICES
 
@@ -54,26 +53,20 @@ class Reading:
 
 def readings(text: str) -> dict[str, Reading]:
     out: dict[str, Reading] = {}
-    buckets: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            model = s.labels.get("model")
-            if model is None or model == "_unknown":
-                continue
-            r = out.setdefault(model, Reading())
-            if s.name == "inferplane_requests_total":
-                r.requests += s.value
-            elif s.name == "inferplane_triton_stat_seconds" and s.labels.get("phase", "").startswith("compute_"):
-                r.busy_s += s.value
-            elif s.name == "inferplane_batch_rows_sum":
-                r.rows += s.value
-            elif s.name == "inferplane_batch_rows_count":
-                r.calls += s.value
-            elif s.name == "inferplane_request_duration_seconds_bucket":
-                per = buckets.setdefault(model, {})
-                per[float(s.labels["le"])] = per.get(float(s.labels["le"]), 0.0) + s.value
-    for model, per in buckets.items():
-        out[model].buckets = tuple(sorted(per.items()))
+
+    def add(model: str, s) -> None:
+        r = out.setdefault(model, Reading())
+        if s.name == "inferplane_requests_total":
+            r.requests += s.value
+        elif s.name == "inferplane_triton_stat_seconds" and s.labels.get("phase", "").startswith("compute_"):
+            r.busy_s += s.value
+        elif s.name == "inferplane_batch_rows_sum":
+            r.rows += s.value
+        elif s.name == "inferplane_batch_rows_count":
+            r.calls += s.value
+
+    for model, buckets in scrape.per_model(text, add).items():
+        out[model].buckets = buckets
     return out
 
 

@@ -8,16 +8,14 @@ next flush says how many); the database being away keeps the records for the nex
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
-from collections import deque
 from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
 from server import migrations
-from server.periodic import Periodic
+from server.periodic import Buffer
 from server.control.registry.registry import AuditRecord
 from server.db import make_engine
 
@@ -58,33 +56,26 @@ class AuditWriter:
             self._engine = None
 
 
-class AuditBuffer(Periodic):
+class AuditBuffer(Buffer):
     """Records added on the request path, flushed every ``flush_s`` (``start()``), and once more at ``stop()``."""
 
+    what = "audit records"
+
     def __init__(self, write_many: Callable[[list[dict]], int], flush_s: float = 2.0, capacity: int = 100_000):
-        self._write = write_many
         self.flush_s = flush_s
-        self._pending: deque[dict] = deque(maxlen=capacity)
-        self.dropped = 0
         self.written = 0
-        super().__init__("audit-flush", flush_s, self.flush, final=True)
+        super().__init__("audit-flush", flush_s, write_many, capacity)
 
     def add(self, record: dict) -> None:
         if len(self._pending) == self._pending.maxlen:
             self.dropped += 1
         self._pending.append(record)
 
-    async def flush(self) -> int:
-        if not self._pending:
-            return 0
-        batch = list(self._pending)
-        self._pending.clear()
-        try:
-            n = await asyncio.to_thread(self._write, batch)
-        except Exception as err:  # the database is away: keep them for the next flush (when full, the oldest stay)
-            log.warning("writing %d audit records failed: %s", len(batch), type(err).__name__)
-            self._pending.extendleft(reversed(batch))
-            return 0
+    def _failed(self, batch: list[dict]) -> None:
+        """The database is away: keep them for the next flush (when full, the oldest stay)."""
+        self._pending.extendleft(reversed(batch))
+
+    def _written(self, n: int) -> int:
         self.written += n
         if self.dropped:
             log.warning("audit buffer was full: %d records were dropped", self.dropped)

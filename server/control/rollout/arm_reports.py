@@ -63,41 +63,58 @@ def absorb(split, arm: str, outcomes: dict) -> None:
 
 class ProcessReporter:
     """What a serving process reports to the leader (arm outcomes here, shadow comparisons in
-    server.control.rollout.shadow_reports): every ``every_s`` the rows ``collect()`` gives, written off the event
-    loop by ``_write``; a failed write (the database is away) is logged and ``_failed()`` runs."""
+    server.control.rollout.shadow_reports, load signals in server.control.scaling.signal_reports): every
+    ``every_s`` (and at once after ``nudge()``) the rows ``collect()`` gives, written off the event loop by
+    ``write``; a failed write (the database is away) is logged and ``_failed()`` runs."""
 
     what = "reports"
 
-    def __init__(self, router, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time):
-        self.router = router
+    def __init__(self, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time):
         self._session = session_factory(engine)
         self.reporter = reporter
         self.every_s = every_s
         self._clock = clock
-        self._seen: dict = {}  # what was reported last, per reported thing
+        self._now = asyncio.Event()
+
+    def nudge(self) -> None:
+        """Report at once."""
+        self._now.set()
 
     def collect(self) -> list[dict]:
         raise NotImplementedError
 
-    def _write(self, rows: list[dict]) -> None:
+    def write(self, rows: list[dict]) -> None:
         raise NotImplementedError
 
     def _failed(self) -> None:
-        """A write failed: arm outcomes are deltas, so those are lost and the next ones go."""
+        """A write failed: what is reported as deltas is lost, and the next ones go."""
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.every_s)
+            try:
+                await asyncio.wait_for(self._now.wait(), self.every_s)
+            except asyncio.TimeoutError:
+                pass
+            self._now.clear()
             rows = self.collect()
             if rows:
                 try:
-                    await asyncio.to_thread(self._write, rows)
+                    await asyncio.to_thread(self.write, rows)
                 except Exception as err:
                     log.warning("reporting %s failed: %s", self.what, err)
                     self._failed()
 
 
-class ArmReporter(ProcessReporter):
+class RouterReporter(ProcessReporter):
+    """A report of the router's splits or shadows; ``_seen``: what was reported last, per reported thing."""
+
+    def __init__(self, router, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time):
+        super().__init__(engine, reporter, every_s, clock)
+        self.router = router
+        self._seen: dict = {}
+
+
+class ArmReporter(RouterReporter):
     what = "arm outcomes"  # _seen: (endpoint, salt, arm) -> the totals (requests, errors, latency sum, samples) reported
 
     def collect(self) -> list[dict]:
@@ -111,7 +128,7 @@ class ArmReporter(ProcessReporter):
                     rows.append({"reporter": self.reporter, "endpoint": name, "arm": arm, "outcomes": {**delta, "salt": split.salt}, "at": self._clock()})
         return rows
 
-    def _write(self, rows: list[dict]) -> None:
+    def write(self, rows: list[dict]) -> None:
         with self._session() as session:
             session.execute(insert(arm_reports), rows)
             session.commit()

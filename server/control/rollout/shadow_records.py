@@ -11,33 +11,28 @@ and by ``inferplane data purge --tenant``. Writing happens off the event loop, i
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import logging
 import os
-from collections import deque
 
-from server.periodic import Periodic
+from server.periodic import Buffer
 from server.control.registry.envelope import seal_line
 from server.control.registry.records import RecordFiles
-
-log = logging.getLogger(__name__)
 
 PREFIX = "shadow-"
 
 
-class ShadowRecords(Periodic):
+class ShadowRecords(Buffer):
     """Disagreements kept by each shadow's recorder, written every ``flush_s`` (``start()``), and once more at ``stop()``."""
+
+    what = "shadow records"
 
     def __init__(self, destination: str, keys=None, max_per_shadow: int = 1000, flush_s: float = 1.0):
         self.files = RecordFiles(destination, PREFIX, keys)
         self.keys = keys
         self.max_per_shadow = max_per_shadow
         self.flush_s = flush_s
-        self._pending: deque[dict] = deque(maxlen=10_000)
         self._counts: dict[str, int] = {}
-        self.dropped = 0
-        super().__init__("shadow-records", flush_s, self.flush, final=True)
+        super().__init__("shadow-records", flush_s, self._write, 10_000)  # a failed write: the batch is lost (counted)
 
     def recorder(self, endpoint: str, version: str):
         """What a :class:`server.dataplane.routing.Shadow` calls with each disagreement."""
@@ -52,19 +47,6 @@ class ShadowRecords(Periodic):
             self._pending.append({**doc, "model": endpoint})
 
         return record
-
-    async def flush(self) -> int:
-        if not self._pending:
-            return 0
-        batch = list(self._pending)
-        self._pending.clear()
-        try:
-            await asyncio.to_thread(self._write, batch)
-        except Exception as err:  # the destination is away: these are lost (counted)
-            self.dropped += len(batch)
-            log.warning("writing %d shadow records failed: %s", len(batch), type(err).__name__)
-            return 0
-        return len(batch)
 
     def _write(self, batch: list[dict]) -> None:
         lines = [seal_line(self.keys, doc) for doc in batch]

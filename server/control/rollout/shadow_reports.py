@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, delete, insert, select
 
 from server.control.registry import retention
-from server.control.rollout.arm_reports import ProcessReporter
+from server.control.rollout.arm_reports import RouterReporter
 from server.control.service.desired_state import desired_state
 from server.dataplane.routing import ShadowStats
 from server.db import session_factory
@@ -60,7 +60,7 @@ def summed(own: ShadowStats, reported: Iterable[dict]) -> ShadowStats:
     return out
 
 
-class ShadowReporter(ProcessReporter):
+class ShadowReporter(RouterReporter):
     what = "shadow comparisons"  # _seen: (endpoint, shadow key) -> the counts last reported
 
     def collect(self) -> list[dict]:
@@ -74,7 +74,7 @@ class ShadowReporter(ProcessReporter):
             rows.append({"reporter": self.reporter, "endpoint": name, "shadow": shadow.key, "stats": counts(stats), "at": self._clock()})
         return rows
 
-    def _write(self, rows: list[dict]) -> None:
+    def write(self, rows: list[dict]) -> None:
         with self._session() as session:
             for row in rows:
                 c = shadow_reports.c

@@ -20,8 +20,6 @@ requests (``SignalPeers.lagging``): none is sent to a Triton that is unloading i
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +27,8 @@ from dataclasses import dataclass
 from sqlalchemy import BigInteger, Column, Engine, Float, MetaData, String, Table, delete, func, insert, select
 
 from server.control.registry import retention
+from server.control.rollout.arm_reports import ProcessReporter
 from server.db import session_factory
-
-log = logging.getLogger(__name__)
 
 metadata = MetaData()
 signal_reports = Table(
@@ -63,21 +60,17 @@ class PeerLoad:
     reporters: int = 0
 
 
-class SignalReporter:
+class SignalReporter(ProcessReporter):
+    """Its rows replace this process's earlier ones; a request held here ``nudge``s it: the leader should see the demand now."""
+
+    what = "load signals"  # a failed write: the next report carries the then-current load
+
     def __init__(self, sampler, engine: Engine, reporter: str, every_s: float = 1.0, clock: Callable[[], float] = time.time,
                  wanted: set[str] | None = None, applied: Callable[[], int] = lambda: 0):  # fmt: skip
+        super().__init__(engine, reporter, every_s, clock)
         self.sampler = sampler  # server.control.scaling.signals.SignalSampler (this process's own)
         self.applied = applied  # the desired-state generation this process has applied (its StateWatcher's)
         self.wanted = wanted if wanted is not None else set()  # scaled-to-zero endpoints a request here asked to wake
-        self._session = session_factory(engine)
-        self.reporter = reporter
-        self.every_s = every_s
-        self._clock = clock
-        self._now = asyncio.Event()
-
-    def nudge(self) -> None:
-        """Report at once (a request is held here: the leader should see the demand now)."""
-        self._now.set()
 
     def collect(self) -> list[dict]:
         at, generation = self._clock(), int(self.applied())
@@ -101,18 +94,6 @@ class SignalReporter:
             if rows:
                 session.execute(insert(signal_reports), rows)
             session.commit()
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._now.wait(), self.every_s)
-            except asyncio.TimeoutError:
-                pass
-            self._now.clear()
-            try:
-                await asyncio.to_thread(self.write, self.collect())
-            except Exception as err:  # the database is away: the next report carries the then-current load
-                log.warning("reporting load signals failed: %s", err)
 
 
 class SignalPeers:

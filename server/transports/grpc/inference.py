@@ -86,7 +86,7 @@ class InferenceService:
     # ---- inference ------------------------------------------------------------------------
 
     async def model_infer(self, raw: bytes, context):
-        with self.dp.unary_admission:  # refused before decode past the in-flight bound or while the loop stands behind
+        with self.dp.admission:  # refused before decode past the in-flight bound or while the loop stands behind
             ctx = call_context(context, timed=True)
             request = parse_infer_request(raw)
             timer = ctx.timing

@@ -16,6 +16,10 @@ keeps idle-timing proxies from closing a slow prefill or a long queue wait: when
 that late the response's headers go out first (200), so an error after that travels in the stream.
 Both come from ``Settings`` (``sse_stall_s``, ``sse_heartbeat_s``).
 
+Chat completions, completions and embeddings take a place in the process's in-flight bound
+(``server.dataplane.loop_gate``) before their body is read and hold it to the answer's last byte:
+past the bound a 429 with ``Retry-After`` and the OpenAI error body, before any byte of a stream.
+
 A request with an ``inferplane-timing`` header gets ``Server-Timing`` (``server.dataplane.stage_timing``):
 ``decode`` (the JSON body and its parameters), the pipeline's stages, ``encode`` (the JSON answer); a
 stream's headers carry the stages until they are sent (its first token, or its first heartbeat).
@@ -43,6 +47,7 @@ from server.tenancy.identity import CallContext
 from server.transports import limits
 from server.transports.openai.body import json_object
 from server.transports.openai.batches import ROUTES as BATCH_ROUTES
+from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import JSON, Body, Route, error_body, error_responses, error_statuses, json_body
 
 log = logging.getLogger(__name__)
@@ -412,18 +417,26 @@ class _CompletionRender(_ChatRender):
         return [doc]
 
 
+def _admission(request: web.Request):
+    """The process's in-flight bound (``server.dataplane.loop_gate``), entered before the body is read:
+    past it a 429 with ``Retry-After`` and the OpenAI error body, before any byte of a stream."""
+    return request.app[DATAPLANE].admission
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    _start_timer(request)
-    doc = await json_object(request)
-    model, params = parse_generation(doc, chat=True)
-    return await _generate(request, doc, model, params, chat=True)
+    with _admission(request):  # held until the answer's last byte (a stream's too)
+        _start_timer(request)
+        doc = await json_object(request)
+        model, params = parse_generation(doc, chat=True)
+        return await _generate(request, doc, model, params, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    _start_timer(request)
-    doc = await json_object(request)
-    model, params = parse_generation(doc, chat=False)
-    return await _generate(request, doc, model, params, chat=False)
+    with _admission(request):
+        _start_timer(request)
+        doc = await json_object(request)
+        model, params = parse_generation(doc, chat=False)
+        return await _generate(request, doc, model, params, chat=False)
 
 
 async def _generate(request: web.Request, doc: dict, model: str, params: GenerateParams, chat: bool) -> web.StreamResponse:
@@ -480,9 +493,10 @@ def _completion_doc(cid: str, model: str, created: int, chat: bool, last: Chunk)
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    _start_timer(request)
-    doc = await json_object(request)
-    return _server_timing(request, web.json_response(await embeddings_answer(service(request), doc, _ctx(request))), "encode")
+    with _admission(request):
+        _start_timer(request)
+        doc = await json_object(request)
+        return _server_timing(request, web.json_response(await embeddings_answer(service(request), doc, _ctx(request))), "encode")
 
 
 async def embeddings_answer(svc: LLMService, doc: dict, ctx: CallContext) -> dict:

@@ -119,7 +119,7 @@ async def model_config(request: web.Request) -> web.Response:
 async def model_infer(request: web.Request) -> web.Response:
     """v2 infer: JSON tensors, or Triton's binary tensor extension (Inference-Header-Content-Length)."""
     dp = request.app[DATAPLANE]
-    with dp.unary_admission:  # refused before the body is read past the in-flight bound or while the loop stands behind
+    with dp.admission:  # refused before the body is read past the in-flight bound or while the loop stands behind
         timer = StageTimer() if TIMING_HEADER in request.headers else None  # the caller asked for Server-Timing
         name, version = _model(request)
         ctx = _context(request)

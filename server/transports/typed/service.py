@@ -119,7 +119,7 @@ class TypedServices(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(call)
 
     async def _predict(self, built: Built, raw: bytes, context, batch: bool) -> bytes:
-        with self.dp.unary_admission:  # refused before decode past the process's in-flight bound
+        with self.dp.admission:  # refused before decode past the process's in-flight bound
             ctx = call_context(context, timed=True)
             timer = ctx.timing  # None unless the caller sent inferplane-timing (server.dataplane.stage_timing)
             answer, n, batched = await self._infer(built, raw, ctx, batch)
