@@ -112,14 +112,24 @@ def start_two_frontends(repository: Path, root: Path, env: dict[str, str]):
         stop_stack(a)
 
 
+def _stopped_together():
+    stacks: list[Stack] = []
+    yield stacks
+    stop_stacks(*stacks)
+
+
 @pytest.fixture(scope="session")
 def session_stacks():
     """The session's stacks, stopped together at its end (``stop_stacks``: their graceful stops overlap,
     seconds each): a session fixture appends its stack here after its yield instead of stopping it.
     Torn down after every fixture that asks for it, so after each of those stacks' users."""
-    stacks: list[Stack] = []
-    yield stacks
-    stop_stacks(*stacks)
+    yield from _stopped_together()
+
+
+@pytest.fixture(scope="module")
+def module_stacks():
+    """``session_stacks`` for a module with several module-scoped stacks: stopped together at its end."""
+    yield from _stopped_together()
 
 
 @pytest.fixture(scope="session")
