@@ -540,10 +540,11 @@ class Frontend:
             self._audit_writer.close()
         if self.dataplane is not None:
             await self.dataplane.close()  # the last usage records, Redis connections, Triton channels
-        if self.fleet is not None:
-            await self.fleet.stop_replicas()
-        if self.supervisor is not None:
-            await self.supervisor.stop()
+        # the replicas' Tritons and the embedded one stop together (each takes seconds to unload its models)
+        await asyncio.gather(
+            *([self.fleet.stop_replicas()] if self.fleet is not None else []),
+            *([self.supervisor.stop()] if self.supervisor is not None else []),
+        )
         self.gc_watch.close()
         self._stopped.set()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from loadtest.stack import Stack, stop_stack  # noqa: F401 - re-exported for the test modules
+from loadtest.stack import Stack, stop_stack, stop_stacks  # noqa: F401 - re-exported for the test modules
 from loadtest.stack import start_stack as _start_stack
 from tests.services import SERVICES, probe, require
 
@@ -112,11 +112,31 @@ def start_two_frontends(repository: Path, root: Path, env: dict[str, str]):
         stop_stack(a)
 
 
+def _stopped_together():
+    stacks: list[Stack] = []
+    yield stacks
+    stop_stacks(*stacks)
+
+
 @pytest.fixture(scope="session")
-def stack(demo_repository, tmp_path_factory):
+def session_stacks():
+    """The session's stacks, stopped together at its end (``stop_stacks``: their graceful stops overlap,
+    seconds each): a session fixture appends its stack here after its yield instead of stopping it.
+    Torn down after every fixture that asks for it, so after each of those stacks' users."""
+    yield from _stopped_together()
+
+
+@pytest.fixture(scope="module")
+def module_stacks():
+    """``session_stacks`` for a module with several module-scoped stacks: stopped together at its end."""
+    yield from _stopped_together()
+
+
+@pytest.fixture(scope="session")
+def stack(demo_repository, tmp_path_factory, session_stacks):
     s = start_stack(demo_repository, tmp_path_factory.mktemp("stack"))
     yield s
-    stop_stack(s)
+    session_stacks.append(s)
 
 
 LLM_BUDGET_MODEL = "tiny_llama_budget"
@@ -152,10 +172,10 @@ def llm_repository(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def llm_stack(llm_repository, tmp_path_factory):
+def llm_stack(llm_repository, tmp_path_factory, session_stacks):
     s = start_stack(llm_repository, tmp_path_factory.mktemp("llm_stack"))
     yield s
-    stop_stack(s)
+    session_stacks.append(s)
 
 
 def registry_stack_fixtures(prefix: str, env=lambda root: {}):

@@ -340,8 +340,9 @@ class LocalReplicaPool:
     async def stop_all(self) -> None:
         for task in list(self._refills):
             task.cancel()
-        for replica_id in [r for r in self.supervisors if r not in self.adopted]:
-            await self.stop(replica_id)
+        # all at once: each Triton's graceful stop (unloading its models) takes seconds, and one after
+        # the other a frontend with N replicas took N times that to exit
         warm, self.warm = self.warm, []
-        for w in warm:
-            await w.supervisor.stop()
+        await asyncio.gather(
+            *(self.stop(r) for r in [r for r in self.supervisors if r not in self.adopted]), *(w.supervisor.stop() for w in warm)
+        )

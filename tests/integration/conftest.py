@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import copy_demo_models, start_stack, stop_stack
+from tests.conftest import copy_demo_models, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +22,9 @@ def compose_repository(demo_repository, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def compose_stack(compose_repository, tmp_path_factory):
+def compose_stack(compose_repository, tmp_path_factory, session_stacks):
     workdir = tmp_path_factory.mktemp("compose_stack")
     s = start_stack(compose_repository, workdir, env={"INFERPLANE_ROLLBACK_GRACE_S": "600", "INFERPLANE_BATCH_LEASE_S": "3"})
     s.workdir = workdir
     yield s
-    stop_stack(s)
+    session_stacks.append(s)

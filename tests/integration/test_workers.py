@@ -19,7 +19,7 @@ from server.protogen.inference import grpc_service_pb2 as pb
 from server.tenancy.quota_policy import Quota
 from server.runtime.supervisor import free_port
 from server.tenancy.store import TenancyStore
-from tests.conftest import start_stack, stop_stack
+from tests.conftest import start_stack
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ PER_WORKER_WARNING = "quotas and idempotency keys are per worker process"
 
 
 @pytest.fixture(scope="module")
-def two_workers(demo_repository, tmp_path_factory):
+def two_workers(demo_repository, tmp_path_factory, module_stacks):
     workdir = tmp_path_factory.mktemp("workers")
     stack = start_stack(
         demo_repository, workdir, "--workers", "2", "--model", MODEL,
@@ -36,7 +36,7 @@ def two_workers(demo_repository, tmp_path_factory):
     )  # fmt: skip
     stack.metrics_dir = workdir / "run" / "metrics"
     yield stack
-    stop_stack(stack)
+    module_stacks.append(stack)  # stopped with the module's other stack
 
 
 def _workers(stack) -> list[int]:
@@ -114,7 +114,7 @@ MONTHLY = 5  # requests per calendar month of the tenant 'monthly'
 
 
 @pytest.fixture(scope="module")
-def shared_quotas(demo_repository, tmp_path_factory, redis_url):
+def shared_quotas(demo_repository, tmp_path_factory, redis_url, module_stacks):
     workdir = tmp_path_factory.mktemp("workers_redis")
     url = f"sqlite:///{workdir}/tenancy.db"
     store = TenancyStore(url)
@@ -134,7 +134,7 @@ def shared_quotas(demo_repository, tmp_path_factory, redis_url):
     stack.key = key
     stack.monthly_key = monthly
     yield stack
-    stop_stack(stack)
+    module_stacks.append(stack)
     store.close()
 
 

@@ -7,6 +7,7 @@ and the import, so the message says what to move.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,20 @@ ALLOWED = {
 ALLOWED.update({name: set() for name in SHARED})
 
 
+def _once_per_version(scan):
+    """``scan(path)``'s answer computed once per version of the file (its mtime and size): every test
+    here walks all of server/."""
+    cached = functools.lru_cache(maxsize=None)(lambda path, mtime_ns, size: tuple(scan(path)))
+
+    @functools.wraps(scan)
+    def wrapper(path: Path):
+        stat = path.stat()
+        return cached(path, stat.st_mtime_ns, stat.st_size)
+
+    return wrapper
+
+
+@_once_per_version
 def _imports(path: Path):
     """(line, dotted module) of every import in a file, relative ones resolved."""
     tree = ast.parse(path.read_text(), str(path))
@@ -128,6 +143,7 @@ def test_optimizer_uses_public_names_only():
     assert not bad, "\n".join(bad)
 
 
+@_once_per_version
 def _environment_reads(path: Path):
     """Reads of the environment: ``os.environ.get``, ``os.getenv``, ``os.environ[...]`` loads, typer's
     ``envvar=``. Copies handed to a child process (``dict(os.environ, ...)``) and writes for a library
@@ -171,6 +187,7 @@ def test_only_settings_read_the_environment():
 # ---- no cycle inside a room; no import inside a function that dodges one ----------------------------
 
 
+@_once_per_version
 def _placed_imports(path: Path):
     """(line, dotted module, inside a function) of every import of a file. An import under
     ``if TYPE_CHECKING:`` counts like any other: a type named back is a tie back."""

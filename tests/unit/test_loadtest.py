@@ -48,6 +48,14 @@ def dummy_factory():
         s.close()
 
 
+@pytest.fixture(scope="module")
+def dummy():
+    """One real dummy gRPC server without knobs for the module's tests that only send to it (it keeps no
+    state a test could see: each test's figures are its own window's); a process start each saved."""
+    with DummyProcess() as s:
+        yield s
+
+
 class FakeSession(Session):
     def __init__(self, driver: "FakeDriver") -> None:
         self.d = driver
@@ -302,8 +310,8 @@ def _cfg(target: str, **kw) -> RunConfig:
     return RunConfig(target=target, model="dummy", spec=spec, **kw)
 
 
-def test_closed_loop_against_dummy_server(dummy_factory):
-    srv = dummy_factory()
+def test_closed_loop_against_dummy_server(dummy):
+    srv = dummy
     pool = prepare_pool(srv.target, "dummy", batch=2, size=8)
     assert list(pb.ModelInferRequest.FromString(pool[0]).inputs[0].shape) == [2, 4]
     r = run(_cfg(srv.target, concurrency=4, pids=(srv.proc.pid,)), pool)
@@ -344,8 +352,8 @@ def test_open_loop_against_stalling_server(dummy_factory):
     assert r["latency_ms"]["p90"] >= 30  # ~60 requests arrived during the stall
 
 
-def test_multiprocess_run_merges_histograms(dummy_factory):
-    srv = dummy_factory()
+def test_multiprocess_run_merges_histograms(dummy):
+    srv = dummy
     pool = prepare_pool(srv.target, "dummy")
     r = run(_cfg(srv.target, concurrency=4, processes=2, warmup=0.3, duration=1.0), pool)
     assert r["processes"] == 2
@@ -386,11 +394,11 @@ def test_compare_interleaves_the_rounds_and_summarizes_what_each_measured(monkey
         compare(cfg_a, cfg_b, [b"x"], [b"y"], rounds=0)
 
 
-def test_compare_runs_both_real_servers_in_each_round(dummy_factory):
+def test_compare_runs_both_real_servers_in_each_round(dummy, dummy_factory):
     """compare() against two real dummy servers, B adding 2 ms to each answer. Only what holds by
     construction is asserted (every B answer waited its 2 ms); how well compare() measures the
     difference is a benchmark: `python -m loadtest delay-check` (BENCHMARKS.md §24)."""
-    a = dummy_factory()
+    a = dummy
     b = dummy_factory("--delay-ms", "2")
     pool = prepare_pool(a.target, "dummy")
     cfg_a = _cfg(a.target, concurrency=2, warmup=0.1, duration=0.4, label="direct")
@@ -432,12 +440,12 @@ def test_summarize_spread():
     assert "cpu_ms_per_request" not in s["a"]
 
 
-def test_cli_run_and_sweep(dummy_factory, tmp_path):
+def test_cli_run_and_sweep(dummy, tmp_path):
     from typer.testing import CliRunner
 
     from loadtest.cli import app
 
-    srv = dummy_factory()
+    srv = dummy
     runner = CliRunner()
     out = tmp_path / "run.json"
     res = runner.invoke(app, ["run", "-t", srv.target, "-m", "dummy", "-r", "100", "--poisson", "-d", "0.5",
@@ -512,10 +520,10 @@ def test_help_texts_keep_colon_syntax_literal():
 
 
 @pytest.mark.slow
-def test_run_perf_analyzer_against_dummy_server(dummy_factory):
+def test_run_perf_analyzer_against_dummy_server(dummy):
     from loadtest.perf_analyzer import run_perf_analyzer
 
-    srv = dummy_factory()
+    srv = dummy
     r = run_perf_analyzer(
         srv.target, "dummy", concurrency_range="2", measurement_interval_ms=500,
         extra_args=["--stability-percentage", "1000", "--max-trials", "6"], timeout=120,
