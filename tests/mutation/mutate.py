@@ -42,7 +42,8 @@ MODULES: dict[str, list[str]] = {
     "server.dataplane.validation": ["tests/unit/test_validation.py"],
     "server.control.registry.safe_formats": ["tests/unit/test_safe_formats.py"],
     "server.dataplane.idempotency": ["tests/unit/test_idempotency.py"],
-    "batching.fair_queue": ["tests/unit/test_fair_queue.py", "tests/unit/test_fair_queue_batch.py"],
+    # fair_queue: test_overload_policy.py's fair-queue cases are its queue TTL and standing-queue behaviour
+    "batching.fair_queue": ["tests/unit/test_fair_queue.py", "tests/unit/test_fair_queue_batch.py", "tests/unit/test_fair_queue_refusals.py", "tests/unit/test_overload_policy.py"],
     "server.dataplane.circuit_breaker": ["tests/unit/test_circuit_breaker.py"],
     "batching.autoscale_policy": ["tests/unit/test_autoscale_policy.py"],
     "server.dataplane.traffic_policy": ["tests/unit/test_traffic_policy.py"],
