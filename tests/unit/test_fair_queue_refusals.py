@@ -28,15 +28,15 @@ async def _settle():
 
 
 async def test_a_queue_ttl_expiry_names_the_wait_and_hints_the_time_to_drain_what_is_left():
-    q = FairQueue("m", AdmissionPolicy(slots=1, overload=OverloadPolicy(queue_ttl_s=0.01)))
+    q = FairQueue("m", AdmissionPolicy(slots=1, overload=OverloadPolicy(queue_ttl_s=0.06)))
     q.service_s = 0.002
     assert q.try_acquire()
-    first = asyncio.create_task(q.acquire("a", timeout=30.0))  # the TTL (10 ms) bounds it, not the deadline
-    await asyncio.sleep(0.005)
+    first = asyncio.create_task(q.acquire("a", timeout=30.0))  # the TTL (60 ms) bounds it, not the deadline
+    await asyncio.sleep(0.02)
     second = asyncio.create_task(q.acquire("b", timeout=30.0))
     results = await asyncio.gather(first, second, return_exceptions=True)
     assert all(isinstance(r, QueueFull) for r in results), results
-    assert results[0].message == "model 'm' is saturated: waited 10.0 ms, its queue budget"
+    assert results[0].message == "model 'm' is saturated: waited 60.0 ms, its queue budget"
     assert results[0].retry_after_s == pytest.approx(0.002)  # b still waits: one request, 2 ms each
     assert results[1].retry_after_s == 0.001  # nothing left to drain: the floor
     assert q.rejected == 2 and q.shed == 0 and q.size == 0
@@ -155,6 +155,27 @@ async def test_short_waits_never_make_the_queue_stand_however_long_the_busy_run(
     assert q.governor.dropped == 0 and not q.governor.standing and q.rejected == 0
     q.release(0.01)
     await asyncio.gather(*served)
+
+
+async def test_a_standing_queue_drop_is_a_counted_refusal_with_the_time_to_drain_what_is_left():
+    """Four requests wait from t=0; grants at 0.5 s and 0.55 s serve two (the run above target is not
+    yet an interval long); at 0.65 s the queue stands and the two left, which stood far past one
+    service time (20 ms), are refused: each a QueueFull with the time to drain what is still queued."""
+    clock = Clock()
+    q = FairQueue("m", AdmissionPolicy(slots=1, queue_rounds=100, overload=OverloadPolicy(target_s=0.005, interval_s=0.1)), clock=clock)
+    assert q.try_acquire()
+    waiters = [asyncio.create_task(q.acquire("a")) for _ in range(4)]
+    await _settle()
+    for t in (0.5, 0.55, 0.65):
+        clock.t = t
+        q.release(0.02)
+        await _settle()
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert results[:2] == [None, None]
+    assert all(isinstance(r, QueueFull) and r.message == "model 'm' is saturated (a standing queue)" for r in results[2:]), results
+    assert results[2].retry_after_s == pytest.approx(0.02)  # one more was still queued behind it: 20 ms
+    assert results[3].retry_after_s == 0.001  # the last: nothing left, the floor
+    assert q.rejected == 2 and q.governor.dropped == 2 and q.size == 0
 
 
 async def test_a_tenant_with_nothing_waiting_holds_no_state_in_the_queue():
