@@ -487,6 +487,37 @@ def test_a_shadow_copies_its_share_to_the_staged_version_and_its_stop_keeps_the_
     assert t.dep.expiring == ["m"] and "shadow_version" not in t.c.get_policy("m")
 
 
+def test_a_live_shadows_report_adds_what_other_workers_reported_for_that_shadow_only(tmp_path):
+    """While a shadow runs, its report is this process's counts plus every frontend worker's rows of
+    the same shadow key (shadow_reports): never a row of an earlier shadow of the endpoint, nor one
+    of another endpoint."""
+    from sqlalchemy import insert
+
+    from server.control.rollout.shadow_reports import shadow_reports
+
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        policy = await t.c.set_shadow("m", 2, 50)
+        key = t.dp.router.shadows["m"].key
+        assert key == f"shadow:m:{policy.id}"
+        row = {"sent": 5, "dropped": 0, "errors": 1, "paused": 0, "compared": 4, "agreed": 3, "abs_diff_count": 0}
+        with t.reg.engine.begin() as conn:
+            conn.execute(insert(shadow_reports), [
+                {"reporter": "front-a", "endpoint": "m", "shadow": key, "stats": row, "at": 1.0},
+                {"reporter": "front-b", "endpoint": "m", "shadow": key, "stats": {**row, "sent": 7}, "at": 1.0},
+                {"reporter": "front-a", "endpoint": "m", "shadow": "shadow:m:0", "stats": {**row, "sent": 100}, "at": 1.0},
+                {"reporter": "front-a", "endpoint": "n", "shadow": key, "stats": {**row, "sent": 1000}, "at": 1.0},
+            ])  # fmt: skip
+        report = await t.c.shadow_report("m")
+        await t.c.stop()
+        return report
+
+    report = asyncio.run(run())
+    assert (report["name"], report["version"], report["percent"]) == ("m", "2", 50.0)
+    assert (report["sent"], report["errors"], report["compared"], report["agreement"]) == (12, 2, 8, 0.75)
+
+
 def test_a_new_shadow_replaces_the_old_one(tmp_path):
     async def run():
         t = _make(tmp_path)
