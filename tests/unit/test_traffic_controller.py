@@ -80,13 +80,21 @@ class _Versions(_Registry):
         self.verified: list[tuple] = []
 
     def get(self, name, version=None):
+        self._known(name)
         return self.records[version]
 
     def verify_signed(self, name, version):
         self.verified.append((name, version))
 
     def endpoint(self, name, history=20):
+        self._known(name)
+        max(history, 1)  # the real registry's history limit: a count (None is a TypeError there too)
         return SimpleNamespace(live=self.live, serving={})
+
+    @staticmethod
+    def _known(name):
+        if name != "m":  # one endpoint, as the real registry would answer for any other name
+            raise ModelNotFound(f"model '{name}' not found")
 
 
 def _make(tmp_path, clock=None, *, real_stage=False, registry=None):
@@ -644,6 +652,35 @@ def test_staging_refuses_an_endpoint_that_is_not_live_here_or_a_different_signat
 
     t = asyncio.run(run())
     assert not [c for c in t.dep.calls if c[0] in ("load", "warm")] and t.c.store.history("m") == []
+
+
+def test_staging_and_a_promote_wait_for_what_is_in_progress_on_their_endpoint(tmp_path):
+    """A deploy of m holds the deployer's lock of m: a blue-green stage of m waits for it (nothing
+    loads meanwhile), and a promote of m waits for that stage (then promotes the policy it installed)."""
+
+    async def run():
+        t = _make(tmp_path, real_stage=True)
+        deploying = t.dep._lock("m")
+        await deploying.acquire()
+        change = asyncio.create_task(t.c.set_bluegreen("m", 2))
+        await _settle_loop()
+        promote = asyncio.create_task(t.c.promote("m"))
+        # not a timing claim: while the lock is held neither can finish, however long this waits
+        done, _ = await asyncio.wait({change, promote}, timeout=0.5)
+        assert not done and t.dep.calls == []
+        deploying.release()
+        policy = await change
+        assert await promote is policy
+        return t, policy
+
+    t, policy = asyncio.run(run())
+    assert t.dep.calls[:4] == [("choice_for", 2), ("config_for", "m", 1, (1, 2)), ("load", "m", 2, "config", (1, 2)), ("warm", "m", 2)]
+    assert policy.kind == "bluegreen" and policy.status == "switched"
+
+
+async def _settle_loop():
+    for _ in range(20):
+        await asyncio.sleep(0)
 
 
 def test_a_composite_version_stages_as_one_unit(tmp_path):
