@@ -379,8 +379,9 @@ def test_the_ab_report_counts_each_arm_and_compares_it_with_the_control(tmp_path
             error = arm == "treatment" and i % 4 == 1
             router.observe("m", arm, "INTERNAL" if error else "OK", 0.010 if arm == "control" else 0.030, SimpleNamespace(id=f"r{i}"), None, None, None)
         arms = {f"r{i}": t.c.feedback("m", f"r{i}", 1.0 if i % 2 == 0 else 0.0) for i in range(40)}
-        with pytest.raises(InvalidRequest, match="feedback needs the request id"):
+        with pytest.raises(InvalidRequest) as no_id:
             t.c.feedback("m", "", 1.0)
+        assert no_id.value.message == "feedback needs the request id"
         return t, arms
 
     t, arms = asyncio.run(run())
@@ -654,9 +655,11 @@ def test_staging_refuses_an_endpoint_that_is_not_live_here_or_a_different_signat
     assert not [c for c in t.dep.calls if c[0] in ("load", "warm")] and t.c.store.history("m") == []
 
 
-def test_staging_and_a_promote_wait_for_what_is_in_progress_on_their_endpoint(tmp_path):
+@pytest.mark.parametrize("finish", ["promote", "switch"])
+def test_staging_and_a_promote_or_switch_wait_for_what_is_in_progress_on_their_endpoint(tmp_path, finish):
     """A deploy of m holds the deployer's lock of m: a blue-green stage of m waits for it (nothing
-    loads meanwhile), and a promote of m waits for that stage (then promotes the policy it installed)."""
+    loads meanwhile), and a promote (or switch) of m waits for that stage, then acts on the policy it
+    installed."""
 
     async def run():
         t = _make(tmp_path, real_stage=True)
@@ -664,7 +667,7 @@ def test_staging_and_a_promote_wait_for_what_is_in_progress_on_their_endpoint(tm
         await deploying.acquire()
         change = asyncio.create_task(t.c.set_bluegreen("m", 2))
         await _settle_loop()
-        promote = asyncio.create_task(t.c.promote("m"))
+        promote = asyncio.create_task(getattr(t.c, finish)("m"))
         # not a timing claim: while the lock is held neither can finish, however long this waits
         done, _ = await asyncio.wait({change, promote}, timeout=0.5)
         assert not done and t.dep.calls == []
