@@ -54,6 +54,7 @@ class _Recorder(_Deployer):
 
     def config_for(self, name, live_record, serving, versions):
         self.calls.append(("config_for", name, live_record.version, tuple(versions)))
+        self.serving = serving
         return "config"
 
     async def _load(self, name, record, config, versions):
@@ -78,6 +79,7 @@ class _Versions(_Registry):
         self.records = {v: SimpleNamespace(version=v, format="onnx", signature=SIG, ref=f"m:{v}") for v in (1, 2, 3)}
         self.live: int | None = 1
         self.verified: list[tuple] = []
+        self.serving: dict = {}  # the endpoint's stored serving options
 
     def get(self, name, version=None):
         self._known(name)
@@ -89,7 +91,7 @@ class _Versions(_Registry):
     def endpoint(self, name, history=20):
         self._known(name)
         max(history, 1)  # the real registry's history limit: a count (None is a TypeError there too)
-        return SimpleNamespace(live=self.live, serving={})
+        return SimpleNamespace(live=self.live, serving=self.serving)
 
     @staticmethod
     def _known(name):
@@ -135,6 +137,7 @@ def test_bluegreen_stages_green_without_moving_traffic_and_switch_moves_all_of_i
         assert t.dp.router.choose("m", None) == ("1", "")  # staged: blue answers everything
         status = t.c.get_policy("m")
         assert (status["kind"], status["status"], status["green"], status["live"]) == ("bluegreen", "active", "2", "1")
+        assert status["key_header"] == ""  # a blue-green pins no caller to an arm: no key header
         assert _audits(t.reg) == [("bluegreen.stage", "m:2", "ok")] and t.reg.audits[0][0] == "alice"
         assert "blue=1" in t.reg.audits[0][4]
         await t.c.switch("m", actor="bob")
@@ -602,6 +605,7 @@ def test_an_endpoint_without_a_live_version_schedules_no_expiry(tmp_path):
 def test_staging_loads_both_versions_warms_the_new_one_and_moves_no_traffic(tmp_path):
     async def run():
         t = _make(tmp_path, real_stage=True)
+        t.reg.serving = {"max_batch": 8, "instances": 2}  # the endpoint's serving options (its last deploy's)
         expiry = _Expiry()
         t.dep._st("m").expiry = expiry
         await t.c.set_bluegreen("m", 2)
@@ -609,6 +613,7 @@ def test_staging_loads_both_versions_warms_the_new_one_and_moves_no_traffic(tmp_
 
     t, expiry = asyncio.run(run())
     assert t.dep.calls == [("choice_for", 2), ("config_for", "m", 1, (1, 2)), ("load", "m", 2, "config", (1, 2)), ("warm", "m", 2)]
+    assert (t.dep.serving.max_batch_size, t.dep.serving.instances) == (8, 2)  # both versions' config keeps them
     assert t.reg.verified == [("m", 2)] and expiry.cancelled and t.dep._st("m").expiry is None
     assert t.dp.router.choose("m", None) == ("1", "") and t.c.policies[("m", "split")].spec["blue"] == "1"
 
