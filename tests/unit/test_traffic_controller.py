@@ -686,6 +686,30 @@ def test_staging_and_a_promote_or_switch_wait_for_what_is_in_progress_on_their_e
     assert policy.kind == "bluegreen" and policy.status == "switched"
 
 
+def test_a_shadow_stop_waits_for_the_shadow_start_in_progress_on_its_endpoint(tmp_path):
+    """A shadow start stages its version under the endpoint's lock: a stop arriving meanwhile waits for
+    it, then stops the shadow it started (instead of answering that there is none)."""
+
+    async def run():
+        t = _make(tmp_path, real_stage=True)
+        t.dp.backend_infer = _sender([])
+        deploying = t.dep._lock("m")
+        await deploying.acquire()
+        start = asyncio.create_task(t.c.set_shadow("m", 2, 50))
+        await _settle_loop()
+        stop = asyncio.create_task(t.c.stop_shadow("m"))
+        # not a timing claim: while the lock is held neither can finish, however long this waits
+        done, _ = await asyncio.wait({start, stop}, timeout=0.5)
+        assert not done
+        deploying.release()
+        await start
+        await stop
+        return t
+
+    t = asyncio.run(run())
+    assert _statuses(t.c) == [("shadow", "ended")] and "m" not in t.dp.router.shadows
+
+
 async def _settle_loop():
     for _ in range(20):
         await asyncio.sleep(0)
