@@ -357,11 +357,22 @@ def test_an_unnamed_experiment_is_named_after_its_endpoint(tmp_path):
     assert t.c.ab_report("m")["experiment"] == "m"
 
 
+def test_the_report_of_a_split_that_is_no_named_experiment_is_named_by_its_kind(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, percent=10, thresholds=LIMITS)
+        return t.c.ab_report("m")
+
+    report = asyncio.run(run())
+    assert report["experiment"] == "canary" and [a["name"] for a in report["arms"]] == ["stable", "canary"]
+
+
 def test_experiments_refuse_bad_arms_before_staging(tmp_path):
     async def run():
         t = _make(tmp_path)
-        with pytest.raises(InvalidRequest, match="an experiment needs two or more arms"):
+        with pytest.raises(InvalidRequest) as one_arm:
             await t.c.set_experiment("m", [("a", 1, 1)])
+        assert one_arm.value.message == "an experiment needs two or more arms"
         with pytest.raises(InvalidRequest, match="arm names must be distinct"):
             await t.c.set_experiment("m", [("a", 1, 1), ("a", 2, 1)])
         t.dp.routes.pop("m")
@@ -660,7 +671,7 @@ def test_staging_refuses_an_endpoint_that_is_not_live_here_or_a_different_signat
     assert not [c for c in t.dep.calls if c[0] in ("load", "warm")] and t.c.store.history("m") == []
 
 
-@pytest.mark.parametrize("finish", ["promote", "switch"])
+@pytest.mark.parametrize("finish", ["promote", "switch", "rollback"])
 def test_staging_and_a_promote_or_switch_wait_for_what_is_in_progress_on_their_endpoint(tmp_path, finish):
     """A deploy of m holds the deployer's lock of m: a blue-green stage of m waits for it (nothing
     loads meanwhile), and a promote (or switch) of m waits for that stage, then acts on the policy it
@@ -683,7 +694,7 @@ def test_staging_and_a_promote_or_switch_wait_for_what_is_in_progress_on_their_e
 
     t, policy = asyncio.run(run())
     assert t.dep.calls[:4] == [("choice_for", 2), ("config_for", "m", 1, (1, 2)), ("load", "m", 2, "config", (1, 2)), ("warm", "m", 2)]
-    assert policy.kind == "bluegreen" and policy.status == "switched"
+    assert policy.kind == "bluegreen" and policy.status == ("ended" if finish == "rollback" else "switched")
 
 
 def test_a_shadow_stop_waits_for_the_shadow_start_in_progress_on_its_endpoint(tmp_path):
