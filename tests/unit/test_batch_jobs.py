@@ -419,7 +419,8 @@ def test_the_output_and_error_files_hold_each_row_once_in_row_order(store):
     ]
     out = store.get_file("acme", doc["output_file_id"])
     assert (out["filename"], out["purpose"], out["created_at"]) == (f"{job}_output.jsonl", "batch_output", 1500)
-    assert store.get_file("acme", doc["error_file_id"])["filename"] == f"{job}_error.jsonl"
+    err = store.get_file("acme", doc["error_file_id"])
+    assert (err["filename"], err["purpose"]) == (f"{job}_error.jsonl", "batch_output")  # OpenAI's purpose for both files
     raw = store.file_content("acme", doc["output_file_id"])
     assert raw.endswith(b"\n") and b'"error":null}\n' in raw and b", " not in raw  # compact JSONL, one row a line
     assert not store.finalize(job, "w", "completed")  # an ended job is not ended again
