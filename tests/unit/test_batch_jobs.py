@@ -328,6 +328,20 @@ def test_claim_takes_the_oldest_job_and_starts_it(store):
     assert store.claim("w3", 30) is None
 
 
+def test_a_claim_reaches_an_active_job_behind_five_older_finished_ones(store):
+    """Finished jobs whose leases lapsed are no candidates: a job queued behind five of them is claimed."""
+    store.clock.now = 1000
+    older = {_job(store, 1) for _ in range(5)}
+    store.clock.now = 1001
+    waiting = _job(store, 1)
+    store.clock.now = 1002
+    for _ in range(5):
+        job = store.claim("w0", 30)
+        assert job.id in older and store.finalize(job.id, "w0", "cancelled")
+    store.clock.now = 2000  # every lease has lapsed
+    assert store.claim("w1", 30).id == waiting
+
+
 def test_a_lease_holds_until_its_end_and_the_holder_may_claim_again(store):
     job = _job(store)
     assert store.claim("w1", 30).id == job  # lease until 1030
@@ -405,7 +419,8 @@ def test_the_output_and_error_files_hold_each_row_once_in_row_order(store):
     ]
     out = store.get_file("acme", doc["output_file_id"])
     assert (out["filename"], out["purpose"], out["created_at"]) == (f"{job}_output.jsonl", "batch_output", 1500)
-    assert store.get_file("acme", doc["error_file_id"])["filename"] == f"{job}_error.jsonl"
+    err = store.get_file("acme", doc["error_file_id"])
+    assert (err["filename"], err["purpose"]) == (f"{job}_error.jsonl", "batch_output")  # OpenAI's purpose for both files
     raw = store.file_content("acme", doc["output_file_id"])
     assert raw.endswith(b"\n") and b'"error":null}\n' in raw and b", " not in raw  # compact JSONL, one row a line
     assert not store.finalize(job, "w", "completed")  # an ended job is not ended again

@@ -262,3 +262,33 @@ async def test_redis_a_duplicate_waits_at_most_its_deadline_or_max_wait(redis_ur
         assert await first.run(key, d, Counter(), timeout=0.05) == b"done"
     finally:
         await first.close()
+
+
+async def test_redis_a_claim_that_expires_before_it_is_read_is_taken_over_before_running(redis_url):
+    """Another frontend's claim expires between this request's ``SET NX`` (refused) and its read
+    (nothing there): the request claims the key itself, and only then runs, so a further duplicate
+    arriving while it runs waits for its answer instead of running too."""
+    store = RedisIdempotency(redis_url)
+    try:
+        await store.client.flushdb()
+        key, d = scoped("t", "race"), body_digest(b"x")
+        name = b"inferplane:idem:t\x00race"
+        await store.client.set(name, b"P" + d, px=60_000)  # a claim of a frontend that then died
+        read = store.client.get
+
+        async def read_after_expiry(n):
+            await store.client.delete(n)  # the claim expires just before this read
+            return await read(n)
+
+        store.client.get = read_after_expiry
+        held: list[bytes | None] = []
+
+        async def fn():
+            held.append(await read(name))
+            return b"mine"
+
+        assert await store.run(key, d, fn) == b"mine"
+        assert held == [b"P" + d]  # it ran under its own claim
+        assert await read(name) == b"D" + d + b"mine" and store.runs == 1
+    finally:
+        await store.close()

@@ -650,6 +650,17 @@ def test_a_chat_template_or_vocabulary_companion_is_plain_utf8_text(filename):
             sf.check_companion(bad, filename)
 
 
+@pytest.mark.parametrize("filename", ["chat_template.jinja", "merges.txt"])
+def test_a_text_companion_that_is_a_protocol_0_pickle_is_refused(filename):
+    """A protocol-0 pickle is printable ASCII with no NUL byte (valid UTF-8 text): only the pickle
+    check stands between it and a loader that unpickles a 'vocabulary'."""
+    stream = pickle.dumps({"a": 1}, protocol=0)
+    assert b"\x00" not in stream and stream.decode("utf-8")
+    with pytest.raises(sf.UnsafeArtifact) as err:
+        sf.check_companion(stream, filename)
+    assert err.value.message == f"companion file {filename} must be plain text"
+
+
 def test_a_companion_without_a_text_suffix_must_still_be_json_or_safetensors():
     sf.check_companion(b'{"a": 1}', "tokenizer.model")
     with pytest.raises(sf.UnsafeArtifact):

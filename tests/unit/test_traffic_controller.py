@@ -54,6 +54,7 @@ class _Recorder(_Deployer):
 
     def config_for(self, name, live_record, serving, versions):
         self.calls.append(("config_for", name, live_record.version, tuple(versions)))
+        self.serving = serving
         return "config"
 
     async def _load(self, name, record, config, versions):
@@ -78,15 +79,24 @@ class _Versions(_Registry):
         self.records = {v: SimpleNamespace(version=v, format="onnx", signature=SIG, ref=f"m:{v}") for v in (1, 2, 3)}
         self.live: int | None = 1
         self.verified: list[tuple] = []
+        self.serving: dict = {}  # the endpoint's stored serving options
 
     def get(self, name, version=None):
+        self._known(name)
         return self.records[version]
 
     def verify_signed(self, name, version):
         self.verified.append((name, version))
 
     def endpoint(self, name, history=20):
-        return SimpleNamespace(live=self.live, serving={})
+        self._known(name)
+        max(history, 1)  # the real registry's history limit: a count (None is a TypeError there too)
+        return SimpleNamespace(live=self.live, serving=self.serving)
+
+    @staticmethod
+    def _known(name):
+        if name != "m":  # one endpoint, as the real registry would answer for any other name
+            raise ModelNotFound(f"model '{name}' not found")
 
 
 def _make(tmp_path, clock=None, *, real_stage=False, registry=None):
@@ -127,6 +137,7 @@ def test_bluegreen_stages_green_without_moving_traffic_and_switch_moves_all_of_i
         assert t.dp.router.choose("m", None) == ("1", "")  # staged: blue answers everything
         status = t.c.get_policy("m")
         assert (status["kind"], status["status"], status["green"], status["live"]) == ("bluegreen", "active", "2", "1")
+        assert status["key_header"] == ""  # a blue-green pins no caller to an arm: no key header
         assert _audits(t.reg) == [("bluegreen.stage", "m:2", "ok")] and t.reg.audits[0][0] == "alice"
         assert "blue=1" in t.reg.audits[0][4]
         await t.c.switch("m", actor="bob")
@@ -346,11 +357,22 @@ def test_an_unnamed_experiment_is_named_after_its_endpoint(tmp_path):
     assert t.c.ab_report("m")["experiment"] == "m"
 
 
+def test_the_report_of_a_split_that_is_no_named_experiment_is_named_by_its_kind(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, percent=10, thresholds=LIMITS)
+        return t.c.ab_report("m")
+
+    report = asyncio.run(run())
+    assert report["experiment"] == "canary" and [a["name"] for a in report["arms"]] == ["stable", "canary"]
+
+
 def test_experiments_refuse_bad_arms_before_staging(tmp_path):
     async def run():
         t = _make(tmp_path)
-        with pytest.raises(InvalidRequest, match="an experiment needs two or more arms"):
+        with pytest.raises(InvalidRequest) as one_arm:
             await t.c.set_experiment("m", [("a", 1, 1)])
+        assert one_arm.value.message == "an experiment needs two or more arms"
         with pytest.raises(InvalidRequest, match="arm names must be distinct"):
             await t.c.set_experiment("m", [("a", 1, 1), ("a", 2, 1)])
         t.dp.routes.pop("m")
@@ -371,8 +393,9 @@ def test_the_ab_report_counts_each_arm_and_compares_it_with_the_control(tmp_path
             error = arm == "treatment" and i % 4 == 1
             router.observe("m", arm, "INTERNAL" if error else "OK", 0.010 if arm == "control" else 0.030, SimpleNamespace(id=f"r{i}"), None, None, None)
         arms = {f"r{i}": t.c.feedback("m", f"r{i}", 1.0 if i % 2 == 0 else 0.0) for i in range(40)}
-        with pytest.raises(InvalidRequest, match="feedback needs the request id"):
+        with pytest.raises(InvalidRequest) as no_id:
             t.c.feedback("m", "", 1.0)
+        assert no_id.value.message == "feedback needs the request id"
         return t, arms
 
     t, arms = asyncio.run(run())
@@ -487,6 +510,37 @@ def test_a_shadow_copies_its_share_to_the_staged_version_and_its_stop_keeps_the_
     assert t.dep.expiring == ["m"] and "shadow_version" not in t.c.get_policy("m")
 
 
+def test_a_live_shadows_report_adds_what_other_workers_reported_for_that_shadow_only(tmp_path):
+    """While a shadow runs, its report is this process's counts plus every frontend worker's rows of
+    the same shadow key (shadow_reports): never a row of an earlier shadow of the endpoint, nor one
+    of another endpoint."""
+    from sqlalchemy import insert
+
+    from server.control.rollout.shadow_reports import shadow_reports
+
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        policy = await t.c.set_shadow("m", 2, 50)
+        key = t.dp.router.shadows["m"].key
+        assert key == f"shadow:m:{policy.id}"
+        row = {"sent": 5, "dropped": 0, "errors": 1, "paused": 0, "compared": 4, "agreed": 3, "abs_diff_count": 0}
+        with t.reg.engine.begin() as conn:
+            conn.execute(insert(shadow_reports), [
+                {"reporter": "front-a", "endpoint": "m", "shadow": key, "stats": row, "at": 1.0},
+                {"reporter": "front-b", "endpoint": "m", "shadow": key, "stats": {**row, "sent": 7}, "at": 1.0},
+                {"reporter": "front-a", "endpoint": "m", "shadow": "shadow:m:0", "stats": {**row, "sent": 100}, "at": 1.0},
+                {"reporter": "front-a", "endpoint": "n", "shadow": key, "stats": {**row, "sent": 1000}, "at": 1.0},
+            ])  # fmt: skip
+        report = await t.c.shadow_report("m")
+        await t.c.stop()
+        return report
+
+    report = asyncio.run(run())
+    assert (report["name"], report["version"], report["percent"]) == ("m", "2", 50.0)
+    assert (report["sent"], report["errors"], report["compared"], report["agreement"]) == (12, 2, 8, 0.75)
+
+
 def test_a_new_shadow_replaces_the_old_one(tmp_path):
     async def run():
         t = _make(tmp_path)
@@ -562,6 +616,7 @@ def test_an_endpoint_without_a_live_version_schedules_no_expiry(tmp_path):
 def test_staging_loads_both_versions_warms_the_new_one_and_moves_no_traffic(tmp_path):
     async def run():
         t = _make(tmp_path, real_stage=True)
+        t.reg.serving = {"max_batch": 8, "instances": 2}  # the endpoint's serving options (its last deploy's)
         expiry = _Expiry()
         t.dep._st("m").expiry = expiry
         await t.c.set_bluegreen("m", 2)
@@ -569,6 +624,7 @@ def test_staging_loads_both_versions_warms_the_new_one_and_moves_no_traffic(tmp_
 
     t, expiry = asyncio.run(run())
     assert t.dep.calls == [("choice_for", 2), ("config_for", "m", 1, (1, 2)), ("load", "m", 2, "config", (1, 2)), ("warm", "m", 2)]
+    assert (t.dep.serving.max_batch_size, t.dep.serving.instances) == (8, 2)  # both versions' config keeps them
     assert t.reg.verified == [("m", 2)] and expiry.cancelled and t.dep._st("m").expiry is None
     assert t.dp.router.choose("m", None) == ("1", "") and t.c.policies[("m", "split")].spec["blue"] == "1"
 
@@ -613,6 +669,61 @@ def test_staging_refuses_an_endpoint_that_is_not_live_here_or_a_different_signat
 
     t = asyncio.run(run())
     assert not [c for c in t.dep.calls if c[0] in ("load", "warm")] and t.c.store.history("m") == []
+
+
+@pytest.mark.parametrize("finish", ["promote", "switch", "rollback"])
+def test_staging_and_a_promote_or_switch_wait_for_what_is_in_progress_on_their_endpoint(tmp_path, finish):
+    """A deploy of m holds the deployer's lock of m: a blue-green stage of m waits for it (nothing
+    loads meanwhile), and a promote (or switch) of m waits for that stage, then acts on the policy it
+    installed."""
+
+    async def run():
+        t = _make(tmp_path, real_stage=True)
+        deploying = t.dep._lock("m")
+        await deploying.acquire()
+        change = asyncio.create_task(t.c.set_bluegreen("m", 2))
+        await _settle_loop()
+        promote = asyncio.create_task(getattr(t.c, finish)("m"))
+        # not a timing claim: while the lock is held neither can finish, however long this waits
+        done, _ = await asyncio.wait({change, promote}, timeout=0.5)
+        assert not done and t.dep.calls == []
+        deploying.release()
+        policy = await change
+        assert await promote is policy
+        return t, policy
+
+    t, policy = asyncio.run(run())
+    assert t.dep.calls[:4] == [("choice_for", 2), ("config_for", "m", 1, (1, 2)), ("load", "m", 2, "config", (1, 2)), ("warm", "m", 2)]
+    assert policy.kind == "bluegreen" and policy.status == ("ended" if finish == "rollback" else "switched")
+
+
+def test_a_shadow_stop_waits_for_the_shadow_start_in_progress_on_its_endpoint(tmp_path):
+    """A shadow start stages its version under the endpoint's lock: a stop arriving meanwhile waits for
+    it, then stops the shadow it started (instead of answering that there is none)."""
+
+    async def run():
+        t = _make(tmp_path, real_stage=True)
+        t.dp.backend_infer = _sender([])
+        deploying = t.dep._lock("m")
+        await deploying.acquire()
+        start = asyncio.create_task(t.c.set_shadow("m", 2, 50))
+        await _settle_loop()
+        stop = asyncio.create_task(t.c.stop_shadow("m"))
+        # not a timing claim: while the lock is held neither can finish, however long this waits
+        done, _ = await asyncio.wait({start, stop}, timeout=0.5)
+        assert not done
+        deploying.release()
+        await start
+        await stop
+        return t
+
+    t = asyncio.run(run())
+    assert _statuses(t.c) == [("shadow", "ended")] and "m" not in t.dp.router.shadows
+
+
+async def _settle_loop():
+    for _ in range(20):
+        await asyncio.sleep(0)
 
 
 def test_a_composite_version_stages_as_one_unit(tmp_path):
