@@ -84,6 +84,7 @@ from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
 from server.dataplane.wire import request_model
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
+from server.periodic import stop_tasks
 from server.protogen.inference import grpc_service_pb2 as pb
 
 # the member that answered this task's last call (its target), for traces; "" before any
@@ -331,11 +332,7 @@ class ReplicaSet:
                 self._tasks.append(asyncio.create_task(self._discover_forever(), name=f"{self.name}-discovery"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self._tasks)
         self._tasks = []
         for member in list(self._list):
             if member.rejoining is not None:

@@ -14,7 +14,6 @@ them, and a full queue drops the copy and counts it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
@@ -30,6 +29,7 @@ from server.dataplane.capacity_policy import SHADOW, TRAFFIC, ShadowPaused
 from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
 from server.dataplane.wire import pin_version
+from server.periodic import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +243,7 @@ class Shadow:
         self.tasks = [loop.create_task(self._work(send, timeout_s), name=f"shadow-{self.version}-{i}") for i in range(workers)]
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self.tasks)
         self.tasks = []
 
     async def _work(self, send: Callable, timeout_s: float) -> None:
