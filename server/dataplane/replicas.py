@@ -86,6 +86,7 @@ from server.dataplane.wire import request_model
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.periodic import stop_tasks
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.dataplane.batch_codec import CODEC
 
 # the member that answered this task's last call (its target), for traces; "" before any
 SERVED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("inferplane_served_by", default="")
@@ -464,8 +465,6 @@ class ReplicaSet:
         the callers' buffers), else one serialized ModelInferRequest."""
         if self.codec is not None:
             return self.codec
-        from server.dataplane.batch_codec import CODEC
-
         return CODEC
 
     async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest | None = None):

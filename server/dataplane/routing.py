@@ -14,6 +14,7 @@ them, and a full queue drops the copy and counts it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import math
 import random
@@ -30,6 +31,8 @@ from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
 from server.dataplane.wire import pin_version
 from server.periodic import stop_tasks
+from server.dataplane import codecs
+from server.protogen.inference import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +277,6 @@ class Shadow:
                 self._keep(raw, answer, shadow_answer, tenant)
 
     def _keep(self, raw: bytes, answer: bytes, shadow_answer: bytes, tenant: str) -> None:
-        import base64
-
         try:
             self.record({
                 "ts": time.time(), "tenant": tenant, "version": self.version,
@@ -309,9 +310,6 @@ class Shadow:
 
 
 def decode_outputs(raw: bytes) -> dict[str, np.ndarray]:
-    from server.dataplane import codecs
-    from server.protogen.inference import grpc_service_pb2 as pb
-
     response = pb.ModelInferResponse.FromString(raw)
     return {
         out.name: codecs.to_numpy(response.raw_output_contents[i], out.datatype, list(out.shape))
