@@ -12,9 +12,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
-from server.composition import create_app, row_runner
+from server.composition import add_grpc_services, control_parts, create_app, row_runner
 from server.control.monitoring.observability import Observability
 from server.control.registry.audit_buffer import AuditBuffer, AuditWriter
 from server.control.registry.envelope import EncryptionError, KeyRing
@@ -32,8 +31,6 @@ from server.dataplane.safety import PolicyError, policy_source
 from server.dataplane.tracing import traces_url
 from server.db import display_url, make_engine
 from server.errors import BackendUnavailable, InferplaneError
-from server.protogen import _pool
-from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.runtime import gc_pauses
 from server.runtime.process import log_to_stderr, stop_on_signals
 from server.runtime.supervisor import TritonSupervisor
@@ -41,19 +38,13 @@ from server.runtime.workers import READY_MARK, WorkerPool, worker_settings
 from server.settings import Settings
 from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
 from server.tenancy.tls import CertificateFiles, FileStamp, TLSConfigError, channel_credentials, is_loopback, leader_credentials, triton_files
-from server.transports.grpc.admin import AdminService
-from server.transports.grpc.autoscale import AutoscaleService, add_to_server as add_autoscale
 from server.transports.grpc.context import DomainErrorInterceptor
 from server.transports.grpc.decoding import DecodeErrorsInterceptor
 from server.transports.grpc.forward import LeaderForwarder
-from server.transports.grpc.generation import add_to_server as add_generation
-from server.transports.grpc.inference import InferenceService, SERVICE
-from server.transports.grpc.tenancy import TenancyService, add_to_server as add_tenancy
-from server.transports.grpc.traffic import TrafficService, add_to_server as add_traffic
+from server.transports.grpc.inference import SERVICE
 from server.transports.openai.endpoints import SSEPolicy
 from server.transports.rest.http_errors import json_parse_errors
 from server.transports.rest.tls import peer_certificate
-from server.transports.typed import add_typed_services
 
 log = logging.getLogger("inferplane")
 
@@ -86,13 +77,11 @@ class Frontend:
         self.shadow_records = None  # server.control.rollout.shadow_records.ShadowRecords (the traffic controller's, or the desired-state watcher's)
         self.keys = None  # server.control.registry.envelope.KeyRing: encryption at rest, when a key is set
         self._tasks: list[asyncio.Task] = []
-        self.registry = None  # server.control.registry.registry.Registry, with the deployer (issue 5)
-        self.deployer = None
-        self.traffic = None  # server.control.rollout.traffic.TrafficController, beside the deployer (issue 8)
         self.observability = None  # server.control.monitoring.observability.Observability (issue 19)
-        self.batches = None  # server.control.batches.batches.BatchStore (issue 20), with the registry
         self.fleet: Fleet | None = None  # the replica set and its control plane (issue 17)
-        self.control = None  # server.control.service.control_plane.ControlPlane: the writers behind the leader lease (issue 27)
+        # server.control.service.control_plane.ControlPlane: the writers behind the leader lease (issue 27), and
+        # with it the registry, deployer, traffic controller and batch store (None in a process that never leads)
+        self.control = None
         self._directory = None  # server.control.service.leader.LeaderDirectory: where control RPCs are carried
         self._engine = None  # the database a process without a control plane watches
         self._forwarder = None  # server.transports.grpc.forward.LeaderForwarder
@@ -187,7 +176,6 @@ class Frontend:
             ControlPlane, s, dp, self.fleet, usage_store=self.tenancy.store, shadow_records=self._shadow_records(),
             row_runner=row_runner(dp), audit=self.audit.add if self.audit is not None else None,
         )  # fmt: skip
-        self.registry, self.deployer, self.traffic, self.batches = control.registry, control.deployer, control.traffic, control.batches
         self._directory = control.directory
         await control.start()
 
@@ -221,7 +209,7 @@ class Frontend:
 
         self.observability = Observability(
             s, self.metrics, self.dataplane, serves_metrics=not s.worker, serves_requests=s.workers == 1 or s.worker,
-            triton_metrics_url=triton_metrics, registry=self.registry,
+            triton_metrics_url=triton_metrics, registry=control_parts(self.control).registry,
         )  # fmt: skip
         self.observability.start()
 
@@ -278,21 +266,10 @@ class Frontend:
                 *((("grpc.max_concurrent_streams", s.grpc_max_streams_per_connection),) if s.grpc_max_streams_per_connection else ()),
             ],
         )
-        server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
-        tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
-        generation_name = add_generation(self.dataplane.llm, server)
-        traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
-        autoscale_name = add_autoscale(AutoscaleService(self.dataplane, self.fleet.autoscaler, self.fleet.sampler), server)
-        typed = add_typed_services(server, self.dataplane, registry=self.registry, deployer=self.deployer, repository=s.model_repository)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        _add_to_pool(health_pb2.DESCRIPTOR)
-        admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-        typed.enable_reflection(  # grpc_reflection's, plus the typed services that come and go at deploy
-            (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, autoscale_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-            pool=_pool.POOL,
-        )
+        add_grpc_services(
+            server, self.dataplane, self.fleet, self.health, self.control, tenancy_store=self.tenancy.store,
+            key_pepper=s.key_pepper.get_secret_value().encode(), model_repository=s.model_repository,
+        )  # fmt: skip
         port = server.add_insecure_port(address) if internal else self._bind_grpc(server, address)
         if not port:
             raise OSError(f"cannot bind gRPC to {address}")
@@ -332,7 +309,7 @@ class Frontend:
         s = self.settings
         app = create_app(
             self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes, sse=SSEPolicy(stall_s=s.sse_stall_s, heartbeat_s=s.sse_heartbeat_s),
-            status=self.observability, batches=self.batches, provisioner=self.fleet.provisioner,
+            status=self.observability, batches=control_parts(self.control).batches, provisioner=self.fleet.provisioner,
         )
         self._require_client_certificate(app)  # and the client certificate, for calls without an API key
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)
@@ -552,14 +529,6 @@ class Frontend:
 def _reachable(host: str) -> str:
     """An address other processes can dial for a listening host (a wildcard listens on loopback too)."""
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
-
-
-def _add_to_pool(file_descriptor) -> None:
-    """Make a default-pool file (e.g. grpc health) visible to reflection over our private pool."""
-    try:
-        _pool.POOL.FindFileByName(file_descriptor.name)
-    except KeyError:
-        _pool.POOL.AddSerializedFile(file_descriptor.serialized_pb)
 
 
 async def serve(settings: Settings) -> None:

@@ -1,16 +1,29 @@
 """The composition root's tables (with ``server.app``, the wiring): the HTTP port's routes assembled
-from each transport's own table, the REST application built on them, its OpenAPI document, and the
-batch row runner over the data plane's port. Transports define their routes; only this module puts
-them together, so no transport imports another's table.
+from each transport's own table, the REST application built on them, its OpenAPI document, the gRPC
+port's services (``add_grpc_services``), and the batch row runner over the data plane's port.
+Transports define their routes; only this module puts them together, so no transport imports
+another's table.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from server import __version__
 from server.dataplane.batch_rows import RowRunner
 from server.dataplane.metrics import Metrics
+from server.protogen import _pool
+from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.transports.grpc.admin import AdminService
+from server.transports.grpc.autoscale import AutoscaleService, add_to_server as add_autoscale
+from server.transports.grpc.generation import add_to_server as add_generation
+from server.transports.grpc.inference import SERVICE, InferenceService
+from server.transports.grpc.tenancy import TenancyService, add_to_server as add_tenancy
+from server.transports.grpc.traffic import TrafficService, add_to_server as add_traffic
 from server.transports.openai.batches import BATCHES
 from server.transports.openai.endpoints import LLM, SSE_POLICY, SSEPolicy
 from server.transports.openai.endpoints import ROUTES as OPENAI_ROUTES
@@ -27,6 +40,7 @@ from server.transports.rest.repository import ROUTES as REPOSITORY_ROUTES
 from server.transports.rest.status_page import ROUTES as STATUS_ROUTES
 from server.transports.rest.status_page import STATUS
 from server.transports.rest.typed import ROUTES as TYPED_ROUTES
+from server.transports.typed import add_typed_services
 
 # every route of the HTTP port, in the order they are registered and documented
 ROUTES: list[Route] = [*INFERENCE_ROUTES, *REPOSITORY_ROUTES, *OPENAI_ROUTES, *TYPED_ROUTES, *STATUS_ROUTES, *DEPLOY_ROUTES]
@@ -72,3 +86,49 @@ def create_app(
 def row_runner(dataplane) -> RowRunner:
     """A batch job's rows answered as the live OpenAI and inference handlers answer them, through the port."""
     return RowRunner(dataplane.gate.principal_of, [*openai_rows(dataplane.llm), *inference_rows(dataplane)])
+
+
+class ControlParts(NamedTuple):
+    """What the control plane lends the ports: its registry, deployer, traffic controller and batch store
+    (each None in a process without one: a worker of --workers N, a serving process that never leads)."""
+
+    registry: object = None
+    deployer: object = None
+    traffic: object = None
+    batches: object = None
+
+
+def control_parts(control) -> ControlParts:
+    """``control``: a ``server.control.service.control_plane.ControlPlane``, or None."""
+    if control is None:
+        return ControlParts()
+    return ControlParts(control.registry, control.deployer, control.traffic, control.batches)
+
+
+def add_grpc_services(server, dataplane, fleet, health, control, *, tenancy_store, key_pepper: bytes, model_repository) -> None:
+    """Every service of the gRPC port on ``server`` (OIP v2, admin, tenancy, generation, traffic, autoscale,
+    the typed services, health) and reflection over them; ``control``: the control plane, or None."""
+    parts = control_parts(control)
+    server.add_generic_rpc_handlers((InferenceService(dataplane).handler(),))
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(dataplane, parts.registry, parts.deployer), server)
+    tenancy_name = add_tenancy(TenancyService(dataplane, tenancy_store, key_pepper, parts.registry), server)
+    generation_name = add_generation(dataplane.llm, server)
+    traffic_name = add_traffic(TrafficService(dataplane, parts.traffic), server)
+    autoscale_name = add_autoscale(AutoscaleService(dataplane, fleet.autoscaler, fleet.sampler), server)
+    typed = add_typed_services(server, dataplane, registry=parts.registry, deployer=parts.deployer, repository=model_repository)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    _add_to_pool(health_pb2.DESCRIPTOR)
+    admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+    typed.enable_reflection(  # grpc_reflection's, plus the typed services that come and go at deploy
+        (SERVICE, admin_name, generation_name, tenancy_name, traffic_name, autoscale_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+        pool=_pool.POOL,
+    )
+
+
+def _add_to_pool(file_descriptor) -> None:
+    """Make a default-pool file (e.g. grpc health) visible to reflection over our private pool."""
+    try:
+        _pool.POOL.FindFileByName(file_descriptor.name)
+    except KeyError:
+        _pool.POOL.AddSerializedFile(file_descriptor.serialized_pb)

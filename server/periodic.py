@@ -1,6 +1,7 @@
 """One periodic background task: a coroutine run every ``interval_s`` (after
 ``first_s``, the interval when not given) on the running loop, from ``start()`` until ``stop()``
-(which, with ``final``, runs it once more: a buffer's last flush).
+(which, with ``final``, runs it once more: a buffer's last flush). ``stop_tasks``: how every room stops
+its background tasks (cancel them all, then wait for each; what it raised ends with it).
 The audit buffer's, the shadow records' and the usage meter's flushes, the replica ledger's sync and
 the retention pass run on it. ``Buffer`` is the flushed kind: records added on the request path,
 written in batches off the loop (the audit buffer, the shadow records).
@@ -14,6 +15,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
+
+
+async def stop_tasks(tasks) -> None:
+    """Cancel every task, then wait for each (what it raised, cancelled or not, ends with it)."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
 
 
 class Periodic:
@@ -41,11 +54,7 @@ class Periodic:
         ``final``, one more tick."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await stop_tasks((task,))
         if self.final:
             await self.tick()
 

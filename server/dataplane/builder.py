@@ -20,6 +20,9 @@ from server.settings import Settings
 from server.tenancy.monthly_quotas import MemoryMonthlyCounter, MonthlyQuotas, RedisMonthlyCounter
 from server.tenancy.identity import Gatekeeper
 from server.tenancy.quota_policy import QuotaPolicy
+from server.tenancy.redis_quotas import RedisQuotaPolicy
+from server.dataplane.safety import SafetyStage, policy_source
+from server.dataplane.tracing import Tracing
 
 
 def build_dataplane(
@@ -31,8 +34,6 @@ def build_dataplane(
     (``server.control.registry.audit_buffer``)."""
     s = settings
     if s.redis_url:  # one set of buckets and keys for every frontend process
-        from server.tenancy.redis_quotas import RedisQuotaPolicy
-
         rates, idempotency = RedisQuotaPolicy(s.redis_url), RedisIdempotency(s.redis_url, s.idempotency_ttl_s)
         quotas = MonthlyQuotas(rates, RedisMonthlyCounter(rates.client))
     else:
@@ -75,15 +76,11 @@ def build_dataplane(
 def build_safety(settings: Settings, metrics: Metrics, audit=None):
     """The safety stage (``server.dataplane.safety``): always built, so an endpoint's own policy
     parameter works without settings; it costs one cached lookup per request of an endpoint without one."""
-    from server.dataplane.safety import SafetyStage, policy_source
-
     return SafetyStage(policy_source(settings.safety), metrics, audit=audit)
 
 
 def build_observer(settings: Settings, metrics: Metrics, replica: str) -> Observer:
     """Tenant metrics, traces (when an OTLP endpoint is set) and the sampled copies for drift / payload logs."""
-    from server.dataplane.tracing import Tracing
-
     s = settings
     return Observer(
         metrics,

@@ -45,6 +45,7 @@ from server.dataplane.wire import rename
 from server.errors import (
     BackendError,
     BackendUnavailable,
+    DeadlineExceeded,
     InferplaneError,
     InvalidRequest,
     ModelNotFound,
@@ -55,6 +56,7 @@ from server.errors import (
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
 from server.tenancy.identity import CallContext, Delegation
+from server.dataplane.tracing import format_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -323,8 +325,6 @@ class _Run:
             return None
         left = self.timeout - (time.perf_counter() - self.started)
         if left <= 0:
-            from server.errors import DeadlineExceeded
-
             raise DeadlineExceeded(f"composite '{self.plan.name}' ran out of time")
         return left
 
@@ -489,8 +489,6 @@ class _Run:
         grant, its traffic class, and the node span as trace parent."""
         tracing = self.c._pipeline.tracing  # noqa: SLF001
         if span is not None and tracing is not None:
-            from server.dataplane.tracing import format_traceparent
-
             context = span.get_span_context()
             headers = {"traceparent": format_traceparent(context.trace_id, context.span_id)}
         else:

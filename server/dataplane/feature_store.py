@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import aiohttp
 import numpy as np
 
 from server.dataplane import codecs
@@ -88,8 +89,6 @@ class FeastFeatures:
     """Feast's online feature server (``feast serve``): ``POST {url}/get-online-features``."""
 
     def __init__(self, url: str):
-        import aiohttp
-
         self.name = url
         self.url = url.rstrip("/")
         self._session = aiohttp.ClientSession()

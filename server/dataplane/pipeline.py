@@ -164,22 +164,11 @@ class Pipeline:
         call.adapter, call.port = adapter, port
         return _Admitted(self, call, validate, texts)
 
-    async def open(
-        self,
-        ctx: CallContext | None,
-        name: str,
-        version: str = "",
-        kind: str = INFER,
-        *,
-        timeout: float | None = None,
-        validate: Callable[[ModelSignature], None] | None = None,
-        texts: Callable[[ModelSignature], object] | None = None,
-        port=None,
-    ) -> AdmittedCall:
-        """:meth:`enter` a new call that another task will :meth:`exit` (a stream message)."""
-        call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
-        call.port = port
-        return await self.enter(call, validate, texts)
+    async def open(self, *args, **kwargs) -> AdmittedCall:
+        """:meth:`enter` a new call that another task will :meth:`exit` (a stream message); the
+        arguments of :meth:`admitted`, the one place a call is made from them."""
+        admitted = self.admitted(*args, **kwargs)
+        return await self.enter(admitted.call, admitted.validate, admitted.texts)
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""

@@ -84,7 +84,9 @@ from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
 from server.dataplane.wire import request_model
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
+from server.periodic import stop_tasks
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.dataplane.batch_codec import CODEC
 
 # the member that answered this task's last call (its target), for traces; "" before any
 SERVED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("inferplane_served_by", default="")
@@ -331,11 +333,7 @@ class ReplicaSet:
                 self._tasks.append(asyncio.create_task(self._discover_forever(), name=f"{self.name}-discovery"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self._tasks)
         self._tasks = []
         for member in list(self._list):
             if member.rejoining is not None:
@@ -467,8 +465,6 @@ class ReplicaSet:
         the callers' buffers), else one serialized ModelInferRequest."""
         if self.codec is not None:
             return self.codec
-        from server.dataplane.batch_codec import CODEC
-
         return CODEC
 
     async def send_batch(self, payload, timeout: float | None, request: pb.ModelInferRequest | None = None):

@@ -14,7 +14,7 @@ them, and a full queue drops the copy and counts it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import base64
 import logging
 import math
 import random
@@ -30,6 +30,9 @@ from server.dataplane.capacity_policy import SHADOW, TRAFFIC, ShadowPaused
 from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
 from server.dataplane.wire import pin_version
+from server.periodic import stop_tasks
+from server.dataplane import codecs
+from server.protogen.inference import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +246,7 @@ class Shadow:
         self.tasks = [loop.create_task(self._work(send, timeout_s), name=f"shadow-{self.version}-{i}") for i in range(workers)]
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self.tasks)
         self.tasks = []
 
     async def _work(self, send: Callable, timeout_s: float) -> None:
@@ -278,8 +277,6 @@ class Shadow:
                 self._keep(raw, answer, shadow_answer, tenant)
 
     def _keep(self, raw: bytes, answer: bytes, shadow_answer: bytes, tenant: str) -> None:
-        import base64
-
         try:
             self.record({
                 "ts": time.time(), "tenant": tenant, "version": self.version,
@@ -313,9 +310,6 @@ class Shadow:
 
 
 def decode_outputs(raw: bytes) -> dict[str, np.ndarray]:
-    from server.dataplane import codecs
-    from server.protogen.inference import grpc_service_pb2 as pb
-
     response = pb.ModelInferResponse.FromString(raw)
     return {
         out.name: codecs.to_numpy(response.raw_output_contents[i], out.datatype, list(out.shape))

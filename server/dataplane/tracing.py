@@ -34,6 +34,7 @@ import random
 import time
 
 from server.dataplane.routing import header
+from server.dataplane.replicas import SERVED_BY
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,4 @@ class RequestTrace:
 
 def served_by() -> str:
     """The Triton that answered this task's last call (a replica set's member), or ""."""
-    from server.dataplane.replicas import SERVED_BY
-
     return SERVED_BY.get()

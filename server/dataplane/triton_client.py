@@ -17,6 +17,7 @@ from server.dataplane.tracing import outgoing_metadata
 from server.errors import InferplaneError
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.protogen.inference import model_config_pb2
+from server.dataplane.batch_codec import CODEC
 
 _SERVICE = "/inference.GRPCInferenceService/"
 
@@ -93,8 +94,6 @@ class TritonClient:
 
     def batch_codec(self):
         """Merged batches as one serialized ModelInferRequest (``server.dataplane.batch_codec``)."""
-        from server.dataplane.batch_codec import CODEC
-
         return CODEC
 
     async def send_batch(self, payload: bytes, timeout: float | None, request: pb.ModelInferRequest | None = None) -> bytes:

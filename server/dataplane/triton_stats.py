@@ -12,6 +12,7 @@ since the previous reading (``inferplane_triton_queue_seconds``, ``…_compute_s
 from __future__ import annotations
 
 from server.dataplane.metrics import Metrics
+from prometheus_client.parser import text_string_to_metric_families
 
 _COUNTS = ("inference", "execution", "success", "fail", "cache_hit", "cache_miss")
 _PHASES = ("queue", "compute_input", "compute_infer", "compute_output", "success")
@@ -74,8 +75,6 @@ def export_statistics(metrics: Metrics, stats, served: set[str], previous: dict)
 def export_devices(metrics: Metrics, text: str) -> dict[str, float]:
     """GPU and host figures from Triton's Prometheus text into our gauges; returns what was found
     (``name{gpu}`` -> value), empty where Triton reports none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

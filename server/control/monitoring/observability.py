@@ -25,6 +25,7 @@ from server.control.monitoring.drift import DriftMonitor, ModelReference
 from server.control.monitoring.payload_log import PayloadLog, redaction_for
 from server.control.registry.envelope import KeyRing
 from server.dataplane.triton_stats import export_devices
+from server.periodic import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -214,12 +215,6 @@ class Observability:
                 await asyncio.sleep(self.settings.stats_poll_s)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_tasks(self._tasks)
         if self.payloads is not None:
             await self.payloads.flush()  # what was sampled before the end

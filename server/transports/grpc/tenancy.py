@@ -26,6 +26,7 @@ from server.protogen.inferplane.v1 import tenancy_pb2_grpc
 from server.tenancy.quota_policy import Quota
 from server.transports.grpc.context import call_context
 from server.tenancy.identity import KeyNotFound, Principal, Tenant
+from server.tenancy.metering import parse_since
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +173,6 @@ class TenancyService(tenancy_pb2_grpc.TenancyServicer):
 
     async def GetUsage(self, request, context):
         async def run(_principal):
-            from server.tenancy.metering import parse_since
-
             by = request.by or "tenant"
             if by not in USAGE_GROUPS:
                 raise InvalidRequest(f"by must be one of {', '.join(USAGE_GROUPS)}, got {by!r}")

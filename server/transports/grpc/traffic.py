@@ -57,6 +57,19 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
             p["message"] = message
         return policy_message(p)
 
+    async def _change(self, context, request, admin: str, change, said) -> tpb.TrafficPolicyResponse:
+        """An admin change of one endpoint's traffic: ``await change(who)``, then its policy with the
+        message ``said()`` (read after the change: the live version it names is the new one)."""
+
+        async def run(who):
+            await change(who)
+            return self._policy(request.name, said())
+
+        return await self._run(context, run, admin=admin, model=request.name)
+
+    def _is_live(self, name: str) -> str:
+        return f"{name}:{self.dp.live_version(name) or ''} is live"
+
     # ---- canary -----------------------------------------------------------------------------
 
     async def SetCanary(self, request, context):
@@ -74,44 +87,38 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
         return await self._run(context, run, admin="SetCanary", model=request.name)
 
     async def Promote(self, request, context):
-        async def run(who):
-            await self.controller.promote(request.name, who)
-            return self._policy(request.name, f"{request.name}:{self.dp.live_version(request.name) or ''} is live")
-
-        return await self._run(context, run, admin="Promote", model=request.name)
+        name = request.name
+        return await self._change(context, request, "Promote", lambda who: self.controller.promote(name, who), lambda: self._is_live(name))
 
     async def Rollback(self, request, context):
-        async def run(who):
-            await self.controller.rollback(request.name, who)
-            return self._policy(request.name, f"every request of '{request.name}' goes to {self.dp.live_version(request.name) or ''}")
-
-        return await self._run(context, run, admin="Rollback", model=request.name)
+        name = request.name
+        return await self._change(
+            context, request, "Rollback", lambda who: self.controller.rollback(name, who),
+            lambda: f"every request of '{name}' goes to {self.dp.live_version(name) or ''}",
+        )  # fmt: skip
 
     # ---- blue-green -------------------------------------------------------------------------
 
     async def SetBlueGreen(self, request, context):
-        async def run(who):
-            await self.controller.set_bluegreen(request.name, request.version, who)
-            return self._policy(request.name, f"green {request.name}:{request.version} is loaded and warm; no traffic yet")
-
-        return await self._run(context, run, admin="SetBlueGreen", model=request.name)
+        name, version = request.name, request.version
+        return await self._change(
+            context, request, "SetBlueGreen", lambda who: self.controller.set_bluegreen(name, version, who),
+            lambda: f"green {name}:{version} is loaded and warm; no traffic yet",
+        )  # fmt: skip
 
     async def Switch(self, request, context):
-        async def run(who):
-            await self.controller.switch(request.name, who)
-            return self._policy(request.name, f"{request.name}:{self.dp.live_version(request.name) or ''} is live")
-
-        return await self._run(context, run, admin="Switch", model=request.name)
+        name = request.name
+        return await self._change(context, request, "Switch", lambda who: self.controller.switch(name, who), lambda: self._is_live(name))
 
     # ---- A/B --------------------------------------------------------------------------------
 
     async def SetExperiment(self, request, context):
-        async def run(who):
-            arms = [(a.name, a.version, a.weight) for a in request.arms]
-            await self.controller.set_experiment(request.name, arms, request.key_header, request.experiment, who)
-            return self._policy(request.name, f"experiment '{request.experiment or request.name}' is running")
-
-        return await self._run(context, run, admin="SetExperiment", model=request.name)
+        arms = [(a.name, a.version, a.weight) for a in request.arms]
+        return await self._change(
+            context, request, "SetExperiment",
+            lambda who: self.controller.set_experiment(request.name, arms, request.key_header, request.experiment, who),
+            lambda: f"experiment '{request.experiment or request.name}' is running",
+        )  # fmt: skip
 
     async def Feedback(self, request, context):
         async def run(_who):
@@ -138,12 +145,11 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
     # ---- shadow -----------------------------------------------------------------------------
 
     async def SetShadow(self, request, context):
-        async def run(who):
-            await self.controller.set_shadow(request.name, request.version, request.percent, who)
-            what = f"{request.percent:g}% of requests copied to {request.name}:{request.version}" if request.percent else "shadow stopped"
-            return self._policy(request.name, what)
-
-        return await self._run(context, run, admin="SetShadow", model=request.name)
+        name, version, percent = request.name, request.version, request.percent
+        return await self._change(
+            context, request, "SetShadow", lambda who: self.controller.set_shadow(name, version, percent, who),
+            lambda: f"{percent:g}% of requests copied to {name}:{version}" if percent else "shadow stopped",
+        )  # fmt: skip
 
     async def ShadowReport(self, request, context):
         async def run(_who):

@@ -25,6 +25,8 @@ from server.transports import limits
 from server.errors import InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.dataplane.signature import ModelSignature
+from server.dataplane.codecs import serialize_bytes
+from google.protobuf import json_format
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -291,8 +293,6 @@ def output_raw(response: pb.ModelInferResponse, index: int) -> bytes:
         return response.raw_output_contents[index]
     out = response.outputs[index]
     if out.datatype == "BYTES":
-        from server.dataplane.codecs import serialize_bytes
-
         return serialize_bytes(out.contents.bytes_contents)
     field_name = CONTENTS_FIELD.get(out.datatype)
     values = getattr(out.contents, field_name) if field_name else ()
@@ -417,16 +417,12 @@ def model_metadata_json(raw: bytes) -> dict:
 
 def model_config_json(raw: bytes) -> dict:
     """The model config as Triton's REST API shows it: proto field names, 64-bit integers as numbers."""
-    from google.protobuf import json_format
-
     config = pb.ModelConfigResponse.FromString(raw).config
     return _numbers(config, json_format.MessageToDict(config, preserving_proto_field_name=True))
 
 
 def statistics_json(raw: bytes) -> dict:
     """Model statistics as Triton's REST API shows them (``GET /v2/models[/{name}]/stats``)."""
-    from google.protobuf import json_format
-
     stats = pb.ModelStatisticsResponse.FromString(raw)
     return _numbers(stats, json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
 

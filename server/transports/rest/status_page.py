@@ -15,6 +15,7 @@ from server.control.monitoring import slo
 from server.errors import BackendUnavailable
 from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.openapi import JSON, Body, Route, error_responses, json_body
+from server.transports.rest import codec as rest_codec
 
 STATUS: web.AppKey = web.AppKey("observability", object)
 
@@ -44,8 +45,6 @@ def status_document(observability, dataplane) -> dict:
 
 
 async def status_json(request: web.Request) -> web.Response:
-    from server.transports.rest import codec as rest_codec
-
     observability = request.app.get(STATUS)
     if observability is None:
         raise BackendUnavailable("the status page's history is not running in this process", retry_after_s=5.0)

@@ -31,6 +31,7 @@ from server.dataplane import codecs
 from server.dataplane import codecs, wire
 from server.errors import InvalidRequest, Violation
 from server.protogen.inference import grpc_service_pb2 as pb
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 MAX_VIOLATIONS = 20
 _WIRE_TYPES = {0: "varint (int, bool or enum)", 1: "64-bit (double)", 2: "length-delimited (string, bytes, message or packed)", 5: "32-bit (float)"}
@@ -408,8 +409,6 @@ def _where(batch: bool):
 def _unknown_numbers(message) -> dict[int, int]:
     """field number -> wire type of the unknown fields a message carried (a field of ours sent with
     another wire type lands there)."""
-    from google.protobuf.unknown_fields import UnknownFieldSet
-
     try:
         return {u.field_number: u.wire_type for u in UnknownFieldSet(message)}
     except Exception:  # an implementation without unknown-field access: say "missing" instead
