@@ -281,7 +281,7 @@ class Frontend:
         server.add_generic_rpc_handlers((InferenceService(self.dataplane).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.dataplane, self.registry, self.deployer), server)
         tenancy_name = add_tenancy(TenancyService(self.dataplane, self.tenancy.store, s.key_pepper.get_secret_value().encode(), self.registry), server)
-        generation_name = add_generation(self.dataplane.llm, server)
+        generation_name = add_generation(self.dataplane.llm, server, self.dataplane.admission)
         traffic_name = add_traffic(TrafficService(self.dataplane, self.traffic), server)
         autoscale_name = add_autoscale(AutoscaleService(self.dataplane, self.fleet.autoscaler, self.fleet.sampler), server)
         typed = add_typed_services(server, self.dataplane, registry=self.registry, deployer=self.deployer, repository=s.model_repository)
