@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bare = {}
         for label in wanted:
-            proc, where = _start(variant_command(label, stack.triton), args.out / f"{label}.log")
+            proc, where = _start(variant_command(label, stack.triton), args.out / "stack" / f"{label}.log")  # beside the stack's (not kept)
             procs.append(proc)
             bare[label] = where
         bare["frontend-untimed"] = stack.grpc  # the frontend as a caller asks it: no stage timer
