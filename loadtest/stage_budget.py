@@ -42,27 +42,38 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(frontends: dict[str, str], triton: str, model: str, requests: int, warmup: int, pool: list[bytes]) -> dict:
-    """One caller, one thread: each round sends the same request to Triton direct and to each
-    frontend (``{label: HOST:PORT}``), in an order that rotates every round; per target the round
-    trips, per frontend the stages of its ``server-timing`` trailer."""
+def measure(frontends: dict[str, str], triton: str, model: str, requests: int, warmup: int, pool: list[bytes],
+            bare: dict[str, str] | None = None, shuffle: bool = False) -> dict:  # fmt: skip
+    """One caller, one thread: each round sends the same request to Triton direct, to each
+    frontend (``{label: HOST:PORT}``) and to each ``bare`` server (``{label: HOST:PORT}``: asked like
+    Triton, no stage trailer; ``loadtest.hop_floor``'s bare grpc.aio servers), in an order that
+    rotates every round (``shuffle``: a fresh random order each round, seeded — with many targets a
+    rotation keeps each one's neighbours, and a call right after one to the same process or the same
+    Triton finds it warm); per target the round trips, per frontend the stages of its ``server-timing``
+    trailer."""
+    import random
+
     import grpc
 
     from server.dataplane.stage_timing import SERVER_TIMING, TIMING_HEADER, parse
 
     timed = ((TIMING_HEADER, "1"),)
-    channels = {"direct": grpc.insecure_channel(triton), **{label: grpc.insecure_channel(a) for label, a in frontends.items()}}
+    bare = bare or {}
+    channels = {"direct": grpc.insecure_channel(triton), **{label: grpc.insecure_channel(a) for label, a in {**bare, **frontends}.items()}}
     try:
         calls = {label: ch.unary_unary(INFER, request_serializer=None, response_deserializer=None) for label, ch in channels.items()}
         order = list(calls)
+        rng = random.Random(0)
         rtt: dict[str, list[float]] = {label: [] for label in order}
         stages: dict[str, dict[str, list[float]]] = {label: {} for label in frontends}
         for i in range(warmup + requests):
             body = pool[i % len(pool)]
             k = i % len(order)
-            for label in order[k:] + order[:k]:
+            if shuffle:
+                rng.shuffle(order)
+            for label in order if shuffle else order[k:] + order[:k]:
                 t0 = time.perf_counter()
-                if label == "direct":
+                if label not in frontends:
                     calls[label](body, timeout=30)
                     call = None
                 else:
@@ -86,7 +97,7 @@ def measure(frontends: dict[str, str], triton: str, model: str, requests: int, w
         "targets": {label: _summary(values) for label, values in rtt.items()},
         "added_ms": {
             label: {"p50": _quantile(rtt[label], 0.5) - _quantile(direct, 0.5), "p99": _quantile(rtt[label], 0.99) - _quantile(direct, 0.99)}
-            for label in frontends
+            for label in [*bare, *frontends]
         },
         "stages": {label: {name: _summary(values) for name, values in per.items()} for label, per in stages.items()},
     }

@@ -112,7 +112,7 @@ def add_grpc_services(server, dataplane, fleet, health, control, *, tenancy_stor
     server.add_generic_rpc_handlers((InferenceService(dataplane).handler(),))
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(dataplane, parts.registry, parts.deployer), server)
     tenancy_name = add_tenancy(TenancyService(dataplane, tenancy_store, key_pepper, parts.registry), server)
-    generation_name = add_generation(dataplane.llm, server)
+    generation_name = add_generation(dataplane.llm, server, dataplane.admission)
     traffic_name = add_traffic(TrafficService(dataplane, parts.traffic), server)
     autoscale_name = add_autoscale(AutoscaleService(dataplane, fleet.autoscaler, fleet.sampler), server)
     typed = add_typed_services(server, dataplane, registry=parts.registry, deployer=parts.deployer, repository=model_repository)

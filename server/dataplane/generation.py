@@ -38,6 +38,7 @@ from server.dataplane.observe import token_clock
 from server.dataplane.pipeline import GENERATE, Pipeline
 from server.dataplane.port import ModelPort
 from server.dataplane.routing import REQUEST_ID_HEADER, header
+from server.dataplane.safety import TextSlots
 from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
@@ -430,8 +431,6 @@ def _body(model: str, adapter: str, params: GenerateParams) -> bytes:
 
 def _prompt_texts(params: GenerateParams):
     """A generation's prompt or message contents, for the safety stage's input screen (and its redactions)."""
-    from server.dataplane.safety import TextSlots
-
     def texts(_signature: ModelSignature):
         if params.messages is not None:
             def put(values: list[str]) -> None:

@@ -11,6 +11,9 @@ enters through the one :class:`Admission` before it decodes anything, into a
   (chat/completions, completions, embeddings): ``with admission:`` around the handler, before the
   body is read. A generation holds its place until its last byte is written (a streaming one
   too: it is frontend work all along), so a refused stream is refused before its first byte.
+- ``inferplane.v1.Generation/Generate``: :meth:`Admission.enter` first thing in the streaming
+  handler (before its metadata, fields or model are read), :meth:`Admission.exit` once when the
+  generation ends — its last chunk, its error or its cancellation.
 - ModelStreamInfer: **per message**, not per stream. One stream carries any number of pipelined
   requests, so a place per stream would bound nothing (one caller could hold thousands of requests
   behind one place) and would refuse an idle open stream that costs nothing. Each message takes a

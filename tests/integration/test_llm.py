@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
 
-from tests.conftest import LLM_BUDGET_MODEL, LLM_BUDGET_TOKENS, wait_until
+from tests.conftest import LLM_BUDGET_MODEL, LLM_BUDGET_TOKENS, start_stack, stop_stack, wait_until
 
 pytestmark = pytest.mark.integration
 import openai  # noqa: E402
@@ -253,6 +254,68 @@ def test_grpc_generate_streams_the_same_answer(client, llm_stack):
                 call.cancel()
                 break
     assert wait_until(lambda: _stats(llm_stack)["cancelled"] > before, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def bounded_llm_stack(llm_repository, tmp_path_factory):
+    """tiny_llama alone on a frontend holding one inference request at once (INFERPLANE_MAX_INFLIGHT=1)."""
+    repository = tmp_path_factory.mktemp("bounded_llm") / "model_repository"
+    shutil.copytree(llm_repository / MODEL, repository / MODEL)
+    s = start_stack(repository, tmp_path_factory.mktemp("bounded_llm_stack"), env={"INFERPLANE_MAX_INFLIGHT": "1"})
+    yield s
+    stop_stack(s)
+
+
+def test_grpc_generate_holds_its_place_in_the_in_flight_bound_until_its_end(bounded_llm_stack):
+    """Generate takes a place in the process's in-flight bound (server.dataplane.loop_gate) like every
+    other inference route: with a bound of one, a generation that is streaming holds it, so another
+    Generate is RESOURCE_EXHAUSTED with a retry hint (RetryInfo, ``retry-after``) before its model is
+    even looked up, and a chat completion is 429; the place comes back when the holder is cancelled,
+    when a generation ends at its last chunk, and when one fails (NOT_FOUND)."""
+    from google.rpc import error_details_pb2, status_pb2
+
+    from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
+
+    short = generate_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2, ignore_eos=True)
+
+    def outcome(stub, request):
+        try:
+            return list(stub.Generate(request, timeout=60))
+        except grpc.RpcError as err:
+            return err
+
+    client = openai.OpenAI(base_url=f"http://{bounded_llm_stack.http}/v1", api_key="unused", max_retries=0, timeout=60)
+    with grpc.insecure_channel(bounded_llm_stack.grpc, options=[("grpc.enable_retries", 0)]) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        holder = stub.Generate(generate_pb2.GenerateRequest(model=MODEL, prompt="x", max_tokens=1900, ignore_eos=True), timeout=120)
+        first = next(holder)  # admitted and streaming: it holds the one place
+        refused = outcome(stub, generate_pb2.GenerateRequest(model="nope", prompt="x"))  # refused before the lookup
+        refused_llm = outcome(stub, short)
+        try:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            chat = None
+        except openai.APIStatusError as err:
+            chat = err
+        still_streaming = next(holder)  # the premise: the holder was mid-generation through every probe
+        holder.cancel()
+        after_cancel = wait_until(lambda: (o := outcome(stub, short)) and not isinstance(o, grpc.RpcError) and o, timeout=30)
+        not_found = outcome(stub, generate_pb2.GenerateRequest(model="nope", prompt="x"))
+        after_error = outcome(stub, short)  # the failed call gave its place back before its status was sent
+        after_end = outcome(stub, short)  # and so did the one that ended at its last chunk
+    client.close()
+    assert first.error.code == "" and not first.finish_reason and not still_streaming.finish_reason
+    for err in (refused, refused_llm):
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert "in flight" in err.details(), err.details()
+        trailing = dict(err.trailing_metadata())
+        assert float(trailing["retry-after"]) > 0
+        info = error_details_pb2.RetryInfo()
+        assert any(a.Unpack(info) for a in status_pb2.Status.FromString(trailing["grpc-status-details-bin"]).details)
+        assert info.retry_delay.ToMilliseconds() > 0
+    assert isinstance(chat, openai.RateLimitError) and int(chat.response.headers["retry-after"]) >= 1, chat
+    assert isinstance(not_found, grpc.RpcError) and not_found.code() == grpc.StatusCode.NOT_FOUND, not_found
+    for answer in (after_cancel, after_error, after_end):
+        assert isinstance(answer, list) and answer[-1].finish_reason == "length" and answer[-1].usage.completion_tokens == 2, answer
 
 
 # ---- SmolLM2 (a real model) ------------------------------------------------------------------

@@ -299,7 +299,6 @@ IMPORTS_IN_FUNCTIONS = {
     ("server/dataplane/tracing.py", "opentelemetry.sdk.trace.export"): "OpenTelemetry's SDK, only with an OTLP endpoint",
     ("server/dataplane/tracing.py", "opentelemetry.sdk.trace.sampling"): "OpenTelemetry's SDK, only with an OTLP endpoint",
     ("server/dataplane/composite.py", "opentelemetry"): "OpenTelemetry's API, only on a traced composite node that failed",
-    ("server/dataplane/generation.py", "server.dataplane.safety"): "no cycle in the way: to the top once issue 30's change to this file (h30's) is merged",
     ("server/app.py", "uvloop"): "the event loop's ImportError fallback (asyncio's own loop)",
     ("server/app.py", "server.control.service.control_plane"): "the control plane's writers (~1.5 s of imports), only in the process that may lead: never in a worker of --workers N",
     ("server/app.py", "server.runtime.inprocess"): "libtritonserver's bindings, only with --triton-mode in-process",

@@ -4,6 +4,12 @@ Two-phase errors: before the first response the call ends with the error table's
 it the failure is the last message's ``error`` field. The call's deadline becomes the engine's
 deadline; a cancelled call closes the generator, which cancels the Triton stream, and the engine
 drops the sequence at its next decode step.
+
+A generation takes a place in the process's in-flight bound (``server.dataplane.loop_gate``, the
+one ``Admission`` of ModelInfer, REST and the OpenAI routes) before anything else — before its
+metadata is read, its fields checked or its model looked up — and holds it until its last chunk is
+sent, its call is cancelled or it fails: past the bound the call is RESOURCE_EXHAUSTED with the
+platform's retry hint (``RetryInfo`` and ``retry-after``) and no work done.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import grpc
 
 from server.errors import InferplaneError, InvalidRequest, public_message
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
+from server.dataplane.loop_gate import Admission
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
 from server.transports import limits
 from server.transports.grpc.context import call_context
@@ -55,10 +62,13 @@ def _response(chunk: Chunk) -> generate_pb2.GenerateResponse:
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, service: LLMService):
+    def __init__(self, service: LLMService, admission: Admission):
         self.llm = service
+        self.admission = admission
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802 - the RPC's name
+        admission = self.admission
+        admission.enter()  # past the in-flight bound: Overloaded (RESOURCE_EXHAUSTED + retry hint), no work done
         started = False
         stream = None
         try:
@@ -72,11 +82,15 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 raise
             yield generate_pb2.GenerateResponse(error=generate_pb2.StreamError(code=err.reason, message=public_message(err)))
         finally:
-            if stream is not None:
-                await stream.aclose()
+            try:
+                if stream is not None:
+                    await stream.aclose()
+            finally:  # the place comes back once: last chunk sent, error, or the call cancelled
+                admission.exit()
 
 
-def add_to_server(service: LLMService, server: grpc.aio.Server) -> str:
-    """Register the servicer; returns the service's full name (for reflection and health)."""
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(service), server)
+def add_to_server(service: LLMService, server: grpc.aio.Server, admission: Admission) -> str:
+    """Register the servicer, its generations under ``admission`` (the process's in-flight bound);
+    returns the service's full name (for reflection and health)."""
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(service, admission), server)
     return SERVICE
