@@ -22,9 +22,16 @@ pre-scaling adds capacity ahead of a ramp the history predicts and never removes
 present load needs. :class:`SeasonalProfile` is that history: an exponentially weighted mean per
 slot of a period (hour of week by default).
 
+A loaded warm standby (``Observation.standby``: Tritons holding the endpoint's model out of
+rotation, issue 29) makes a scale-up cheap — it takes the standby into rotation (~0.2 s here)
+instead of starting a process and loading (~1 s) — so a mistaken scale-down costs little: while
+one is ready, the scale-down window and the down cooldown shrink to ``standby_down_factor`` of
+theirs (1: no change), and replicas the load no longer needs stop sooner.
+
 Guarantee (property-tested in ``tests/unit/test_autoscale_policy.py``): a scale-down never comes
-within ``scale_down_window_s`` of a scale-up, so whatever the load does the count cannot flap
-faster than that window; under steady load the count moves monotonically and then stays.
+within ``scale_down_window_s`` of a scale-up (``standby_down_factor`` of it while a standby is
+ready), so whatever the load does the count cannot flap faster than that window; under steady load
+the count moves monotonically and then stays.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class ScalingConfig:
     predictive: bool = True
     unit: str = "replicas"
     tier: int = 2  # availability tier: 1 gets >= 2 replicas (in 2 zones, on Tritons of its own); 2 and 3 share
+    standby_down_factor: float = 0.25  # while a loaded standby is ready: this fraction of the down window and cooldown
 
     def __post_init__(self) -> None:
         problems = []
@@ -80,6 +88,8 @@ class ScalingConfig:
         for name in ("scale_up_window_s", "scale_down_window_s", "up_cooldown_s", "down_cooldown_s"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if not 0 < self.standby_down_factor <= 1:
+            problems.append(f"standby_down_factor must be in (0, 1] (got {self.standby_down_factor})")
         if self.max_step_up < 1 or self.max_step_down < 1:
             problems.append("max_step_up and max_step_down must be >= 1")
         if self.scale_to_zero_after_s is not None and self.scale_to_zero_after_s <= 0:
@@ -112,6 +122,7 @@ class Observation:
     load: float  # the signal, summed over the endpoint (not per replica)
     forecast: float | None = None  # the load predicted for when a new replica would be ready
     demand: bool = False  # a request is held waiting for the endpoint (scaled to zero)
+    standby: int = 0  # loaded warm standbys of the endpoint ready to take into rotation
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,7 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
         "load": obs.load, "forecast": obs.forecast, "target": config.target, "signal": config.signal,
         "per_replica": obs.load / current if current else None, "reactive": reactive, "predictive": predictive,
         "recommendation": raw, "demand": obs.demand, "idle_s": None if active else now - state.last_active,
+        "standby": obs.standby,
     }  # fmt: skip
 
     def done(replicas: int, action: str, reason: str) -> tuple[Decision, PolicyState]:
@@ -187,8 +199,10 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
         return done(0, ZERO, f"no load for {idle_s:.0f}s (scale to zero after {config.scale_to_zero_after_s:g}s)")
 
     # ---- stabilization windows -----------------------------------------------------------------
+    cheap = config.standby_down_factor if obs.standby > 0 else 1.0  # a scale-up would take a loaded standby
+    down_window, down_cooldown = config.scale_down_window_s * cheap, config.down_cooldown_s * cheap
     up_rec = min(r for t, r in recs if t >= now - config.scale_up_window_s)
-    down_rec = max(r for t, r in recs if t >= now - config.scale_down_window_s)
+    down_rec = max(r for t, r in recs if t >= now - down_window)
     if state.held is not None and state.held[0] >= now - config.scale_down_window_s:
         down_rec = max(down_rec, state.held[1])
     inputs["up_recommendation"], inputs["down_recommendation"] = up_rec, down_rec
@@ -198,9 +212,9 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
         why = f"load {obs.load:g} > {current} x {config.target:g}" + (f" (forecast {obs.forecast:g})" if predictive and predictive >= reactive else "")
     elif down_rec < current:
         want = down_rec
-        why = f"highest recommendation in the last {config.scale_down_window_s:g}s is {down_rec}"
+        why = f"highest recommendation in the last {down_window:g}s is {down_rec}" + (" (a standby is ready)" if cheap < 1 else "")
     elif raw != current:
-        window = config.scale_up_window_s if raw > current else config.scale_down_window_s
+        window = config.scale_up_window_s if raw > current else down_window
         why = f"recommendation {raw} not yet stable for {window:g}s"
 
     # ---- step limits, cooldowns, bounds ---------------------------------------------------------
@@ -209,8 +223,8 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
             return done(current, HOLD, f"{why}; up cooldown ({config.up_cooldown_s:g}s) not over")
         want = min(want, current + config.max_step_up)
     elif want < current:
-        if now - state.last_change < config.down_cooldown_s:
-            return done(current, HOLD, f"{why}; down cooldown ({config.down_cooldown_s:g}s) not over")
+        if now - state.last_change < down_cooldown:
+            return done(current, HOLD, f"{why}; down cooldown ({down_cooldown:g}s) not over")
         want = max(want, current - config.max_step_down)
     bounded = min(config.max_replicas, max(floor, want))
     if bounded != want:

@@ -7,6 +7,7 @@ CI), and every horizon they wait through is derived from the generated config (`
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import example, given, settings
@@ -29,12 +30,13 @@ from batching.autoscale_policy import (
 TICK = 1.0
 
 
-def run(config: ScalingConfig, loads, start: int, t0: float = 0.0, demand=None, forecasts=None):
-    """Feed one load per tick; returns the replica count after each decision and the decisions."""
+def run(config: ScalingConfig, loads, start: int, t0: float = 0.0, demand=None, forecasts=None, standby=None):
+    """Feed one load per tick (``standby``: the ready standbys per tick); returns the replica count
+    after each decision and the decisions."""
     state = PolicyState.start(start, t0)
     counts, decisions = [], []
     for i, load in enumerate(loads):
-        obs = Observation(t0 + i * TICK, load, forecasts[i] if forecasts else None, bool(demand and demand[i]))
+        obs = Observation(t0 + i * TICK, load, forecasts[i] if forecasts else None, bool(demand and demand[i]), standby[i] if standby else 0)
         decision, state = decide(config, state, obs)
         counts.append(state.replicas)
         decisions.append(decision)
@@ -61,14 +63,14 @@ def changes(counts, start):
 
 
 configs = st.builds(
-    lambda lo, span, target, up_w, down_w, step_up, step_down, up_cd, down_cd, zero: ScalingConfig(
+    lambda lo, span, target, up_w, down_w, step_up, step_down, up_cd, down_cd, zero, factor: ScalingConfig(
         min_replicas=lo, max_replicas=max(1, lo) + span, target=target, scale_up_window_s=up_w, scale_down_window_s=down_w,
         max_step_up=step_up, max_step_down=step_down, up_cooldown_s=up_cd, down_cooldown_s=down_cd,
-        scale_to_zero_after_s=zero, predictive=False,
+        scale_to_zero_after_s=zero, predictive=False, standby_down_factor=factor,
     ),
     st.integers(0, 4), st.integers(0, 8), st.floats(0.5, 50), st.sampled_from([0.0, 2.0, 5.0]), st.sampled_from([3.0, 10.0, 30.0]),
     st.integers(1, 4), st.integers(1, 3), st.sampled_from([0.0, 3.0]), st.sampled_from([0.0, 5.0, 15.0]),
-    st.one_of(st.none(), st.sampled_from([20.0, 60.0])),
+    st.one_of(st.none(), st.sampled_from([20.0, 60.0])), st.sampled_from([0.25, 0.5, 1.0]),
 )  # fmt: skip
 
 
@@ -202,6 +204,57 @@ def test_a_scale_down_never_follows_a_scale_up_within_the_down_window(config, no
 
 
 @settings(deadline=None)
+@given(config=configs, noise=st.lists(st.tuples(st.floats(0, 300), st.integers(0, 2)), min_size=60, max_size=200))
+def test_with_a_standby_ready_a_scale_down_never_follows_a_scale_up_within_its_shorter_window(config, noise):
+    """A ready standby shortens the window to ``standby_down_factor`` of it, never below: whatever the
+    load and the standbys do, a scale-down comes no sooner after a scale-up than the window of its tick."""
+    counts, decisions = run(config, [load for load, _ in noise], start=config.floor or 1, standby=[n for _, n in noise])
+    last_up = -math.inf
+    for i, (d, (_, ready)) in enumerate(zip(decisions, noise)):
+        window = config.scale_down_window_s * (config.standby_down_factor if ready else 1.0)
+        if config.scale_to_zero_after_s is not None:
+            window = min(window, config.scale_to_zero_after_s)
+        if d.replicas > d.previous:
+            last_up = i * TICK
+        elif d.replicas < d.previous:
+            assert i * TICK - last_up > window - 1e-9 or d.previous > config.max_replicas, (i, last_up, counts)
+
+
+@settings(deadline=None)
+@given(config=configs, noise=st.lists(st.floats(0, 300), min_size=20, max_size=80), ready=st.integers(1, 3))
+def test_a_ready_standby_changes_nothing_with_a_factor_of_one_and_no_standby_changes_nothing_at_all(config, noise, ready):
+    """The factor acts only while a standby is ready: with none the config's factor is irrelevant, and a
+    factor of 1 makes a ready standby irrelevant."""
+    plain = replace(config, standby_down_factor=1.0)
+    counts, _ = run(plain, noise, start=config.floor or 1)
+    assert run(config, noise, start=config.floor or 1)[0] == counts
+    assert run(plain, noise, start=config.floor or 1, standby=[ready] * len(noise))[0] == counts
+
+
+def test_a_ready_standby_shortens_the_down_window_and_cooldown():
+    config = ScalingConfig(min_replicas=1, max_replicas=10, target=10, scale_down_window_s=8, max_step_down=1, down_cooldown_s=4)
+    loads = [40] + [10] * 20
+    counts, _ = run(config, loads, start=1)  # no standby: the 8 s window, then a step every 4 s
+    assert counts[:9] == [4] * 9 and counts[9:18] == [3] * 4 + [2] * 4 + [1] and counts[-1] == 1
+    counts, decisions = run(config, loads, start=1, standby=[1] * len(loads))  # one ready: a quarter of each (2 s, 1 s)
+    assert counts[:8] == [4, 4, 4, 3, 2, 1, 1, 1]
+    assert decisions[3].reason == "highest recommendation in the last 2s is 1 (a standby is ready)" and decisions[3].inputs["standby"] == 1
+    half = replace(config, standby_down_factor=0.5)  # 4 s, 2 s; the standby gone after the first step: the full 8 s and 4 s
+    counts, decisions = run(half, loads, start=1, standby=[1] * 6 + [0] * 15)
+    assert counts[:10] == [4] * 5 + [3] * 4 + [2]
+    assert decisions[6].reason == "recommendation 1 not yet stable for 8s"
+    counts, decisions = run(half, loads, start=1, standby=[1] * len(loads))
+    assert counts[:9] == [4] * 5 + [3, 3, 2, 2] and "down cooldown (2s) not over" in decisions[6].reason
+
+
+@pytest.mark.parametrize("factor", [0.0, -0.5, 1.5])
+def test_a_standby_down_factor_outside_zero_to_one_is_refused(factor):
+    with pytest.raises(ValueError, match=rf"^standby_down_factor must be in \(0, 1\] \(got {factor}\)$"):
+        ScalingConfig(standby_down_factor=factor)
+    assert ScalingConfig(standby_down_factor=1.0).standby_down_factor == 1.0
+
+
+@settings(deadline=None)
 @given(config=configs, base=st.floats(0, 20), spike=st.floats(20, 400))
 def test_reacts_to_a_sustained_spike_within_its_window(config, base, spike):
     """A spike that lasts reaches the count it needs (or max) within the up window plus the steps it takes."""
@@ -290,7 +343,7 @@ def test_a_forecast_scales_ahead_and_says_so():
     assert (decision.replicas, decision.action, decision.reason) == (4, "up", "load 5 > 1 x 10 (forecast 35)")
     assert decision.inputs == {
         "load": 5, "forecast": 35, "target": 10, "signal": "inflight", "per_replica": 5.0, "reactive": 1, "predictive": 4,
-        "recommendation": 4, "demand": False, "idle_s": None, "up_recommendation": 4, "down_recommendation": 4,
+        "recommendation": 4, "demand": False, "idle_s": None, "standby": 0, "up_recommendation": 4, "down_recommendation": 4,
     }  # fmt: skip
     assert recommend(ScalingConfig(max_replicas=9, target=10), 2, 22, None) == (3, 3, None)
     assert recommend(ScalingConfig(max_replicas=9, target=10), 2, 23, 45) == (5, 3, 5)

@@ -116,3 +116,36 @@ async def test_explain_stamps_signals_with_the_wall_clock_not_the_samplers_monot
     explained = scaler.explain("m")
     assert explained["signals"][-1]["t"] == wall and explained["signals"][-1]["inflight"] == 2.0
     assert explained["forecast"][-1]["t"] == wall
+
+
+class _Served(_Unserved):
+    """A served endpoint on two replicas with ``ready`` loaded standbys waiting."""
+
+    ready = 1
+
+    def signature(self, name):
+        return object()
+
+    def replicas(self, name):
+        return 2
+
+    def standby_ready(self, name):
+        return self.ready
+
+    def held(self, name):
+        return 0
+
+    def latest(self, name):
+        return self.samples.get(name)
+
+
+async def test_the_policy_is_told_how_many_standbys_a_scale_up_could_take():
+    fake = _Served()
+    fake.samples = {"m": Sample(t=1.0, inflight=20.0, qps=5.0, replicas=2)}
+    scaler = Autoscaler(fake, None, fake, fake, clock=lambda: 1.0, wall=lambda: 1_790_000_000.0)
+    await scaler.configure("m", {"min_replicas": 1, "max_replicas": 4, "target": 10})
+    await scaler.tick()
+    assert scaler.explain("m")["decisions"][-1]["inputs"]["standby"] == 1
+    fake.ready, fake.samples = 0, {"m": Sample(t=1.0, inflight=0.5, qps=5.0, replicas=2)}  # another load: a new hold is recorded
+    await scaler.tick()
+    assert scaler.explain("m")["decisions"][-1]["inputs"]["standby"] == 0

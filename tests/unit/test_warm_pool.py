@@ -143,3 +143,16 @@ async def test_the_local_executor_refuses_a_standby_larger_than_a_replica_and_re
     described = executor.describe()
     assert pool.standby_pids() == {} and pool.standby == {}  # stopped, and none started again
     assert described["standby_refused"] == {"m": 1} and described["memory_mb"] == {"replicas": 0, "standby": 0}
+
+
+async def test_the_local_executor_counts_the_standbys_a_scale_up_can_take_now(tmp_path):
+    from server.control.scaling.executors import LocalExecutor
+    from server.dataplane.replicas import ReplicaSet
+
+    pool, _ = pool_of(tmp_path, standby={"m": 2})
+    await pool.fill_warm()
+    executor = LocalExecutor(ReplicaSet(), pool, client_factory=None, standby={"m": 2})
+    assert (executor.standby_ready("m"), executor.standby_ready("other")) == (2, 0)
+    restarting = next(w for w in pool.warm if w.model == "m")
+    restarting.supervisor.pid = None  # its Triton died and restarts: not takeable (the policy's cheap scale-up)
+    assert executor.standby_ready("m") == 1

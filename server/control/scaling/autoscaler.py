@@ -283,7 +283,8 @@ class Autoscaler:
             if ep.waker is None:
                 ep.state = replace(ep.state, replicas=await self._count(name, ep.config))
             demand = bool(self.sampler.held(name))  # held here, or by any frontend or worker that reports (signal_reports)
-            decision, ep.state = decide(ep.config, ep.state, Observation(now, load, forecast, demand))
+            standby = self.executor.standby_ready(name) if ep.config.unit == "replicas" else 0  # a cheap scale-up: the policy scales down sooner
+            decision, ep.state = decide(ep.config, ep.state, Observation(now, load, forecast, demand, standby))
             if decision.action == HOLD:
                 if not ep.decisions or ep.decisions[-1].get("action") != HOLD or ep.decisions[-1].get("reason") != decision.reason:
                     self._record(ep, self._decision(decision, wall))

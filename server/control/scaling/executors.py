@@ -48,6 +48,8 @@ class Executor(Protocol):
 
     def describe(self) -> dict: ...
 
+    def standby_ready(self, endpoint: str) -> int: ...
+
 
 class LocalExecutor:
     name = "local"
@@ -93,6 +95,10 @@ class LocalExecutor:
 
     def replicas(self, endpoint: str) -> int:
         return sum(1 for m in self._local() if endpoint in m.wanted)
+
+    def standby_ready(self, endpoint: str) -> int:
+        """The loaded standbys of ``endpoint`` a scale-up can take now (not one restarting)."""
+        return sum(1 for pid in self.pool.standby_pids().get(endpoint, ()) if pid is not None)
 
     def _current(self) -> dict[str, set[str]]:
         members = sorted(self._local(), key=lambda m: (m.id != self.primary, m.id))
@@ -306,6 +312,10 @@ class KubernetesGroupExecutor:
 
     def replicas(self, endpoint: str) -> int:
         return self.counts.get(self.deployment(endpoint), 0)
+
+    def standby_ready(self, endpoint: str) -> int:
+        """None here: a scale-up starts a pod (the policy keeps its full scale-down window)."""
+        return 0
 
     async def read(self, endpoint: str) -> int:
         deployment = self.deployment(endpoint)
