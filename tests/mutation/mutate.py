@@ -31,30 +31,17 @@ from mutmut.mutation.diff_apply import get_diff_for_mutant
 from mutmut.stats import status_by_exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: this checkout's tests/, not another one's
+    sys.path.insert(0, str(ROOT))
+
+from tests.mutation.scores import MODULES, source_sha256  # noqa: E402 - after the path
+
 WORK = ROOT / "var" / "mutation"
 EQUIVALENT = Path(__file__).with_name("equivalent.toml")
 REPORT = ROOT / "benchmarks" / "mutation"
 
-# module -> its unit test files (the fast net: the integration suite is the second one)
-MODULES: dict[str, list[str]] = {
-    "server.tenancy.identity": ["tests/unit/test_tenancy.py", "tests/unit/test_identity_policy.py"],
-    "server.tenancy.quota_policy": ["tests/unit/test_quota_policy.py", "tests/unit/test_tenancy.py"],
-    "server.dataplane.validation": ["tests/unit/test_validation.py", "tests/unit/test_validation_fast_path.py"],
-    "server.control.registry.safe_formats": ["tests/unit/test_safe_formats.py"],
-    "server.dataplane.idempotency": ["tests/unit/test_idempotency.py"],
-    # fair_queue: test_overload_policy.py's fair-queue cases are its queue TTL and standing-queue behaviour
-    "batching.fair_queue": ["tests/unit/test_fair_queue.py", "tests/unit/test_fair_queue_batch.py", "tests/unit/test_fair_queue_refusals.py", "tests/unit/test_overload_policy.py"],
-    "server.dataplane.circuit_breaker": ["tests/unit/test_circuit_breaker.py"],
-    "batching.autoscale_policy": ["tests/unit/test_autoscale_policy.py"],
-    "server.dataplane.traffic_policy": ["tests/unit/test_traffic_policy.py"],
-    "server.control.rollout.traffic": ["tests/unit/test_traffic_policy.py", "tests/unit/test_traffic_controller.py"],
-    # batches: its SQLite cases only ("-k"): the PostgreSQL ones run the same statements, and a fresh
-    # database each (seconds) for every mutant would not fit a pass (CI runs them in the unit suite)
-    "server.control.batches.batches": ["tests/unit/test_batch_jobs.py", "tests/unit/test_batch_store.py", "tests/unit/test_batch_retention.py", "-k", "not postgresql"],
-    "server.control.scaling.placement": ["tests/unit/test_placement.py", "tests/unit/test_failure_domains.py", "tests/unit/test_placement_mutants.py"],
-}
-
 KILLED = {"killed", "timeout", "caught by type check"}
+SOURCE_HASH = "source.sha256"  # in a module's work folder: the sha256 of the source its last run mutated
 
 
 @dataclass
@@ -74,6 +61,7 @@ class Score:
     equivalent: list[Survivor] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)  # listed equivalents whose diff no longer matches
     unchecked: int = 0  # mutants the last run did not get to (interrupted): in no count
+    source_sha256: str | None = None  # of the source the last run mutated (None: a folder from before hashes)
 
     @property
     def counted(self) -> int:
@@ -137,6 +125,9 @@ def run_module(module: str, tests: list[str], children: int, survivors_only: boo
         names = [v.name for v in score_module(module, {}).survivors]
         if not names:
             return
+    # the hash of the source this run mutates: results.json records it, the test run's summary
+    # compares it with the source of its checkout (stale when they differ; tests/mutation/scores.py)
+    (work / SOURCE_HASH).write_text(source_sha256(module, ROOT) + "\n")
     log = work / "mutmut.log"  # mutmut's progress spinner: kept out of the terminal, read it there when a run fails
     with log.open("w") as out:
         done = subprocess.run(["nice", "-n", "10", str(mutmut), "run", "--max-children", str(children), *names], cwd=work, env=_test_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -168,6 +159,8 @@ def score_module(module: str, equivalents: dict[str, dict]) -> Score:
     work = WORK / module
     path = Path(module.replace(".", "/") + ".py")
     score = Score(module)
+    if (work / SOURCE_HASH).exists():
+        score.source_sha256 = (work / SOURCE_HASH).read_text().strip()
     cwd = Path.cwd()
     os.chdir(work)
     try:
@@ -210,6 +203,7 @@ def _entry(s: Score) -> dict:
         "survivors": [{"mutant": v.name, "status": v.status, "diff": v.diff} for v in s.survivors],
         "equivalents": [{"mutant": v.name, "reason": v.reason, "diff": v.diff} for v in s.equivalent],
         "stale_equivalents": s.stale,
+        "source_sha256": s.source_sha256,
     }
 
 

@@ -661,3 +661,47 @@ async def test_a_worker_with_nothing_to_do_keeps_polling_and_takes_a_job_that_co
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# ---- what the mutation pass found unpinned (issue 34) ----------------------------------------------------
+
+
+def test_each_refusal_says_what_is_wrong_in_words(store):
+    """The messages a caller reads beside the violation (the OpenAI clients show the message)."""
+    assert _refusal(lambda: parse_rows(b"\xff\xfe", EP)).message == "the input file is not UTF-8 JSONL"
+    assert _refusal(lambda: parse_rows(b"\n  \n", EP)).message == "the input file has no requests"
+    assert _refusal(lambda: store.create_batch("acme", "", None, EP, "24h", None)).message == "input_file_id is required"
+    f = store.create_file("acme", "in.jsonl", "batch", _jsonl([_line(0)]))
+    assert _refusal(lambda: store.create_batch("acme", "", f["id"], EP, "24h", {"k": 1})).message == (
+        "metadata must be an object of up to 16 string keys (64 chars) and string values (512 chars)"
+    )
+    assert _refusal(lambda: store.create_file("acme", "x", "fine-tune", b"{}")).message == "purpose must be 'batch' (the only purpose this server accepts)"
+    with pytest.raises(ModelNotFound) as unknown:
+        store.retrieve("acme", "batch_nope")
+    assert unknown.value.message == "no batch 'batch_nope'" and [(v.field, v.description) for v in unknown.value.violations] == [("batch_id", "unknown")]
+
+
+def test_a_job_records_the_team_that_created_it(store):
+    f = store.create_file("acme", "in.jsonl", "batch", _jsonl([_line(0)]))
+    with_team = store.create_batch("acme", "ml", f["id"], EP, "24h", None)["id"]
+    without = store.create_batch("acme", None, f["id"], EP, "24h", None)["id"]
+    with store.engine.connect() as conn:
+        teams = dict(conn.execute(select(jobs_table.c.id, jobs_table.c.team)).all())
+    assert teams == {with_team: "ml", without: ""}
+
+
+def test_jobs_created_in_the_same_second_are_claimed_in_id_order(store):
+    store.clock.now = 1000.0
+    jobs = [_job(store, 1) for _ in range(4)]
+    store.clock.now = 1000.5
+    assert [store.claim(f"w{i}", 30).id for i in range(4)] == sorted(jobs)
+
+
+def test_a_claim_reaches_a_free_job_behind_five_older_ones_leased_to_other_workers(store):
+    store.clock.now = 1000
+    leased = [_job(store, 1) for _ in range(5)]
+    store.clock.now = 1001
+    free = _job(store, 1)
+    store.clock.now = 1002
+    assert sorted(store.claim(f"w{i}", 300).id for i in range(5)) == sorted(leased)
+    assert store.claim("late", 300).id == free

@@ -1108,3 +1108,303 @@ def test_a_new_policy_replaces_only_the_active_one_and_stamps_it(tmp_path):
     for i in range(25):
         store.insert("n", "shadow", "shadow", {}, {}, "d")
     assert len(store.history("n")) == 20
+
+
+# ---- what the mutation pass found unpinned (issue 34) -------------------------------------------------
+
+
+def test_each_policy_is_stored_with_the_actor_who_set_it(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        await t.c.set_bluegreen("m", 2, actor="bo")
+        await t.c.rollback("m")
+        await t.c.set_experiment("m", [("a", 1, 1), ("b", 2, 1)], actor="cy")
+        await t.c.set_shadow("m", 2, 10, actor="di")
+        await t.c.stop()
+        return t
+
+    t = asyncio.run(run())
+    assert [(r["kind"], r["actor"]) for r in reversed(t.c.store.history("m"))] == [("bluegreen", "bo"), ("ab", "cy"), ("shadow", "di")]
+
+
+def test_a_canary_set_without_an_actor_or_window_is_stored_as_unknown_with_a_sixty_second_window(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        return t, await t.c.set_canary("m", 2, percent=10)
+
+    t, policy = asyncio.run(run())
+    assert t.staged == [("m", 2)] and policy.spec["window_s"] == 60.0 and t.dp.router.splits["m"].window_s == 60.0
+    assert t.c.store.history("m")[0]["actor"] == "unknown" and t.reg.audits[-1][:2] == ("", "canary.start")
+
+
+def test_set_canary_names_what_it_refuses(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        with pytest.raises(InvalidRequest) as bad_window:
+            await t.c.set_canary("m", 2, percent=5, window_s=-1)
+        with pytest.raises(Conflict) as live:
+            await t.c.set_canary("m", 1, percent=5)
+        await t.c.set_bluegreen("m", 2)
+        with pytest.raises(Conflict) as second:
+            await t.c.set_canary("m", 2, percent=5)
+        return bad_window.value, live.value, second.value
+
+    bad_window, live, second = asyncio.run(run())
+    assert bad_window.message == "window_s must be > 0"
+    assert live.message == "m:1 is already live"
+    assert second.message == "endpoint 'm' already has a bluegreen running; promote or roll it back first"
+
+
+def test_an_automatic_promotion_that_fails_is_rolled_back_by_the_controller_with_its_verdict(tmp_path, caplog):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, steps=[10], interval_s=1, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200)
+        t.clock.now += 2
+        t.dep.fail_deploy = BackendUnavailable("warm-up rows failed")
+        with pytest.raises(BackendUnavailable):
+            await t.c.analyze()
+        return t
+
+    with caplog.at_level("WARNING", logger="server.control.rollout.traffic"):
+        t = asyncio.run(run())
+    actor, action, target, outcome, detail = t.reg.audits[-1]
+    assert (actor, action, target, outcome) == ("traffic-controller", "canary.rollback", "m:2", "rolled_back")
+    assert detail.startswith(f"promotion failed: {BackendUnavailable('x').reason}: warm-up rows failed; pass")
+    assert [r.getMessage() for r in caplog.records] == [f"canary m:2 rolled back automatically: {detail}"]
+    assert t.dep.calls == [("deploy", "m:2", "traffic-controller")] and _statuses(t.c) == [("canary", "rolled_back")]
+
+
+def test_a_canary_whose_split_disappeared_can_still_be_promoted(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, percent=10, thresholds=LIMITS)
+        t.dp.router.splits.pop("m")  # the state watch dropped it meanwhile
+        await t.c.promote("m", actor="al")
+        return t
+
+    t = asyncio.run(run())
+    assert t.dp.routes["m"] == "2" and _statuses(t.c) == [("canary", "promoted")]
+
+
+def test_a_running_bluegreen_is_left_alone_by_the_canary_analysis(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_bluegreen("m", 2)
+        await t.c.analyze()
+        assert _statuses(t.c) == [("bluegreen", "active")]
+        await t.c.switch("m")
+        return t
+
+    t = asyncio.run(run())
+    assert _statuses(t.c) == [("bluegreen", "switched")] and t.dp.routes["m"] == "2"
+
+
+def test_the_analysis_reaches_a_canary_after_a_shadow_of_the_same_endpoint(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        await t.c.set_shadow("m", 2, 10)  # first in the controller's policies
+        await t.c.set_canary("m", 2, steps=[10, 50], interval_s=1, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200)
+        t.clock.now += 2
+        await t.c.analyze()
+        await t.c.stop()
+        return t
+
+    t = asyncio.run(run())
+    assert [a.weight for a in t.dp.router.splits["m"].arms] == [50.0, 50.0]
+
+
+def test_a_held_lock_of_another_endpoint_does_not_stop_the_analysis_of_this_one(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, steps=[10, 50], interval_s=1, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200)
+        t.clock.now += 2
+        async with t.c._lock("other"):
+            await t.c.analyze()
+        return t
+
+    t = asyncio.run(run())
+    assert [a.weight for a in t.dp.router.splits["m"].arms] == [50.0, 50.0]
+
+
+@pytest.mark.parametrize("start", ["canary", "experiment"])
+def test_a_split_being_set_holds_its_endpoint_against_a_second_one(tmp_path, start):
+    """While a canary (or an experiment) of m is staging, a blue-green of m waits for it, then is
+    refused because m has a split: never two splits installed one over the other."""
+
+    async def run():
+        t = _make(tmp_path, real_stage=True)
+        deploying = t.dep._lock("m")
+        await deploying.acquire()
+        if start == "canary":
+            first = asyncio.create_task(t.c.set_canary("m", 2, percent=10))
+        else:
+            first = asyncio.create_task(t.c.set_experiment("m", [("a", 1, 1), ("b", 2, 1)]))
+        await _settle_loop()
+        second = asyncio.create_task(t.c.set_bluegreen("m", 2))
+        await _settle_loop()
+        deploying.release()
+        policy = await first
+        with pytest.raises(Conflict, match="already has a"):
+            await second
+        return t, policy
+
+    t, policy = asyncio.run(run())
+    assert t.c.policies[("m", "split")] is policy and _statuses(t.c) == [(policy.kind, "active")]
+
+
+def test_a_rollback_during_the_automatic_promotion_waits_for_it(tmp_path):
+    """The analysis holds the endpoint while it promotes: a rollback arriving meanwhile waits, then
+    finds the canary already promoted (nothing left to roll back)."""
+
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_canary("m", 2, steps=[10], interval_s=1, thresholds=LIMITS)
+        _traffic(t.dp, t.clock, 200)
+        t.clock.now += 2
+        moving = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def deploy(ref, options=None, actor=""):
+            entered.set()
+            await moving.wait()
+            t.dp.routes["m"] = "2"
+
+        t.dep.deploy = deploy
+        analysis = asyncio.create_task(t.c.analyze())
+        await entered.wait()
+        rollback = asyncio.create_task(t.c.rollback("m", actor="eve"))
+        await _settle_loop()
+        moving.set()
+        await analysis
+        with pytest.raises(Conflict, match="has no traffic split running"):
+            await rollback
+        return t
+
+    t = asyncio.run(run())
+    assert _statuses(t.c) == [("canary", "promoted")] and t.dp.routes["m"] == "2"
+
+
+def test_a_shadow_already_gone_from_the_router_still_stops_with_an_empty_report(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        t.dp.backend_infer = _sender([])
+        await t.c.set_shadow("m", 2, 10)
+        await t.dp.router.shadows.pop("m").stop()  # the state watch removed it meanwhile
+        await t.c.stop_shadow("m", actor="hal")
+        return t
+
+    t = asyncio.run(run())
+    assert _statuses(t.c) == [("shadow", "ended")] and ("m", "shadow") not in t.c.policies
+    assert t.reg.audits[-1] == ("hal", "shadow.stop", "m:2", "ok", "")
+
+
+def test_a_bluegreen_is_no_experiment_to_report_on_while_running_or_after_its_switch(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_bluegreen("m", 2)
+        with pytest.raises(ModelNotFound, match="has no experiment to report on"):
+            t.c.ab_report("m")
+        await t.c.switch("m")
+        with pytest.raises(ModelNotFound, match="has no experiment to report on"):
+            t.c.ab_report("m")
+        return t
+
+    asyncio.run(run())
+
+
+def test_an_ended_experiments_report_outlives_a_later_bluegreen(tmp_path):
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_experiment("m", [("a", 1, 1), ("b", 2, 1)], experiment="e")
+        await t.c.rollback("m")
+        await t.c.set_bluegreen("m", 2)
+        await t.c.switch("m")
+        return t.c.ab_report("m")
+
+    report = asyncio.run(run())
+    assert report["experiment"] == "e" and [a["name"] for a in report["arms"]] == ["a", "b"]
+
+
+@pytest.mark.parametrize("kind", ["canary", "ab"])
+def test_a_restored_split_keeps_its_window_on_the_routers_clock(tmp_path, kind):
+    async def first():
+        t = _make(tmp_path)
+        if kind == "canary":
+            await t.c.set_canary("m", 2, percent=10, window_s=30, thresholds=LIMITS)
+        else:
+            await t.c.set_experiment("m", [("a", 1, 1), ("b", 2, 1)])
+        return t.reg
+
+    registry = asyncio.run(first())
+
+    async def second():
+        t = _make(tmp_path, registry=registry)
+        await t.c.start()
+        await t.c.stop()
+        return t
+
+    t = asyncio.run(second())
+    split = t.dp.router.splits["m"]
+    assert split.window_s == (30.0 if kind == "canary" else 60.0)
+    _traffic(t.dp, t.clock, 100)
+    assert sum(arm["window_requests"] for arm in t.c.get_policy("m")["arms"]) == 100
+    t.clock.now += split.window_s + 1  # the router's clock: the window has forgotten them
+    assert sum(arm["window_requests"] for arm in t.c.get_policy("m")["arms"]) == 0
+
+
+def test_the_constructors_settings_are_the_ones_used(tmp_path):
+    """tick_s and shadow_records given to the constructor are the ones in use; a shadow gets two
+    workers unless told otherwise."""
+    from server.control.rollout.traffic import TrafficController
+
+    calls = []
+
+    class Records:
+        def recorder(self, name, version):
+            calls.append((name, version))
+            return print
+
+    async def run():
+        clock = Clock()
+        dp = _DataPlane(clock)
+        dp.backend_infer = _sender([])
+        c = TrafficController(dp, _Versions(f"sqlite:///{tmp_path}/t.db"), _Recorder(dp), tick_s=0.01, clock=clock, shadow_records=Records())
+
+        async def stage(name, version):
+            return dp.routes[name]
+
+        c._stage = stage
+        ticks = []
+
+        async def analyze():
+            ticks.append(1)
+
+        c.analyze = analyze
+        await c.start()
+        await c.set_shadow("m", 2, 10)
+        shadow = dp.router.shadows["m"]
+        workers = len(shadow.tasks)
+        await _until(lambda: len(ticks) >= 2)
+        await c.stop()
+        return shadow, workers
+
+    shadow, workers = asyncio.run(run())
+    assert workers == 2 and shadow.record is print and calls == [("m", "2")]
+
+
+def test_a_replaced_policy_is_stamped_when_it_is_replaced(tmp_path, monkeypatch):
+    from server.control.rollout import traffic
+
+    now = [100.0]
+    monkeypatch.setattr(traffic.time, "time", lambda: now[0])
+    store = traffic.TrafficStore(_Registry(f"sqlite:///{tmp_path}/s.db").engine)
+    old = store.insert("m", "split", "canary", {}, {}, "a")
+    now[0] = 250.0
+    store.insert("m", "split", "ab", {}, {}, "b")
+    row = {r["id"]: r for r in store.history("m")}[old]
+    assert (row["status"], row["created_at"], row["updated_at"]) == ("replaced", 100.0, 250.0)
