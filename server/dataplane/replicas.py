@@ -80,13 +80,13 @@ from batching import route_policy
 from server.dataplane import capacity_policy, stage_timing
 from server.dataplane.backend import DOWN as DOWN_STATE, EXITING, LIVE, Backend, BackendStream, typed_call
 from server.dataplane.backend_errors import EXITING_MARKERS, ConnectionLost, NotSent
+from server.dataplane.batch_codec import CODEC
 from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
 from server.dataplane.wire import request_model
 from server.errors import BackendError, BackendUnavailable, DeadlineExceeded, InferplaneError, ModelNotFound, ModelNotReady
 from server.periodic import stop_tasks
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.dataplane.batch_codec import CODEC
 
 # the member that answered this task's last call (its target), for traces; "" before any
 SERVED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("inferplane_served_by", default="")

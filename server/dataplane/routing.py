@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from server.dataplane import codecs
 from server.dataplane.capacity_policy import SHADOW, TRAFFIC, ShadowPaused
 from server.errors import InvalidRequest, ModelNotFound
 from server.dataplane.traffic_policy import VERSION_ERROR_CODES, Arm, SmoothWeighted, WindowStats, check_arms, percentile, sticky_arm
 from server.dataplane.wire import pin_version
 from server.periodic import stop_tasks
-from server.dataplane import codecs
 from server.protogen.inference import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
