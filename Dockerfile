@@ -36,9 +36,10 @@ RUN python -m venv /opt/venv \
     && /opt/venv/bin/inferplane demo build --out /opt/demo_models --no-llm --no-smollm2
 
 # ---- triton: NVIDIA's Triton container with the project's Python-backend adapters -------------------
-# The deployer writes Python-backend configs only (server/control/rollout/deployer.py): every model here runs
-# through the project's adapters on Triton's python backend (ONNX Runtime, XGBoost/LightGBM, the LLM
-# engine); the image's native backends (onnxruntime, tensorrt, fil, vllm) are present but unused by it.
+# The deployer picks the backend per version from what this Triton's backend directory holds
+# (server/control/registry/backend_configs.py, `choose`): versions that ask for a GPU get the native backends
+# (onnxruntime with the CUDA/TensorRT providers, tensorrt for plans, fil for trees, vllm for LLMs); CPU
+# versions, and formats a native backend cannot serve, run through the project's adapters on the python backend.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3 AS triton
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH=/opt/inferplane/adapters
 # the adapters' own imports, as wheels (no compiler needed)

@@ -770,12 +770,48 @@ class VLLMEngine:
         self._outbox.put((req, text, info, final))
 
     def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            req, text, info, final = item
-            try:
-                req.sink.send(text, info, final)
-            except Exception:  # noqa: BLE001 - the caller is gone (Triton refuses responses to a cancelled request)
-                log.debug("response to %s not delivered", req.id, exc_info=True)
+        """Deliver the outbox: everything queued while the last response was sent goes out at once, one
+        response per request (``merge_deltas``), so a request the sender fell behind on costs one Triton
+        response and one frontend message instead of one per token."""
+        running = True
+        while running and (item := self._outbox.get()) is not None:
+            items = [item]
+            while True:
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    running = False
+                    break
+                items.append(more)
+            for req, text, info, final in merge_deltas(items):
+                try:
+                    req.sink.send(text, info, final)
+                except Exception:  # noqa: BLE001 - the caller is gone (Triton refuses responses to a cancelled request)
+                    log.debug("response to %s not delivered", req.id, exc_info=True)
+
+
+def merge_deltas(items: list[tuple[Any, str, dict[str, Any], bool]]) -> list[tuple[Any, str, dict[str, Any], bool]]:
+    """Queued responses ``(request, text, info, final)`` with each request's consecutive text deltas joined.
+
+    The joined delta keeps the last delta's ``info`` (its step and token counts are the latest), and a
+    request's order is kept. A final ``stop``/``length`` answer takes the request's pending text in front of
+    its own tail; any other final (error, cancel, deadline) carries no text, so the pending text goes out
+    first as its own delta and is not lost."""
+    out: list[tuple[Any, str, dict[str, Any], bool]] = []
+    pending: dict[int, int] = {}  # id(request) -> index in out of its not yet final, joined delta
+    for req, text, info, final in items:
+        at = pending.pop(id(req), None)
+        if at is not None and (not final or info.get("finish_reason") in (FINISH_STOP, FINISH_LENGTH)):
+            out[at] = (req, out[at][1] + text, info, final)
+            if not final:
+                pending[id(req)] = at
+            continue
+        if not final:
+            pending[id(req)] = len(out)
+        out.append((req, text, info, final))
+    return out
 
 
 def _error_message(text: str) -> str:

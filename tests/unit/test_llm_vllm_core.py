@@ -25,8 +25,8 @@ from model_repository.adapters._llm_common import (  # noqa: E402
 )  # fmt: skip
 from model_repository.adapters._lora import Adapter  # noqa: E402
 from model_repository.adapters._vllm_core import (  # noqa: E402
-    EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, cpu_list, find_vllm_python, parse_metrics, request_body,
-    server_command, server_environment, speculative_config, vllm_unavailable,
+    EngineUnavailable, VLLMConfig, VLLMEngine, choose_engine, cpu_list, find_vllm_python, merge_deltas, parse_metrics,
+    request_body, server_command, server_environment, speculative_config, vllm_unavailable,
 )  # fmt: skip
 from tests.conftest import wait_until  # noqa: E402
 
@@ -187,9 +187,15 @@ def test_deltas_stream_and_one_final_carries_the_rest(engine, fake):
     engine.submit("r1", prompt, SamplingParams(max_tokens=8, temperature=0, priority=1), sink)
     text, final = sink.wait()
     assert text == "Hello world"
-    assert sink.parts == ["He", "llo", " wor", "ld"]  # the last delta goes with the final response
-    for info, tokens in zip(sink.infos[:-1], (1, 2, 3)):
-        assert info["prompt_tokens"] == len(prompt) and info["completion_tokens"] == tokens and "finish_reason" not in info
+    # the last delta goes with the final response; deltas the sender had not caught up with go out joined
+    # (test_merge_deltas_*), so the split is the sender's pace: each part ends where a delta of the script ends
+    assert sink.parts[-1].endswith("ld") and all(p for p in sink.parts[:-1])
+    ends = {len("He"), len("Hello"), len("Hello wor"), len("Hello world")}
+    assert {len("".join(sink.parts[: i + 1])) for i in range(len(sink.parts))} <= ends
+    tokens = [info["completion_tokens"] for info in sink.infos[:-1]]
+    assert tokens == sorted(set(tokens)) and set(tokens) <= {1, 2, 3}
+    for info in sink.infos[:-1]:
+        assert info["prompt_tokens"] == len(prompt) and "finish_reason" not in info
     assert final["finish_reason"] == "stop" and final["priority"] == 1
     assert (final["prompt_tokens"], final["completion_tokens"], final["cached_tokens"]) == (len(prompt), 4, 3)
     snap = engine.snapshot()
@@ -201,6 +207,38 @@ def test_deltas_stream_and_one_final_carries_the_rest(engine, fake):
     # vLLM got our token ids (not text), the served name and the priority
     body = fake.bodies[-1]
     assert body["prompt"] == prompt and body["model"] == "m" and body["priority"] == 1 and body["stream"] is True
+
+
+def test_merge_deltas_joins_each_requests_queued_deltas_in_order():
+    a, b = object(), object()
+    items = [(a, "He", {"step": 1}, False), (b, "x", {"step": 2}, False), (a, "llo", {"step": 3}, False),
+             (b, "y", {"step": 4}, False), (a, " wor", {"step": 5}, False)]  # fmt: skip
+    assert merge_deltas(items) == [(a, "Hello wor", {"step": 5}, False), (b, "xy", {"step": 4}, False)]
+
+
+def test_merge_deltas_puts_pending_text_in_front_of_a_normal_final():
+    a = object()
+    for reason in ("stop", "length"):
+        done = {"finish_reason": reason, "completion_tokens": 4}
+        assert merge_deltas([(a, "Hel", {"step": 1}, False), (a, "lo", {"step": 2}, False), (a, "!", done, True)]) == [
+            (a, "Hello!", done, True)
+        ]
+
+
+def test_merge_deltas_never_hides_text_in_an_error_or_cancel_final():
+    a = object()
+    for reason in ("error", "cancelled", "deadline"):
+        done = {"finish_reason": reason}
+        assert merge_deltas([(a, "x", {"step": 1}, False), (a, "y", {"step": 2}, False), (a, "", done, True)]) == [
+            (a, "xy", {"step": 2}, False), (a, "", done, True)
+        ]
+
+
+def test_merge_deltas_keeps_a_single_response_and_a_final_without_pending_text():
+    a, b = object(), object()
+    done = {"finish_reason": "stop"}
+    assert merge_deltas([(a, "x", {"step": 1}, False)]) == [(a, "x", {"step": 1}, False)]
+    assert merge_deltas([(a, "", done, True), (b, "z", {"step": 2}, False)]) == [(a, "", done, True), (b, "z", {"step": 2}, False)]
 
 
 def test_length_is_a_length_finish(engine, fake):
