@@ -61,7 +61,13 @@ class AdmittedCall:
         "trace", "answer", "batch", "safety", "adapter", "port",
     )  # fmt: skip
 
-    def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
+    def __init__(
+        self, ctx: CallContext | None, name: str, version: str = "", kind: str = INFER, *, timeout: float | None = None, adapter: str = "", port=None
+    ):
+        """The one place a call is made from what :meth:`Pipeline.admitted` and :meth:`Pipeline.open` are
+        given; its deadline is ``timeout``, else the context's."""
+        if timeout is None and ctx is not None:
+            timeout = ctx.timeout
         self.ctx = ctx
         self.name = name
         self.version = version  # as asked; after routing and resolving: the version that answers
@@ -93,8 +99,8 @@ class AdmittedCall:
         self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
         self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
         self.safety = None  # the endpoint's server.dataplane.safety.SafetyPolicy, when it has one
-        self.adapter = ""  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
-        self.port = None  # the server.dataplane.port.ModelPort that admitted it: the safety classifier's calls go through it
+        self.adapter = adapter  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
+        self.port = port  # the server.dataplane.port.ModelPort that admitted it: the safety classifier's calls go through it
 
     @property
     def endpoint(self) -> str:
@@ -156,19 +162,30 @@ class Pipeline:
         adapter: str = "",
         port=None,
     ) -> "_Admitted":
-        """``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
+        """``async with`` one call: :meth:`enter` on the way in, :meth:`exit` however the body ends.
+        ``validate(signature)``: the request's own checks against the resolved signature.
+        ``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
         stage's input screen, when the endpoint has a policy. ``adapter``: a LoRA adapter of model
         ``name``, granted, quota'd and metered as ``name:adapter``. ``port``: the model port making the call
         (``server.dataplane.port``), through which the safety classifier's own calls go."""
-        call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
-        call.adapter, call.port = adapter, port
-        return _Admitted(self, call, validate, texts)
+        return _Admitted(self, AdmittedCall(ctx, name, version, kind, timeout=timeout, adapter=adapter, port=port), validate, texts)
 
-    async def open(self, *args, **kwargs) -> AdmittedCall:
+    async def open(
+        self,
+        ctx: CallContext | None,
+        name: str,
+        version: str = "",
+        kind: str = INFER,
+        *,
+        timeout: float | None = None,
+        validate: Callable[[ModelSignature], None] | None = None,
+        texts: Callable[[ModelSignature], object] | None = None,
+        adapter: str = "",
+        port=None,
+    ) -> AdmittedCall:
         """:meth:`enter` a new call that another task will :meth:`exit` (a stream message); the
-        arguments of :meth:`admitted`, the one place a call is made from them."""
-        admitted = self.admitted(*args, **kwargs)
-        return await self.enter(admitted.call, admitted.validate, admitted.texts)
+        arguments mean what they mean to :meth:`admitted`."""
+        return await self.enter(AdmittedCall(ctx, name, version, kind, timeout=timeout, adapter=adapter, port=port), validate, texts)
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
@@ -462,12 +479,6 @@ def model_overload(signature: ModelSignature, default: OverloadPolicy) -> Overlo
         log.warning("model %s: %s=%r is not a number; the default queue TTL applies", signature.name, QUEUE_TTL_PARAMETER, raw)
         return default
     return replace(default, queue_ttl_s=ttl_ms / 1000.0) if ttl_ms > 0 else default
-
-
-def _timeout(ctx: CallContext | None, timeout: float | None) -> float | None:
-    if timeout is None and ctx is not None:
-        return ctx.timeout
-    return timeout
 
 
 def _code(err: BaseException) -> str:
