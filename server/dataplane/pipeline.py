@@ -17,8 +17,8 @@ split's arm), the tenant, the deadline left after waiting, and fields it fills i
 tokens in/out, whether Triton worked on it, a copy for a shadow version. Output filters run where the
 answer is made: ``screen_output`` on a unary answer's texts, ``output_stream`` on a generation's chunks. ModelInfer, REST infer,
 embeddings, each ModelStreamInfer message, OpenAI chat/completions and gRPC Generate all enter
-here; a stream message holds its call open until its final response arrives (``enter`` and
-``exit`` are the two halves of the context manager, usable from different tasks).
+here; a stream message holds its call open until its final response arrives (``admitted(…).open()``
+enters it, ``exit`` ends it: the two halves of the context manager, usable from different tasks).
 
 The metrics label of a request is its model's name only once the model resolved; anything a
 caller names that is not served folds into one ``_unknown`` label, so label sets stay bounded.
@@ -64,8 +64,7 @@ class AdmittedCall:
     def __init__(
         self, ctx: CallContext | None, name: str, version: str = "", kind: str = INFER, *, timeout: float | None = None, adapter: str = "", port=None
     ):
-        """The one place a call is made from what :meth:`Pipeline.admitted` and :meth:`Pipeline.open` are
-        given; its deadline is ``timeout``, else the context's."""
+        """Made by :meth:`Pipeline.admitted` from what it is given; the deadline is ``timeout``, else the context's."""
         if timeout is None and ctx is not None:
             timeout = ctx.timeout
         self.ctx = ctx
@@ -161,31 +160,16 @@ class Pipeline:
         texts: Callable[[ModelSignature], object] | None = None,
         adapter: str = "",
         port=None,
-    ) -> "_Admitted":
-        """``async with`` one call: :meth:`enter` on the way in, :meth:`exit` however the body ends.
+    ) -> "Admission":
+        """One call, made here and nowhere else: ``async with pipeline.admitted(…) as call`` enters it
+        (:meth:`enter`) and exits it however the body ends (:meth:`exit`); ``await pipeline.admitted(…).open()``
+        enters a call that another task will exit (a stream message).
         ``validate(signature)``: the request's own checks against the resolved signature.
         ``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
         stage's input screen, when the endpoint has a policy. ``adapter``: a LoRA adapter of model
         ``name``, granted, quota'd and metered as ``name:adapter``. ``port``: the model port making the call
         (``server.dataplane.port``), through which the safety classifier's own calls go."""
-        return _Admitted(self, AdmittedCall(ctx, name, version, kind, timeout=timeout, adapter=adapter, port=port), validate, texts)
-
-    async def open(
-        self,
-        ctx: CallContext | None,
-        name: str,
-        version: str = "",
-        kind: str = INFER,
-        *,
-        timeout: float | None = None,
-        validate: Callable[[ModelSignature], None] | None = None,
-        texts: Callable[[ModelSignature], object] | None = None,
-        adapter: str = "",
-        port=None,
-    ) -> AdmittedCall:
-        """:meth:`enter` a new call that another task will :meth:`exit` (a stream message); the
-        arguments mean what they mean to :meth:`admitted`."""
-        return await self.enter(AdmittedCall(ctx, name, version, kind, timeout=timeout, adapter=adapter, port=port), validate, texts)
+        return Admission(self, AdmittedCall(ctx, name, version, kind, timeout=timeout, adapter=adapter, port=port), validate, texts)
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
@@ -429,16 +413,21 @@ class Pipeline:
             breaker.neutral()
 
 
-class _Admitted:
-    """``async with`` over :meth:`Pipeline.enter` / :meth:`Pipeline.exit` (no generator frames)."""
+class Admission:
+    """A call made by :meth:`Pipeline.admitted`, with its checks: ``async with`` over :meth:`Pipeline.enter` /
+    :meth:`Pipeline.exit` (no generator frames), or :meth:`open` when another task exits it."""
 
     __slots__ = ("pipeline", "call", "validate", "texts")
 
     def __init__(self, pipeline: Pipeline, call: AdmittedCall, validate, texts=None):
         self.pipeline, self.call, self.validate, self.texts = pipeline, call, validate, texts
 
-    async def __aenter__(self) -> AdmittedCall:
+    async def open(self) -> AdmittedCall:
+        """:meth:`Pipeline.enter` the call; :meth:`Pipeline.exit` ends it, from this task or another."""
         return await self.pipeline.enter(self.call, self.validate, self.texts)
+
+    async def __aenter__(self) -> AdmittedCall:
+        return await self.open()
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         if exc is None and exc_type is not None:
