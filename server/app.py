@@ -81,8 +81,9 @@ class Frontend:
         self.health = health_aio.HealthServicer()
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
-        self.keys: KeyRing | None = None  # encryption at rest, when a key is set (read by _check_security)
-        self.tls: CertificateFiles | None = None  # when --tls-cert is given (issue 23)
+        # checked before anything starts: a file or key that cannot be used is a StartupError here
+        self.keys: KeyRing | None = _keys(settings)  # encryption at rest, when a key is set
+        self.tls: CertificateFiles | None = _certificates(settings)  # when --tls-cert is given (issue 23)
         self.backend: Backend | None = None
         self.control: Leader | Follower | None = None
         self.observability: Observability | None = None  # issue 19
@@ -90,7 +91,8 @@ class Frontend:
 
     async def start(self) -> None:
         s = self.settings
-        self._check_security()
+        if self.tls is not None:  # the certificate files every port serves, watched for changes
+            self._tasks.append(asyncio.create_task(self.tls.watch(s.tls_reload_s), name="tls-reload"))
         self.backend = backend = await self._start_backend()
         dp, fleet = backend.dataplane, backend.fleet
         if not s.worker and s.control_plane == "embedded":  # the control plane, behind the leader lease (issue 27)
@@ -268,28 +270,6 @@ class Frontend:
 
     # ---- TLS (issue 23: server.tenancy.tls) ----------------------------------------------------
 
-    def _check_security(self) -> None:
-        """TLS files, encryption keys and safety policies are checked before anything starts."""
-        s = self.settings
-        try:
-            self.keys = KeyRing.from_settings(s)
-            policy_source(s.safety)
-        except (EncryptionError, PolicyError) as err:
-            raise StartupError(str(err)) from None
-        self._start_tls()
-
-    def _start_tls(self) -> None:
-        """The certificate files every port serves, watched for changes; a file that cannot be used stops the start."""
-        s = self.settings
-        if s.triton_tls and s.triton_url is None and not s.worker:
-            raise StartupError("triton_tls_* settings are for a remote Triton: give --triton-url (the embedded one listens on loopback only)")
-        try:
-            self.tls = CertificateFiles.from_settings(s)
-        except TLSConfigError as err:
-            raise StartupError(str(err)) from None
-        if self.tls is not None:
-            self._tasks.append(asyncio.create_task(self.tls.watch(s.tls_reload_s), name="tls-reload"))
-
     def _leader_tls(self) -> tuple | None:
         """The forwarded control RPCs' TLS (server.tenancy.tls.leader_credentials); its files must load."""
         try:
@@ -394,6 +374,26 @@ class Frontend:
             await self.backend.close()
         self.gc_watch.close()
         self._stopped.set()
+
+
+def _keys(settings: Settings) -> KeyRing | None:
+    """The encryption keys, and the safety policies checked with them, before anything starts."""
+    try:
+        keys = KeyRing.from_settings(settings)
+        policy_source(settings.safety)
+    except (EncryptionError, PolicyError) as err:
+        raise StartupError(str(err)) from None
+    return keys
+
+
+def _certificates(settings: Settings) -> CertificateFiles | None:
+    """The certificate files every port serves; a file that cannot be used stops the start."""
+    if settings.triton_tls and settings.triton_url is None and not settings.worker:
+        raise StartupError("triton_tls_* settings are for a remote Triton: give --triton-url (the embedded one listens on loopback only)")
+    try:
+        return CertificateFiles.from_settings(settings)
+    except TLSConfigError as err:
+        raise StartupError(str(err)) from None
 
 
 async def _close_audit(audit: AuditBuffer, writer: AuditWriter) -> None:
