@@ -90,7 +90,7 @@ def row_runner(dataplane) -> RowRunner:
 
 class ControlParts(NamedTuple):
     """What the control plane lends the ports: its registry, deployer, traffic controller and batch store
-    (each None in a process without one: a worker of --workers N, a serving process that never leads)."""
+    (all None in a process without one: a worker of --workers N, a serving process that never leads)."""
 
     registry: object = None
     deployer: object = None
@@ -99,16 +99,13 @@ class ControlParts(NamedTuple):
 
 
 def control_parts(control) -> ControlParts:
-    """``control``: a ``server.control.service.control_plane.ControlPlane``, or None."""
-    if control is None:
-        return ControlParts()
+    """``control``: a ``server.control.service.control_plane.ControlPlane``."""
     return ControlParts(control.registry, control.deployer, control.traffic, control.batches)
 
 
-def add_grpc_services(server, dataplane, fleet, health, control, *, tenancy_store, key_pepper: bytes, model_repository) -> None:
+def add_grpc_services(server, dataplane, fleet, health, parts: ControlParts, *, tenancy_store, key_pepper: bytes, model_repository) -> None:
     """Every service of the gRPC port on ``server`` (OIP v2, admin, tenancy, generation, traffic, autoscale,
-    the typed services, health) and reflection over them; ``control``: the control plane, or None."""
-    parts = control_parts(control)
+    the typed services, health) and reflection over them; ``parts``: what the control plane lends them."""
     server.add_generic_rpc_handlers((InferenceService(dataplane).handler(),))
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(dataplane, parts.registry, parts.deployer), server)
     tenancy_name = add_tenancy(TenancyService(dataplane, tenancy_store, key_pepper, parts.registry), server)

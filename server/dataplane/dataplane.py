@@ -473,7 +473,7 @@ class DataPlane:
                             validate = lambda signature, r=request: validate_infer_request(r, signature)  # noqa: E731
                             rewritten: list = []
                             texts = _screened_texts(request, rewritten) if self._pipeline.safety is not None else None
-                            call = await self._pipeline.open(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts, port=self)
+                            call = await self._pipeline.admitted(ctx, request.model_name, request.model_version, STREAM, timeout=timeout, validate=validate, texts=texts, port=self).open()
                             if call.safety is not None and call.safety.output is not None:
                                 await self._refuse_unscreened_stream(call)
                             if rewritten:

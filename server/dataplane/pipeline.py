@@ -17,8 +17,8 @@ split's arm), the tenant, the deadline left after waiting, and fields it fills i
 tokens in/out, whether Triton worked on it, a copy for a shadow version. Output filters run where the
 answer is made: ``screen_output`` on a unary answer's texts, ``output_stream`` on a generation's chunks. ModelInfer, REST infer,
 embeddings, each ModelStreamInfer message, OpenAI chat/completions and gRPC Generate all enter
-here; a stream message holds its call open until its final response arrives (``enter`` and
-``exit`` are the two halves of the context manager, usable from different tasks).
+here; a stream message holds its call open until its final response arrives (``admitted(…).open()``
+enters it, ``exit`` ends it: the two halves of the context manager, usable from different tasks).
 
 The metrics label of a request is its model's name only once the model resolved; anything a
 caller names that is not served folds into one ``_unknown`` label, so label sets stay bounded.
@@ -61,7 +61,12 @@ class AdmittedCall:
         "trace", "answer", "batch", "safety", "adapter", "port",
     )  # fmt: skip
 
-    def __init__(self, ctx: CallContext | None, name: str, version: str, kind: str, timeout: float | None):
+    def __init__(
+        self, ctx: CallContext | None, name: str, version: str = "", kind: str = INFER, *, timeout: float | None = None, adapter: str = "", port=None
+    ):
+        """Made by :meth:`Pipeline.admitted` from what it is given; the deadline is ``timeout``, else the context's."""
+        if timeout is None and ctx is not None:
+            timeout = ctx.timeout
         self.ctx = ctx
         self.name = name
         self.version = version  # as asked; after routing and resolving: the version that answers
@@ -93,8 +98,8 @@ class AdmittedCall:
         self.answer = None  # the answer's bytes (the sampled copies of server.dataplane.observe read it)
         self.batch = ctx is not None and ctx.priority == BATCH  # a batch job's row: the queue's batch class
         self.safety = None  # the endpoint's server.dataplane.safety.SafetyPolicy, when it has one
-        self.adapter = ""  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
-        self.port = None  # the server.dataplane.port.ModelPort that admitted it: the safety classifier's calls go through it
+        self.adapter = adapter  # a LoRA adapter of the model (model="base:adapter"): its own grant, quota and meter
+        self.port = port  # the server.dataplane.port.ModelPort that admitted it: the safety classifier's calls go through it
 
     @property
     def endpoint(self) -> str:
@@ -155,20 +160,16 @@ class Pipeline:
         texts: Callable[[ModelSignature], object] | None = None,
         adapter: str = "",
         port=None,
-    ) -> "_Admitted":
-        """``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
+    ) -> "Admission":
+        """One call, made here and nowhere else: ``async with pipeline.admitted(…) as call`` enters it
+        (:meth:`enter`) and exits it however the body ends (:meth:`exit`); ``await pipeline.admitted(…).open()``
+        enters a call that another task will exit (a stream message).
+        ``validate(signature)``: the request's own checks against the resolved signature.
+        ``texts(signature)``: the request's texts (``server.dataplane.safety.TextSlots``) for the safety
         stage's input screen, when the endpoint has a policy. ``adapter``: a LoRA adapter of model
         ``name``, granted, quota'd and metered as ``name:adapter``. ``port``: the model port making the call
         (``server.dataplane.port``), through which the safety classifier's own calls go."""
-        call = AdmittedCall(ctx, name, version, kind, _timeout(ctx, timeout))
-        call.adapter, call.port = adapter, port
-        return _Admitted(self, call, validate, texts)
-
-    async def open(self, *args, **kwargs) -> AdmittedCall:
-        """:meth:`enter` a new call that another task will :meth:`exit` (a stream message); the
-        arguments of :meth:`admitted`, the one place a call is made from them."""
-        admitted = self.admitted(*args, **kwargs)
-        return await self.enter(admitted.call, admitted.validate, admitted.texts)
+        return Admission(self, AdmittedCall(ctx, name, version, kind, timeout=timeout, adapter=adapter, port=port), validate, texts)
 
     async def enter(self, call: AdmittedCall, validate: Callable[[ModelSignature], None] | None = None, texts=None) -> AdmittedCall:
         """Everything before the work. On a refusal it closes the call itself (counted, released) and raises."""
@@ -412,16 +413,21 @@ class Pipeline:
             breaker.neutral()
 
 
-class _Admitted:
-    """``async with`` over :meth:`Pipeline.enter` / :meth:`Pipeline.exit` (no generator frames)."""
+class Admission:
+    """A call made by :meth:`Pipeline.admitted`, with its checks: ``async with`` over :meth:`Pipeline.enter` /
+    :meth:`Pipeline.exit` (no generator frames), or :meth:`open` when another task exits it."""
 
     __slots__ = ("pipeline", "call", "validate", "texts")
 
     def __init__(self, pipeline: Pipeline, call: AdmittedCall, validate, texts=None):
         self.pipeline, self.call, self.validate, self.texts = pipeline, call, validate, texts
 
-    async def __aenter__(self) -> AdmittedCall:
+    async def open(self) -> AdmittedCall:
+        """:meth:`Pipeline.enter` the call; :meth:`Pipeline.exit` ends it, from this task or another."""
         return await self.pipeline.enter(self.call, self.validate, self.texts)
+
+    async def __aenter__(self) -> AdmittedCall:
+        return await self.open()
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         if exc is None and exc_type is not None:
@@ -462,12 +468,6 @@ def model_overload(signature: ModelSignature, default: OverloadPolicy) -> Overlo
         log.warning("model %s: %s=%r is not a number; the default queue TTL applies", signature.name, QUEUE_TTL_PARAMETER, raw)
         return default
     return replace(default, queue_ttl_s=ttl_ms / 1000.0) if ttl_ms > 0 else default
-
-
-def _timeout(ctx: CallContext | None, timeout: float | None) -> float | None:
-    if timeout is None and ctx is not None:
-        return ctx.timeout
-    return timeout
 
 
 def _code(err: BaseException) -> str:

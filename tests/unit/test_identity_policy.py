@@ -299,15 +299,15 @@ def _pipeline() -> tuple[Pipeline, str]:
 async def test_an_authenticated_call_to_a_model_not_granted_is_not_found():
     """Every real call has a context: the grant is checked with one present, and answers like a missing model."""
     pipeline, key = _pipeline()
-    call = await pipeline.open(CallContext(key), "fraud")
+    call = await pipeline.admitted(CallContext(key), "fraud").open()
     await pipeline.exit(call, None)
     with pytest.raises(ModelNotFound, match="unknown model 'churn'"):
-        await pipeline.open(CallContext(key), "churn")
+        await pipeline.admitted(CallContext(key), "churn").open()
 
 
 async def test_the_platforms_own_call_for_a_caller_is_not_limited_to_its_grants():
     pipeline, _ = _pipeline()
-    call = await pipeline.open(CallContext(delegation=Delegation(Principal("aaaaaaaa", ACME), ALL_MODELS)), "churn")  # a safety classifier
+    call = await pipeline.admitted(CallContext(delegation=Delegation(Principal("aaaaaaaa", ACME), ALL_MODELS)), "churn").open()  # a safety classifier
     assert call.principal.tenant is ACME
     await pipeline.exit(call, None)
 

@@ -26,6 +26,7 @@ ALLOWED = {
     "cli": {"cli", "app", "dataplane", "control", "tenancy", "runtime"},
     "app": None,  # the wiring may import anything
     "composition": None,  # the wiring's tables: every transport's routes, the row runner
+    "roles": None,  # the wiring's process roles: the control role (leader, follower) and the ports
 }
 ALLOWED.update({name: set() for name in SHARED})
 
@@ -279,6 +280,7 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
 # optional or heavy dependency used on one path only)
 NO_IMPORTS_IN_FUNCTIONS = (
     "server/control", "server/tenancy", "server/runtime", "server/dataplane", "server/transports", "server/app.py", "server/composition.py",
+    "server/roles.py",
 )  # fmt: skip
 # (file, imported module) -> why it is imported where it is used
 IMPORTS_IN_FUNCTIONS = {

@@ -15,15 +15,15 @@ from tests.unit.test_stream_ledger import KEY, TABULAR, Clock, _pipeline
 async def test_a_batch_row_has_its_own_quota_scope_queue_class_and_meter_class():
     meter = Meter(None)
     pipeline = _pipeline(QuotaPolicy(Clock()), meter, quota=Quota(concurrency=1))
-    live = await pipeline.open(CallContext(KEY), TABULAR.name)  # the tenant's one concurrent request
+    live = await pipeline.admitted(CallContext(KEY), TABULAR.name).open()  # the tenant's one concurrent request
     with pytest.raises(Overloaded):
-        await pipeline.open(CallContext(KEY), TABULAR.name)
+        await pipeline.admitted(CallContext(KEY), TABULAR.name).open()
     row_ctx = CallContext(priority="batch", delegation=Delegation(live.principal))
-    row = await pipeline.open(row_ctx, TABULAR.name)  # admitted: the batch rows' own charge
+    row = await pipeline.admitted(row_ctx, TABULAR.name).open()  # admitted: the batch rows' own charge
     assert row.batch and not live.batch
     assert row.queue.batch_inflight == 1 and row.queue.inflight == 2
     with pytest.raises(Overloaded):  # the batch scope has the tenant's limits too
-        await pipeline.open(CallContext(priority="batch", delegation=Delegation(live.principal)), TABULAR.name)
+        await pipeline.admitted(CallContext(priority="batch", delegation=Delegation(live.principal)), TABULAR.name).open()
     live.computed = row.computed = True
     await pipeline.exit(live)
     await pipeline.exit(row)

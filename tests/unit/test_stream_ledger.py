@@ -72,7 +72,7 @@ def _pipeline(policy, meter=None, metrics=None, quota=Quota()):
 
 
 async def _open(pipeline, signature):
-    return await pipeline.open(CallContext(KEY), signature.name, kind=STREAM)
+    return await pipeline.admitted(CallContext(KEY), signature.name, kind=STREAM).open()
 
 
 def _setup(quota=Quota()):

@@ -9,7 +9,7 @@ model (an ungranted model answers like an unknown one). A process without the co
 from __future__ import annotations
 
 from server.transports.grpc.admin import actor as metadata_actor
-from server.errors import InferplaneError, ModelNotFound, Unimplemented
+from server.errors import ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 from server.protogen.inferplane.v1 import traffic_pb2_grpc
 from server.transports.grpc.context import call_context
@@ -34,9 +34,12 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
         self.dp = dataplane
         self.controller = controller  # server.control.rollout.traffic.TrafficController (None: no control plane here)
 
-    # ---- the one path every RPC takes -------------------------------------------------------
+    # ---- who may call: the one check every RPC makes first ----------------------------------
 
-    async def _run(self, context, run, *, admin: str = "", model: str = ""):
+    def _caller(self, context, model: str, *, admin: str = "") -> str:
+        """Who calls (``principal/key`` for an admin change with auth on, else the caller's name or the
+        metadata actor); refused unless this process has the control plane, the caller may change traffic
+        (``admin``: the RPC's name) and may use ``model``."""
         if self.controller is None:
             raise Unimplemented("traffic management runs in the frontend process that owns the registry and deployer")
         ctx = call_context(context)
@@ -49,23 +52,14 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
             who = principal.name
         if model and not principal.tenant.may_use(model):
             raise ModelNotFound(f"unknown model '{model}'")
-        return await run(who)
+        return who
 
     def _policy(self, name: str, message: str = "") -> tpb.TrafficPolicyResponse:
+        """The endpoint's policy as it is now (after a change: its message names the new live version)."""
         p = self.controller.get_policy(name)
         if message:
             p["message"] = message
         return policy_message(p)
-
-    async def _change(self, context, request, admin: str, change, said) -> tpb.TrafficPolicyResponse:
-        """An admin change of one endpoint's traffic: ``await change(who)``, then its policy with the
-        message ``said()`` (read after the change: the live version it names is the new one)."""
-
-        async def run(who):
-            await change(who)
-            return self._policy(request.name, said())
-
-        return await self._run(context, run, admin=admin, model=request.name)
 
     def _is_live(self, name: str) -> str:
         return f"{name}:{self.dp.live_version(name) or ''} is live"
@@ -73,96 +67,85 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
     # ---- canary -----------------------------------------------------------------------------
 
     async def SetCanary(self, request, context):
-        async def run(who):
-            t = request.thresholds
-            thresholds = {k: getattr(t, k) for k in _THRESHOLDS if t.HasField(k)}
-            if t.HasField("max_p99_ms"):
-                thresholds["max_p99_s"] = t.max_p99_ms / 1000.0
-            await self.controller.set_canary(
-                request.name, request.version, request.percent, list(request.steps), request.interval_s or 60.0,
-                request.window_s or 60.0, thresholds, request.key_header, who,
-            )  # fmt: skip
-            return self._policy(request.name, f"{request.name}:{request.version} is the canary")
-
-        return await self._run(context, run, admin="SetCanary", model=request.name)
+        who = self._caller(context, request.name, admin="SetCanary")
+        t = request.thresholds
+        thresholds = {k: getattr(t, k) for k in _THRESHOLDS if t.HasField(k)}
+        if t.HasField("max_p99_ms"):
+            thresholds["max_p99_s"] = t.max_p99_ms / 1000.0
+        await self.controller.set_canary(
+            request.name, request.version, request.percent, list(request.steps), request.interval_s or 60.0,
+            request.window_s or 60.0, thresholds, request.key_header, who,
+        )  # fmt: skip
+        return self._policy(request.name, f"{request.name}:{request.version} is the canary")
 
     async def Promote(self, request, context):
         name = request.name
-        return await self._change(context, request, "Promote", lambda who: self.controller.promote(name, who), lambda: self._is_live(name))
+        who = self._caller(context, name, admin="Promote")
+        await self.controller.promote(name, who)
+        return self._policy(name, self._is_live(name))
 
     async def Rollback(self, request, context):
         name = request.name
-        return await self._change(
-            context, request, "Rollback", lambda who: self.controller.rollback(name, who),
-            lambda: f"every request of '{name}' goes to {self.dp.live_version(name) or ''}",
-        )  # fmt: skip
+        who = self._caller(context, name, admin="Rollback")
+        await self.controller.rollback(name, who)
+        return self._policy(name, f"every request of '{name}' goes to {self.dp.live_version(name) or ''}")
 
     # ---- blue-green -------------------------------------------------------------------------
 
     async def SetBlueGreen(self, request, context):
         name, version = request.name, request.version
-        return await self._change(
-            context, request, "SetBlueGreen", lambda who: self.controller.set_bluegreen(name, version, who),
-            lambda: f"green {name}:{version} is loaded and warm; no traffic yet",
-        )  # fmt: skip
+        who = self._caller(context, name, admin="SetBlueGreen")
+        await self.controller.set_bluegreen(name, version, who)
+        return self._policy(name, f"green {name}:{version} is loaded and warm; no traffic yet")
 
     async def Switch(self, request, context):
         name = request.name
-        return await self._change(context, request, "Switch", lambda who: self.controller.switch(name, who), lambda: self._is_live(name))
+        who = self._caller(context, name, admin="Switch")
+        await self.controller.switch(name, who)
+        return self._policy(name, self._is_live(name))
 
     # ---- A/B --------------------------------------------------------------------------------
 
     async def SetExperiment(self, request, context):
+        who = self._caller(context, request.name, admin="SetExperiment")
         arms = [(a.name, a.version, a.weight) for a in request.arms]
-        return await self._change(
-            context, request, "SetExperiment",
-            lambda who: self.controller.set_experiment(request.name, arms, request.key_header, request.experiment, who),
-            lambda: f"experiment '{request.experiment or request.name}' is running",
-        )  # fmt: skip
+        await self.controller.set_experiment(request.name, arms, request.key_header, request.experiment, who)
+        return self._policy(request.name, f"experiment '{request.experiment or request.name}' is running")
 
     async def Feedback(self, request, context):
-        async def run(_who):
-            return tpb.FeedbackResponse(arm=self.controller.feedback(request.name, request.request_id, request.value))
-
-        return await self._run(context, run, model=request.name)
+        self._caller(context, request.name)
+        return tpb.FeedbackResponse(arm=self.controller.feedback(request.name, request.request_id, request.value))
 
     async def AbReport(self, request, context):
-        async def run(_who):
-            report = self.controller.ab_report(request.name, request.alpha or 0.05)
-            response = tpb.AbReportResponse(name=report["name"], experiment=report["experiment"])
-            for arm in report["arms"]:
-                response.arms.add(**arm)
-            for c in report["comparisons"]:
-                response.comparisons.add(
-                    arm=c["arm"], control=c["control"], metric=c["metric"], test=c["test"], statistic=c["statistic"],
-                    p_value=c["p_value"], effect=c["effect"], ci_low=c["ci_low"], ci_high=c["ci_high"],
-                    confidence=c["confidence"], significant=c["significant"],
-                )  # fmt: skip
-            return response
-
-        return await self._run(context, run, model=request.name)
+        self._caller(context, request.name)
+        report = self.controller.ab_report(request.name, request.alpha or 0.05)
+        response = tpb.AbReportResponse(name=report["name"], experiment=report["experiment"])
+        for arm in report["arms"]:
+            response.arms.add(**arm)
+        for c in report["comparisons"]:
+            response.comparisons.add(
+                arm=c["arm"], control=c["control"], metric=c["metric"], test=c["test"], statistic=c["statistic"],
+                p_value=c["p_value"], effect=c["effect"], ci_low=c["ci_low"], ci_high=c["ci_high"],
+                confidence=c["confidence"], significant=c["significant"],
+            )  # fmt: skip
+        return response
 
     # ---- shadow -----------------------------------------------------------------------------
 
     async def SetShadow(self, request, context):
         name, version, percent = request.name, request.version, request.percent
-        return await self._change(
-            context, request, "SetShadow", lambda who: self.controller.set_shadow(name, version, percent, who),
-            lambda: f"{percent:g}% of requests copied to {name}:{version}" if percent else "shadow stopped",
-        )  # fmt: skip
+        who = self._caller(context, name, admin="SetShadow")
+        await self.controller.set_shadow(name, version, percent, who)
+        return self._policy(name, f"{percent:g}% of requests copied to {name}:{version}" if percent else "shadow stopped")
 
     async def ShadowReport(self, request, context):
-        async def run(_who):
-            r = await self.controller.shadow_report(request.name)
-            return tpb.ShadowReportResponse(**{k: v for k, v in r.items() if k in tpb.ShadowReportResponse.DESCRIPTOR.fields_by_name})
-
-        return await self._run(context, run, model=request.name)
+        self._caller(context, request.name)
+        r = await self.controller.shadow_report(request.name)
+        return tpb.ShadowReportResponse(**{k: v for k, v in r.items() if k in tpb.ShadowReportResponse.DESCRIPTOR.fields_by_name})
 
     async def GetPolicy(self, request, context):
-        async def run(_who):
-            return self._policy(request.name)
-
-        return await self._run(context, run, model=request.name)
+        self._caller(context, request.name)
+        return self._policy(request.name)
 
 
 def add_to_server(service: TrafficService, server) -> str:
