@@ -14,10 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server import __version__
-from server.dataplane.batch_rows import RowRunner
 from server.dataplane.metrics import Metrics
 from server.protogen import _pool
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.transports.batch_rows import RowRunner
 from server.transports.grpc.admin import AdminService
 from server.transports.grpc.autoscale import AutoscaleService, add_to_server as add_autoscale
 from server.transports.grpc.generation import add_to_server as add_generation

@@ -1,4 +1,4 @@
-"""The batch row runner (``server.dataplane.batch_rows``): which answer a row's endpoint reaches, the
+"""The batch row runner (``server.transports.batch_rows``): which answer a row's endpoint reaches, the
 context it runs in, and which errors are the row's answer. The rows through a real frontend and
 Triton: ``tests/integration/test_batches.py``."""
 
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from server.control.batches.batches import OIP_ENDPOINT
-from server.dataplane.batch_rows import ROW_TIMEOUT_S, RowRunner
+from server.transports.batch_rows import ROW_TIMEOUT_S, RowRunner
 from server.errors import ModelNotFound, Overloaded
 from server.tenancy.identity import anonymous
 

@@ -44,7 +44,7 @@ class ControlPlane:
         self.dp = dataplane
         self.fleet = fleet
         self.usage_store = usage_store
-        self.row_runner = row_runner  # server.dataplane.batch_rows.RowRunner: how a batch row runs
+        self.row_runner = row_runner  # server.transports.batch_rows.RowRunner: how a batch row runs
         self.audit = audit
         self.registry, self.deployer = build_control_plane(settings, dataplane)
         self.deployer.targets = fleet.triton_targets  # which backends and GPUs each replica has (issue 31)

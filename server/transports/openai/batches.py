@@ -1,6 +1,6 @@
 """OpenAI batch API over HTTP: ``/v1/files`` (JSONL upload, content) and ``/v1/batches``
 (create, retrieve, list, cancel), in the shapes the ``openai`` SDK reads. The rows of a job run
-through ``server.dataplane.batch_rows``.
+through ``server.transports.batch_rows``.
 """
 
 from __future__ import annotations

@@ -524,7 +524,7 @@ async def embeddings_answer(svc: LLMService, doc: dict, ctx: CallContext) -> dic
 
 
 def row_answers(svc: LLMService) -> list[tuple[re.Pattern, object]]:
-    """A batch job's rows of the OpenAI endpoints (``server.dataplane.batch_rows.RowRunner``): the same
+    """A batch job's rows of the OpenAI endpoints (``server.transports.batch_rows.RowRunner``): the same
     answers as the live handlers'."""
 
     async def embeddings(_match, doc: dict, ctx: CallContext) -> dict:

@@ -154,7 +154,7 @@ async def _encode(raw: bytes, plan) -> tuple[bytes, int | None]:
 
 
 def row_answers(port: ModelPort) -> list[tuple[re.Pattern, object]]:
-    """A batch job's ``/v2/models/NAME[/versions/V]/infer`` rows (``server.dataplane.batch_rows.RowRunner``):
+    """A batch job's ``/v2/models/NAME[/versions/V]/infer`` rows (``server.transports.batch_rows.RowRunner``):
     the live handler's decode, infer and encode; the row's answer is the JSON part."""
 
     async def infer_row(match, doc: dict, ctx: CallContext) -> dict:

@@ -1,5 +1,8 @@
-"""A batch job's row through the data plane: the runner the batch worker sends each row through
-(``server.control.batches.batches.BatchWorker``).
+"""A batch job's row as a request: the runner the batch worker sends each row through
+(``server.control.batches.batches.BatchWorker``). It lives with the transports because a row is one
+more way a request arrives (an endpoint path and a JSON body read from a file instead of a socket), and
+its answers are the transports' own: a row goes control plane -> here -> the transport's answer -> the
+data plane's port, each room entered once.
 
 A row runs as its job's tenant (authenticated when the job was created, its grants as they are
 now), at the ``batch`` traffic class, through the same code as a live call of its endpoint: the
