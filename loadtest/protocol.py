@@ -2,7 +2,7 @@
 
 The engine only knows `Driver` and `Session`: a session sends one pre-serialized request and
 returns when its answer arrived, raising `CallError(code, message)` on failure. The target's
-scheme picks the driver (`make_driver`):
+scheme picks the driver (`loadtest.drivers.make_driver`):
 
 - `grpc://HOST:PORT` (or bare `HOST:PORT`): OIP v2 gRPC, `ModelInfer` or `ModelStreamInfer`.
 - `http(s)://HOST:PORT`: KServe v2 REST `POST /v2/models/{model}/infer`, Triton's binary tensor
@@ -306,34 +306,6 @@ class RestDriver(Driver):
 
     async def session(self, index: int) -> Session:
         return _RestSession(self.http, self.url)
-
-
-# ---------------------------------------------------------------- routing
-
-
-def make_driver(
-    target: str,
-    *,
-    model: str = "",
-    stream: bool = False,
-    rest_json: bool = False,
-    sse: bool = False,
-    channels: int = 1,
-    connections: int = 0,
-    timeout: float | None = 30.0,
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> Driver:
-    """The driver for a target URL (see the module docstring for the schemes)."""
-    proto = protocol_of(target, stream=stream, rest_json=rest_json, sse=sse)
-    if proto in ("grpc", "grpc-stream"):
-        return GrpcDriver(target, stream=stream, channels=channels, timeout=timeout, metadata=metadata)
-    if proto == "sse":
-        from loadtest.sse import SSEDriver
-
-        return SSEDriver(http_base(target), connections=connections, timeout=timeout or 300.0, metadata=metadata)
-    if not model:
-        raise ValueError("REST targets need the model name")
-    return RestDriver(target, model, connections=connections, timeout=timeout, metadata=metadata)
 
 
 def fetch_model_metadata(

@@ -10,9 +10,10 @@ import queue
 from dataclasses import dataclass, field, replace
 
 from loadtest import procstat
+from loadtest.drivers import make_driver
 from loadtest.engine import LoadSpec, Stats, clock, run_engine
 from loadtest.progress import LiveProgress
-from loadtest.protocol import fetch_model_metadata, make_driver, protocol_of
+from loadtest.protocol import fetch_model_metadata, protocol_of
 from loadtest.request_pool import build_pool, sse_pool
 from loadtest.schedule import split_rate
 

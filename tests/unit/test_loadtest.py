@@ -596,7 +596,8 @@ def test_rest_json_body_is_what_the_bridge_decodes(tmp_path):
 
 
 def test_sse_pool_and_target_routing():
-    from loadtest.protocol import GrpcDriver, RestDriver, http_error, make_driver, metadata_from_json, protocol_of
+    from loadtest.drivers import make_driver
+    from loadtest.protocol import GrpcDriver, RestDriver, http_error, metadata_from_json, protocol_of
     from loadtest.request_pool import sse_pool
     from loadtest.sse import DEFAULT_PROMPTS, SSEDriver
 
