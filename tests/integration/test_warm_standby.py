@@ -7,7 +7,9 @@ decision) into rotation without loading anything, its answers bit-exact with the
 frontend's, and the pool loads another standby behind it; placement counts the standby's memory (a
 standby larger than a replica is refused: tests/unit/test_warm_pool.py). ``kill -9`` of that replica's Triton under
 bounded load: the new standby takes its place at once (the frontend sends it traffic), the dead one
-restarts as the standby, and no admitted request is lost. Timings go to ``loadtest/warm_pool.py``
+restarts as the standby, and no admitted request is lost. While a standby is ready, a scale-down
+waits only ``standby_down_factor`` of its window (set through the gRPC ``AutoscaleConfig`` and
+``inferplane autoscale set``). Timings go to ``loadtest/warm_pool.py``
 and ``loadtest/crash_isolation.py`` (BENCHMARKS.md §19), not here.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -134,3 +138,23 @@ def test_kill_9_of_its_triton_hands_the_replica_to_the_standby(standby):
         load.served(50)
     assert not load.errors, load.errors[:5]
     assert answer(taken["target"]) == answer(standby.grpc)
+
+
+def test_a_ready_standby_shortens_the_scale_down_window_set_through_grpc(standby):
+    """A 600 s scale-down window at factor 0.001 is 0.6 s while the standby is ready: the idle
+    second copy goes within the bounded wait (at the default factor 0.25 it would take 150 s)."""
+    assert wait_until(lambda: len(standbys(standby)) == 1 and explain(standby)["serving_replicas"] == 2, 90), explain(standby)["executor"]
+    with pytest.raises(grpc.RpcError) as refused:
+        configure(standby, standby_down_factor=1.5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "standby_down_factor must be in (0, 1]" in refused.value.details()
+    done = subprocess.run([sys.executable, "-m", "server.cli.main", "autoscale", "set", FRAUD, "--min-replicas", "2", "--max-replicas", "2",
+                           "--standby-down-factor", "0.5", "--url", standby.grpc], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert explain(standby)["config"]["standby_down_factor"] == 0.5  # the CLI's flag, stored
+    configure(standby, min_replicas=1, max_replicas=2, scale_down_window_s=600.0, standby_down_factor=0.001)
+    assert explain(standby)["config"]["standby_down_factor"] == 0.001 and explain(standby)["config"]["scale_down_window_s"] == 600.0
+    assert wait_until(lambda: explain(standby)["serving_replicas"] == 1, 60), explain(standby)["decisions"][-5:]
+    (down, *_) = [d for d in explain(standby)["decisions"] if d.get("action") == "down"]
+    assert "a standby is ready" in down["reason"], down
+    (left,) = hosts(standby).values()
+    assert answer(left["target"]) == answer(standby.grpc)  # the copy that stays answers bit-exact
