@@ -124,6 +124,7 @@ def triton_memory_mb(stack) -> float:
 def drill(stack, callers: dict[str, Caller], model: str) -> dict:
     """kill -9 of the Triton hosting ``model``; errors per endpoint and the time to its next answer."""
     (host,) = [r for r in replicas(stack) if model in r["models"]]
+    waiting = executor(stack)["standby"].get(model, [])  # the loaded standbys of the model at the kill
     killed = time.monotonic()
     os.kill(host["pid"], signal.SIGKILL)
     crashed = callers[model]
@@ -134,7 +135,7 @@ def drill(stack, callers: dict[str, Caller], model: str) -> dict:
     time.sleep(2.0)
     until = time.monotonic()
     return {
-        "killed": model, "replica": host["id"], "hosted": host["models"],
+        "killed": model, "replica": host["id"], "hosted": host["models"], "standby_at_kill": len(waiting),
         "serving_again_s": None if back is None else round(back - killed, 2), "taken_over": executor(stack)["taken_over"],
         "errors": {m: sum(1 for t in c.errors if killed <= t <= until) for m, c in callers.items()},
         "answered": {m: sum(1 for t in c.ok if killed <= t <= until) for m, c in callers.items()},
