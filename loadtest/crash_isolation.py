@@ -1,15 +1,19 @@
 """Crash isolation of the embedded default (issue 29): kill -9 of one Triton under light load, per
 isolation mode, side by side in one run.
 
-    python -m loadtest.crash_isolation [--modes none,llm,each,llm+standby] [--json benchmarks/crash_isolation/results.json]
+    python -m loadtest.crash_isolation [--modes none,llm,each,llm+standby,llm+standby-tree,llm+standby-all] [--json benchmarks/crash_isolation/results.json]
 
 For each mode (``INFERPLANE_ISOLATION``; ``+standby``: and ``INFERPLANE_WARM_STANDBY=tiny_llama=1``, a
-loaded standby of the LLM that takes its replica's place when its Triton dies) a stack serves the three tabular demo models and tiny_llama;
+loaded standby of the LLM that takes its replica's place when its Triton dies; ``+standby-tree``:
+``fraud_xgboost=1`` instead, which also gives fraud_xgboost a replica Triton of its own, out of the
+embedded one; ``+standby-all``: both) a stack serves the three tabular demo models and tiny_llama;
 closed-loop callers (one per endpoint: tritonclient for the tabular models, the openai SDK for the
 LLM, no retries) run while two drills happen in turn: ``kill -9`` of the Triton hosting the LLM, then
 of the Triton hosting fraud_xgboost. Per drill: errors per endpoint from the kill until the crashed
 endpoint answers again plus 2 s, and the seconds from the kill to its first answer after its first
-failure (its serving again). Per mode: the
+failure (its serving again): the first answer to a call the caller *sent* after the kill (and after
+its first failure, if any) — an answer computed before the kill and read after it is not a
+recovery. Per mode: the
 stack's start time (process start to its ready line) and the resident memory of its Tritons (the
 ``tritonserver`` processes and their Python-backend stubs).
 """
@@ -41,6 +45,7 @@ from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 
 LLM = "tiny_llama"
 TABULAR = ("fraud_xgboost", "lightgbm_regressor", "mlp_classifier")
+STANDBY = {"standby": f"{LLM}=1", "standby-tree": "fraud_xgboost=1", "standby-all": f"{LLM}=1,fraud_xgboost=1"}  # a mode's +EXTRA
 
 
 def build(root: Path) -> Path:
@@ -64,6 +69,7 @@ class Caller(threading.Thread):
         self.input = None if model == LLM else _input(repository, model)
         self.stop = threading.Event()
         self.ok: list[float] = []
+        self.sent: list[float] = []  # when each answered call (ok[i]) was sent
         self.errors: list[float] = []
 
     def call_once(self, client) -> None:
@@ -83,8 +89,10 @@ class Caller(threading.Thread):
     def run(self) -> None:
         client = self.client()
         while not self.stop.is_set():
+            sent = time.monotonic()
             try:
                 self.call_once(client)
+                self.sent.append(sent)
                 self.ok.append(time.monotonic())
             except Exception:  # noqa: BLE001 - every failure counts
                 self.errors.append(time.monotonic())
@@ -116,18 +124,18 @@ def triton_memory_mb(stack) -> float:
 def drill(stack, callers: dict[str, Caller], model: str) -> dict:
     """kill -9 of the Triton hosting ``model``; errors per endpoint and the time to its next answer."""
     (host,) = [r for r in replicas(stack) if model in r["models"]]
+    waiting = executor(stack)["standby"].get(model, [])  # the loaded standbys of the model at the kill
     killed = time.monotonic()
     os.kill(host["pid"], signal.SIGKILL)
     crashed = callers[model]
     deadline = killed + 120
-    time.sleep(0.5)  # answers computed before the kill may still arrive: serving again is an answer after the first failure
     while time.monotonic() < deadline and _back(crashed, killed) is None:
         time.sleep(0.05)
     back = _back(crashed, killed)
     time.sleep(2.0)
     until = time.monotonic()
     return {
-        "killed": model, "replica": host["id"], "hosted": host["models"],
+        "killed": model, "replica": host["id"], "hosted": host["models"], "standby_at_kill": len(waiting),
         "serving_again_s": None if back is None else round(back - killed, 2), "taken_over": executor(stack)["taken_over"],
         "errors": {m: sum(1 for t in c.errors if killed <= t <= until) for m, c in callers.items()},
         "answered": {m: sum(1 for t in c.ok if killed <= t <= until) for m, c in callers.items()},
@@ -135,15 +143,18 @@ def drill(stack, callers: dict[str, Caller], model: str) -> dict:
 
 
 def _back(caller: Caller, killed: float) -> float | None:
-    """The first answer after the kill that follows the endpoint's first failure after it (if any)."""
+    """When the endpoint answered a call sent after the kill and after its first failure after it (if
+    any). The caller is one closed loop: the call in flight at the kill ends (an answer computed
+    before it, one retried elsewhere, or a failure) before the next is sent, so an answer to a call
+    sent after the kill is the endpoint serving again — never a late answer of the dead process."""
     failed = next((t for t in caller.errors if t >= killed), killed)
-    return next((t for t in caller.ok if t > failed), None)
+    return next((done for sent, done in zip(list(caller.sent), list(caller.ok)) if sent >= failed), None)
 
 
 def run_mode(root: Path, repository: Path, mode: str) -> dict:
     workdir = root / f"stack-{mode.replace('+', '-')}"
     isolation, _, extra = mode.partition("+")
-    standby = {"INFERPLANE_WARM_STANDBY": f"{LLM}=1"} if extra == "standby" else {}
+    standby = {"INFERPLANE_WARM_STANDBY": STANDBY[extra]} if extra else {}
     env = {**standby, "INFERPLANE_ISOLATION": isolation, "INFERPLANE_AUTH": "off", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
            "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}  # fmt: skip
     began = time.monotonic()
@@ -153,9 +164,10 @@ def run_mode(root: Path, repository: Path, mode: str) -> dict:
         with grpc.insecure_channel(stack.grpc) as channel:
             config = apb.AutoscaleConfig(min_replicas=1, max_replicas=1)
             autoscale_pb2_grpc.AutoscaleStub(channel).Configure(apb.ConfigureAutoscaleRequest(endpoint="fraud_xgboost", config=config))
-        if standby:  # the standby loaded before the drills
+        if standby:  # the standbys loaded before the drills
             until = time.monotonic() + 120
-            while not executor(stack)["standby"].get(LLM) and time.monotonic() < until:
+            wanted = [part.split("=")[0] for part in STANDBY[extra].split(",")]
+            while not all(executor(stack)["standby"].get(m) for m in wanted) and time.monotonic() < until:
                 time.sleep(0.2)
         tritons = len(replicas(stack)) + sum(len(p) for p in executor(stack)["standby"].values())
         out = {"mode": mode, "start_s": start_s, "tritons": tritons, "triton_memory_mb": triton_memory_mb(stack)}

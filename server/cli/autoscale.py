@@ -149,6 +149,9 @@ def set_config(
     unit: Optional[str] = typer.Option(None, help="replicas (processes / pods) | instances (the model's Triton instances, local executor)."),
     predictive: Optional[bool] = typer.Option(None, "--predictive/--reactive", help="Pre-scale from the forecast, or react only."),
     tier: Tier = None,
+    standby_down_factor: Optional[float] = typer.Option(
+        None, help="In (0, 1]: while a warm standby of the endpoint is ready, the scale-down window and down cooldown shrink to this fraction."
+    ),
     url: str = URL,
     api_key: Optional[str] = API_KEY,
     actor: Optional[str] = ACTOR,
@@ -159,6 +162,8 @@ def set_config(
         fields["unit"] = unit
     if predictive is not None:
         fields["predictive"] = predictive
+    if standby_down_factor is not None:
+        fields["standby_down_factor"] = standby_down_factor
     r = configure(url, endpoint, fields, actor, api_key)
     typer.echo(f"{r['endpoint']}: {r['min_replicas']}..{r['max_replicas']} replicas, target {r['target']:g} {r['signal']}, state {r['state']}")
 

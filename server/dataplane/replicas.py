@@ -41,7 +41,9 @@ connection broke under a written call ("Socket closed", "Connection reset", GOAW
 have started it. A unary ModelInfer lost that way is retried too (``retry_lost``, on by default):
 the connection, and with a killed process its work, is gone, and the models served here are pure
 functions of their inputs, so the only cost is computing the answer twice if the member somehow
-survived. Streams are retried only before their first message reached a member. Every other error
+survived; with no other member serving the model it is held for what replaces the lost one (a
+standby taking its place, its restart), as a new request would be. Streams are retried only before
+their first message reached a member. Every other error
 (Triton's own answer, a deadline) is the caller's answer.
 
 **Draining.** ``drain(member, model)`` stops new requests for the model going there and returns
@@ -477,6 +479,7 @@ class ReplicaSet:
         deadline = None if timeout is None else self._clock() + timeout
         member = self._choose(model) or await self._wait_for_member(model, deadline, None)
         stage_timing.replica_chosen()
+        lost_client = member.client
         try:
             return await self._send(member, request, _left(deadline, self._clock()) if deadline is not None else None, model, parsed)
         except InferplaneError as err:
@@ -486,7 +489,11 @@ class ReplicaSet:
             if left is not None and left <= 0:
                 raise
             other = self._choose(model, exclude=member)
-            if other is None:
+            if other is None and isinstance(err, ConnectionLost):
+                # the only replica's process died under the call: hold it for what replaces it (a
+                # standby taking its place, its restart), as a request arriving now is held
+                other = await self._wait_for_replacement(model, deadline, member, lost_client, err)
+            elif other is None:
                 if not _refused(err):
                     raise
                 # the only replica said it does not serve the model (any more): hold the request for
@@ -497,6 +504,30 @@ class ReplicaSet:
                 self.retried_lost += 1
             log.info("retrying a request for %s on replica %s after %s failed: %s", model, other.id, member.id, err.message)
             return await self._send(other, request, left, model, parsed)
+
+    async def _wait_for_replacement(self, model: str, deadline: float | None, lost: Member, client, err: InferplaneError) -> Member:
+        """A member for a call ``lost``'s connection (``client``) dropped, when no other serves the
+        model: another member, or ``lost`` once it is not that connection any more (its client
+        replaced: a standby took its place; or it was down since: restarted). Held like a request
+        for a model no member serves (its wait budget, the deadline). A member that stays up on the
+        same connection past a few health intervals was not dead: the call goes to it again."""
+        budget = self.wait_budget(model)
+        until = self._clock() + (self.policy.wait_for_member_s if budget is None else budget)
+        if deadline is not None and deadline < until:
+            until = deadline
+        same_until = self._clock() + max(1.0, 3 * self.policy.health_interval_s)
+        was_down = False
+        while True:
+            was_down = was_down or lost.state != UP
+            member = self._choose(model)
+            if member is not None and (member is not lost or member.client is not client or was_down or self._clock() >= same_until):
+                return member
+            left = until - self._clock()
+            if left <= 0:
+                raise err
+            event = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), min(left, 0.25))
 
     def _retryable(self, err: InferplaneError) -> bool:
         if isinstance(err, NotSent):

@@ -95,6 +95,24 @@ def test_isolation_group_by_mode(mode, streams, want):
     assert isolation.isolation_group("m", streams=streams, mode=mode) == want
 
 
+@pytest.mark.parametrize("mode,streams,want", [("llm", False, "own:m"), ("llm", True, "own:m"), ("each", False, "own:m"), ("none", False, "")])
+def test_a_warm_standby_gives_the_model_a_group_of_its_own(mode, streams, want):
+    """A standby holds one model and replaces a dead replica only if it hosted nothing else: a model
+    with one asked for leaves the shared (embedded) Triton, except in ``none`` and for an ensemble's steps."""
+    assert isolation.isolation_group("m", streams=streams, mode=mode, standby=True) == want
+    assert isolation.isolation_group("m", streams=False, mode="llm", standby=True, ensemble=True) == ""
+
+
+def test_the_tree_model_with_a_standby_moves_off_the_embedded_replica_and_its_co_tenants_stay():
+    group = isolation.isolation_group("fraud", streams=False, mode="llm", standby=True)
+    demands = {"fraud": Demand(1, 100 * MB, group, 1), "lgbm": Demand(1, 100 * MB), "mlp": Demand(1, 100 * MB)}
+    plan = place(demands, {"local-0": {"fraud", "lgbm", "mlp"}}, 4000 * MB)
+    assert plan.assignment["local-0"] == {"lgbm", "mlp"}
+    (host,) = plan.replicas_of("fraud")
+    assert host != "local-0" and plan.assignment[host] == {"fraud"}  # alone: a standby of fraud can take its place
+    assert plan.standby == {"fraud": 1}
+
+
 def test_unknown_modes_and_tiers_are_refused():
     with pytest.raises(ValueError):
         isolation.isolation_group("m", streams=False, mode="some")

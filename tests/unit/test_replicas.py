@@ -142,6 +142,61 @@ def test_a_lost_connection_is_not_retried_when_the_policy_says_so():
     run(main())
 
 
+def test_a_lost_call_on_the_only_member_waits_for_what_replaces_it():
+    """The lone member's process died under the call (a standby takes its place: a new client on the
+    same member): the call is sent again there, not failed, and not to the dead connection."""
+
+    async def main():
+        rs, (a,) = make("a")
+        a.fail.append(ConnectionLost("Stream removed (recvmsg:Connection reset by peer (104))"))
+        call = asyncio.ensure_future(rs.infer_raw(request(), timeout=30.0))
+        while a.calls == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert not call.done() and a.calls == 1  # held: not sent to the dead connection again
+        standby = fake("standby")
+        rs.replace_client("a", standby)
+        rs.revive("a")
+        assert await asyncio.wait_for(call, 5) == b"standby"
+        assert rs.retried_lost == 1 and a.calls == 1 and standby.calls == 1
+
+    run(main())
+
+
+def test_a_lost_call_on_the_only_member_still_up_on_its_connection_is_sent_to_it_again():
+    async def main():
+        clock = Clock()
+        rs, (a,) = make("a", clock=clock)
+        a.fail.append(ConnectionLost("Socket closed"))
+        call = asyncio.ensure_future(rs.infer_raw(request(), timeout=30.0))
+        while a.calls == 0:
+            await asyncio.sleep(0.01)
+        clock.t += 3.1  # past three health intervals: it was not dead
+        assert await asyncio.wait_for(call, 5) == b"a" and a.calls == 2
+
+    run(main())
+
+
+def test_a_lost_call_on_the_only_member_fails_at_its_deadline_when_nothing_replaces_it():
+    async def main():
+        clock = Clock()
+        rs, (a,) = make("a", clock=clock)
+        lost = ConnectionLost("Connection reset by peer")
+        a.fail.append(lost)
+        rs.mark_down("a")
+        rs.member("a").state, rs.member("a").models = UP, {MODEL}  # the call was sent while it was up
+        call = asyncio.ensure_future(rs.infer_raw(request(), timeout=2.0))
+        while a.calls == 0:
+            await asyncio.sleep(0.01)
+        rs.mark_down("a")  # its process is gone, nothing takes its place
+        clock.t += 2.5
+        with pytest.raises(ConnectionLost) as raised:
+            await asyncio.wait_for(call, 5)
+        assert raised.value is lost and a.calls == 1
+
+    run(main())
+
+
 def test_a_retry_never_goes_past_the_deadline():
     async def main():
         clock = Clock()

@@ -197,8 +197,8 @@ class Fleet:
             )  # fmt: skip
 
     def isolation_of(self, model: str) -> str:
-        """The model's isolation group: its tier (its autoscaling config), the settings' mode, and
-        whether it streams (its config)."""
+        """The model's isolation group: its tier (its autoscaling config), the settings' mode, whether
+        it streams (its config), and whether a warm standby of it is asked for (a group of its own)."""
         if model not in self._streams:
             self._streams[model] = isolation.streams(self.settings.model_repository, model)
         if self._ensemble_bound is None:
@@ -206,7 +206,8 @@ class Fleet:
         scaler = self.autoscaler.endpoints.get(model) if self.autoscaler is not None else None
         tier = scaler.config.tier if scaler is not None else isolation.DEFAULT_TIER
         return isolation.isolation_group(
-            model, streams=self._streams[model], mode=self._isolation_mode(), tier=tier, ensemble=model in self._ensemble_bound
+            model, streams=self._streams[model], mode=self._isolation_mode(), tier=tier, ensemble=model in self._ensemble_bound,
+            standby=model in parse_standby(self.settings.warm_standby),
         )  # fmt: skip
 
     def _isolation_mode(self) -> str:

@@ -11,6 +11,13 @@ Modes of the embedded default (``INFERPLANE_ISOLATION``):
   BENCHMARKS.md);
 * ``none``: every model in the embedded Triton (one crash is an outage of all of them).
 
+A warm standby asked for (``INFERPLANE_WARM_STANDBY=MODEL=N``) gives the model a group of its own
+too, in ``llm`` and ``each`` (not ``none``): a standby holds that one model, and it can take a dead
+replica's place only if the replica hosted nothing else (``LocalReplicaPool.take_over``), so a tree
+model with a standby leaves the embedded Triton (whose supervisor is the frontend's: nothing takes
+its place) for a supervised replica of its own, and a ``kill -9`` of that replica's Triton is covered
+by the standby at once instead of a restart and reload.
+
 Tiers (``--tier``, stored in the endpoint's scaling config: ``batching.autoscale_policy.ScalingConfig``,
 which also raises a tier-1 endpoint to at least two replicas): a tier-1 endpoint gets a group of its
 own whatever the mode (no co-tenants), and placement spreads its copies over the zones; tiers 2 and
@@ -28,13 +35,15 @@ DEFAULT_TIER = 2
 LLM_GROUP = "llm"
 
 
-def isolation_group(model: str, *, streams: bool, mode: str, tier: int = DEFAULT_TIER, ensemble: bool = False) -> str:
+def isolation_group(
+    model: str, *, streams: bool, mode: str, tier: int = DEFAULT_TIER, ensemble: bool = False, standby: bool = False
+) -> str:
     """The group ``model``'s copies share Tritons with ('' is the shared default group). ``ensemble``:
-    the model is a Triton ensemble or one of its steps — they must share one Triton, so ``each`` keeps
-    them in the shared group."""
+    the model is a Triton ensemble or one of its steps — they must share one Triton, so ``each`` and a
+    standby keep them in the shared group. ``standby``: a warm standby of the model is asked for."""
     if mode not in MODES:
         raise ValueError(f"isolation mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if tier == 1 or (mode == "each" and not ensemble):
+    if tier == 1 or (mode != "none" and (mode == "each" or standby) and not ensemble):
         return f"own:{model}"
     if mode == "llm" and streams:
         return LLM_GROUP

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _protogen_pool.POOL.AddSerializedFile(b'\n\x1dinferplane/v1/autoscale.proto\x12\rinferplane.v1\"\xcf\x05\n\x0f\x41utoscaleConfig\x12\x19\n\x0cmin_replicas\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cmax_replicas\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06target\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x06signal\x18\x04 \x01(\tH\x03\x88\x01\x01\x12\"\n\x15scale_to_zero_after_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12 \n\x13\x63old_start_budget_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11scale_up_window_s\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12 \n\x13scale_down_window_s\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x18\n\x0bmax_step_up\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1a\n\rmax_step_down\x18\n \x01(\x05H\t\x88\x01\x01\x12\x1a\n\rup_cooldown_s\x18\x0b \x01(\x01H\n\x88\x01\x01\x12\x1c\n\x0f\x64own_cooldown_s\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x12\x17\n\npredictive\x18\r \x01(\x08H\x0c\x88\x01\x01\x12\x16\n\ttolerance\x18\x0e \x01(\x01H\r\x88\x01\x01\x12\x11\n\x04unit\x18\x0f \x01(\tH\x0e\x88\x01\x01\x12\x11\n\x04tier\x18\x10 \x01(\x05H\x0f\x88\x01\x01\x42\x0f\n\r_min_replicasB\x0f\n\r_max_replicasB\t\n\x07_targetB\t\n\x07_signalB\x18\n\x16_scale_to_zero_after_sB\x16\n\x14_cold_start_budget_sB\x14\n\x12_scale_up_window_sB\x16\n\x14_scale_down_window_sB\x0e\n\x0c_max_step_upB\x10\n\x0e_max_step_downB\x10\n\x0e_up_cooldown_sB\x12\n\x10_down_cooldown_sB\r\n\x0b_predictiveB\x0c\n\n_toleranceB\x07\n\x05_unitB\x07\n\x05_tier\"]\n\x19\x43onfigureAutoscaleRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12.\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1e.inferplane.v1.AutoscaleConfig\"\x18\n\x16\x41utoscaleStatusRequest\"1\n\x17\x41utoscaleStatusResponse\x12\x16\n\x0e\x65ndpoints_json\x18\x01 \x03(\t\"+\n\x17\x45xplainAutoscaleRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\"0\n\x18\x45xplainAutoscaleResponse\x12\x14\n\x0c\x65xplain_json\x18\x01 \x01(\t\"\x19\n\x17\x41utoscaleSignalsRequest\"0\n\x18\x41utoscaleSignalsResponse\x12\x14\n\x0csignals_json\x18\x01 \x01(\t2\x83\x03\n\tAutoscale\x12_\n\tConfigure\x12(.inferplane.v1.ConfigureAutoscaleRequest\x1a&.inferplane.v1.AutoscaleStatusResponse\"\x00\x12Y\n\x06Status\x12%.inferplane.v1.AutoscaleStatusRequest\x1a&.inferplane.v1.AutoscaleStatusResponse\"\x00\x12\\\n\x07\x45xplain\x12&.inferplane.v1.ExplainAutoscaleRequest\x1a\'.inferplane.v1.ExplainAutoscaleResponse\"\x00\x12\\\n\x07Signals\x12&.inferplane.v1.AutoscaleSignalsRequest\x1a\'.inferplane.v1.AutoscaleSignalsResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _protogen_pool.POOL.AddSerializedFile(b'\n\x1dinferplane/v1/autoscale.proto\x12\rinferplane.v1\"\x89\x06\n\x0f\x41utoscaleConfig\x12\x19\n\x0cmin_replicas\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cmax_replicas\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06target\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x06signal\x18\x04 \x01(\tH\x03\x88\x01\x01\x12\"\n\x15scale_to_zero_after_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12 \n\x13\x63old_start_budget_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11scale_up_window_s\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12 \n\x13scale_down_window_s\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x18\n\x0bmax_step_up\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1a\n\rmax_step_down\x18\n \x01(\x05H\t\x88\x01\x01\x12\x1a\n\rup_cooldown_s\x18\x0b \x01(\x01H\n\x88\x01\x01\x12\x1c\n\x0f\x64own_cooldown_s\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x12\x17\n\npredictive\x18\r \x01(\x08H\x0c\x88\x01\x01\x12\x16\n\ttolerance\x18\x0e \x01(\x01H\r\x88\x01\x01\x12\x11\n\x04unit\x18\x0f \x01(\tH\x0e\x88\x01\x01\x12\x11\n\x04tier\x18\x10 \x01(\x05H\x0f\x88\x01\x01\x12 \n\x13standby_down_factor\x18\x11 \x01(\x01H\x10\x88\x01\x01\x42\x0f\n\r_min_replicasB\x0f\n\r_max_replicasB\t\n\x07_targetB\t\n\x07_signalB\x18\n\x16_scale_to_zero_after_sB\x16\n\x14_cold_start_budget_sB\x14\n\x12_scale_up_window_sB\x16\n\x14_scale_down_window_sB\x0e\n\x0c_max_step_upB\x10\n\x0e_max_step_downB\x10\n\x0e_up_cooldown_sB\x12\n\x10_down_cooldown_sB\r\n\x0b_predictiveB\x0c\n\n_toleranceB\x07\n\x05_unitB\x07\n\x05_tierB\x16\n\x14_standby_down_factor\"]\n\x19\x43onfigureAutoscaleRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12.\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x1e.inferplane.v1.AutoscaleConfig\"\x18\n\x16\x41utoscaleStatusRequest\"1\n\x17\x41utoscaleStatusResponse\x12\x16\n\x0e\x65ndpoints_json\x18\x01 \x03(\t\"+\n\x17\x45xplainAutoscaleRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\"0\n\x18\x45xplainAutoscaleResponse\x12\x14\n\x0c\x65xplain_json\x18\x01 \x01(\t\"\x19\n\x17\x41utoscaleSignalsRequest\"0\n\x18\x41utoscaleSignalsResponse\x12\x14\n\x0csignals_json\x18\x01 \x01(\t2\x83\x03\n\tAutoscale\x12_\n\tConfigure\x12(.inferplane.v1.ConfigureAutoscaleRequest\x1a&.inferplane.v1.AutoscaleStatusResponse\"\x00\x12Y\n\x06Status\x12%.inferplane.v1.AutoscaleStatusRequest\x1a&.inferplane.v1.AutoscaleStatusResponse\"\x00\x12\\\n\x07\x45xplain\x12&.inferplane.v1.ExplainAutoscaleRequest\x1a\'.inferplane.v1.ExplainAutoscaleResponse\"\x00\x12\\\n\x07Signals\x12&.inferplane.v1.AutoscaleSignalsRequest\x1a\'.inferplane.v1.AutoscaleSignalsResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inferplane.v1.autoscale_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AUTOSCALECONFIG']._serialized_start=49
-  _globals['_AUTOSCALECONFIG']._serialized_end=768
-  _globals['_CONFIGUREAUTOSCALEREQUEST']._serialized_start=770
-  _globals['_CONFIGUREAUTOSCALEREQUEST']._serialized_end=863
-  _globals['_AUTOSCALESTATUSREQUEST']._serialized_start=865
-  _globals['_AUTOSCALESTATUSREQUEST']._serialized_end=889
-  _globals['_AUTOSCALESTATUSRESPONSE']._serialized_start=891
-  _globals['_AUTOSCALESTATUSRESPONSE']._serialized_end=940
-  _globals['_EXPLAINAUTOSCALEREQUEST']._serialized_start=942
-  _globals['_EXPLAINAUTOSCALEREQUEST']._serialized_end=985
-  _globals['_EXPLAINAUTOSCALERESPONSE']._serialized_start=987
-  _globals['_EXPLAINAUTOSCALERESPONSE']._serialized_end=1035
-  _globals['_AUTOSCALESIGNALSREQUEST']._serialized_start=1037
-  _globals['_AUTOSCALESIGNALSREQUEST']._serialized_end=1062
-  _globals['_AUTOSCALESIGNALSRESPONSE']._serialized_start=1064
-  _globals['_AUTOSCALESIGNALSRESPONSE']._serialized_end=1112
-  _globals['_AUTOSCALE']._serialized_start=1115
-  _globals['_AUTOSCALE']._serialized_end=1502
+  _globals['_AUTOSCALECONFIG']._serialized_end=826
+  _globals['_CONFIGUREAUTOSCALEREQUEST']._serialized_start=828
+  _globals['_CONFIGUREAUTOSCALEREQUEST']._serialized_end=921
+  _globals['_AUTOSCALESTATUSREQUEST']._serialized_start=923
+  _globals['_AUTOSCALESTATUSREQUEST']._serialized_end=947
+  _globals['_AUTOSCALESTATUSRESPONSE']._serialized_start=949
+  _globals['_AUTOSCALESTATUSRESPONSE']._serialized_end=998
+  _globals['_EXPLAINAUTOSCALEREQUEST']._serialized_start=1000
+  _globals['_EXPLAINAUTOSCALEREQUEST']._serialized_end=1043
+  _globals['_EXPLAINAUTOSCALERESPONSE']._serialized_start=1045
+  _globals['_EXPLAINAUTOSCALERESPONSE']._serialized_end=1093
+  _globals['_AUTOSCALESIGNALSREQUEST']._serialized_start=1095
+  _globals['_AUTOSCALESIGNALSREQUEST']._serialized_end=1120
+  _globals['_AUTOSCALESIGNALSRESPONSE']._serialized_start=1122
+  _globals['_AUTOSCALESIGNALSRESPONSE']._serialized_end=1170
+  _globals['_AUTOSCALE']._serialized_start=1173
+  _globals['_AUTOSCALE']._serialized_end=1560
 # @@protoc_insertion_point(module_scope)

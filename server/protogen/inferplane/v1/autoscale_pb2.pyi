@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AutoscaleConfig(_message.Message):
-    __slots__ = ("min_replicas", "max_replicas", "target", "signal", "scale_to_zero_after_s", "cold_start_budget_s", "scale_up_window_s", "scale_down_window_s", "max_step_up", "max_step_down", "up_cooldown_s", "down_cooldown_s", "predictive", "tolerance", "unit", "tier")
+    __slots__ = ("min_replicas", "max_replicas", "target", "signal", "scale_to_zero_after_s", "cold_start_budget_s", "scale_up_window_s", "scale_down_window_s", "max_step_up", "max_step_down", "up_cooldown_s", "down_cooldown_s", "predictive", "tolerance", "unit", "tier", "standby_down_factor")
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class AutoscaleConfig(_message.Message):
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_DOWN_FACTOR_FIELD_NUMBER: _ClassVar[int]
     min_replicas: int
     max_replicas: int
     target: float
@@ -40,7 +41,8 @@ class AutoscaleConfig(_message.Message):
     tolerance: float
     unit: str
     tier: int
-    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., target: _Optional[float] = ..., signal: _Optional[str] = ..., scale_to_zero_after_s: _Optional[float] = ..., cold_start_budget_s: _Optional[float] = ..., scale_up_window_s: _Optional[float] = ..., scale_down_window_s: _Optional[float] = ..., max_step_up: _Optional[int] = ..., max_step_down: _Optional[int] = ..., up_cooldown_s: _Optional[float] = ..., down_cooldown_s: _Optional[float] = ..., predictive: _Optional[bool] = ..., tolerance: _Optional[float] = ..., unit: _Optional[str] = ..., tier: _Optional[int] = ...) -> None: ...
+    standby_down_factor: float
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., target: _Optional[float] = ..., signal: _Optional[str] = ..., scale_to_zero_after_s: _Optional[float] = ..., cold_start_budget_s: _Optional[float] = ..., scale_up_window_s: _Optional[float] = ..., scale_down_window_s: _Optional[float] = ..., max_step_up: _Optional[int] = ..., max_step_down: _Optional[int] = ..., up_cooldown_s: _Optional[float] = ..., down_cooldown_s: _Optional[float] = ..., predictive: _Optional[bool] = ..., tolerance: _Optional[float] = ..., unit: _Optional[str] = ..., tier: _Optional[int] = ..., standby_down_factor: _Optional[float] = ...) -> None: ...
 
 class ConfigureAutoscaleRequest(_message.Message):
     __slots__ = ("endpoint", "config")
