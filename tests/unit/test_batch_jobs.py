@@ -289,6 +289,24 @@ def test_a_page_holds_at_most_100(store):
     assert len(store.list("acme", limit=101)["data"]) == 100
 
 
+def test_jobs_made_in_the_same_second_list_greatest_id_first_whatever_order_they_were_stored_in(store):
+    first = store.retrieve("acme", _job(store, 1))
+    stored = [f"batch_{i:032x}" for i in (3, 0, 5, 1, 4, 2)]  # neither ascending nor descending by id
+    with store.engine.begin() as conn:
+        row = dict(conn.execute(select(jobs_table).where(jobs_table.c.id == first["id"])).mappings().one())
+        conn.execute(insert(jobs_table), [{**row, "id": i} for i in stored])
+    newest = sorted([first["id"], *stored], reverse=True)
+    assert [d["id"] for d in store.list("acme")["data"]] == newest
+    pages, after = [], None
+    while True:
+        page = store.list("acme", after=after, limit=2)
+        pages += [d["id"] for d in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert pages == newest
+
+
 def test_cancel_marks_the_job_cancelling_once_and_a_finished_job_refuses(store):
     job = _job(store)
     store.clock.now = 1010.5
