@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import event, insert, select, update
 
 from server import migrations
 from server.control.batches import batches
@@ -723,3 +723,32 @@ def test_a_claim_reaches_a_free_job_behind_five_older_ones_leased_to_other_worke
     store.clock.now = 1002
     assert sorted(store.claim(f"w{i}", 300).id for i in range(5)) == sorted(leased)
     assert store.claim("late", 300).id == free
+
+
+def _between_look_and_take(store: BatchStore, change) -> None:
+    """Run ``change`` (a statement on the claim's own connection) just before a claim's first take
+    (its UPDATE of a candidate's lease), as if another worker's commit had landed between the claim's
+    look at the candidates and its take: PostgreSQL's READ COMMITTED update reads that commit; SQLite
+    cannot interleave two writers, so the test puts the other worker's write there itself."""
+    pending = [change]
+
+    def before(conn, cursor, statement, params, context, executemany):
+        if pending and statement.lstrip().upper().startswith("UPDATE BATCH_JOBS SET LEASE_OWNER"):
+            conn.execute(pending.pop())
+
+    event.listen(store.engine, "before_cursor_execute", before)
+
+
+def test_a_claim_does_not_take_a_job_another_worker_leased_after_the_claim_looked(store):
+    job = _job(store, 1)
+    _between_look_and_take(store, update(jobs_table).where(jobs_table.c.id == job).values(lease_owner="other", lease_until=store.clock() + 300))
+    assert store.claim("w", 30) is None
+    with store.engine.connect() as conn:
+        assert conn.execute(select(jobs_table.c.lease_owner).where(jobs_table.c.id == job)).scalar_one() == "other"
+
+
+def test_a_claim_does_not_take_a_job_that_finished_after_the_claim_looked(store):
+    job = _job(store, 1)
+    _between_look_and_take(store, update(jobs_table).where(jobs_table.c.id == job).values(status="completed"))
+    assert store.claim("w", 30) is None
+    assert store.retrieve("acme", job)["status"] == "completed"
