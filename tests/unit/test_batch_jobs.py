@@ -295,7 +295,10 @@ def test_jobs_made_in_the_same_second_list_greatest_id_first_whatever_order_they
     with store.engine.begin() as conn:
         row = dict(conn.execute(select(jobs_table).where(jobs_table.c.id == first["id"])).mappings().one())
         conn.execute(insert(jobs_table), [{**row, "id": i} for i in stored])
-    newest = sorted([first["id"], *stored], reverse=True)
+        # a later job with the least id and an earlier one with the greatest: time orders, not the id
+        conn.execute(insert(jobs_table), [{**row, "id": "batch_" + "0" * 31 + "a", "created_at": row["created_at"] + 1},
+                                          {**row, "id": "batch_" + "f" * 32, "created_at": row["created_at"] - 1}])  # fmt: skip
+    newest = ["batch_" + "0" * 31 + "a", *sorted([first["id"], *stored], reverse=True), "batch_" + "f" * 32]
     assert [d["id"] for d in store.list("acme")["data"]] == newest
     pages, after = [], None
     for _ in range(len(newest)):  # bounded: a listing whose pages never end fails here instead of hanging
