@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import event, insert, select, update
 
 from server import migrations
 from server.control.batches import batches
@@ -287,6 +287,27 @@ def test_a_page_holds_at_most_100(store):
     assert len(page["data"]) == 100 and page["has_more"] is True
     assert len(store.list("acme")["data"]) == 20 and store.list("acme")["has_more"] is True  # the default page
     assert len(store.list("acme", limit=101)["data"]) == 100
+
+
+def test_jobs_made_in_the_same_second_list_greatest_id_first_whatever_order_they_were_stored_in(store):
+    first = store.retrieve("acme", _job(store, 1))
+    stored = [f"batch_{i:032x}" for i in (3, 0, 5, 1, 4, 2)]  # neither ascending nor descending by id
+    with store.engine.begin() as conn:
+        row = dict(conn.execute(select(jobs_table).where(jobs_table.c.id == first["id"])).mappings().one())
+        conn.execute(insert(jobs_table), [{**row, "id": i} for i in stored])
+        # a later job with the least id and an earlier one with the greatest: time orders, not the id
+        conn.execute(insert(jobs_table), [{**row, "id": "batch_" + "0" * 31 + "a", "created_at": row["created_at"] + 1},
+                                          {**row, "id": "batch_" + "f" * 32, "created_at": row["created_at"] - 1}])  # fmt: skip
+    newest = ["batch_" + "0" * 31 + "a", *sorted([first["id"], *stored], reverse=True), "batch_" + "f" * 32]
+    assert [d["id"] for d in store.list("acme")["data"]] == newest
+    pages, after = [], None
+    for _ in range(len(newest)):  # bounded: a listing whose pages never end fails here instead of hanging
+        page = store.list("acme", after=after, limit=2)
+        pages += [d["id"] for d in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert pages == newest and not page["has_more"]
 
 
 def test_cancel_marks_the_job_cancelling_once_and_a_finished_job_refuses(store):
@@ -705,3 +726,32 @@ def test_a_claim_reaches_a_free_job_behind_five_older_ones_leased_to_other_worke
     store.clock.now = 1002
     assert sorted(store.claim(f"w{i}", 300).id for i in range(5)) == sorted(leased)
     assert store.claim("late", 300).id == free
+
+
+def _between_look_and_take(store: BatchStore, change) -> None:
+    """Run ``change`` (a statement on the claim's own connection) just before a claim's first take
+    (its UPDATE of a candidate's lease), as if another worker's commit had landed between the claim's
+    look at the candidates and its take: PostgreSQL's READ COMMITTED update reads that commit; SQLite
+    cannot interleave two writers, so the test puts the other worker's write there itself."""
+    pending = [change]
+
+    def before(conn, cursor, statement, params, context, executemany):
+        if pending and statement.lstrip().upper().startswith("UPDATE BATCH_JOBS SET LEASE_OWNER"):
+            conn.execute(pending.pop())
+
+    event.listen(store.engine, "before_cursor_execute", before)
+
+
+def test_a_claim_does_not_take_a_job_another_worker_leased_after_the_claim_looked(store):
+    job = _job(store, 1)
+    _between_look_and_take(store, update(jobs_table).where(jobs_table.c.id == job).values(lease_owner="other", lease_until=store.clock() + 300))
+    assert store.claim("w", 30) is None
+    with store.engine.connect() as conn:
+        assert conn.execute(select(jobs_table.c.lease_owner).where(jobs_table.c.id == job)).scalar_one() == "other"
+
+
+def test_a_claim_does_not_take_a_job_that_finished_after_the_claim_looked(store):
+    job = _job(store, 1)
+    _between_look_and_take(store, update(jobs_table).where(jobs_table.c.id == job).values(status="completed"))
+    assert store.claim("w", 30) is None
+    assert store.retrieve("acme", job)["status"] == "completed"
