@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import grpc
 import numpy as np
@@ -61,10 +62,21 @@ def domains(demo_repository, tmp_path_factory):
 
 
 def replicas(stack) -> list[dict]:
-    """The executor's local replicas (id, target, pid, models, zone), through the Autoscale API."""
-    with grpc.insecure_channel(stack.grpc) as channel:
-        answer = autoscale_pb2_grpc.AutoscaleStub(channel).Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD))
-    return json.loads(answer.explain_json)["executor"]["replicas"]
+    """The executor's local replicas (id, target, pid, models, zone), through the Autoscale API.
+
+    This is the drills' observer, not what they measure (the load's errors are): a connection of its own
+    that breaks once (a CI run saw one UNAVAILABLE "Failed parsing HTTP/2" right after a kill -9) is
+    asked again on a new channel, at most three times; a frontend that stays unreachable still fails."""
+    for attempt in range(3):
+        try:
+            with grpc.insecure_channel(stack.grpc) as channel:
+                answer = autoscale_pb2_grpc.AutoscaleStub(channel).Explain(apb.ExplainAutoscaleRequest(endpoint=FRAUD), timeout=30)
+            return json.loads(answer.explain_json)["executor"]["replicas"]
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 def host_of(stack, model: str) -> dict:
