@@ -91,14 +91,19 @@ def test_unavailable_carries_a_retry_hint(own_stack):
     os.kill(own_stack.triton_pid(), signal.SIGKILL)
     deadline = time.monotonic() + 10
     hint = None
+    codes = []
     while time.monotonic() < deadline and hint is None:
         try:
-            call(req.SerializeToString(), timeout=5)
+            # short: a call whose connection the kill cut is held for the restart (server/dataplane/replicas.py)
+            # and may reach this deadline; the calls after it are refused at once while Triton is down
+            call(req.SerializeToString(), timeout=0.5)
         except grpc.RpcError as err:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            codes.append(err.code())
             hint = dict(err.trailing_metadata() or ()).get("retry-after")
         time.sleep(0.01)
-    assert hint is not None
+    assert hint is not None, codes
+    # UNAVAILABLE with the hint; the only other answer is the deadline of a call held for the restart
+    assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED} and codes[-1] == grpc.StatusCode.UNAVAILABLE, codes
     # and it comes back
     deadline = time.monotonic() + RESTART_GUARD_S
     while time.monotonic() < deadline:
