@@ -333,6 +333,63 @@ def test_an_ab_caller_key_gets_the_same_arm_on_every_worker_of_both_frontends(tw
             _no_split(traffic)
 
 
+FEEDBACK_EACH = 8  # requests answered through each frontend, then their outcomes
+
+
+def _ask_with_id(address: str, request_id: str, user: str) -> tuple[str, str]:
+    """One ranker request named ``request_id`` on a fresh connection (SO_REUSEPORT picks the worker): (version, arm)."""
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        return _infer(channel, user=user, request_id=request_id)[:2]
+
+
+def test_ab_feedback_for_requests_any_worker_of_either_frontend_answered(two_frontends, rankers):
+    """Requests answered by the workers of B and of A (no process that serves leads), their outcomes sent at once
+    after, each through A or through B: every one is taken with the arm its answer named (the leader waits for the
+    answering worker's report of the id), and the A/B report read through either frontend counts them per arm."""
+    a, b = two_frontends
+    arms = [("control", 1, 50), ("treatment", 2, 50)]
+    expected = {("1", "control"), ("2", "treatment")}
+    with grpc.insecure_channel(a.grpc) as to_a, grpc.insecure_channel(b.grpc) as to_b:
+        through = {"a": traffic_pb2_grpc.TrafficStub(to_a), "b": traffic_pb2_grpc.TrafficStub(to_b)}
+        _no_split(through["a"])
+        started = through["a"].SetExperiment(
+            tpb.SetExperimentRequest(name=RANKER, experiment="feedback-across", key_header="x-user-id",
+                                     arms=[tpb.ExperimentArm(name=n, version=v, weight=w) for n, v, w in arms]),
+            metadata=ACTOR,
+        ).policy  # fmt: skip
+        assert (started.kind, started.status) == ("ab", "active")
+        try:
+            for stack in (a, b):  # until every worker has the experiment
+                assert set(_asked_until(stack.grpc, expected, user=EXPERIMENT_KEYS[0])) <= expected
+            answered = {}  # request id -> (arm the answer named, the frontend its outcome goes through)
+            for i in range(FEEDBACK_EACH):
+                for asked, told in (("b", "a"), ("a", "b"), ("b", "b"), ("a", "a")) if i % 2 else (("b", "b"), ("a", "a"), ("b", "a"), ("a", "b")):
+                    request_id = f"fb-{asked}{told}-{i}"
+                    version, arm = _ask_with_id((a if asked == "a" else b).grpc, request_id, user=f"fb-user-{request_id}")
+                    assert (version, arm) in expected
+                    answered[request_id] = (arm, told)
+            assert {arm for arm, _ in answered.values()} == {"control", "treatment"}
+            calls = {request_id: through[told].Feedback.future(tpb.FeedbackRequest(name=RANKER, request_id=request_id, value=1.0 if arm == "treatment" else 0.0), timeout=30)
+                     for request_id, (arm, told) in answered.items()}  # fmt: skip
+            taken = {}
+            for request_id, call in calls.items():
+                try:
+                    taken[request_id] = call.result().arm
+                except grpc.RpcError as err:
+                    taken[request_id] = err.code().name
+            assert taken == {request_id: arm for request_id, (arm, _) in answered.items()}
+            per_arm = {name: sum(arm == name for arm, _ in answered.values()) for name in ("control", "treatment")}
+            for traffic in through.values():
+                report = {arm.name: arm for arm in traffic.AbReport(tpb.AbReportRequest(name=RANKER)).arms}
+                assert {name: arm.outcomes for name, arm in report.items()} == per_arm
+                assert (report["control"].outcome_mean, report["treatment"].outcome_mean) == (0.0, 1.0)
+            with pytest.raises(grpc.RpcError) as again:  # one outcome per request
+                through["b"].Feedback(tpb.FeedbackRequest(name=RANKER, request_id=next(iter(answered)), value=1.0), timeout=30)
+            assert again.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            _no_split(through["a"])
+
+
 @pytest.fixture(scope="module")
 def control_pair(demo_repository, tmp_path_factory):
     """Frontend F (external control plane, its own Triton) and two control-plane replicas deploying into
