@@ -58,6 +58,10 @@ def header(ctx, name: str) -> str | None:
     return None
 
 
+class UnknownRequest(ModelNotFound):
+    """A feedback's request id is not (yet) known to the split: the leader waits for the reports that may bring it."""
+
+
 # ---- metrics ---------------------------------------------------------------------------------
 
 
@@ -144,6 +148,9 @@ class Split:
     windows: dict[str, SlidingWindow] = field(init=False)
     totals: dict[str, ArmTotals] = field(init=False)
     request_arms: OrderedDict = field(init=False)  # request id -> arm name (for feedback)
+    # (request id, arm) observed since the ArmReporter last drained it (a process that does not lead: the leader,
+    # which answers the Feedback, learns the ids from its reports); bounded like request_arms
+    unreported: deque = field(init=False)
 
     def __post_init__(self) -> None:
         check_arms(self.arms)
@@ -151,6 +158,23 @@ class Split:
         self.windows = {a.name: SlidingWindow(self.window_s, clock=self.clock) for a in self.arms}
         self.totals = {a.name: ArmTotals() for a in self.arms}
         self.request_arms = OrderedDict()
+        self.unreported = deque(maxlen=MAX_FEEDBACK_IDS)
+
+    def remember(self, request_id: str, arm: str) -> None:
+        """``request_id`` was answered by ``arm`` (its outcome may follow); the oldest id is forgotten past the bound."""
+        ids = self.request_arms
+        ids[request_id] = arm
+        if len(ids) > MAX_FEEDBACK_IDS:
+            ids.popitem(last=False)
+
+    def drain_unreported(self) -> dict[str, list[str]]:
+        """The ids observed since the last call, per arm, in the order they were answered (then forgotten here)."""
+        drained = list(self.unreported)  # in place: a reweighted copy of this split shares the deque
+        self.unreported.clear()
+        per_arm: dict[str, list[str]] = {}
+        for request_id, arm in drained:
+            per_arm.setdefault(arm, []).append(request_id)
+        return per_arm
 
     def reweighted(self, weights: dict[str, float]) -> Split:
         """The same split (metrics kept) with new weights: a new round robin, the same hashing."""
@@ -329,6 +353,9 @@ class Router:
         self.clock = clock
         self.splits: dict[str, Split] = {}
         self.shadows: dict[str, Shadow] = {}
+        # a process that does not lead (server.control.rollout.arm_reports.ArmReporter): each request id is also
+        # kept for the reports, so the leader can take its Feedback; the leader itself keeps none twice
+        self.report_ids = False
 
     def choose(self, name: str, ctx) -> tuple[str, str]:
         """(version, arm) for a request naming no version; ('', '') when nothing pins one (Triton's latest)."""
@@ -349,10 +376,9 @@ class Router:
                     split.totals[arm].add(latency_s, error)
                 request_id = (request.id if request is not None else "") or header(ctx, REQUEST_ID_HEADER)
                 if request_id:
-                    ids = split.request_arms
-                    ids[request_id] = arm
-                    if len(ids) > MAX_FEEDBACK_IDS:
-                        ids.popitem(last=False)
+                    split.remember(request_id, arm)
+                    if self.report_ids:
+                        split.unreported.append((request_id, arm))
         if answer is not None and raw is not None:
             shadow = self.shadows.get(name)
             if shadow is not None:
@@ -368,7 +394,7 @@ class Router:
             raise ModelNotFound(f"endpoint '{name}' has no traffic split (start an experiment first)")
         arm = split.request_arms.pop(request_id, None)  # one outcome per request
         if arm is None:
-            raise ModelNotFound(f"no request '{request_id}' of endpoint '{name}' is known to its current split")
+            raise UnknownRequest(f"no request '{request_id}' of endpoint '{name}' is known to its current split")
         outcomes = split.totals[arm].outcomes
         if len(outcomes) < MAX_OUTCOMES:
             outcomes.append(float(value))

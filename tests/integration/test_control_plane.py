@@ -3,12 +3,16 @@
 frontend (the desired state in the database, watched by each worker; control RPCs carried to the
 leader); a second frontend whose control plane is external serves while the leader deploys; a shadow
 started through one frontend copies the requests of every frontend's workers, and the comparisons of
-all of them are summed in the report read through any frontend."""
+all of them are summed in the report read through any frontend; a failing 10 % canary is rolled back on
+the outcomes of both frontends' workers summed in the leader (neither frontend's alone reaches its minimum
+sample); an A/B caller key gets one arm on every worker of both frontends. (``kill -9`` of a frontend:
+tests/integration/test_frontend_kill.py, a pair of its own.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -28,7 +32,9 @@ from loadtest.stack import start_control
 from server.control.service.leader import lease_row
 from server.db import make_engine
 from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack, start_two_frontends
+from server.dataplane.traffic_policy import Arm, sticky_arm
 from tests.integration.test_deploy import ACTOR, _bundle_request
+from tests.integration.test_traffic import NAME as RANKER, POISON, ROWS, W1, W2, _infer, _onnx, _policy, _register
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -187,6 +193,201 @@ def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends, bundle
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no_such_model" in err.value.details()
         listed = admin.ListEndpoints(admin_pb2.ListEndpointsRequest())
         assert ENDPOINT in {e.name for e in listed.endpoints}
+
+
+# ---- canary and A/B across both frontends (the endpoint ranker: test_traffic's tiny ONNX versions) ----------------
+
+CANARY_SAMPLES = 20  # the canary's min_samples: no verdict before the leader's window holds this many
+EACH = 12  # canary requests sent through each frontend: under CANARY_SAMPLES alone, over it together
+EXPERIMENT_KEYS = [f"caller-{i}" for i in range(20)]
+
+
+def _ask(address: str, rows=ROWS, user: str | None = None) -> tuple[str, str]:
+    """One ranker request on a fresh connection (its own subchannel: SO_REUSEPORT picks the worker):
+    (version, arm) of the answer, or ('', the status code's name) when it failed."""
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        try:
+            return _infer(channel, rows=rows, user=user)[:2]
+        except grpc.RpcError as err:
+            return "", err.code().name
+
+
+def _asked_until(address: str, wanted, rows=ROWS, user: str | None = None, tries: int = 200) -> list[tuple[str, str]]:
+    """Ask CHANNELS fresh connections until every answer is in ``wanted`` (bounded by tries): the last round."""
+    answered: list[tuple[str, str]] = []
+    for _ in range(tries):
+        answered = [_ask(address, rows, user) for _ in range(CHANNELS)]
+        if set(answered) <= wanted:
+            break
+    return answered
+
+
+def _no_split(traffic) -> None:
+    """ranker without a split (what a test leaves; ended here when an earlier one failed half-way)."""
+    try:
+        traffic.Rollback(tpb.TrafficRollbackRequest(name=RANKER), metadata=ACTOR)
+    except grpc.RpcError as err:
+        if err.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+            raise
+
+
+@pytest.fixture(scope="module")
+def rankers(two_frontends):
+    """ranker's versions registered through B (v1 W1, v2 W2, v3 W1 faulty on POISON rows), v1 deployed through A."""
+    a, b = two_frontends
+    with grpc.insecure_channel(b.grpc) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        versions = tuple(_register(admin, _onnx(w, faulty), w, run) for w, faulty, run in ((W1, False, "w1"), (W2, False, "w2"), (W1, True, "w1-faulty")))
+    assert versions == (1, 2, 3)
+    with grpc.insecure_channel(a.grpc) as channel:
+        assert admin_pb2_grpc.AdminStub(channel).Deploy(admin_pb2.DeployRequest(ref=f"{RANKER}:1"), metadata=ACTOR).result.version == 1
+    return versions
+
+
+def _window(policy, arm: str) -> tuple[int, int]:
+    return next(((a.window_requests, a.window_errors) for a in policy.arms if a.name == arm), (0, 0))
+
+
+def _poison_until(address: str, failures: int, traffic, tries: int = 600) -> list[tuple[str, str]]:
+    """POISON rows through fresh connections of ``address`` until ``failures`` of them failed (only the
+    faulty canary fails on them) or the canary is no longer active (looked up every 10 requests)."""
+    answers: list[tuple[str, str]] = []
+    for i in range(tries):
+        answers.append(_ask(address, rows=POISON))
+        if sum(v == "" for v, _ in answers) >= failures or (i % 10 == 9 and _policy(traffic).status != "active"):
+            break
+    return answers
+
+
+def test_a_failing_canary_is_rolled_back_on_the_outcomes_of_both_frontends(two_frontends, rankers):
+    """10 % canary, min_samples 20: A's 12 failed canary requests alone leave it waiting in the leader, B's
+    12 more roll it back; afterwards every worker of both frontends answers from the old version, unsplit."""
+    a, b = two_frontends
+    with grpc.insecure_channel(a.grpc) as to_a:
+        traffic = traffic_pb2_grpc.TrafficStub(to_a)
+        admin = admin_pb2_grpc.AdminStub(to_a)
+        _no_split(traffic)
+        for stack in (a, b):  # v1 live everywhere before the canary
+            assert set(_asked_until(stack.grpc, {("1", "")})) == {("1", "")}
+        request = tpb.SetCanaryRequest(
+            name=RANKER, version=3, percent=10, steps=[10, 50], interval_s=600, window_s=600,
+            thresholds=tpb.CanaryThresholds(min_samples=CANARY_SAMPLES, max_error_rate=0.05),
+        )  # fmt: skip
+        assert traffic.SetCanary(request, metadata=ACTOR).policy.status == "active"
+        through_a = _poison_until(a.grpc, EACH, traffic)
+        assert set(through_a) <= {("1", "stable"), ("1", ""), ("", "INTERNAL")}  # stable answers; only the canary fails
+        assert sum(v == "" for v, _ in through_a) == EACH
+        policy = _policy(traffic)
+        for _ in range(100):  # until the leader has A's workers' reports and has analysed them
+            policy = _policy(traffic)
+            if f"{EACH} of {CANARY_SAMPLES} canary samples" in policy.verdict:
+                break
+            threading.Event().wait(0.1)  # a wait for the reports (each worker writes its outcomes every second)
+        assert (policy.status, _window(policy, "canary")) == ("active", (EACH, EACH)), policy
+        assert policy.verdict.startswith(f"wait: {EACH} of {CANARY_SAMPLES} canary samples"), policy.verdict
+        through_b = _poison_until(b.grpc, EACH, traffic)
+        assert set(through_b) <= {("1", "stable"), ("1", ""), ("", "INTERNAL")}
+        b_failed = sum(v == "" for v, _ in through_b)
+        for _ in range(100):
+            policy = _policy(traffic)
+            if policy.status != "active":
+                break
+            threading.Event().wait(0.1)
+        assert policy.status == "rolled_back", policy
+        assert CANARY_SAMPLES - EACH <= b_failed <= EACH  # the rollback needed B's outcomes
+        entry = next(e for e in admin.ListAudit(admin_pb2.ListAuditRequest(target=RANKER, limit=10), metadata=ACTOR).entries
+                     if e.action == "canary.rollback")  # fmt: skip
+        assert (entry.outcome, entry.actor, entry.target) == ("rolled_back", "traffic-controller", f"{RANKER}:3")
+        counted = int(float(re.search(r"canary_requests=(\S+)", entry.detail).group(1)))
+        assert CANARY_SAMPLES <= counted <= EACH + b_failed, entry.detail  # A's and B's, summed
+    for stack in (a, b):  # every worker of both: the old version, no split (POISON would fail on the canary)
+        assert set(_asked_until(stack.grpc, {("1", "")}, rows=POISON)) == {("1", "")}
+
+
+def test_an_ab_caller_key_gets_the_same_arm_on_every_worker_of_both_frontends(two_frontends, rankers):
+    a, b = two_frontends
+    arms = [("control", 1, 50), ("treatment", 2, 50)]
+    expected = {("1", "control"), ("2", "treatment")}
+    with grpc.insecure_channel(b.grpc) as to_b:
+        traffic = traffic_pb2_grpc.TrafficStub(to_b)
+        _no_split(traffic)
+        started = traffic.SetExperiment(
+            tpb.SetExperimentRequest(name=RANKER, experiment="arms-across", key_header="x-user-id",
+                                     arms=[tpb.ExperimentArm(name=n, version=v, weight=w) for n, v, w in arms]),
+            metadata=ACTOR,
+        ).policy  # fmt: skip
+        assert (started.kind, started.status) == ("ab", "active")
+        try:
+            for stack in (a, b):  # until every worker has the experiment (from the desired state)
+                assert set(_asked_until(stack.grpc, expected, user=EXPERIMENT_KEYS[0])) <= expected
+            assigned = {}
+            for key in EXPERIMENT_KEYS:
+                answers = {_ask(stack.grpc, user=key) for stack in (a, b) for _ in range(CHANNELS // 2)}
+                assert len(answers) == 1 and answers <= expected, (key, answers)  # one arm, on every worker of both
+                assigned[key] = answers.pop()
+            assert set(assigned.values()) == expected  # both arms occur
+            # the pure function of (key, experiment) every frontend computes
+            split = [Arm(n, str(v), float(w)) for n, v, w in arms]
+            assert {k: sticky_arm(k, split, "arms-across").name for k in EXPERIMENT_KEYS} == {k: arm for k, (_, arm) in assigned.items()}
+        finally:
+            _no_split(traffic)
+
+
+FEEDBACK_EACH = 8  # requests answered through each frontend, then their outcomes
+
+
+def _ask_with_id(address: str, request_id: str, user: str) -> tuple[str, str]:
+    """One ranker request named ``request_id`` on a fresh connection (SO_REUSEPORT picks the worker): (version, arm)."""
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        return _infer(channel, user=user, request_id=request_id)[:2]
+
+
+def test_ab_feedback_for_requests_any_worker_of_either_frontend_answered(two_frontends, rankers):
+    """Requests answered by the workers of B and of A (no process that serves leads), their outcomes sent at once
+    after, each through A or through B: every one is taken with the arm its answer named (the leader waits for the
+    answering worker's report of the id), and the A/B report read through either frontend counts them per arm."""
+    a, b = two_frontends
+    arms = [("control", 1, 50), ("treatment", 2, 50)]
+    expected = {("1", "control"), ("2", "treatment")}
+    with grpc.insecure_channel(a.grpc) as to_a, grpc.insecure_channel(b.grpc) as to_b:
+        through = {"a": traffic_pb2_grpc.TrafficStub(to_a), "b": traffic_pb2_grpc.TrafficStub(to_b)}
+        _no_split(through["a"])
+        started = through["a"].SetExperiment(
+            tpb.SetExperimentRequest(name=RANKER, experiment="feedback-across", key_header="x-user-id",
+                                     arms=[tpb.ExperimentArm(name=n, version=v, weight=w) for n, v, w in arms]),
+            metadata=ACTOR,
+        ).policy  # fmt: skip
+        assert (started.kind, started.status) == ("ab", "active")
+        try:
+            for stack in (a, b):  # until every worker has the experiment
+                assert set(_asked_until(stack.grpc, expected, user=EXPERIMENT_KEYS[0])) <= expected
+            answered = {}  # request id -> (arm the answer named, the frontend its outcome goes through)
+            for i in range(FEEDBACK_EACH):
+                for asked, told in (("b", "a"), ("a", "b"), ("b", "b"), ("a", "a")) if i % 2 else (("b", "b"), ("a", "a"), ("b", "a"), ("a", "b")):
+                    request_id = f"fb-{asked}{told}-{i}"
+                    version, arm = _ask_with_id((a if asked == "a" else b).grpc, request_id, user=f"fb-user-{request_id}")
+                    assert (version, arm) in expected
+                    answered[request_id] = (arm, told)
+            assert {arm for arm, _ in answered.values()} == {"control", "treatment"}
+            calls = {request_id: through[told].Feedback.future(tpb.FeedbackRequest(name=RANKER, request_id=request_id, value=1.0 if arm == "treatment" else 0.0), timeout=30)
+                     for request_id, (arm, told) in answered.items()}  # fmt: skip
+            taken = {}
+            for request_id, call in calls.items():
+                try:
+                    taken[request_id] = call.result().arm
+                except grpc.RpcError as err:
+                    taken[request_id] = err.code().name
+            assert taken == {request_id: arm for request_id, (arm, _) in answered.items()}
+            per_arm = {name: sum(arm == name for arm, _ in answered.values()) for name in ("control", "treatment")}
+            for traffic in through.values():
+                report = {arm.name: arm for arm in traffic.AbReport(tpb.AbReportRequest(name=RANKER)).arms}
+                assert {name: arm.outcomes for name, arm in report.items()} == per_arm
+                assert (report["control"].outcome_mean, report["treatment"].outcome_mean) == (0.0, 1.0)
+            with pytest.raises(grpc.RpcError) as again:  # one outcome per request
+                through["b"].Feedback(tpb.FeedbackRequest(name=RANKER, request_id=next(iter(answered)), value=1.0), timeout=30)
+            assert again.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            _no_split(through["a"])
 
 
 @pytest.fixture(scope="module")

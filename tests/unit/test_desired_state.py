@@ -4,6 +4,8 @@ lease (row lease and advisory lock), the watcher applying rows to a router, the 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+
 import pytest
 from server import migrations
 from server.control.service.desired_state import DesiredStateStore, changes, route_snapshot
@@ -243,6 +245,102 @@ def test_arm_outcomes_of_other_processes_reach_the_leaders_windows(engine):
     reporter = ArmReporter(front_a, engine, "front-late")
     reporter.write(reporter.collect())
     assert collector.apply(collector._read()) == 0  # a report of the ended split is dropped
+
+
+def _experiment(salt: str = "exp") -> Split:
+    return Split("ab", [Arm("control", "1", 1.0), Arm("treatment", "2", 1.0)], "", salt, 60.0)
+
+
+def _answered(router, ids_arms, code: str = "OK") -> None:
+    for request_id, arm in ids_arms:
+        router.observe("m", arm, code, 0.01, SimpleNamespace(id=request_id), None, None, None)
+
+
+def test_request_ids_of_other_processes_reach_the_leaders_split_once_and_bounded(engine, monkeypatch):
+    """A front's report carries the ids it answered since its last report (per arm, in order, each once); the
+    leader's split learns them within its bound; a report of another experiment brings none."""
+    from server.control.rollout.arm_reports import ArmCollector, ArmReporter
+    from server.dataplane import routing
+
+    leader, front = Router({"m": "1"}), Router({"m": "1"})
+    leader.splits["m"], front.splits["m"] = _experiment(), _experiment()
+    collector = ArmCollector(leader, engine)
+    collector._read()  # a new leader starts from now
+    reporter = ArmReporter(front, engine, "front-a")
+    _answered(front, [("r0", "control"), ("r1", "treatment"), ("r2", "control")])
+    _answered(front, [("r3", "treatment")], code="RESOURCE_EXHAUSTED")  # not an arm's outcome, still an answered id
+    rows = reporter.collect()
+    assert {r["arm"]: (r["outcomes"]["requests"], r["outcomes"]["request_ids"]) for r in rows} == {
+        "control": (2, ["r0", "r2"]), "treatment": (1, ["r1", "r3"])}
+    assert reporter.collect() == []  # each id once
+    _answered(front, [("r4", "control")])
+    assert [(r["arm"], r["outcomes"]["request_ids"]) for r in reporter.collect()] == [("control", ["r4"])]
+    reporter.write(rows)
+    assert leader.splits["m"].request_arms == {}
+    assert collector.apply(collector._read()) == 2
+    assert dict(leader.splits["m"].request_arms) == {"r0": "control", "r2": "control", "r1": "treatment", "r3": "treatment"}
+    assert leader.splits["m"].totals["treatment"].requests == 1
+
+    leader.splits["m"] = _experiment("exp2")  # the experiment ended, another began
+    _answered(front, [("r5", "control")])
+    reporter.write(reporter.collect())
+    assert collector.apply(collector._read()) == 0 and leader.splits["m"].request_arms == {}
+
+    monkeypatch.setattr(routing, "MAX_FEEDBACK_IDS", 3)
+    leader.splits["m"], front.splits["m"] = _experiment("exp2"), _experiment("exp2")
+    _answered(front, [(f"b{i}", "control") for i in range(5)])
+    rows = reporter.collect()
+    assert [r["outcomes"]["request_ids"] for r in rows] == [["b2", "b3", "b4"]]  # a report's bound: the newest kept
+    leader.splits["m"].remember("old", "treatment")
+    reporter.write(rows)
+    asyncio.run(_read_twice_at_once(collector))
+    assert list(leader.splits["m"].request_arms) == ["b2", "b3", "b4"]  # the leader's bound: its oldest id forgotten
+    assert leader.splits["m"].totals["control"].requests == 5  # two reads at once absorb a report once
+
+
+async def _read_twice_at_once(collector) -> None:
+    await asyncio.gather(collector.read_now(), collector.read_now())
+
+
+def test_a_feedback_waits_for_the_report_of_its_request_then_refuses(engine):
+    """The leader's feedback for an id a report brings in during the wait is recorded with its arm (once); an id
+    no report brings is refused after the wait, once the reports were read again."""
+    from server.control.rollout.arm_reports import ArmCollector, ArmReporter, after_reports
+    from server.dataplane.routing import UnknownRequest
+    from server.errors import ModelNotFound
+
+    leader, front = Router({"m": "1"}), Router({"m": "1"})
+    leader.splits["m"], front.splits["m"] = _experiment(), _experiment()
+    collector = ArmCollector(leader, engine)
+    collector._read()
+    reads = []
+    read = collector._read
+    collector._read = lambda: reads.append(1) or read()
+    reporter = ArmReporter(front, engine, "front-b")
+    _answered(front, [("late", "treatment")])
+
+    async def run():
+        waiting = asyncio.create_task(after_reports(lambda: leader.feedback("m", "late", 1.0), collector, wait_s=60.0, poll_s=0.01))
+        for _ in range(1000):  # until the feedback has read the reports once and not found its id
+            if reads:
+                break
+            await asyncio.sleep(0.01)
+        assert reads and not waiting.done()
+        await asyncio.to_thread(reporter.write, reporter.collect())  # the front reports after the outcome was sent
+        arm = await asyncio.wait_for(waiting, 30)
+        before = len(reads)
+        ticks = iter(range(100))
+        with pytest.raises(UnknownRequest):  # one outcome per request
+            await after_reports(lambda: leader.feedback("m", "late", 0.0), collector, wait_s=3.0, poll_s=0.0, clock=lambda: next(ticks))
+        refused_after = len(reads)
+        with pytest.raises(ModelNotFound):
+            await after_reports(lambda: leader.feedback("m", "never", 1.0), None)  # nothing reports here: at once
+        assert len(reads) == refused_after
+        return arm, refused_after - before
+
+    arm, reread = asyncio.run(run())
+    assert arm == "treatment" and leader.splits["m"].totals["treatment"].outcomes == [1.0]
+    assert reread >= 2  # the refused one read the reports again while it waited (clock: 3 ticks)
 
 
 def test_the_shadow_is_published_and_applied_like_a_split(engine):

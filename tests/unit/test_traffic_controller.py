@@ -392,9 +392,9 @@ def test_the_ab_report_counts_each_arm_and_compares_it_with_the_control(tmp_path
             version, arm = router.choose("m", None)
             error = arm == "treatment" and i % 4 == 1
             router.observe("m", arm, "INTERNAL" if error else "OK", 0.010 if arm == "control" else 0.030, SimpleNamespace(id=f"r{i}"), None, None, None)
-        arms = {f"r{i}": t.c.feedback("m", f"r{i}", 1.0 if i % 2 == 0 else 0.0) for i in range(40)}
+        arms = {f"r{i}": await t.c.feedback("m", f"r{i}", 1.0 if i % 2 == 0 else 0.0) for i in range(40)}
         with pytest.raises(InvalidRequest) as no_id:
-            t.c.feedback("m", "", 1.0)
+            await t.c.feedback("m", "", 1.0)
         assert no_id.value.message == "feedback needs the request id"
         return t, arms
 
@@ -1065,7 +1065,7 @@ def test_an_ab_report_compares_only_what_both_arms_have(tmp_path):
         for i, ms in enumerate((1, 2, 3, 4, 100)):
             router.observe("m", "control", "OK", ms / 1000.0, SimpleNamespace(id=f"c{i}"), None, None, None)
         for i in range(5):
-            t.c.feedback("m", f"c{i}", 1.0)
+            await t.c.feedback("m", f"c{i}", 1.0)
         return t
 
     t = asyncio.run(run())
@@ -1083,7 +1083,7 @@ def test_outcome_comparisons_use_the_reports_alpha(tmp_path):
         for i in range(60):
             arm = "control" if i % 2 else "treatment"
             router.observe("m", arm, "OK", 0.001, SimpleNamespace(id=f"r{i}"), None, None, None)
-            t.c.feedback("m", f"r{i}", (0.2 if arm == "treatment" else 0.0) + (i % 7) * 0.1)
+            await t.c.feedback("m", f"r{i}", (0.2 if arm == "treatment" else 0.0) + (i % 7) * 0.1)
         return t
 
     t = asyncio.run(run())

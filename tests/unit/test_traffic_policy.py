@@ -479,7 +479,7 @@ def test_controller_refuses_what_makes_no_sense(tmp_path):
         with pytest.raises(InvalidRequest):
             await controller.set_experiment("m", [("a", 1, 1)])
         with pytest.raises(ModelNotFound):
-            controller.feedback("m", "nope", 1.0)
+            await controller.feedback("m", "nope", 1.0)
 
     asyncio.run(run())
 

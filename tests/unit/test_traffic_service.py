@@ -77,7 +77,7 @@ class Controller:
     async def set_canary(self, name, version, percent, steps, interval_s, window_s, thresholds, key_header, actor):
         self.calls.append(("set_canary", name, version, percent, steps, interval_s, window_s, thresholds, key_header, actor))
 
-    def feedback(self, name, request_id, value):
+    async def feedback(self, name, request_id, value):
         self.calls.append(("feedback", name, request_id, value))
         return "b"
 

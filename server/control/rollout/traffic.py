@@ -37,6 +37,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, Table, insert, select, update
 
+from server.control.rollout.arm_reports import after_reports
 from server.control.rollout.deployer import COMPOSITE_FORMAT, same_tensors, serving_from
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound
 from server.control.rollout.shadow_reports import ShadowPeers, summed
@@ -148,6 +149,9 @@ class TrafficController:
         self.deployer = deployer
         self.store = TrafficStore(registry.engine)
         self.shadow_peers = ShadowPeers(registry.engine)  # every serving process's shadow comparisons
+        # server.control.rollout.arm_reports.ArmCollector (the control plane's): a feedback waits on its reads for the
+        # id of a request another process answered; None: only this process's requests are known
+        self.arm_reports = None
         self.tick_s = tick_s
         self.shadow_workers = shadow_workers
         self.clock = clock
@@ -467,10 +471,12 @@ class TrafficController:
         await self._audit(actor, "ab.start", f"{name}:{experiment or name}", "ok", f"{arms_text}; key header {key_header or '-'}")
         return policy
 
-    def feedback(self, name: str, request_id: str, value: float) -> str:
+    async def feedback(self, name: str, request_id: str, value: float) -> str:
+        """The outcome of one request, returning its arm. The request may have been answered by another serving
+        process, whose report brings its id here up to a report interval after the answer: waited for (bounded)."""
         if not request_id:
             raise InvalidRequest("feedback needs the request id")
-        return self.router.feedback(name, request_id, value)
+        return await after_reports(lambda: self.router.feedback(name, request_id, value), self.arm_reports)
 
     def _report_split(self, name: str) -> tuple[Policy, Split]:
         policy = self.policies.get((name, SPLIT))

@@ -119,6 +119,7 @@ class ControlPlane:
         self.publisher = publisher = StatePublisher(self.dp.router, self.desired, s.desired_state_poll_s, asleep=self._asleep)
         self._tasks.append(loop.create_task(publisher.run(), name="desired-state-publish"))
         collector = ArmCollector(self.dp.router, self.registry.engine)  # canary verdicts on every frontend's outcomes
+        self.traffic.arm_reports = collector  # and A/B feedback for the requests of every frontend
         self._tasks.append(loop.create_task(collector.run(), name="arm-reports"))
         self.ledger = fleet_ledger(s, self.fleet, self.registry)
         self.ledger.start()

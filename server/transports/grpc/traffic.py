@@ -114,7 +114,7 @@ class TrafficService(traffic_pb2_grpc.TrafficServicer):
 
     async def Feedback(self, request, context):
         self._caller(context, request.name)
-        return tpb.FeedbackResponse(arm=self.controller.feedback(request.name, request.request_id, request.value))
+        return tpb.FeedbackResponse(arm=await self.controller.feedback(request.name, request.request_id, request.value))
 
     async def AbReport(self, request, context):
         self._caller(context, request.name)
