@@ -62,6 +62,8 @@ cluster: models
 # the suites of the shared stack again with Triton in the frontend's process (--triton-mode in-process, ~1 min),
 # then the fuzz step (tests/fuzz, its own stack, ~2-3 min): CI runs all of it (TESTING.md, "What CI runs")
 INPROCESS_SUITES = tests/integration/test_spine.py tests/integration/test_rest_bridge.py tests/integration/test_typed.py
+# each pytest of the test run ends without the interpreter's finalization (tests/conftest.py, pytest_unconfigure)
+test: export INFERPLANE_TEST_EXIT = hard
 test: setup  # provision after setup, never beside it (both would build .venv under make -j)
 	$(MAKE) --no-print-directory provision
 	$(BIN)/python -m model_repository.caches  # SmolLM2, its LoRA pair, MiniLM's export: before the tests' time limits
