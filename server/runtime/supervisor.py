@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 MODEL_LOAD_THREADS = 4  # Triton loads this many models at once (the reconciler keeps as many load calls in flight)
+LIVE_POLL_MS = 100  # a starting tritonserver's port is tried this often (its channel's reconnect backoff)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -155,7 +156,9 @@ class TritonSupervisor:
         await self._wait_live()
 
     async def _wait_live(self) -> None:
-        client = TritonClient(self.grpc_target)
+        # tries every 100 ms on loopback: with the default backoff (growing to 1 s) the refused tries
+        # while tritonserver starts put the try that finds it live up to ~0.6 s after it opened its port
+        client = TritonClient(self.grpc_target, max_reconnect_backoff_ms=LIVE_POLL_MS)
         client.connect()
         deadline = time.monotonic() + self.startup_timeout
         try:

@@ -131,10 +131,15 @@ class Fleet:
         self.replicas.revive(replica_id)  # its models stay: the standby holds them, ready
 
     async def _local_restarted(self, replica_id: str, target: str) -> None:
-        member = self.replicas.member(replica_id)
-        if member.target != target:
-            self.replicas.replace_client(replica_id, client(self.settings, target))
+        self.reconnect(replica_id, target)
         await self.replicas.rejoin(replica_id)
+
+    def reconnect(self, replica_id: str, target: str) -> None:
+        """A local replica's Triton restarted (live at ``target``: its ports, or new ones after a failed
+        try): a new channel to it. The dead process's channel waits out its reconnect backoff (up to
+        1 s) and fails every call meanwhile, so the rejoin's probe missed the live Triton and the
+        replica waited for a later health round."""
+        self.replicas.replace_client(replica_id, client(self.settings, target))
 
     def triton_targets(self) -> list[TritonTarget]:
         """Each replica's Triton backends and GPUs, for the deployer's backend choice. A local Triton's
