@@ -73,6 +73,12 @@ def _signature(model_dir: Path) -> tuple[int, int]:
     return len(stamps), max(stamps, default=0)
 
 
+def _ready_pid(warm: "_Warm") -> int | None:
+    """A member's pid once it is what it is kept as: live, and a standby's model loaded (the supervisor
+    is ready only after its restart's reload)."""
+    return warm.supervisor.pid if warm.supervisor.state == "ready" else None
+
+
 @dataclass
 class _Warm:
     supervisor: TritonSupervisor
@@ -175,14 +181,16 @@ class LocalReplicaPool:
         )
 
     def warm_pids(self) -> list[int | None]:
-        """The empty members' pids."""
-        return [w.supervisor.pid for w in self.warm if w.model is None]
+        """The empty members' pids (None: one restarting)."""
+        return [_ready_pid(w) for w in self.warm if w.model is None]
 
     def standby_pids(self) -> dict[str, list[int | None]]:
+        """Each model's standbys' pids (None: one restarting, its model not loaded again yet — its new
+        process has a pid from its spawn on, before it is live and holds the model)."""
         out: dict[str, list[int | None]] = {}
         for w in self.warm:
             if w.model is not None:
-                out.setdefault(w.model, []).append(w.supervisor.pid)
+                out.setdefault(w.model, []).append(_ready_pid(w))
         return out
 
     async def keep_standby(self, counts: dict[str, int]) -> None:

@@ -251,3 +251,25 @@ async def test_a_failed_reload_after_a_restart_leaves_an_empty_member_and_a_new_
     assert standby.model is None and standby in pool.warm  # a live Triton kept, empty
     await asyncio.gather(*pool._refills)
     assert len(pool.standby_pids()["m"]) == 1 and pool.standby_pids()["m"] != [standby.supervisor.pid]
+
+
+async def test_a_restarting_standby_is_not_reported_before_its_model_is_loaded_again(tmp_path):
+    pool, _ = pool_of(tmp_path, standby={"m": 1})
+    await pool.fill_warm()
+    (standby,) = pool.warm
+    gate = asyncio.Event()
+
+    async def slow(target, model):
+        await gate.wait()
+
+    pool.load = slow
+    standby.supervisor.die = lambda: None
+    standby.supervisor.state = "restarting"
+    standby.supervisor.pid = 999  # its new process is spawned (a pid) while it starts and reloads
+    assert pool.standby_pids()["m"] == [None]
+    reload = asyncio.ensure_future(standby.supervisor.restart())
+    await asyncio.sleep(0)
+    assert pool.standby_pids() == {}  # out of the pool while it loads (counted as warming)
+    gate.set()
+    await reload
+    assert pool.standby_pids()["m"] == [standby.supervisor.pid] != [None]
