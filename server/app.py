@@ -332,6 +332,7 @@ class Frontend:
 
     async def _on_triton_restart(self) -> None:
         fleet, dp = self.backend.fleet, self.backend.dataplane
+        fleet.reconnect(PRIMARY, self.backend.supervisor.grpc_target)  # the restarted process: a new channel
         if dp.backend_up:  # other replicas kept serving: it rejoins with its models
             await fleet.replicas.rejoin(PRIMARY)
             return

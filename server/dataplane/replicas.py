@@ -817,6 +817,8 @@ class ReplicaSet:
     async def rejoin(self, member_id: str) -> bool:
         """Probe a member now (its process restarted) and wait until it rejoined; True when it is up."""
         member = self.member(member_id)
+        while member.probing:  # a health round's probe in flight (perhaps on the connection before the restart): after it
+            await asyncio.sleep(0.01)
         if member.rejoining is None:
             await self._probe(member)
         if member.rejoining is not None:

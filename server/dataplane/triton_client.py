@@ -27,8 +27,12 @@ class TritonClient:
 
     def __init__(
         self, target: str, *, channels: int = 1, max_message_bytes: int = 64 << 20, credentials=None, server_name: str | None = None,
+        max_reconnect_backoff_ms: int = 1000,
     ):  # fmt: skip
         self.target = target
+        # how long a channel that lost its Triton waits, at most, between tries to reach it again: a call
+        # meanwhile fails at once (UNAVAILABLE), so a Triton back on its port is reached up to this late
+        self._max_reconnect_backoff_ms = max_reconnect_backoff_ms
         self._max_message_bytes = max_message_bytes
         # TLS to a remote Triton (server.tenancy.tls.channel_credentials): CA, client certificate; the name
         # Triton's certificate is checked against when it is not the target's host
@@ -46,7 +50,7 @@ class TritonClient:
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.max_reconnect_backoff_ms", self._max_reconnect_backoff_ms),
             ("grpc.enable_retries", 0),
             # distinct subchannels, so N channels are N HTTP/2 connections
             ("grpc.use_local_subchannel_pool", 1),

@@ -22,13 +22,18 @@ background. A standby is taken only while the model's directory is what it loade
 a deploy that wrote another version makes it an empty member's worth: the executor loads again); a
 standby whose Triton died and restarted loads its model again. Placement decides how many standbys
 the pool keeps (``keep_standby``: those whose model fits a replica, server.control.scaling.placement).
+
+The pool converges on what it keeps: a warm member whose start or model load fails (a Triton not live
+within its timeout on a loaded machine, a load refused) is started again after a backoff that doubles
+with each failure in a row (``retry_delay``: 1 s, 2 s, ... up to 30 s; a success starts it over), each
+failure logged with its count and the wait — not left short until a placement change refills it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +59,11 @@ def parse_standby(spec: str) -> dict[str, int]:
     return out
 
 
+def retry_delay(failures: int, first_s: float, max_s: float) -> float:
+    """The wait before the pool starts a warm member again after ``failures`` failed starts in a row."""
+    return min(first_s * 2 ** max(0, failures - 1), max_s)
+
+
 def _signature(model_dir: Path) -> tuple[int, int]:
     """What a model's directory holds, cheaply: (files, newest mtime in ns) of its files; the
     ``__pycache__`` the Python backend's stub writes when it loads (and the directory mtimes it
@@ -61,6 +71,12 @@ def _signature(model_dir: Path) -> tuple[int, int]:
     files = [p for p in model_dir.rglob("*") if "__pycache__" not in p.parts and p.is_file()] if model_dir.is_dir() else []
     stamps = [p.stat().st_mtime_ns for p in files]
     return len(stamps), max(stamps, default=0)
+
+
+def _ready_pid(warm: "_Warm") -> int | None:
+    """A member's pid once it is what it is kept as: live, and a standby's model loaded (the supervisor
+    is ready only after its restart's reload)."""
+    return warm.supervisor.pid if warm.supervisor.state == "ready" else None
 
 
 @dataclass
@@ -85,6 +101,8 @@ class LocalReplicaPool:
         warm_pool: int = 0,
         standby: dict[str, int] | None = None,
         load: Loader | None = None,
+        retry_s: float = 1.0,
+        retry_max_s: float = 30.0,
     ):
         self.repository = Path(repository)
         self.workdir = Path(workdir)
@@ -109,6 +127,10 @@ class LocalReplicaPool:
         self.taken_over = 0  # replicas whose dead Triton a standby replaced (take_over)
         self._warm_started = 0
         self._refills: set[asyncio.Task] = set()
+        self.retry_s, self.retry_max_s = retry_s, retry_max_s  # the backoff after a failed warm start
+        self.warm_failures = 0  # warm starts (or their model loads) that failed, ever
+        self._failing = 0  # ... in a row: the backoff's exponent (a success resets it)
+        self._retry: asyncio.Task | None = None  # the one pending start-again, if any
 
     @property
     def install(self) -> TritonInstallation:
@@ -159,14 +181,16 @@ class LocalReplicaPool:
         )
 
     def warm_pids(self) -> list[int | None]:
-        """The empty members' pids."""
-        return [w.supervisor.pid for w in self.warm if w.model is None]
+        """The empty members' pids (None: one restarting)."""
+        return [_ready_pid(w) for w in self.warm if w.model is None]
 
     def standby_pids(self) -> dict[str, list[int | None]]:
+        """Each model's standbys' pids (None: one restarting, its model not loaded again yet — its new
+        process has a pid from its spawn on, before it is live and holds the model)."""
         out: dict[str, list[int | None]] = {}
         for w in self.warm:
             if w.model is not None:
-                out.setdefault(w.model, []).append(w.supervisor.pid)
+                out.setdefault(w.model, []).append(_ready_pid(w))
         return out
 
     async def keep_standby(self, counts: dict[str, int]) -> None:
@@ -219,10 +243,16 @@ class LocalReplicaPool:
                     await warm.supervisor.stop()
                     return
             self.warm.append(warm)
+            self._failing = 0
             log.info("warm Triton %s ready at %s%s", name, warm.supervisor.grpc_target, f" holding {model}" if model else "")
-        except Exception as err:  # the pool stays short; the next scale-up starts cold
-            log.warning("starting a warm Triton%s failed: %s", f" for {model}" if model else "", err)
+        except Exception as err:  # short until the start-again (a scale-up meanwhile starts cold)
+            self.warm_failures += 1
+            self._failing += 1
+            delay = retry_delay(self._failing, self.retry_s, self.retry_max_s)
+            log.warning("starting warm Triton %s%s failed (%d in a row): %s; starting one again in %.1fs",
+                        name, f" for {model}" if model else "", self._failing, err, delay)  # fmt: skip
             await warm.supervisor.stop()
+            self._start_again(delay)
         finally:
             self._warming[model] -= 1
 
@@ -230,20 +260,41 @@ class LocalReplicaPool:
         """A standby's Triton restarted (empty): load its model again before it counts as one."""
         if warm.model is None or warm not in self.warm:
             return
+        model = warm.model
         self.warm.remove(warm)
+        self._warming[model] = self._warming.get(model, 0) + 1  # still counted: a refill meanwhile starts no second one
         try:
-            warm.signature = _signature(self.repository / warm.model)
-            await self.load(warm.supervisor.grpc_target, warm.model)
+            warm.signature = _signature(self.repository / model)
+            await self.load(warm.supervisor.grpc_target, model)
         except Exception as err:  # it stays, empty (a live Triton), and a standby of the model is started
-            log.warning("reloading %s on a restarted standby failed: %s", warm.model, err)
+            log.warning("reloading %s on a restarted standby failed: %s", model, err)
             warm.model = None
-            self._refill()
+        finally:
+            self._warming[model] -= 1
         self.warm.append(warm)
+        if warm.model is None:
+            self._refill()
 
     def _refill(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.fill_warm(), name="warm-pool-refill")
+        self._background(self.fill_warm(), "warm-pool-refill")
+
+    def _start_again(self, delay: float) -> None:
+        """Fill the pool again in ``delay`` s (one pending at a time: it fills every kind short then)."""
+        if self._retry is not None and not self._retry.done():
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            self._retry = None  # a failure in this fill schedules the next one
+            await self.fill_warm()
+
+        self._retry = self._background(later(), "warm-pool-retry")
+
+    def _background(self, work: Coroutine[None, None, None], name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._refills.add(task)
         task.add_done_callback(self._refills.discard)
+        return task
 
     def _live(self) -> list[_Warm]:
         return [w for w in self.warm if w.supervisor.pid is not None and w.supervisor.state == "ready"]

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 MODEL_LOAD_THREADS = 4  # Triton loads this many models at once (the reconciler keeps as many load calls in flight)
+LIVE_POLL_MS = 100  # a starting tritonserver's port is tried this often (its channel's reconnect backoff)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -44,6 +45,18 @@ class TritonStartError(RuntimeError):
     pass
 
 
+FIRST_BACKOFF_S = 0.25
+
+
+def restart_wait(lived_s: float, restarted_before: bool, backoff: float, stable_s: float, max_backoff: float) -> tuple[float, float]:
+    """(seconds to wait before restarting a Triton that died, the backoff after). A death after a
+    stable run (or the first one) restarts at once and starts the backoff over; one within
+    ``stable_s`` of its restart (a model that crashes it on every load) waits, doubling each time."""
+    if not restarted_before or lived_s >= stable_s:
+        return 0.0, FIRST_BACKOFF_S
+    return backoff, min(backoff * 2, max_backoff)
+
+
 class TritonSupervisor:
     """Owns one tritonserver process at a time; ``state`` is starting|ready|restarting|stopped."""
 
@@ -57,6 +70,7 @@ class TritonSupervisor:
         on_down: Callable[[], None] | None = None,
         startup_timeout: float = 60.0,
         max_backoff: float = 8.0,
+        stable_s: float = 10.0,
         extra_args: list[str] | None = None,
         response_cache_bytes: int = 64 << 20,
         otlp_traces_url: str | None = None,
@@ -74,6 +88,7 @@ class TritonSupervisor:
         self.on_down = on_down
         self.startup_timeout = startup_timeout
         self.max_backoff = max_backoff
+        self.stable_s = stable_s  # a Triton that dies sooner after its restart is in a crash loop: its restarts back off
         self.extra_args = list(extra_args or [])
         self.response_cache_bytes = response_cache_bytes
         self.otlp_traces_url = otlp_traces_url
@@ -86,6 +101,7 @@ class TritonSupervisor:
         self._monitor: asyncio.Task | None = None
         self._stopping = False
         self._generation = 0
+        self._live_at = 0.0  # when the current process became live
         self._backends = self.install.prepare_backends(self.workdir)
         self.log_path = self.workdir / "triton.log"
 
@@ -155,7 +171,9 @@ class TritonSupervisor:
         await self._wait_live()
 
     async def _wait_live(self) -> None:
-        client = TritonClient(self.grpc_target)
+        # tries every 100 ms on loopback: with the default backoff (growing to 1 s) the refused tries
+        # while tritonserver starts put the try that finds it live up to ~0.6 s after it opened its port
+        client = TritonClient(self.grpc_target, max_reconnect_backoff_ms=LIVE_POLL_MS)
         client.connect()
         deadline = time.monotonic() + self.startup_timeout
         try:
@@ -163,6 +181,7 @@ class TritonSupervisor:
                 if self._proc.returncode is not None:
                     raise TritonStartError(f"tritonserver exited with {self._proc.returncode} while starting:\n{self.log_tail()}")
                 if await client.server_live(timeout=0.5):
+                    self._live_at = time.monotonic()
                     return
                 await asyncio.sleep(0.05)
             raise TritonStartError(f"tritonserver not live after {self.startup_timeout}s:\n{self.log_tail()}")
@@ -176,18 +195,23 @@ class TritonSupervisor:
             return ""
 
     async def _watch(self) -> None:
-        backoff = 0.25
+        backoff = FIRST_BACKOFF_S
         while not self._stopping:
             code = await self._proc.wait()
             if self._stopping:
                 return
+            lived = time.monotonic() - self._live_at
+            wait, backoff = restart_wait(lived, self.restarts > 0, backoff, self.stable_s, self.max_backoff)
             self.state = "restarting"
             self.restarts += 1
             _kill_group(self._proc.pid)  # its Python-backend stubs do not die with it
-            log.warning("tritonserver exited with %s; restarting (restart #%d)", code, self.restarts)
+            log.warning("tritonserver exited with %s after %.1fs live; restarting (restart #%d)%s", code, lived, self.restarts,
+                        f" in {wait:.2f}s: it died again soon after its last restart" if wait else "")  # fmt: skip
             if self.on_down:
                 self.on_down()
             self._cleanup_shm()
+            if wait:
+                await asyncio.sleep(wait)
             while not self._stopping:
                 try:
                     await self._spawn()
@@ -206,7 +230,6 @@ class TritonSupervisor:
                 except Exception:  # the supervisor must outlive a failed reload
                     log.exception("reloading models after a restart failed")
             self.state = "ready"
-            backoff = 0.25
 
     async def _kill(self) -> None:
         proc = self._proc

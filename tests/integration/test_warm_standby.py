@@ -9,7 +9,10 @@ standby larger than a replica is refused: tests/unit/test_warm_pool.py). ``kill 
 bounded load: the new standby takes its place at once (the frontend sends it traffic), the dead one
 restarts as the standby, and no admitted request is lost. While a standby is ready, a scale-down
 waits only ``standby_down_factor`` of its window (set through the gRPC ``AutoscaleConfig`` and
-``inferplane autoscale set``). Timings go to ``loadtest/warm_pool.py``
+``inferplane autoscale set``). The pool converges on what it keeps: ``kill -9`` of the standby itself
+restarts it loaded again; a standby whose load fails (its model's artifact missing while the pool
+refills behind a scale-up) is started again after a backoff until it loads, and then takes over a
+replica's ``kill -9``. Timings go to ``loadtest/warm_pool.py``
 and ``loadtest/crash_isolation.py`` (BENCHMARKS.md §19), not here.
 """
 
@@ -158,3 +161,39 @@ def test_a_ready_standby_shortens_the_scale_down_window_set_through_grpc(standby
     assert "a standby is ready" in down["reason"], down
     (left,) = hosts(standby).values()
     assert answer(left["target"]) == answer(standby.grpc)  # the copy that stays answers bit-exact
+
+
+def test_the_pool_converges_a_killed_standby_reloads_and_a_failed_one_is_started_again(standby):
+    assert wait_until(lambda: len(standbys(standby)) == 1, 90), explain(standby)["executor"]
+    (waiting,) = standbys(standby)
+    os.kill(waiting, signal.SIGKILL)  # the standby itself: its supervisor restarts it, and it loads the model again
+    assert wait_until(lambda: len(standbys(standby)) == 1 and standbys(standby) != [waiting], 90), explain(standby)["executor"]
+    (waiting,) = standbys(standby)
+    failures = explain(standby)["executor"]["warm_failures"]
+    artifact = standby.repository / FRAUD / "1" / "model.json"
+    away = artifact.with_name("model.json.away")
+    # the next standby's load fails (the adapter finds no artifact); a rename keeps the folder's files'
+    # count and mtimes, so the standby waiting now is still current and the scale-up takes it
+    artifact.rename(away)
+    try:
+        configure(standby, min_replicas=2, max_replicas=2)
+        assert wait_until(lambda: explain(standby)["serving_replicas"] == 2, 90), explain(standby)["executor"]
+        assert waiting in {r["pid"] for r in hosts(standby).values()}  # the scale-up took the standby
+        assert wait_until(lambda: explain(standby)["executor"]["warm_failures"] > failures, 90), explain(standby)["executor"]
+        assert standbys(standby) == []  # the refill behind it failed: short
+    finally:
+        away.rename(artifact)
+    # started again after its backoff (not left short: nothing else changes the placement now), loaded
+    assert wait_until(lambda: len(standbys(standby)) == 1, 120), explain(standby)["executor"]
+    (again,) = standbys(standby)
+    assert again not in {r["pid"] for r in hosts(standby).values()}
+    victim = max(hosts(standby).values(), key=lambda r: r["id"])
+    taken_before = explain(standby)["executor"]["taken_over"]
+    with Load(standby, FRAUD, threads=2) as load:
+        load.served(50)
+        os.kill(victim["pid"], signal.SIGKILL)
+        assert wait_until(lambda: hosts(standby)[victim["id"]]["pid"] == again, 30), explain(standby)["executor"]
+        assert explain(standby)["executor"]["taken_over"] == taken_before + 1
+        load.served(100)
+    assert not load.errors, load.errors[:5]
+    assert answer(hosts(standby)[victim["id"]]["target"]) == answer(standby.grpc)  # bit-exact

@@ -349,6 +349,39 @@ def test_down_members_rejoin_with_their_models_loaded_again():
     run(main())
 
 
+def test_a_rejoin_during_a_health_probe_on_the_dead_connection_probes_the_new_one_after_it():
+    """A local Triton restarted: the fleet gives the member a new channel and asks it to rejoin while
+    a health round's probe still waits on the old one (it fails: the dead process). The rejoin probes
+    again after that probe, on the new channel, and the member is up with its models loaded again —
+    not left down until a later health round."""
+
+    async def main():
+        rs, (a, b) = make("a", "b")
+        await rs.load_on("a", "extra")
+        rs.mark_down("a")
+        gate = asyncio.Event()
+
+        async def stuck(timeout: float = 1.0) -> bool:  # a connect attempt to the dead port
+            await gate.wait()
+            return False
+
+        a.server_live = stuck
+        health = asyncio.ensure_future(rs.check_health())
+        await asyncio.sleep(0.01)
+        assert rs.member("a").probing
+        restarted = fake("a2", models=())
+        rs.replace_client("a", restarted)
+        rejoin = asyncio.ensure_future(rs.rejoin("a"))
+        await asyncio.sleep(0.05)
+        assert not rejoin.done()  # waits for the probe in flight
+        gate.set()
+        await health
+        assert await rejoin
+        assert rs.member("a").state == UP and {"extra"} <= set(restarted.loads) and "extra" in rs.member("a").models
+
+    run(main())
+
+
 def test_model_config_counts_instances_over_the_members_serving_it():
     async def main():
         rs, _ = make("a", "b", "c")

@@ -156,3 +156,120 @@ async def test_the_local_executor_counts_the_standbys_a_scale_up_can_take_now(tm
     restarting = next(w for w in pool.warm if w.model == "m")
     restarting.supervisor.pid = None  # its Triton died and restarts: not takeable (the policy's cheap scale-up)
     assert executor.standby_ready("m") == 1
+
+
+class FailsFirst(FakeSupervisor):
+    """A supervisor whose first ``fails`` starts raise (a Triton not live within its timeout on a loaded machine)."""
+
+    fails = 1
+
+    async def start(self):
+        if FailsFirst.fails > 0:
+            FailsFirst.fails -= 1
+            raise RuntimeError("tritonserver not live after 120.0s")
+        await super().start()
+
+
+async def test_a_failed_warm_start_is_started_again_until_the_pool_holds_what_it_keeps(tmp_path):
+    pool, loads = pool_of(tmp_path, standby={"m": 1}, retry_s=0.01)
+    pool._supervisor = FailsFirst
+    FailsFirst.fails = 1
+    await pool.fill_warm()
+    assert pool.standby_pids() == {} and pool.warm_failures == 1 and loads == []  # short: its start failed
+    assert pool._retry is not None and pool._short() == ["m"]  # ... and a start-again is pending
+    await asyncio.gather(*pool._refills)  # the start-again, after its backoff
+    assert len(pool.standby_pids()["m"]) == 1 and [m for _, m in loads] == ["m"] and pool.warm_failures == 1
+    assert not pool._refills and pool._failing == 0  # converged: nothing more pending, the backoff starts over
+
+
+async def test_a_failed_standby_load_is_started_again_and_failures_in_a_row_back_off(tmp_path):
+    pool, loads = pool_of(tmp_path, warm_pool=1, standby={"m": 1}, retry_s=0.01)
+    refusals = [RuntimeError("load failed: artifact missing")] * 3
+
+    async def refused_thrice(target, model):
+        loads.append((target, model))
+        if refusals:
+            raise refusals.pop()
+
+    started: list[FakeSupervisor] = []
+    pool.load = refused_thrice
+    pool._supervisor = lambda name: started.append(FakeSupervisor(name)) or started[-1]
+    await pool.fill_warm()
+    assert len(pool.warm_pids()) == 1 and pool.standby_pids() == {} and pool._failing == 1  # the empty one started
+    while pool._refills:  # each failure schedules the next start-again (one pending at a time)
+        await asyncio.gather(*pool._refills)
+    assert pool.warm_failures == 3 and len(loads) == 4 and len(pool.standby_pids()["m"]) == 1 and len(pool.warm_pids()) == 1
+    assert pool._failing == 0 and len(started) == 5  # the empty one, three failed standbys, the one kept
+    kept = {w.supervisor for w in pool.warm}
+    assert all(s.state == "stopped" for s in started if s not in kept)  # the failed ones were stopped, not left running
+
+
+def test_the_backoff_doubles_per_failure_in_a_row_up_to_its_cap():
+    from server.runtime.local_replicas import retry_delay
+
+    assert [retry_delay(n, 1.0, 30.0) for n in (1, 2, 3, 4, 5, 6, 9)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert retry_delay(0, 1.0, 30.0) == 1.0
+
+
+async def test_a_standby_reloading_after_its_restart_counts_as_kept(tmp_path):
+    pool, loads = pool_of(tmp_path, standby={"m": 1})
+    await pool.fill_warm()
+    (standby,) = pool.warm
+    gate = asyncio.Event()
+
+    async def slow(target, model):
+        loads.append((target, model))
+        await gate.wait()
+
+    pool.load = slow
+    standby.supervisor.die = lambda: None
+    reload = asyncio.ensure_future(standby.supervisor.restart())  # its Triton restarted: loading the model again
+    await asyncio.sleep(0)
+    assert standby not in pool.warm and pool._short() == []  # not a member missing: no second standby
+    await pool.fill_warm()
+    assert len(loads) == 2  # the first fill, the reload: no new start meanwhile
+    gate.set()
+    await reload
+    assert pool.warm == [standby] and pool.standby_pids()["m"] == [standby.supervisor.pid]
+
+
+async def test_a_failed_reload_after_a_restart_leaves_an_empty_member_and_a_new_standby_is_started(tmp_path):
+    pool, loads = pool_of(tmp_path, standby={"m": 1})
+    await pool.fill_warm()
+    (standby,) = pool.warm
+
+    async def ok(target, model):
+        loads.append((target, model))
+
+    async def refusing(target, model):
+        loads.append((target, model))
+        pool.load = ok
+        raise RuntimeError("load failed")
+
+    pool.load = refusing
+    await standby.supervisor.restart()
+    assert standby.model is None and standby in pool.warm  # a live Triton kept, empty
+    await asyncio.gather(*pool._refills)
+    assert len(pool.standby_pids()["m"]) == 1 and pool.standby_pids()["m"] != [standby.supervisor.pid]
+
+
+async def test_a_restarting_standby_is_not_reported_before_its_model_is_loaded_again(tmp_path):
+    pool, _ = pool_of(tmp_path, standby={"m": 1})
+    await pool.fill_warm()
+    (standby,) = pool.warm
+    gate = asyncio.Event()
+
+    async def slow(target, model):
+        await gate.wait()
+
+    pool.load = slow
+    standby.supervisor.die = lambda: None
+    standby.supervisor.state = "restarting"
+    standby.supervisor.pid = 999  # its new process is spawned (a pid) while it starts and reloads
+    assert pool.standby_pids()["m"] == [None]
+    reload = asyncio.ensure_future(standby.supervisor.restart())
+    await asyncio.sleep(0)
+    assert pool.standby_pids() == {}  # out of the pool while it loads (counted as warming)
+    gate.set()
+    await reload
+    assert pool.standby_pids()["m"] == [standby.supervisor.pid] != [None]

@@ -285,6 +285,7 @@ class LocalExecutor:
             "standby": {m: [p for p in pids if p is not None] for m, pids in sorted(self.pool.standby_pids().items())},  # loaded, out of rotation
             "from_warm": dict(sorted(self.pool.from_warm.items())),  # replica -> "empty" or the standby's model it took
             "taken_over": self.pool.taken_over,  # dead replicas a standby replaced
+            "warm_failures": self.pool.warm_failures,  # warm starts (or standby loads) that failed: each is started again after a backoff
             "standby_refused": dict(sorted(plan.refused_standby.items())) if plan is not None else {},  # a copy outgrows a replica
             "memory_mb": {k: v >> 20 for k, v in memory.items()},  # placed: the replicas' copies, the standbys'
             "capacity_mb": self.capacity_bytes >> 20,

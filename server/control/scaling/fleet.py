@@ -127,14 +127,19 @@ class Fleet:
         if target is None:
             self.replicas.mark_down(replica_id)
             return
-        self.replicas.replace_client(replica_id, client(self.settings, target))
+        self.reconnect(replica_id, target)
         self.replicas.revive(replica_id)  # its models stay: the standby holds them, ready
 
     async def _local_restarted(self, replica_id: str, target: str) -> None:
-        member = self.replicas.member(replica_id)
-        if member.target != target:
-            self.replicas.replace_client(replica_id, client(self.settings, target))
+        self.reconnect(replica_id, target)
         await self.replicas.rejoin(replica_id)
+
+    def reconnect(self, replica_id: str, target: str) -> None:
+        """A new channel to a local replica's Triton, live at ``target``: a standby that took its place,
+        or its restarted process (its ports, or new ones after a failed try). The dead process's
+        channel waits out its reconnect backoff (up to 1 s) and fails every call meanwhile, so a
+        rejoin's probe on it missed the live Triton and the replica waited for a later health round."""
+        self.replicas.replace_client(replica_id, client(self.settings, target))
 
     def triton_targets(self) -> list[TritonTarget]:
         """Each replica's Triton backends and GPUs, for the deployer's backend choice. A local Triton's
