@@ -304,22 +304,28 @@ def test_a_failing_canary_is_rolled_back_on_the_outcomes_of_both_frontends(two_f
         assert set(_asked_until(stack.grpc, {("1", "")}, rows=POISON)) == {("1", "")}
 
 
+def _experiment_everywhere(traffic, stacks, experiment: str, arms, expected) -> None:
+    """Start an A/B experiment of the ranker (keyed by ``x-user-id``) through ``traffic`` and wait until every
+    worker of ``stacks`` answers from its arms (they read it from the desired state)."""
+    _no_split(traffic)
+    started = traffic.SetExperiment(
+        tpb.SetExperimentRequest(name=RANKER, experiment=experiment, key_header="x-user-id",
+                                 arms=[tpb.ExperimentArm(name=n, version=v, weight=w) for n, v, w in arms]),
+        metadata=ACTOR,
+    ).policy  # fmt: skip
+    assert (started.kind, started.status) == ("ab", "active")
+    for stack in stacks:
+        assert set(_asked_until(stack.grpc, expected, user=EXPERIMENT_KEYS[0])) <= expected
+
+
 def test_an_ab_caller_key_gets_the_same_arm_on_every_worker_of_both_frontends(two_frontends, rankers):
     a, b = two_frontends
     arms = [("control", 1, 50), ("treatment", 2, 50)]
     expected = {("1", "control"), ("2", "treatment")}
     with grpc.insecure_channel(b.grpc) as to_b:
         traffic = traffic_pb2_grpc.TrafficStub(to_b)
-        _no_split(traffic)
-        started = traffic.SetExperiment(
-            tpb.SetExperimentRequest(name=RANKER, experiment="arms-across", key_header="x-user-id",
-                                     arms=[tpb.ExperimentArm(name=n, version=v, weight=w) for n, v, w in arms]),
-            metadata=ACTOR,
-        ).policy  # fmt: skip
-        assert (started.kind, started.status) == ("ab", "active")
+        _experiment_everywhere(traffic, (a, b), "arms-across", arms, expected)
         try:
-            for stack in (a, b):  # until every worker has the experiment (from the desired state)
-                assert set(_asked_until(stack.grpc, expected, user=EXPERIMENT_KEYS[0])) <= expected
             assigned = {}
             for key in EXPERIMENT_KEYS:
                 answers = {_ask(stack.grpc, user=key) for stack in (a, b) for _ in range(CHANNELS // 2)}
@@ -351,16 +357,8 @@ def test_ab_feedback_for_requests_any_worker_of_either_frontend_answered(two_fro
     expected = {("1", "control"), ("2", "treatment")}
     with grpc.insecure_channel(a.grpc) as to_a, grpc.insecure_channel(b.grpc) as to_b:
         through = {"a": traffic_pb2_grpc.TrafficStub(to_a), "b": traffic_pb2_grpc.TrafficStub(to_b)}
-        _no_split(through["a"])
-        started = through["a"].SetExperiment(
-            tpb.SetExperimentRequest(name=RANKER, experiment="feedback-across", key_header="x-user-id",
-                                     arms=[tpb.ExperimentArm(name=n, version=v, weight=w) for n, v, w in arms]),
-            metadata=ACTOR,
-        ).policy  # fmt: skip
-        assert (started.kind, started.status) == ("ab", "active")
+        _experiment_everywhere(through["a"], (a, b), "feedback-across", arms, expected)
         try:
-            for stack in (a, b):  # until every worker has the experiment
-                assert set(_asked_until(stack.grpc, expected, user=EXPERIMENT_KEYS[0])) <= expected
             answered = {}  # request id -> (arm the answer named, the frontend its outcome goes through)
             for i in range(FEEDBACK_EACH):
                 for asked, told in (("b", "a"), ("a", "b"), ("b", "b"), ("a", "a")) if i % 2 else (("b", "b"), ("a", "a"), ("b", "a"), ("a", "b")):

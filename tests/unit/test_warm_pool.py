@@ -51,6 +51,14 @@ def pool_of(tmp_path, **kw) -> tuple[LocalReplicaPool, list]:
     return pool, loads
 
 
+async def one_standby(tmp_path):
+    """A pool keeping one standby of ``m``, filled: (the pool, its loads, the standby)."""
+    pool, loads = pool_of(tmp_path, standby={"m": 1})
+    await pool.fill_warm()
+    (standby,) = pool.warm
+    return pool, loads, standby
+
+
 def test_standby_specs_parse():
     assert parse_standby("") == {}
     assert parse_standby("fraud_xgboost=2, tiny_llama") == {"fraud_xgboost": 2, "tiny_llama": 1}
@@ -212,9 +220,7 @@ def test_the_backoff_doubles_per_failure_in_a_row_up_to_its_cap():
 
 
 async def test_a_standby_reloading_after_its_restart_counts_as_kept(tmp_path):
-    pool, loads = pool_of(tmp_path, standby={"m": 1})
-    await pool.fill_warm()
-    (standby,) = pool.warm
+    pool, loads, standby = await one_standby(tmp_path)
     gate = asyncio.Event()
 
     async def slow(target, model):
@@ -234,9 +240,7 @@ async def test_a_standby_reloading_after_its_restart_counts_as_kept(tmp_path):
 
 
 async def test_a_failed_reload_after_a_restart_leaves_an_empty_member_and_a_new_standby_is_started(tmp_path):
-    pool, loads = pool_of(tmp_path, standby={"m": 1})
-    await pool.fill_warm()
-    (standby,) = pool.warm
+    pool, loads, standby = await one_standby(tmp_path)
 
     async def ok(target, model):
         loads.append((target, model))
@@ -254,9 +258,7 @@ async def test_a_failed_reload_after_a_restart_leaves_an_empty_member_and_a_new_
 
 
 async def test_a_restarting_standby_is_not_reported_before_its_model_is_loaded_again(tmp_path):
-    pool, _ = pool_of(tmp_path, standby={"m": 1})
-    await pool.fill_warm()
-    (standby,) = pool.warm
+    pool, _, standby = await one_standby(tmp_path)
     gate = asyncio.Event()
 
     async def slow(target, model):
