@@ -383,6 +383,32 @@ def test_experiments_refuse_bad_arms_before_staging(tmp_path):
     assert asyncio.run(run()).staged == []
 
 
+def test_a_feedback_for_a_request_another_process_answered_waits_for_the_collectors_read(tmp_path):
+    """The controller hands an unknown id to its arm-report collector's reads (server.control.rollout.arm_reports):
+    the id a read brings in is taken with its arm; without a collector the unknown id is refused at once."""
+
+    class Reports:  # the collector's one method the wait uses: a read that brings the other process's id in
+        def __init__(self, router):
+            self.router, self.reads = router, 0
+
+        async def read_now(self):
+            self.reads += 1
+            self.router.splits["m"].request_arms["elsewhere"] = "treatment"
+
+    async def run():
+        t = _make(tmp_path)
+        await t.c.set_experiment("m", [("control", 1, 1), ("treatment", 2, 1)], experiment="exp")
+        with pytest.raises(ModelNotFound):  # no collector: nothing reports to this process
+            await t.c.feedback("m", "elsewhere", 1.0)
+        t.c.arm_reports = reports = Reports(t.dp.router)
+        arm = await t.c.feedback("m", "elsewhere", 1.0)
+        return arm, reports.reads, t.c.ab_report("m")
+
+    arm, reads, report = asyncio.run(run())
+    assert (arm, reads) == ("treatment", 1)
+    assert {a["name"]: a["outcomes"] for a in report["arms"]} == {"control": 0, "treatment": 1}
+
+
 def test_the_ab_report_counts_each_arm_and_compares_it_with_the_control(tmp_path):
     async def run():
         t = _make(tmp_path)
