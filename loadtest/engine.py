@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from loadtest.histogram import LatencyHistogram
-from loadtest.protocol import CallError, Driver
+from loadtest.protocol import CALL_STARTED, CallError, Driver
 from loadtest.schedule import arrival_offsets
 
 clock = time.monotonic
@@ -150,6 +150,7 @@ async def _closed_loop(driver, pool, spec, t0, stats, pool_offset) -> None:
                     return
                 payload = pool[i % n]
                 i += 1
+                CALL_STARTED.set(start)
                 try:
                     await session.call(payload)
                 except CallError as e:
@@ -201,6 +202,7 @@ async def _open_loop(driver, pool, spec, t0, stats, pool_offset) -> None:
             stats.lag_sum += lag
             if lag > stats.max_lag:
                 stats.max_lag = lag
+        CALL_STARTED.set(sched)
         try:
             await call(payload)
         except CallError as e:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+from contextvars import ContextVar
 from types import SimpleNamespace
 from urllib.parse import quote, urlsplit
 
@@ -38,6 +39,12 @@ _CHANNEL_OPTIONS = [
     # Each channel gets its own TCP connection instead of sharing one subchannel.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+
+
+# The instant by which the engine decides whether a call is in the measured window (closed loop: its start;
+# open loop: its scheduled send), set in the caller's task before each call: a driver that counts figures of
+# its own (SSE's streams, tokens) decides by the same instant, so its counts match the engine's requests.
+CALL_STARTED: ContextVar[float] = ContextVar("call_started")
 
 
 class CallError(Exception):

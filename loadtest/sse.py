@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from loadtest.histogram import LatencyHistogram
-from loadtest.protocol import CallError, Driver, Session, http_error
+from loadtest.protocol import CALL_STARTED, CallError, Driver, Session, http_error
 
 # used when no --prompt is given
 DEFAULT_PROMPTS = (
@@ -123,7 +123,9 @@ class _SSESession(Session):
 
     async def call(self, payload: bytes) -> None:
         d = self.driver
-        started = time.monotonic()  # the engine's clock: decides whether the stream is measured
+        started = CALL_STARTED.get(None)  # the engine's instant for this call: decides whether the stream is measured
+        if started is None:  # called outside the engine
+            started = time.monotonic()
         result = await stream_chat(d.http, d.url, payload, d.timeout)
         d.record(started, result)
 

@@ -70,6 +70,19 @@ def standbys(stack) -> list[int]:
     return explain(stack)["executor"]["standby"].get(FRAUD, [])
 
 
+def one_standby(stack, other_than: int | None = None) -> int:
+    """The pid of the one ready standby of fraud (not ``other_than``), from the Explain that showed it: a list read
+    again could differ (a standby is listed only while ready)."""
+    seen: list[int] = []
+
+    def one() -> bool:
+        seen[:] = standbys(stack)
+        return len(seen) == 1 and seen[0] != other_than
+
+    assert wait_until(one, 90), explain(stack)["executor"]
+    return seen[0]
+
+
 def answer(target: str) -> bytes:
     x = grpcclient.InferInput("features", [8, 32], "FP32")
     x.set_data_from_numpy(np.random.default_rng(29).random((8, 32), dtype=np.float32))
@@ -88,7 +101,7 @@ def test_the_model_with_a_standby_has_a_replica_of_its_own(standby):
 
 def test_kill_9_of_the_one_copys_triton_hands_it_to_the_standby_and_the_other_endpoint_sees_nothing(standby):
     (victim,) = hosts(standby).values()
-    (waiting,) = standbys(standby)
+    waiting = one_standby(standby)
     before = answer(standby.grpc)
     with Load(standby, FRAUD, threads=2) as fraud, Load(standby, LGBM, threads=2) as other:
         fraud.served(50)
@@ -108,7 +121,7 @@ def test_kill_9_of_the_one_copys_triton_hands_it_to_the_standby_and_the_other_en
 
 def test_a_scale_up_takes_the_loaded_standby_into_rotation(standby):
     (first,) = hosts(standby).values()
-    (waiting,) = standbys(standby)
+    waiting = one_standby(standby)
     executor = explain(standby)["executor"]
     assert waiting not in {r["pid"] for r in executor["replicas"]}  # out of rotation
     assert executor["standby_refused"] == {} and executor["memory_mb"]["standby"] > 0  # placed: it holds the model's memory
@@ -125,7 +138,7 @@ def test_a_scale_up_takes_the_loaded_standby_into_rotation(standby):
 
 def test_kill_9_of_its_triton_hands_the_replica_to_the_standby(standby):
     victim = max(hosts(standby).values(), key=lambda r: r["id"])  # the copy the scale-up added
-    (waiting,) = standbys(standby)
+    waiting = one_standby(standby)
     taken_before = explain(standby)["executor"]["taken_over"]
     with Load(standby, FRAUD, threads=4) as load:
         load.served(100)
@@ -164,11 +177,9 @@ def test_a_ready_standby_shortens_the_scale_down_window_set_through_grpc(standby
 
 
 def test_the_pool_converges_a_killed_standby_reloads_and_a_failed_one_is_started_again(standby):
-    assert wait_until(lambda: len(standbys(standby)) == 1, 90), explain(standby)["executor"]
-    (waiting,) = standbys(standby)
+    waiting = one_standby(standby)
     os.kill(waiting, signal.SIGKILL)  # the standby itself: its supervisor restarts it, and it loads the model again
-    assert wait_until(lambda: len(standbys(standby)) == 1 and standbys(standby) != [waiting], 90), explain(standby)["executor"]
-    (waiting,) = standbys(standby)
+    waiting = one_standby(standby, other_than=waiting)
     failures = explain(standby)["executor"]["warm_failures"]
     artifact = standby.repository / FRAUD / "1" / "model.json"
     away = artifact.with_name("model.json.away")
@@ -184,8 +195,7 @@ def test_the_pool_converges_a_killed_standby_reloads_and_a_failed_one_is_started
     finally:
         away.rename(artifact)
     # started again after its backoff (not left short: nothing else changes the placement now), loaded
-    assert wait_until(lambda: len(standbys(standby)) == 1, 120), explain(standby)["executor"]
-    (again,) = standbys(standby)
+    again = one_standby(standby)
     assert again not in {r["pid"] for r in hosts(standby).values()}
     victim = max(hosts(standby).values(), key=lambda r: r["id"])
     taken_before = explain(standby)["executor"]["taken_over"]
