@@ -7,6 +7,7 @@ and the data plane are recorders (the real ones need Triton: the integration sui
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -383,7 +384,7 @@ def test_experiments_refuse_bad_arms_before_staging(tmp_path):
     assert asyncio.run(run()).staged == []
 
 
-def test_a_feedback_for_a_request_another_process_answered_waits_for_the_collectors_read(tmp_path):
+def test_a_feedback_for_a_request_another_process_answered_waits_for_the_collectors_read(tmp_path, caplog):
     """The controller hands an unknown id to its arm-report collector's reads (server.control.rollout.arm_reports):
     the id a read brings in is taken with its arm; without a collector the unknown id is refused at once."""
 
@@ -404,7 +405,9 @@ def test_a_feedback_for_a_request_another_process_answered_waits_for_the_collect
         arm = await t.c.feedback("m", "elsewhere", 1.0)
         return arm, reports.reads, t.c.ab_report("m")
 
-    arm, reads, report = asyncio.run(run())
+    with caplog.at_level(logging.WARNING, logger="server.control.rollout.arm_reports"):
+        arm, reads, report = asyncio.run(run())
+    assert not caplog.records  # without a collector the refusal tried no read (none failed)
     assert (arm, reads) == ("treatment", 1)
     assert {a["name"]: a["outcomes"] for a in report["arms"]} == {"control": 0, "treatment": 1}
 
