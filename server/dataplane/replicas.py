@@ -307,7 +307,8 @@ class ReplicaSet:
         self._notify(set())
 
     def replace_client(self, member_id: str, client) -> None:
-        """The member came back on another address (a restarted local Triton on new ports)."""
+        """The member is reached on a new channel: it came back on another address (a restarted local Triton on
+        new ports, a standby in its place), or its restarted process on the same one (Fleet.reconnect)."""
         member = self.member(member_id)
         old, member.client = member.client, client
         asyncio.get_running_loop().create_task(_close_later(old))

@@ -83,6 +83,17 @@ def one_standby(stack, other_than: int | None = None) -> int:
     return seen[0]
 
 
+def kill_and_take_over(stack, victim: dict, standby_pid: int) -> int:
+    """kill -9 of ``victim``'s Triton (a replica's row of Explain); the standby ``standby_pid`` takes its place,
+    and the count of take-overs grows by one: that count, returned."""
+    taken_before = explain(stack)["executor"]["taken_over"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_until(lambda: hosts(stack)[victim["id"]]["pid"] == standby_pid, 30), explain(stack)["executor"]
+    taken = explain(stack)["executor"]["taken_over"]
+    assert taken == taken_before + 1
+    return taken
+
+
 def answer(target: str) -> bytes:
     x = grpcclient.InferInput("features", [8, 32], "FP32")
     x.set_data_from_numpy(np.random.default_rng(29).random((8, 32), dtype=np.float32))
@@ -106,9 +117,7 @@ def test_kill_9_of_the_one_copys_triton_hands_it_to_the_standby_and_the_other_en
     with Load(standby, FRAUD, threads=2) as fraud, Load(standby, LGBM, threads=2) as other:
         fraud.served(50)
         other.served(50)
-        os.kill(victim["pid"], signal.SIGKILL)
-        assert wait_until(lambda: hosts(standby)[victim["id"]]["pid"] == waiting, 30), explain(standby)["executor"]
-        assert explain(standby)["executor"]["taken_over"] == 1
+        assert kill_and_take_over(standby, victim, waiting) == 1
         fraud.served(100)  # served again, through the standby-turned-replica
         other.served(100)
         # the dead Triton restarted, loaded the model again and is the standby now
@@ -139,12 +148,9 @@ def test_a_scale_up_takes_the_loaded_standby_into_rotation(standby):
 def test_kill_9_of_its_triton_hands_the_replica_to_the_standby(standby):
     victim = max(hosts(standby).values(), key=lambda r: r["id"])  # the copy the scale-up added
     waiting = one_standby(standby)
-    taken_before = explain(standby)["executor"]["taken_over"]
     with Load(standby, FRAUD, threads=4) as load:
         load.served(100)
-        os.kill(victim["pid"], signal.SIGKILL)
-        assert wait_until(lambda: hosts(standby)[victim["id"]]["pid"] == waiting, 30), explain(standby)["executor"]
-        assert explain(standby)["executor"]["taken_over"] == taken_before + 1
+        kill_and_take_over(standby, victim, waiting)
         taken = hosts(standby)[victim["id"]]
         before = triton_rows(taken["target"], FRAUD)
         load.served(300)
@@ -198,12 +204,9 @@ def test_the_pool_converges_a_killed_standby_reloads_and_a_failed_one_is_started
     again = one_standby(standby)
     assert again not in {r["pid"] for r in hosts(standby).values()}
     victim = max(hosts(standby).values(), key=lambda r: r["id"])
-    taken_before = explain(standby)["executor"]["taken_over"]
     with Load(standby, FRAUD, threads=2) as load:
         load.served(50)
-        os.kill(victim["pid"], signal.SIGKILL)
-        assert wait_until(lambda: hosts(standby)[victim["id"]]["pid"] == again, 30), explain(standby)["executor"]
-        assert explain(standby)["executor"]["taken_over"] == taken_before + 1
+        kill_and_take_over(standby, victim, again)
         load.served(100)
     assert not load.errors, load.errors[:5]
     assert answer(hosts(standby)[victim["id"]]["target"]) == answer(standby.grpc)  # bit-exact
