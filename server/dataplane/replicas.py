@@ -42,7 +42,8 @@ have started it. A unary ModelInfer lost that way is retried too (``retry_lost``
 the connection, and with a killed process its work, is gone, and the models served here are pure
 functions of their inputs, so the only cost is computing the answer twice if the member somehow
 survived; with no other member serving the model it is held for what replaces the lost one (a
-standby taking its place, its restart), as a new request would be. Streams are retried only before
+standby taking its place, its restart), as a new request would be, and so is a call whose only
+member refused its connection (the process died before the call reached it). Streams are retried only before
 their first message reached a member. Every other error
 (Triton's own answer, a deadline) is the caller's answer.
 
@@ -490,9 +491,10 @@ class ReplicaSet:
             if left is not None and left <= 0:
                 raise
             other = self._choose(model, exclude=member)
-            if other is None and isinstance(err, ConnectionLost):
-                # the only replica's process died under the call: hold it for what replaces it (a
-                # standby taking its place, its restart), as a request arriving now is held
+            if other is None and (isinstance(err, ConnectionLost) or _connection_refused(err)):
+                # the only replica's process died under the call, or before it (its port refused the
+                # connection, so nothing was sent): hold it for what replaces it (a standby taking
+                # its place, its restart), as a request arriving now is held
                 other = await self._wait_for_replacement(model, deadline, member, lost_client, err)
             elif other is None:
                 if not _refused(err):

@@ -163,6 +163,27 @@ def test_a_lost_call_on_the_only_member_waits_for_what_replaces_it():
     run(main())
 
 
+def test_a_refused_connection_on_the_only_member_waits_for_what_replaces_it():
+    """The lone member's process died before the call reached it (its port refused the connection,
+    nothing was sent): held for the standby that takes its place, as a lost call is, not failed."""
+
+    async def main():
+        rs, (a,) = make("a")
+        a.fail.append(NotSent("failed to connect to all addresses; Connection refused"))
+        call = asyncio.ensure_future(rs.infer_raw(request(), timeout=30.0))
+        while a.calls == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert not call.done() and a.calls == 1  # held: not failed, not sent to the dead port again
+        standby = fake("standby")
+        rs.replace_client("a", standby)
+        rs.revive("a")
+        assert await asyncio.wait_for(call, 5) == b"standby"
+        assert rs.retries == 1 and rs.retried_lost == 0 and standby.calls == 1
+
+    run(main())
+
+
 def test_a_lost_call_on_the_only_member_still_up_on_its_connection_is_sent_to_it_again():
     async def main():
         clock = Clock()
