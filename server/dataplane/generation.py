@@ -43,6 +43,7 @@ from server.dataplane.signature import ModelSignature, is_llm
 from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
 from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
+from server.settings import Settings
 from server.tenancy.identity import CallContext, plan_priority
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,10 @@ class LLMService:
         self._pipeline = pipeline
         self._backend = backend
         self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
-        self.prefix_chars = 512  # the routing key's leading characters (batching.route_policy.prefix_key; settings)
-        self.stall_s = 60.0  # no engine output for this long: cancelled and reported (settings.generation_stall_s)
+        # the routing key's leading characters (batching.route_policy.prefix_key) and how long without engine
+        # output a generation is cancelled and reported: the settings' defaults until the builder sets them
+        self.prefix_chars: int = Settings.model_fields["llm_route_prefix_chars"].default
+        self.stall_s: float = Settings.model_fields["generation_stall_s"].default
 
     # ---- model lookups ------------------------------------------------------------------
 

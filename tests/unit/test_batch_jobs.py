@@ -579,7 +579,8 @@ async def test_a_rows_bug_is_its_own_500_and_the_job_goes_on(store):
     assert doc["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
     errors = _lines(store, "acme", doc["error_file_id"])
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("r1", 500), ("r2", 400)]
-    assert errors[0]["response"]["body"] == {"error": {"message": "internal error (KeyError)", "code": "INTERNAL"}}
+    # the error table's OpenAI shape, as every other row error (server.errors.http_error)
+    assert errors[0]["response"]["body"] == {"error": {"message": "internal error (KeyError)", "type": "internal", "code": "INTERNAL", "param": None, "details": []}}
     assert [o["response"]["status_code"] for o in _lines(store, "acme", doc["output_file_id"])] == [399]
 
 

@@ -520,7 +520,7 @@ class BatchWorker:
             code, body, _headers = http_error(err, openai=True)
         except Exception as err:  # noqa: BLE001 - one row's bug must not stop the job
             log.exception("batch %s row %d failed", job.id, row.index)
-            code, body = 500, {"error": {"message": f"internal error ({type(err).__name__})", "code": "INTERNAL"}}
+            code, body, _headers = http_error(InferplaneError(f"internal error ({type(err).__name__})"), openai=True)
         return row.index, "done" if code < 400 else "failed", code, json.dumps(body, separators=(",", ":"))
 
 

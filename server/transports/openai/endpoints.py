@@ -41,6 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from server.errors import Cancelled, InferplaneError, InvalidRequest, http_error
+from server.settings import Settings
 from server.dataplane.generation import Chunk, GenerateParams, LLMService
 from server.dataplane.stage_timing import TIMING_HEADER, StageTimer
 from server.tenancy.identity import CallContext
@@ -60,8 +61,10 @@ HEARTBEAT = b": heartbeat\n\n"
 
 @dataclass(frozen=True)
 class SSEPolicy:
-    stall_s: float = 30.0  # a client that takes no byte for this long is disconnected
-    heartbeat_s: float = 15.0  # a comment after this long without an event (0: never)
+    """The stream policy (defaults: the settings', their one source: sse_stall_s, sse_heartbeat_s)."""
+
+    stall_s: float = Settings.model_fields["sse_stall_s"].default  # a client that takes no byte for this long is disconnected
+    heartbeat_s: float = Settings.model_fields["sse_heartbeat_s"].default  # a comment after this long without an event (0: never)
 
 
 SSE_POLICY: web.AppKey[SSEPolicy] = web.AppKey("sse_policy", SSEPolicy)
