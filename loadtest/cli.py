@@ -40,6 +40,7 @@ PoolSize = Annotated[int, typer.Option("--pool-size", help="distinct pre-seriali
 Timeout = Annotated[float, typer.Option("--timeout", help="per-request deadline, seconds")]
 MaxInflight = Annotated[int, typer.Option("--max-inflight", help="open loop: cap on outstanding requests")]
 Seed = Annotated[int, typer.Option("--seed")]
+HonorRetryAfter = Annotated[bool, typer.Option("--honor-retry-after", help="closed loop: a caller refused with a retry hint waits it out before its next call")]
 RestJson = Annotated[bool, typer.Option("--rest-json", help="http:// targets: JSON tensors instead of the binary extension")]
 Sse = Annotated[bool, typer.Option("--sse", help="http:// targets: stream /v1/chat/completions (like sse://)")]
 Prompts = Annotated[list[str] | None, typer.Option("--prompt", help="SSE: prompt text (repeatable; default: a built-in set)")]
@@ -75,7 +76,7 @@ def _proto_kw(rest_json: bool, sse: bool, prompts, max_tokens: int, ignore_eos: 
     return dict(rest_json=rest_json, sse=sse, prompts=prompts, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed) -> LoadSpec:
+def _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed, honor_retry_after: bool = False) -> LoadSpec:
     if concurrency is None and rate is None:
         concurrency = 1
     if concurrency is not None and rate is not None:
@@ -84,7 +85,7 @@ def _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed) -> L
         raise typer.BadParameter("--poisson needs --rate")
     return LoadSpec(
         concurrency=concurrency, rate=rate, poisson=poisson, warmup=warmup, duration=duration,
-        max_inflight=max_inflight, seed=seed,
+        max_inflight=max_inflight, seed=seed, honor_retry_after=honor_retry_after,
     )
 
 
@@ -155,12 +156,15 @@ def run(
     prompt: Prompts = None,
     max_tokens: MaxTokens = 64,
     ignore_eos: IgnoreEos = False,
+    honor_retry_after: HonorRetryAfter = False,
 ) -> None:
     """One measured run (closed loop with --concurrency, open loop with --rate)."""
     from loadtest.runner import RunConfig, prepare_pool
     from loadtest.runner import run as do_run
 
-    spec = _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed)
+    if honor_retry_after and rate is not None:
+        raise typer.BadParameter("--honor-retry-after is for the closed loop (--concurrency)")
+    spec = _spec(concurrency, rate, poisson, warmup, duration, max_inflight, seed, honor_retry_after)
     md = _headers(header)
     cfg = RunConfig(
         target=target, model=model, spec=spec, stream=stream, channels=channels, timeout=timeout,

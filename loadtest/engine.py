@@ -33,6 +33,9 @@ class LoadSpec:
     seed: int = 0
     phase: float = 0.0
     drain_timeout: float = 30.0
+    # closed loop: a caller refused with a retry hint waits that long before its next call (as a
+    # client that honours retry-after does) instead of sending again at once
+    honor_retry_after: bool = False
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -64,6 +67,7 @@ class Stats:
         self.lag_sum = 0.0
         self.live_ok = 0
         self.live_err = 0
+        self.backoffs = 0  # closed loop, honor_retry_after: refusals in the window the caller waited out
 
     def error(self, code: str, message: str) -> None:
         e = self.errors.get(code)
@@ -88,6 +92,7 @@ class Stats:
             "unfinished": self.unfinished,
             "max_lag": self.max_lag,
             "lag_sum": self.lag_sum,
+            "backoffs": self.backoffs,
         }
 
     @classmethod
@@ -105,6 +110,7 @@ class Stats:
             out.unfinished += p["unfinished"]
             out.max_lag = max(out.max_lag, p["max_lag"])
             out.lag_sum += p["lag_sum"]
+            out.backoffs += p.get("backoffs", 0)
         return out
 
 
@@ -136,6 +142,7 @@ async def _closed_loop(driver, pool, spec, t0, stats, pool_offset) -> None:
     t_end = t_meas + spec.duration
     n = len(pool)
     record = stats.latency.record
+    honor = spec.honor_retry_after
 
     async def caller(idx: int) -> None:
         session = await driver.session(idx)
@@ -158,6 +165,11 @@ async def _closed_loop(driver, pool, spec, t0, stats, pool_offset) -> None:
                     if start >= t_meas:
                         stats.error(e.code, e.message)
                         stats.refused.record(clock() - start)
+                    if honor and e.retry_after:
+                        wait = min(e.retry_after, t_end - clock())
+                        if wait > 0:
+                            stats.backoffs += start >= t_meas
+                            await asyncio.sleep(wait)
                     continue
                 except Exception as e:  # noqa: BLE001 - count, never kill the run
                     stats.live_err += 1

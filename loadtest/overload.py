@@ -18,7 +18,10 @@ a time, so they never share the CPU), the baseline first:
 2. open loop (fixed rate, 5 s deadline) at 0.8×, 1.5× and 3× that capacity → goodput (answered
    per second) as a fraction of capacity, the admitted requests' p99 (from their scheduled time:
    coordinated omission counted), the error codes;
-3. ``--callers`` closed-loop callers (1024) → the refusals' latency (send → status) and codes.
+3. ``--callers`` closed-loop callers (1024) → the refusals' latency (send → status) and codes;
+4. the same callers honouring each refusal's retry hint (``retry-after``: they wait it out before
+   their next call) → ``backoff_refusal_p99_ms``, ``backoff_goodput_fraction``: the refusal latency
+   with a client that does what the hint asks, rather than one that resends at once.
 
 Reports per protocol ``goodput_fraction`` at 1.5× / 3×, ``admitted_p99_vs_80pct`` (admitted p99
 over the 0.8× p99) and ``refusal_p99_ms``. Short runs; never part of the test run.
@@ -69,6 +72,10 @@ def measure(stack, protocol: str, model: str, seconds: float, processes: int, ca
         out["loads"][f"{load:g}x"] = _row(result)
     burst = _phase({**base, "channels": 8}, LoadSpec(concurrency=callers, warmup=0.5, duration=seconds), pool)
     out["burst"] = _row(burst)
+    # the same callers honouring the refusals' retry hint (as the README asks a client to): the refusals'
+    # latency when the refused do not come straight back, and what the frontend serves meanwhile
+    backoff = _phase({**base, "channels": 8}, LoadSpec(concurrency=callers, warmup=0.5, duration=seconds, honor_retry_after=True), pool)
+    out["burst_backoff"] = {**_row(backoff), "backoffs": backoff.get("backoffs", 0)}
     p99_80 = out["loads"]["0.8x"]["latency_ms"]["p99"]
     out["summary"] = {
         **{f"goodput_fraction_{k}": round(v["throughput_rps"] / cap, 3) for k, v in out["loads"].items() if k != "0.8x"},
@@ -78,6 +85,9 @@ def measure(stack, protocol: str, model: str, seconds: float, processes: int, ca
         "refusal_p99_ms": burst.get("error_latency_ms", {}).get("p99"),
         "refusal_p50_ms": burst.get("error_latency_ms", {}).get("p50"),
         "burst_codes": {"OK": burst["requests"], **{c: e["count"] for c, e in burst["errors"].items()}},
+        "backoff_refusal_p99_ms": backoff.get("error_latency_ms", {}).get("p99"),
+        "backoff_goodput_fraction": round(backoff["throughput_rps"] / cap, 3) if cap else None,
+        "backoff_codes": {"OK": backoff["requests"], **{c: e["count"] for c, e in backoff["errors"].items()}},
     }
     return out
 

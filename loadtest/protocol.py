@@ -48,12 +48,30 @@ CALL_STARTED: ContextVar[float] = ContextVar("call_started")
 
 
 class CallError(Exception):
-    """A request failed; `code` is the gRPC status name (or a protocol-specific label)."""
+    """A request failed; `code` is the gRPC status name (or a protocol-specific label);
+    `retry_after`: the server's retry hint in seconds (gRPC ``retry-after`` or
+    ``grpc-retry-pushback-ms`` trailers, HTTP ``Retry-After``), None without one."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+
+
+def retry_hint(pairs) -> float | None:
+    """Seconds from a refusal's metadata or headers (``(key, value)`` pairs): ``retry-after``
+    (seconds) or ``grpc-retry-pushback-ms`` (milliseconds); None when absent or unreadable."""
+    for key, value in pairs or ():
+        key = key.lower()
+        try:
+            if key == "retry-after":
+                return max(0.0, float(value))
+            if key == "grpc-retry-pushback-ms":
+                return max(0.0, float(value) / 1000.0)
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 class Session(abc.ABC):
@@ -126,7 +144,7 @@ def http_base(target: str) -> str:
     return f"{scheme}://{parts.netloc}"
 
 
-def http_error(status: int, body: bytes) -> CallError:
+def http_error(status: int, body: bytes, headers=None) -> CallError:
     """A non-2xx answer as CallError('HTTP 429', 'RESOURCE_EXHAUSTED: ...') (message from the
     bridge's error body when it has one — Triton's {"error": "...", "code"} or OpenAI's
     {"error": {code, message}} — else the body's start)."""
@@ -140,7 +158,7 @@ def http_error(status: int, body: bytes) -> CallError:
             message = f"{doc.get('code', '')}: {err}".strip(": ")
     except (ValueError, AttributeError):
         pass
-    return CallError(f"HTTP {status}", message)
+    return CallError(f"HTTP {status}", message, retry_hint((headers or {}).items()))
 
 
 def parse_grpc_target(target: str) -> str:
@@ -169,7 +187,7 @@ class _UnarySession(Session):
         try:
             await self._mc(payload, timeout=self._timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
-            raise CallError(e.code().name, e.details() or "") from None
+            raise CallError(e.code().name, e.details() or "", retry_hint(e.trailing_metadata())) from None
 
 
 class _StreamSession(Session):
@@ -267,7 +285,7 @@ class _RestSession(Session):
             async with self._post(self._url, data=body, headers=headers) as response:
                 data = await response.read()  # read to the end so the connection is reused
                 if response.status != 200:
-                    raise http_error(response.status, data)
+                    raise http_error(response.status, data, response.headers)
         except asyncio.TimeoutError:
             raise CallError("TIMEOUT", f"no answer within the deadline ({self._url})") from None
         except aiohttp.ClientError as e:

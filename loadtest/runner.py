@@ -298,6 +298,8 @@ def assemble(cfg: RunConfig, stats: Stats, cpu: dict, *, extras: list[dict] | No
     }
     if stats.refused.count:
         out["error_latency_ms"] = stats.refused.summary_ms()  # send -> error status (refusals, mostly)
+    if spec.honor_retry_after:
+        out["backoffs"] = stats.backoffs  # refusals whose retry hint the caller waited out
     if extras and driver_cls is not None:
         out.update(driver_cls.extra_report(extras, spec.duration))
     if spec.open_loop:
