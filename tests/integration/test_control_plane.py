@@ -5,17 +5,22 @@ leader); a second frontend whose control plane is external serves while the lead
 started through one frontend copies the requests of every frontend's workers, and the comparisons of
 all of them are summed in the report read through any frontend; a failing 10 % canary is rolled back on
 the outcomes of both frontends' workers summed in the leader (neither frontend's alone reaches its minimum
-sample); an A/B caller key gets one arm on every worker of both frontends. (``kill -9`` of a frontend:
+sample); an A/B caller key gets one arm on every worker of both frontends; ``kill -9`` of the leading
+control-plane replica (two replicas on PostgreSQL) fails no data-plane request, and the standby leads, finishes
+the dead leader's batch job (every row once) and leaves its deploy whole. (``kill -9`` of a frontend:
 tests/integration/test_frontend_kill.py, a pair of its own.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
 import threading
+from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -28,10 +33,13 @@ from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 from server.protogen.inferplane.v1 import traffic_pb2_grpc
 from loadtest.bench_control import deploy_retrying
-from loadtest.stack import start_control
+from loadtest.stack import Stack, start_control
 from server.control.service.leader import lease_row
 from server.db import make_engine
-from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack, start_two_frontends
+from server.control.batches.batches import TERMINAL
+from sqlalchemy import text
+from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_stack, start_two_frontends, wait_until
+from tests.integration.test_batches import _client, _lines, _oip_body, _submit
 from server.dataplane.traffic_policy import Arm, sticky_arm
 from tests.integration.test_deploy import ACTOR, _bundle_request
 from tests.integration.test_traffic import NAME as RANKER, POISON, ROWS, W1, W2, _infer, _onnx, _policy, _register
@@ -388,10 +396,26 @@ def test_ab_feedback_for_requests_any_worker_of_either_frontend_answered(two_fro
             _no_split(through["a"])
 
 
+class ControlPair(NamedTuple):
+    f: Stack
+    replicas: list[Stack]  # c1, c2 (a replica started again takes its place)
+    url: str
+    start: Callable[[str], Stack]
+
+
+def _both_running(pair: ControlPair) -> ControlPair:
+    """Both replicas up (a test before may have killed one: it starts again, and stands by)."""
+    for i, stack in enumerate(pair.replicas):
+        if stack.process.poll() is not None:
+            pair.replicas[i] = pair.start(f"c{i + 1}")
+    return pair
+
+
 @pytest.fixture(scope="module")
 def control_pair(demo_repository, tmp_path_factory):
     """Frontend F (external control plane, its own Triton) and two control-plane replicas deploying into
-    F's Triton, on PostgreSQL when the test server is configured (the advisory lock), else SQLite (the lease row)."""
+    F's Triton, on PostgreSQL when the test server is configured (the advisory lock), else SQLite (the lease row);
+    ``start(name)`` starts a replica again on its folder (``_both_running``)."""
     root = tmp_path_factory.mktemp("failover")
     repository = root / "model_repository"
     repository.mkdir()
@@ -401,13 +425,19 @@ def control_pair(demo_repository, tmp_path_factory):
         env = {
             "INFERPLANE_DATABASE_URL": url, "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
             "INFERPLANE_DEPLOY_TIMEOUT_S": "60", "INFERPLANE_CONTROL_LEASE_TTL_S": "3",
+            # a batch job's rows two at a time, its lease lapsing 2 s after its worker died
+            "INFERPLANE_BATCH_LEASE_S": "2", "INFERPLANE_BATCH_CONCURRENCY": "2", "INFERPLANE_BATCH_ROW_BATCH": "2",
         }  # fmt: skip
         f = start_stack(repository, root / "f", env={**env, "INFERPLANE_CONTROL_PLANE": "external"})
         replicas = []
+
+        def start(name: str):
+            return start_control(repository, root / name, url, f.triton, env={**TEST_ENV, **env})
+
         try:
             for name in ("c1", "c2"):  # one after the other: the first migrates the empty database
-                replicas.append(start_control(repository, root / name, url, f.triton, env={**TEST_ENV, **env}))
-            yield f, replicas, url
+                replicas.append(start(name))
+            yield ControlPair(f, replicas, url, start)
         finally:
             for stack in replicas:
                 if stack.process.poll() is None:
@@ -424,8 +454,37 @@ def _leader_pid(url: str) -> int:
     return int(row["holder"].split("/")[1])
 
 
+@contextlib.contextmanager
+def _steady_load(address: str, bundle):
+    """One client asking ``address`` without a pause while the block runs: the outcomes, each a version or
+    'error: …' (the caller asserts there is none)."""
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def load():
+        client = grpcclient.InferenceServerClient(address)
+        inp = grpcclient.InferInput("features", [1, bundle.features.shape[1]], "FP32")
+        inp.set_data_from_numpy(np.ascontiguousarray(bundle.features[:1]))
+        try:
+            while not stop.is_set():
+                try:
+                    outcomes.append(client.infer(ENDPOINT, [inp], client_timeout=10).get_response().model_version)
+                except Exception as exc:  # counted by the caller: must stay 0
+                    outcomes.append(f"error: {exc}")
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        yield outcomes
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pair, bundles):
-    f, replicas, url = control_pair
+    f, replicas, url, _ = _both_running(control_pair)
     v1, v2 = bundles
     with grpc.insecure_channel(f.grpc) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
@@ -436,34 +495,107 @@ def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pai
     leader = _leader_pid(url)
     by_pid = {r.process.pid: r for r in replicas}
     assert leader in by_pid
-    stop = threading.Event()
-    outcomes: list[str] = []
-
-    def load():
-        client = grpcclient.InferenceServerClient(f.grpc)
-        inp = grpcclient.InferInput("features", [1, v1.features.shape[1]], "FP32")
-        inp.set_data_from_numpy(np.ascontiguousarray(v1.features[:1]))
-        try:
-            while not stop.is_set():
-                try:
-                    outcomes.append(client.infer(ENDPOINT, [inp], client_timeout=10).get_response().model_version)
-                except Exception as exc:  # counted below: must stay 0
-                    outcomes.append(f"error: {exc}")
-        finally:
-            client.close()
-
-    thread = threading.Thread(target=load)
-    thread.start()
-    try:
+    with _steady_load(f.grpc, v1) as outcomes:
         os.kill(leader, signal.SIGKILL)
         by_pid[leader].process.wait(30)
         deployed = deploy_retrying(f.grpc, f"{ENDPOINT}:2")  # carried to whichever replica leads now
         assert deployed.version == 2
         assert set(_until_all(f.grpc, v2, "2")) == {"2"}
-    finally:
-        stop.set()
-        thread.join(30)
     new_leader = _leader_pid(url)
     assert new_leader != leader and new_leader in by_pid
+    errors = [o for o in outcomes if o.startswith("error")]
+    assert outcomes and not errors, errors[:3]
+
+
+BATCH_ROWS = 1000  # two at a time: seconds of work, so the kill (after a deploy's load and warm-up) lands mid-job
+
+
+def _rows_by_state(url: str, job_id: str) -> dict[str, int]:
+    """The job's rows in the database, counted by state; and who held the job's lease (None: nobody)."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            counts = dict(conn.execute(text("SELECT state, COUNT(*) FROM batch_rows WHERE job_id = :j GROUP BY state"), {"j": job_id}).all())
+            owner = conn.execute(text("SELECT lease_owner FROM batch_jobs WHERE id = :j"), {"j": job_id}).scalar_one()
+    finally:
+        engine.dispose()
+    return {**counts, "lease_owner": owner}
+
+
+def _live(admin, tries: int = 100) -> int:
+    """The registry's live version of the endpoint, read through a frontend (which carries it to the leader:
+    retried while the frontend still dials a leader that died, UNAVAILABLE, as deploy_retrying does)."""
+    for attempt in range(tries):
+        try:
+            listed = admin.ListEndpoints(admin_pb2.ListEndpointsRequest()).endpoints
+            return next(e.live for e in listed if e.name == ENDPOINT)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == tries - 1:
+                raise
+            threading.Event().wait(0.1)
+    raise AssertionError("unreachable")
+
+
+def _recorded(url: str, version: int) -> bool:
+    """Whether the registry has recorded ``ENDPOINT:version`` deployed (the deploy's last write before its publication)."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return bool(conn.execute(text("SELECT COUNT(*) FROM deployments d JOIN model_versions v ON d.model_version_id = v.id"
+                                          " WHERE d.endpoint = :e AND v.version = :v"), {"e": ENDPOINT, "v": version}).scalar_one())  # fmt: skip
+    finally:
+        engine.dispose()
+
+
+def _ended(client, job_id: str):
+    job = client.batches.retrieve(job_id)
+    return job if job.status in TERMINAL else None
+
+
+def test_kill_9_of_the_leader_mid_batch_and_mid_deploy_resumes_the_job_once_and_leaves_the_deploy_whole(control_pair, bundles):
+    """The leader is killed while it runs a batch job (its rows two at a time) and a deploy of a new version that it
+    has loaded, warmed and recorded live in the registry but maybe not yet published: the standby leads within
+    10 s, takes the job over once the dead worker's lease on it lapses and ends it with every row exactly once;
+    the deploy is live everywhere (registry and every answer) or nowhere — the standby knew only the versions the
+    desired state had named, so taking the lead it reads Triton again (Deployer.start) — and deploying it again
+    through the new leader completes it; no data-plane request fails meanwhile."""
+    f, replicas, url, _ = _both_running(control_pair)
+    v1, _ = bundles
+    with grpc.insecure_channel(f.grpc) as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        _deployed(admin, bundles)
+        old = _live(admin)
+        new = admin.RegisterModel(_bundle_request(demo.lightgbm_regressor(rounds=25)), metadata=ACTOR).version.version
+    assert set(_until_all(f.grpc, v1, str(old))) == {str(old)}
+    leader = _leader_pid(url)
+    by_pid = {r.process.pid: r for r in replicas}
+    (standby,) = [r for pid, r in by_pid.items() if pid != leader]
+    client = _client(standby)  # the batch API of the replica that survives (jobs live in the database)
+    job = _submit(client, f"/v2/models/{ENDPOINT}/infer", [_oip_body(v1.features[i % len(v1.features)]) for i in range(BATCH_ROWS)])
+    wait_until(lambda: _rows_by_state(url, job.id).get("done", 0) > 0, timeout=120)  # the leader works on it
+    with _steady_load(f.grpc, v1) as outcomes, grpc.insecure_channel(f.grpc) as channel:
+        deploying = admin_pb2_grpc.AdminStub(channel).Deploy.future(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:{new}"), metadata=ACTOR, timeout=120)
+        wait_until(lambda: _recorded(url, new), timeout=60, interval=0.001)  # loaded, warmed, recorded live: its publication is next
+        os.kill(leader, signal.SIGKILL)
+        by_pid[leader].process.wait(30)
+        at_kill = _rows_by_state(url, job.id)
+        wait_until(lambda: _leader_pid(url) == standby.process.pid, timeout=10)
+        try:
+            answered = str(deploying.result().result.version)
+        except grpc.RpcError as err:  # the leader died under it
+            answered = err.code().name
+        live = _live(admin_pb2_grpc.AdminStub(channel))
+        assert live in (old, new) and answered in (str(new), "UNAVAILABLE"), (live, answered)
+        assert answered != str(new) or live == new  # a deploy that answered ok is live
+        assert set(_until_all(f.grpc, v1, str(live))) == {str(live)}  # every answer is the registry's live version
+        ended = wait_until(lambda: _ended(client, job.id), timeout=120)
+        assert deploy_retrying(f.grpc, f"{ENDPOINT}:{new}").version == new  # the new leader completes it
+        assert set(_until_all(f.grpc, v1, str(new))) == {str(new)}
+    assert 0 < at_kill.get("done", 0) < BATCH_ROWS and at_kill["lease_owner"] is not None, at_kill  # mid-job, leased
+    assert (ended.status, ended.request_counts.completed, ended.request_counts.failed) == ("completed", BATCH_ROWS, 0)
+    out = _lines(client, ended.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"row-{i}" for i in range(BATCH_ROWS)]  # every row, once, in order
+    assert {o["response"]["status_code"] for o in out} == {200}
+    assert _rows_by_state(url, job.id) == {"done": BATCH_ROWS, "lease_owner": None}
     errors = [o for o in outcomes if o.startswith("error")]
     assert outcomes and not errors, errors[:3]

@@ -243,6 +243,30 @@ async def test_a_restarted_frontend_routes_to_the_live_version_again(setup, tmp_
     await restarted.stop()
 
 
+class StandbyDataPlane(FakeDataPlane):
+    """A standby's model table: the versions read when the desired state last named them; a refresh reads Triton's."""
+
+    async def refresh(self, name):
+        self.models[name] = FakeSignature(read_config(self.repository / name).version_policy.specific.versions)
+        return self.models[name]
+
+
+async def test_a_new_leader_routes_to_a_deploy_its_predecessor_recorded_but_never_published(setup, tmp_path):
+    """The leader recorded m:2 live and was killed before publishing it: the standby still routes m:1 and knows only
+    m:1 ready. Taking the lead, it reads Triton again and routes m:2, as the registry says (else the two disagree
+    for good: a half-applied deploy)."""
+    registry, dp, deployer = setup
+    await deployer.deploy("m:1")
+    await deployer.deploy("m:2")  # the registry says m:2; the kill took the publication
+    standby = StandbyDataPlane(tmp_path / "repo")
+    standby.loaded, standby.models, standby.routes = {"m"}, {"m": FakeSignature([1])}, {"m": "1"}
+    leader = Deployer(registry, standby, tmp_path / "repo", grace_s=3600)
+    await leader.start()
+    assert standby.routes == {"m": "2"} and standby.ready_versions("m") == {"1", "2"}
+    await leader.stop()
+    await deployer.stop()
+
+
 async def test_a_readiness_timeout_restores_the_config_and_reports_it(setup, tmp_path, monkeypatch):
     _, dp, deployer = setup
     await deployer.deploy("m:1")

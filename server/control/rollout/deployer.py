@@ -246,12 +246,17 @@ class Deployer:
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """After the models loaded: route each deployed endpoint to its live version again."""
+        """After the models loaded (or on taking the lead): route each deployed endpoint to its live version again."""
         for ep in await asyncio.to_thread(self.registry.endpoints):
             if ep.live is None:
                 continue
             loaded = self._config_versions(ep.name)
             self._st(ep.name).loaded = set(loaded)
+            if str(ep.live) not in self.dp.ready_versions(ep.name) and self.dp.is_loaded(ep.name):
+                # a standby taking over knows the versions the desired state named: a leader killed after
+                # recording a deploy and before publishing it leaves the registry's live version unknown here
+                with contextlib.suppress(InferplaneError):
+                    await self.dp.refresh(ep.name)
             if str(ep.live) in self.dp.ready_versions(ep.name):
                 self.dp.set_live(ep.name, str(ep.live))
                 if set(loaded) != {ep.live}:
