@@ -59,6 +59,11 @@ INVALID_PREFIX = "invalid request: "
 NOT_FOUND_PREFIX = "not found: "
 
 
+def never_connected(code: grpc.StatusCode, message: str) -> bool:
+    """grpc failed the call before writing it: no connection could be made (safe to send elsewhere)."""
+    return code == grpc.StatusCode.UNAVAILABLE and any(marker in (message or "").lower() for marker in _NOT_CONNECTED)
+
+
 def stub_died(code: grpc.StatusCode, message: str) -> bool:
     """The model's Python stub process died (killed, crashed): the backend is sick, not the request."""
     return code == grpc.StatusCode.INTERNAL and any(marker in message for marker in STUB_DEAD_MARKERS)

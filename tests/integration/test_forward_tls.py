@@ -136,3 +136,51 @@ def test_a_forwarded_write_goes_to_a_tls_leader_over_mutual_tls_and_never_in_pla
                 await server.stop(0)
 
     asyncio.run(scenario())
+
+
+class _MovingDirectory:
+    """The lease row as a frontend reads it around a failover: its cached answer is the dead leader's
+    address until it asks again (``fresh``), then the new leader's."""
+
+    def __init__(self, cached: str, fresh: str):
+        self.cached, self.fresh, self.fresh_reads = cached, fresh, 0
+
+    async def address(self, fresh: bool = False) -> str:
+        if fresh:
+            self.fresh_reads += 1
+            return self.fresh
+        return self.cached
+
+
+def _dead_address() -> str:
+    """A loopback port nothing listens on (a killed leader's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_call_the_dead_leaders_address_refused_goes_to_the_new_leader_once():
+    """Right after a failover a frontend's cached leader address refuses the connection (nothing was
+    sent): the call is carried to the leader the lease row names now, not failed back to the caller.
+    With the lease row naming the same dead address, the caller gets the UNAVAILABLE."""
+
+    async def scenario():
+        leader = _Leader()
+        live, port = await _server("127.0.0.1:0", (leader.handler(),))
+        dead = _dead_address()
+        moving = _MovingDirectory(dead, f"127.0.0.1:{port}")
+        stuck = _MovingDirectory(dead, dead)
+        forwarders = [LeaderForwarder(lambda: False, d, max_message_bytes=1 << 20) for d in (moving, stuck)]
+        servers = [await _server("127.0.0.1:0", (), interceptors=(f,)) for f in forwarders]
+        try:
+            assert await _deploy_through(f"127.0.0.1:{servers[0][1]}", "scorer:7") == (grpc.StatusCode.OK, 7)
+            assert leader.calls == [((), "alice")] and moving.fresh_reads == 1  # once, at the new leader
+            code, _ = await _deploy_through(f"127.0.0.1:{servers[1][1]}", "scorer:8")
+            assert code == grpc.StatusCode.UNAVAILABLE and len(leader.calls) == 1 and stuck.fresh_reads == 1
+        finally:
+            for f in forwarders:
+                await f.close()
+            for server, _ in (*servers, (live, 0)):
+                await server.stop(0)
+
+    asyncio.run(scenario())

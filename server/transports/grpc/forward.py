@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import grpc
 
+from server.dataplane.backend_errors import never_connected
 from server.errors import BackendUnavailable
 from server.tenancy.tls import is_loopback
 
@@ -89,16 +90,28 @@ class LeaderForwarder(grpc.aio.ServerInterceptor):
         if address is None:
             raise BackendUnavailable("no control-plane leader holds the lease right now; retry in a few seconds")
         metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in _HOP and not k.startswith(":"))
+        try:
+            return await self._call(address, method, request, metadata, context)
+        except grpc.aio.AioRpcError as err:
+            failed = err
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                moved = await self.directory.address(fresh=True)  # the leader moved: ask the lease row again
+                if moved is not None and moved != address and never_connected(err.code(), err.details()):
+                    # the old leader's address refused the call (nothing was sent): the new leader takes it
+                    log.info("forwarding %s to the new leader at %s (%s refused it)", method, moved, address)
+                    try:
+                        return await self._call(moved, method, request, metadata, context)
+                    except grpc.aio.AioRpcError as again:
+                        failed = again
+            await context.abort(failed.code(), failed.details() or "", tuple(failed.trailing_metadata() or ()))
+
+    async def _call(self, address: str, method: str, request: bytes, metadata: tuple, context) -> bytes:
+        """One call to the leader at ``address``: its answer, its trailing metadata set on ``context``."""
         remaining = context.time_remaining()
         call = self._channel(address).unary_unary(method, request_serializer=_identity, response_deserializer=_identity)(
             request, metadata=metadata, timeout=remaining if remaining and remaining < 1e6 else None
         )
-        try:
-            response = await call
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                await self.directory.address(fresh=True)  # the leader moved: the next call asks the lease row again
-            await context.abort(err.code(), err.details() or "", tuple(err.trailing_metadata() or ()))
+        response = await call
         trailing = await call.trailing_metadata()
         if trailing:
             context.set_trailing_metadata(tuple(trailing))
