@@ -33,6 +33,9 @@ from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.protogen.inferplane.v1 import traffic_pb2 as tpb
 from server.protogen.inferplane.v1 import traffic_pb2_grpc
 from loadtest.bench_control import deploy_retrying
+from loadtest.paced_model import FEATURES as PACED_FEATURES
+from loadtest.paced_model import NAME as PACED
+from loadtest.paced_model import build_paced_model
 from loadtest.stack import Stack, start_control
 from server.control.service.leader import lease_row
 from server.db import make_engine
@@ -46,6 +49,7 @@ from tests.integration.test_traffic import NAME as RANKER, POISON, ROWS, W1, W2,
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+BATCH_ROW_MS = 150  # the paced model's pause per row (control_pair)
 ENDPOINT = "scorer"
 CHANNELS = 16  # fresh connections: SO_REUSEPORT spreads them over the workers
 
@@ -420,6 +424,8 @@ def control_pair(demo_repository, tmp_path_factory):
     repository = root / "model_repository"
     repository.mkdir()
     shutil.copytree(demo_repository / "mlp_classifier", repository / "mlp_classifier")
+    # the batch job's model: its rows take a fixed pause each (not CPU), so the job outlasts a deploy on any machine
+    build_paced_model(repository, service_ms=BATCH_ROW_MS, instances=2)
     with fresh_postgres_database() as pg:
         url = pg or f"sqlite:///{root}/registry.db"
         env = {
@@ -507,7 +513,7 @@ def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pai
     assert outcomes and not errors, errors[:3]
 
 
-BATCH_ROWS = 1000  # two at a time: seconds of work, so the kill (after a deploy's load and warm-up) lands mid-job
+BATCH_ROWS = 200  # two at a time, BATCH_ROW_MS each: >= 15 s of pauses, so the kill (after a deploy's load and warm-up) lands mid-job
 
 
 def _rows_by_state(url: str, job_id: str) -> dict[str, int]:
@@ -571,7 +577,8 @@ def test_kill_9_of_the_leader_mid_batch_and_mid_deploy_resumes_the_job_once_and_
     by_pid = {r.process.pid: r for r in replicas}
     (standby,) = [r for pid, r in by_pid.items() if pid != leader]
     client = _client(standby)  # the batch API of the replica that survives (jobs live in the database)
-    job = _submit(client, f"/v2/models/{ENDPOINT}/infer", [_oip_body(v1.features[i % len(v1.features)]) for i in range(BATCH_ROWS)])
+    row = np.ones(PACED_FEATURES, np.float32)
+    job = _submit(client, f"/v2/models/{PACED}/infer", [_oip_body(row * i) for i in range(BATCH_ROWS)])
     wait_until(lambda: _rows_by_state(url, job.id).get("done", 0) > 0, timeout=120)  # the leader works on it
     with _steady_load(f.grpc, v1) as outcomes, grpc.insecure_channel(f.grpc) as channel:
         deploying = admin_pb2_grpc.AdminStub(channel).Deploy.future(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:{new}"), metadata=ACTOR, timeout=120)
@@ -596,6 +603,7 @@ def test_kill_9_of_the_leader_mid_batch_and_mid_deploy_resumes_the_job_once_and_
     out = _lines(client, ended.output_file_id)
     assert [o["custom_id"] for o in out] == [f"row-{i}" for i in range(BATCH_ROWS)]  # every row, once, in order
     assert {o["response"]["status_code"] for o in out} == {200}
+    assert [o["response"]["body"]["outputs"][0]["data"][0] for o in out] == [PACED_FEATURES * float(i) for i in range(BATCH_ROWS)]  # each row's own answer
     assert _rows_by_state(url, job.id) == {"done": BATCH_ROWS, "lease_owner": None}
     errors = [o for o in outcomes if o.startswith("error")]
     assert outcomes and not errors, errors[:3]
