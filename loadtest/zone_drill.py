@@ -1,7 +1,7 @@
 """Zone drill (issue 29): ``kill -9`` of every Triton of zone a under load, and how long p99 takes to
 come back within 2x its steady value.
 
-    python -m loadtest.zone_drill [--threads 4] [--steady-s 10] [--after-s 20] [--runs 1] [--json benchmarks/zone_drill/results.json]
+    python -m loadtest.zone_drill [--threads 4] [--steady-s 10] [--after-s 20] [--runs 1] [--keep-down] [--grace-s 10] [--json benchmarks/zone_drill/results.json]
 
 The stack of ``tests/integration/test_zones.py`` (loopback only): local replicas in zones a and b
 (``INFERPLANE_LOCAL_ZONES=a,b``), the frontend in zone a, one warm Triton, the LLM isolation mode,
@@ -18,6 +18,10 @@ the kill whose p99 is within 2x steady (a window without an answer is not), ``st
 the end of the first window from which every later one is. ``errors`` are failed calls after the kill
 (the admitted requests lost: 0 is the requirement); ``zone_a_back_s`` is when the executor listed
 both copies serving again (the supervisor's restart of zone a's Tritons and the copy's reload).
+
+``--keep-down``: zone a does not come back — every restart of its Tritons is killed as soon as it has a
+process, until the run ends — so after ``--grace-s`` (``INFERPLANE_ZONE_DOWN_GRACE_S``) the copies are
+placed again in zone b; ``recreated_s`` is when fraud_xgboost had two copies serving in zone b.
 """
 
 from __future__ import annotations
@@ -118,7 +122,16 @@ def tier_one(stack) -> None:
         raise RuntimeError(f"fraud_xgboost did not reach two replicas in zones a and b: {_hosts(stack)}")
 
 
-def drill(stack, repository: Path, threads: int, steady_s: float, after_s: float) -> dict:
+def _kill(replicas: list[dict], ids: set[str]) -> None:
+    for r in replicas:
+        if r["id"] in ids and r["pid"] is not None:
+            try:
+                os.kill(r["pid"], signal.SIGKILL)
+            except ProcessLookupError:  # gone already
+                pass
+
+
+def drill(stack, repository: Path, threads: int, steady_s: float, after_s: float, keep_down: bool = False) -> dict:
     zone_a = [r for r in _explain(stack)["executor"]["replicas"] if r["zone"] == "a"]
     callers = [Caller(stack, repository, FRAUD) for _ in range(threads)]
     began = time.monotonic()
@@ -126,19 +139,23 @@ def drill(stack, repository: Path, threads: int, steady_s: float, after_s: float
         c.start()
     time.sleep(steady_s)
     killed = time.monotonic()
-    for replica in zone_a:
-        os.kill(replica["pid"], signal.SIGKILL)
+    _kill(zone_a, {r["id"] for r in zone_a})
     pids = {r["id"]: r["pid"] for r in zone_a}
-    back = None
+    back = recreated = None
     while time.monotonic() < killed + after_s:
-        if back is None:
-            try:
-                listed = _explain(stack)
+        try:
+            listed = _explain(stack)
+            if keep_down:
+                _kill(listed["executor"]["replicas"], set(pids))
+                in_b = [r for r in listed["executor"]["replicas"] if r["zone"] == "b" and FRAUD in r["models"] and r["state"] == "up"]
+                if recreated is None and len(in_b) == 2 and listed["serving_replicas"] >= 2:
+                    recreated = time.monotonic()
+            elif back is None:
                 fresh = all(r["pid"] not in (None, pids[r["id"]]) for r in listed["executor"]["replicas"] if r["id"] in pids)
                 if fresh and listed["serving_replicas"] == 2:
                     back = time.monotonic()
-            except grpc.RpcError:
-                pass
+        except grpc.RpcError:
+            pass
         time.sleep(0.2)
     ended = time.monotonic()
     for c in callers:
@@ -151,7 +168,8 @@ def drill(stack, repository: Path, threads: int, steady_s: float, after_s: float
         "killed": [{"id": r["id"], "models": r["models"]} for r in zone_a], "threads": threads, "steady_s": steady_s, "after_s": after_s,
         "answers": len(done), "errors": sum(1 for c in callers for t in c.errors if t >= killed),
         "errors_before_kill": sum(1 for c in callers for t in c.errors if t < killed),
-        "zone_a_back_s": None if back is None else round(back - killed, 2), **measure(sent, done, began, killed, ended),
+        "keep_down": keep_down, "zone_a_back_s": None if back is None else round(back - killed, 2),
+        "recreated_s": None if recreated is None else round(recreated - killed, 2), **measure(sent, done, began, killed, ended),
     }  # fmt: skip
 
 
@@ -161,6 +179,8 @@ def main(argv=None) -> None:
     p.add_argument("--steady-s", type=float, default=10.0)
     p.add_argument("--after-s", type=float, default=20.0)
     p.add_argument("--runs", type=int, default=1, help="drills, each on a fresh stack")
+    p.add_argument("--keep-down", action="store_true", help="zone a does not come back: its Tritons' restarts are killed too")
+    p.add_argument("--grace-s", type=float, default=10.0, help="INFERPLANE_ZONE_DOWN_GRACE_S")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="inferplane-zones-"))
@@ -173,12 +193,12 @@ def main(argv=None) -> None:
             shutil.copytree(demo / name, repository / name)
         for i in range(args.runs):
             workdir = root / f"stack-{i}"
-            env = {**ENV, "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}
+            env = {**ENV, "INFERPLANE_ZONE_DOWN_GRACE_S": str(args.grace_s), "INFERPLANE_DATABASE_URL": f"sqlite:///{workdir}/registry.db", "INFERPLANE_ARTIFACT_STORE": str(workdir / "artifacts")}
             stack = start_stack(repository, workdir, env=env)
             try:
                 tier_one(stack)
                 run = {"load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
-                run.update(drill(stack, repository, args.threads, args.steady_s, args.after_s))
+                run.update(drill(stack, repository, args.threads, args.steady_s, args.after_s, args.keep_down))
                 print(json.dumps({k: v for k, v in run.items() if k not in ("before", "after")}), flush=True)
                 runs.append(run)
             finally:
