@@ -199,3 +199,25 @@ async def test_a_forecast_wakes_an_endpoint_at_zero_before_any_request_and_expla
     assert woke[0]["reason"] == "forecast 12 at zero replicas: wake to 3 ahead of its traffic" and woke[0]["inputs"]["load"] == 0.0
     assert woke[1]["reason"].startswith("loaded from zero in") and fake.loads == ["m"]
     assert explained["state"] == "serving" and explained["replicas"] >= 1
+
+
+async def test_each_round_runs_the_executors_zone_check_in_the_background_one_at_a_time():
+    fake, started, release = _Served(), [], asyncio.Event()
+
+    async def heal():
+        started.append(1)
+        await release.wait()  # a slow one (loads in a surviving zone): the next round does not start another
+        return True
+
+    fake.heal = heal
+    scaler = Autoscaler(fake, None, fake, fake, clock=lambda: 1.0, wall=lambda: 1_790_000_000.0)
+    scaler._heal()
+    scaler._heal()
+    await asyncio.sleep(0)
+    assert started == [1]
+    release.set()
+    assert await scaler._healing is True
+    scaler._heal()
+    await scaler._healing
+    assert started == [1, 1]
+    await scaler.stop()
