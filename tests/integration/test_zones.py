@@ -96,30 +96,20 @@ def test_requests_stay_in_the_frontends_zone_while_it_serves(zoned):
     assert rows(hosts["b"]["target"]) == before["b"]
 
 
-def test_kill_9_of_zone_a_loses_no_admitted_request(zoned):
-    zone_a = [r for r in replicas(zoned) if r["zone"] == "a"]
-    b = next(r for r in replicas(zoned) if r["zone"] == "b" and FRAUD in r["models"])
-    before_b = rows(b["target"])
-    with Load(zoned, FRAUD, threads=4) as load:
-        load.served(100)
-        for replica in zone_a:
-            os.kill(replica["pid"], signal.SIGKILL)
-        killed_at = load.ok
-        load.served(300)  # zone b serves through the outage
-        assert rows(b["target"]) > before_b  # ... it did: the frontend spilled over
-        pids = {r["id"]: r["pid"] for r in zone_a}
-        assert wait_until(lambda: all(r["pid"] not in (None, pids[r["id"]]) for r in replicas(zoned) if r["id"] in pids), 90)
-        assert wait_until(lambda: serving(zoned) == 2, 90), replicas(zoned)
-        load.served(100)
-    assert load.ok > killed_at and not load.errors, load.errors[:5]
-
-
 def _tier_one(stack) -> None:
-    """fraud_xgboost on two replicas, one per zone (what the first test arranges), when it is not yet."""
+    """fraud_xgboost on two replicas, one per zone (what the first test arranges), when it is not yet, and
+    every zone up (an earlier drill's stand-ins gone: lightgbm in zone a only)."""
     channel, stub = _autoscale(stack)
     with channel:
         stub.Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=apb.AutoscaleConfig(tier=1)))
-    assert wait_until(lambda: serving(stack) == 2 and sorted(r["zone"] for r in replicas(stack) if FRAUD in r["models"]) == ["a", "b"], 90)
+
+    def settled() -> bool:
+        listed = executor(stack)
+        zones = {m: sorted(r["zone"] for r in listed["replicas"] if m in r["models"]) for m in (FRAUD, LGBM)}
+        up = all(r["state"] == "up" for r in listed["replicas"])
+        return serving(stack) == 2 and zones == {FRAUD: ["a", "b"], LGBM: ["a"]} and up and listed["down_zones"] == []
+
+    assert wait_until(settled, 90), executor(stack)
 
 
 def _hosts(stack, model: str) -> list[tuple[str, str]]:
@@ -140,7 +130,7 @@ def test_a_zone_that_stays_down_has_its_copies_placed_in_the_other_and_back_when
     def placed_in_b() -> bool:
         kill_zone_a()  # zone a's Tritons do not come back: each restart is killed as soon as it has a process
         in_b = {m: [h for h in _hosts(zoned, m) if h[0] == "b"] for m in (FRAUD, LGBM)}
-        return len(in_b[FRAUD]) == 2 and len(in_b[LGBM]) == 1
+        return len(in_b[FRAUD]) == 2 and len(in_b[LGBM]) == 1 and executor(zoned)["down_zones"] == ["a"]
 
     with Load(zoned, FRAUD, threads=2) as load:
         load.served(50)
@@ -153,3 +143,21 @@ def test_a_zone_that_stays_down_has_its_copies_placed_in_the_other_and_back_when
         assert wait_until(lambda: serving(zoned) == 2, 60), replicas(zoned)
         load.served(50)
     assert not load.errors, load.errors[:5]
+
+
+def test_kill_9_of_zone_a_loses_no_admitted_request(zoned):
+    zone_a = [r for r in replicas(zoned) if r["zone"] == "a"]
+    b = next(r for r in replicas(zoned) if r["zone"] == "b" and FRAUD in r["models"])
+    before_b = rows(b["target"])
+    with Load(zoned, FRAUD, threads=4) as load:
+        load.served(100)
+        for replica in zone_a:
+            os.kill(replica["pid"], signal.SIGKILL)
+        killed_at = load.ok
+        load.served(300)  # zone b serves through the outage
+        assert rows(b["target"]) > before_b  # ... it did: the frontend spilled over
+        pids = {r["id"]: r["pid"] for r in zone_a}
+        assert wait_until(lambda: all(r["pid"] not in (None, pids[r["id"]]) for r in replicas(zoned) if r["id"] in pids), 90)
+        assert wait_until(lambda: serving(zoned) == 2, 90), replicas(zoned)
+        load.served(100)
+    assert load.ok > killed_at and not load.errors, load.errors[:5]

@@ -335,6 +335,7 @@ class LocalExecutor:
             "memory_mb": {k: v >> 20 for k, v in memory.items()},  # placed: the replicas' copies, the standbys'
             "capacity_mb": self.capacity_bytes >> 20,
             "copies": dict(sorted(self.copies.items())),
+            "down_zones": sorted(self.down_zones),  # zones down past INFERPLANE_ZONE_DOWN_GRACE_S: their copies placed elsewhere
         }
 
 
