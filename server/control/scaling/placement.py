@@ -18,9 +18,10 @@ with room whose zone holds the fewest copies of that model, and a new replica op
 A zone that is down (``down``: every replica of it down for longer than a grace period, decided
 by the executor) takes nothing new: its copies stay in the plan (so they serve again when it
 returns) but do not count, so the copies it held are placed again in the zones that are up, on a
-replica with room or a new one opened there (with no zone up, or no zones, ``down`` changes nothing). When it returns (``down`` empty again) the plan keeps
-each model's first ``copies`` copies in the order replicas are listed — the returned zone's replicas,
-listed before the replicas opened for its copies, keep theirs and the stand-ins are dropped.
+replica with room or a new one opened there (with no zone up, or no zones, ``down`` changes
+nothing). When it returns (``down`` empty again) the plan keeps each model's first ``copies``
+copies in the order replicas are listed — the returned zone's replicas, listed before the replicas
+opened for its copies, keep theirs and the stand-ins are dropped.
 
 Warm standbys (``Demand.standby``, ``INFERPLANE_WARM_STANDBY``) are in the budget too: each is a
 Triton of its own holding one copy loaded, out of rotation, and the replica a scale-up makes of it
