@@ -15,6 +15,10 @@ within ``tolerance`` of the target (then the count stays). Around it, in this or
   with ``scale_to_zero_after_s`` set, an endpoint that saw no load at all for that long goes to 0,
   and from 0 any load (or a request held at the door, ``demand``) brings back
   ``max(1, min_replicas)`` (or more if the load asks) at once, bypassing windows and cooldowns.
+  With ``predictive`` on, a forecast above zero counts as expected load: it keeps the endpoint from
+  going to zero, and at zero it wakes the endpoint ahead of its traffic as a scale-up does (once the
+  forecast held for ``scale_up_window_s``, outside ``up_cooldown_s``, at most ``max_step_up`` replicas,
+  at least the floor, at most ``max_replicas``).
 
 A forecast of the load (``Observation.forecast``, for the moment the new replicas would be warm)
 joins the raw recommendation as ``max(reactive, ceil(forecast / target))``: predictive
@@ -131,7 +135,7 @@ class PolicyState:
     recommendations: tuple[tuple[float, int], ...] = ()  # (time, raw recommendation), oldest first
     last_up: float = -math.inf
     last_change: float = -math.inf
-    last_active: float = -math.inf  # the last time any load was seen
+    last_active: float = -math.inf  # the last time any load (or, predictive, a forecast of load) was seen
     held: tuple[float, int] | None = None  # (time, count) found at start: no scale-down below it within a window
 
     @classmethod
@@ -167,14 +171,15 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
     now = obs.now
     current = state.replicas
     active = obs.load > 0 or obs.demand
-    last_active = now if active else state.last_active
     raw, reactive, predictive = recommend(config, current, obs.load, obs.forecast)
+    expected = active or predictive is not None  # load now, or (predictive) a forecast of it: not idle
+    last_active = now if expected else state.last_active
     horizon = max(config.scale_up_window_s, config.scale_down_window_s)
     recs = tuple((t, r) for t, r in state.recommendations if t >= now - horizon) + ((now, raw),)
     inputs = {
         "load": obs.load, "forecast": obs.forecast, "target": config.target, "signal": config.signal,
         "per_replica": obs.load / current if current else None, "reactive": reactive, "predictive": predictive,
-        "recommendation": raw, "demand": obs.demand, "idle_s": None if active else now - state.last_active,
+        "recommendation": raw, "demand": obs.demand, "idle_s": None if expected else now - state.last_active,
         "standby": obs.standby,
     }  # fmt: skip
 
@@ -193,10 +198,20 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
             want = min(config.max_replicas, max(floor, 1, raw))
             return done(want, WAKE, f"load {obs.load:g}{' and a held request' if obs.demand else ''} at zero replicas: wake to {want}")
         if config.scale_to_zero_after_s is not None or config.min_replicas == 0:
-            return done(0, HOLD, "idle at zero replicas")
+            if predictive is None:
+                return done(0, HOLD, "idle at zero replicas")
+            # traffic is forecast: wake ahead of it, as a scale-up (its window, cooldown, step and bounds)
+            ahead = f"forecast {obs.forecast:g} at zero replicas"
+            up_rec = min(r for t, r in recs if t >= now - config.scale_up_window_s)
+            if up_rec == 0:
+                return done(0, HOLD, f"{ahead} not yet stable for {config.scale_up_window_s:g}s")
+            if now - state.last_up < config.up_cooldown_s:
+                return done(0, HOLD, f"{ahead}; up cooldown ({config.up_cooldown_s:g}s) not over")
+            want = min(config.max_replicas, max(floor, min(up_rec, config.max_step_up)))
+            return done(want, WAKE, f"{ahead}: wake to {want} ahead of its traffic")
     idle_s = now - state.last_active
-    if config.scale_to_zero_after_s is not None and not active and idle_s >= config.scale_to_zero_after_s:
-        return done(0, ZERO, f"no load for {idle_s:.0f}s (scale to zero after {config.scale_to_zero_after_s:g}s)")
+    if config.scale_to_zero_after_s is not None and not expected and idle_s >= config.scale_to_zero_after_s:
+        return done(0, ZERO, f"no load{' nor forecast' if config.predictive else ''} for {idle_s:.0f}s (scale to zero after {config.scale_to_zero_after_s:g}s)")
 
     # ---- stabilization windows -----------------------------------------------------------------
     cheap = config.standby_down_factor if obs.standby > 0 else 1.0  # a scale-up would take a loaded standby

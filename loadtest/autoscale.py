@@ -387,7 +387,11 @@ async def run_zero(api: Api, stack, demo_dirs: Path, workdir: Path, args) -> dic
         call = channel.unary_unary(INFER, request_serializer=None, response_deserializer=None)
         for attempt in range(args.zero_repeats):
             for kind in ("weight_cache_hit", "cold_artifact_store"):
-                api.configure(name, scale_to_zero_after_s=1.0, scale_down_window_s=0.0, down_cooldown_s=0.0, cold_start_budget_s=60.0)
+                # predictive off: the first answer after a wake by a request is what is measured, and a forecast
+                # of the attempts' own traffic would keep the endpoint from zero (or wake it ahead of the request)
+                api.configure(
+                    name, scale_to_zero_after_s=1.0, scale_down_window_s=0.0, down_cooldown_s=0.0, cold_start_budget_s=60.0, predictive=False,
+                )  # fmt: skip
                 api.wait(lambda: api.status(name)["state"] == "asleep", what=f"{name} at zero")
                 if kind == "cold_artifact_store":
                     shutil.rmtree(cache_dir, ignore_errors=True)

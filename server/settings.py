@@ -184,6 +184,7 @@ class Settings(BaseSettings):
     zone_file: Path | None = None  # ... or, with no zone given, the zone this file holds (Kubernetes: server.runtime.node_zone)
     zone_spill_outstanding: int = Field(8, ge=1)  # ... this many in flight each; past it they spill to other zones
     local_zones: str = ""  # embedded: the zones local replicas open in, "a,b" (the embedded one is in the first)
+    zone_down_grace_s: float = Field(10.0, gt=0)  # embedded: a zone whose replicas stay down this long has its copies placed in the others
     warm_pool: int = Field(0, ge=0, le=16)  # embedded: pre-started empty Tritons a scale-up takes instead of starting one
     # embedded: standbys, "MODEL=N,...": Tritons holding the model loaded, out of rotation; a scale-up of it takes one
     # into rotation (no start, no load) and the pool loads another (server.runtime.local_replicas)

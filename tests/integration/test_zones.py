@@ -3,11 +3,14 @@ frontend is in zone a (``INFERPLANE_ZONE``), one warm Triton waits (``INFERPLANE
 tier-1 endpoint gets two replicas, one per zone, on Tritons of its own — one of them the warm member
 (its pid existed before the decision), the pool refilled behind it; its requests stay in zone a
 while it serves; ``kill -9`` of every Triton of zone a under bounded load loses no admitted request
-(the replica set spills to zone b, and retries the requests the dead Triton took with it there).
+(the replica set spills to zone b, and retries the requests the dead Triton took with it there); a
+zone a whose Tritons stay down past the grace period (each restart killed) has its copies placed again
+in zone b, and they go back when zone a returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ENV = {
     "INFERPLANE_LOCAL_ZONES": "a,b", "INFERPLANE_ZONE": "a", "INFERPLANE_REPLICA_HEALTH_INTERVAL_S": "0.2",
     "INFERPLANE_AUTOSCALE_INTERVAL_S": "0.2", "INFERPLANE_ISOLATION": "llm", "INFERPLANE_WARM_POOL": "1",
+    "INFERPLANE_ZONE_DOWN_GRACE_S": "4",  # a zone whose Tritons stay down 4 s: its copies are placed in zone b
 }  # fmt: skip
 
 
@@ -90,6 +94,55 @@ def test_requests_stay_in_the_frontends_zone_while_it_serves(zoned):
     assert not load.errors
     assert rows(hosts["a"]["target"]) - before["a"] >= load.ok
     assert rows(hosts["b"]["target"]) == before["b"]
+
+
+def _tier_one(stack) -> None:
+    """fraud_xgboost on two replicas, one per zone (what the first test arranges), when it is not yet, and
+    every zone up (an earlier drill's stand-ins gone: lightgbm in zone a only)."""
+    channel, stub = _autoscale(stack)
+    with channel:
+        stub.Configure(apb.ConfigureAutoscaleRequest(endpoint=FRAUD, config=apb.AutoscaleConfig(tier=1)))
+
+    def settled() -> bool:
+        listed = executor(stack)
+        zones = {m: sorted(r["zone"] for r in listed["replicas"] if m in r["models"]) for m in (FRAUD, LGBM)}
+        up = all(r["state"] == "up" for r in listed["replicas"])
+        return serving(stack) == 2 and zones == {FRAUD: ["a", "b"], LGBM: ["a"]} and up and listed["down_zones"] == []
+
+    assert wait_until(settled, 90), executor(stack)
+
+
+def _hosts(stack, model: str) -> list[tuple[str, str]]:
+    return sorted((r["zone"], r["id"]) for r in replicas(stack) if model in r["models"])
+
+
+def test_a_zone_that_stays_down_has_its_copies_placed_in_the_other_and_back_when_it_returns(zoned):
+    _tier_one(zoned)
+    zone_a = {r["id"] for r in replicas(zoned) if r["zone"] == "a"}
+    before = {FRAUD: _hosts(zoned, FRAUD), LGBM: _hosts(zoned, LGBM)}
+
+    def kill_zone_a() -> None:
+        for r in replicas(zoned):
+            if r["id"] in zone_a and r["pid"] is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r["pid"], signal.SIGKILL)
+
+    def placed_in_b() -> bool:
+        kill_zone_a()  # zone a's Tritons do not come back: each restart is killed as soon as it has a process
+        in_b = {m: [h for h in _hosts(zoned, m) if h[0] == "b"] for m in (FRAUD, LGBM)}
+        return len(in_b[FRAUD]) == 2 and len(in_b[LGBM]) == 1 and executor(zoned)["down_zones"] == ["a"]
+
+    with Load(zoned, FRAUD, threads=2) as load:
+        load.served(50)
+        assert wait_until(placed_in_b, 60), replicas(zoned)  # the grace (4 s), then fraud's copy and lgbm in b
+        kill_zone_a()
+        assert wait_until(lambda: serving(zoned) >= 2, 60), replicas(zoned)  # two copies serving, both in zone b
+        load.served(100)
+        # zone a returns (its restarts no longer killed): the stand-ins in b go, the copies are as before
+        assert wait_until(lambda: {m: _hosts(zoned, m) for m in before} == before, 90), replicas(zoned)
+        assert wait_until(lambda: serving(zoned) == 2, 60), replicas(zoned)
+        load.served(50)
+    assert not load.errors, load.errors[:5]
 
 
 def test_kill_9_of_zone_a_loses_no_admitted_request(zoned):

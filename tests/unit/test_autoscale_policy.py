@@ -324,7 +324,7 @@ def test_each_decision_says_why_in_full():
         (4, "down", "highest recommendation in the last 30s is 1"),
         (3, "down", "highest recommendation in the last 30s is 1"),
         (2, "down", "highest recommendation in the last 30s is 1"),
-        (0, "zero", "no load for 180s (scale to zero after 100s)"),
+        (0, "zero", "no load nor forecast for 180s (scale to zero after 100s)"),
         (0, "hold", "idle at zero replicas"),
         (1, "wake", "load 3 at zero replicas: wake to 1"),
         (1, "hold", "recommendation 0 not yet stable for 30s"),
@@ -522,3 +522,90 @@ def test_tier_1_never_has_fewer_than_two_replicas_and_keeps_a_larger_floor():
 def test_the_edges_of_a_valid_config_are_accepted():
     config = ScalingConfig(tolerance=0.0, scale_to_zero_after_s=0.5, cold_start_budget_s=0.5, min_replicas=0)
     assert (config.tolerance, config.scale_to_zero_after_s, config.cold_start_budget_s) == (0.0, 0.5, 0.5)
+
+
+# ---- a forecast wakes a scaled-to-zero endpoint ahead of its traffic (issue 29) -----------------------
+
+
+def test_a_forecast_wakes_an_endpoint_at_zero_ahead_of_its_traffic_and_says_so():
+    config = ScalingConfig(min_replicas=0, max_replicas=6, target=10, scale_to_zero_after_s=100, max_step_up=2, up_cooldown_s=5)
+    assert _decisions(config, [(1, 0, 25)], replicas=0) == [(2, "wake", "forecast 25 at zero replicas: wake to 2 ahead of its traffic")]
+    assert _decisions(config, [(1, 0, 5)], replicas=0) == [(1, "wake", "forecast 5 at zero replicas: wake to 1 ahead of its traffic")]
+    bounded = replace(config, max_replicas=1, max_step_up=4)  # at most max_replicas, at most max_step_up
+    assert _decisions(bounded, [(1, 0, 45)], replicas=0) == [(1, "wake", "forecast 45 at zero replicas: wake to 1 ahead of its traffic")]
+    floored = ScalingConfig(min_replicas=3, max_replicas=6, target=10, scale_to_zero_after_s=100, max_step_up=1)
+    assert _decisions(floored, [(1, 0, 5)], replicas=0)[0][:2] == (3, "wake")  # at least the floor
+    # the up cooldown holds it (a scale-up 2 s before), then it wakes
+    state = replace(PolicyState.start(0, 0.0), last_up=0.0)
+    decision, state = decide(config, state, Observation(2.0, 0.0, 25))
+    assert (decision.replicas, decision.action, decision.reason) == (0, HOLD, "forecast 25 at zero replicas; up cooldown (5s) not over")
+    decision, _ = decide(config, state, Observation(5.0, 0.0, 25))
+    assert (decision.replicas, decision.action) == (2, WAKE)
+    # no forecast, a forecast of nothing, or predictive off: it stays asleep
+    for forecast, cfg in ((None, config), (0.0, config), (25, replace(config, predictive=False))):
+        assert _decisions(cfg, [(1, 0, forecast)], replicas=0) == [(0, "hold", "idle at zero replicas")]
+
+
+def test_a_forecast_waits_for_its_up_window_at_zero():
+    config = ScalingConfig(min_replicas=0, max_replicas=6, target=10, scale_up_window_s=3, scale_to_zero_after_s=100)
+    steps = [(0, 0), (1, 0, 12), (3, 0, 12), (4, 0, 12)]
+    assert _decisions(config, steps, replicas=0) == [
+        (0, "hold", "idle at zero replicas"),
+        (0, "hold", "forecast 12 at zero replicas not yet stable for 3s"),
+        (0, "hold", "forecast 12 at zero replicas not yet stable for 3s"),
+        (2, "wake", "forecast 12 at zero replicas: wake to 2 ahead of its traffic"),
+    ]
+
+
+def test_a_forecast_keeps_an_endpoint_from_zero_and_its_end_starts_the_idle_time():
+    config = ScalingConfig(min_replicas=1, max_replicas=4, target=10, scale_to_zero_after_s=10, scale_down_window_s=3, down_cooldown_s=0)
+    loads, forecasts = [3] + [0] * 30, [None] + [4] * 15 + [None] * 15
+    counts, decisions = run(config, loads, start=1, forecasts=forecasts)
+    assert counts[:25] == [1] * 25 and decisions[15].inputs["idle_s"] is None  # no load, but traffic is forecast (to tick 15)
+    assert counts[25] == 0 and decisions[25].reason == "no load nor forecast for 10s (scale to zero after 10s)"
+    assert decisions[20].inputs["idle_s"] == 5.0
+    reactive = replace(config, predictive=False)  # predictive off: the forecast is not looked at
+    counts, decisions = run(reactive, loads, start=1, forecasts=forecasts)
+    assert counts.index(0) == 10 and decisions[10].reason == "no load for 10s (scale to zero after 10s)"
+
+
+def _at_zero(config: ScalingConfig) -> bool:
+    return config.scale_to_zero_after_s is not None or config.min_replicas == 0
+
+
+@settings(deadline=None)
+@given(config=configs, idle=st.integers(1, 5), forecast=st.floats(0.01, 400))
+def test_at_zero_a_positive_forecast_wakes_the_endpoint_once_its_up_window_passed_and_it_stays_up(config, idle, forecast):
+    config = replace(config, predictive=True)
+    window = math.ceil(config.scale_up_window_s / TICK)
+    ticks = idle + window + settle_ticks(config, 1)
+    loads, forecasts = [0.0] * ticks, [None] * idle + [forecast] * (ticks - idle)
+    counts, decisions = run(config, loads, start=0, forecasts=forecasts)
+    if not _at_zero(config):
+        return  # never at zero while idle: the floor holds it up
+    woke = idle + window  # the first tick whose up window holds no idle recommendation
+    assert counts[:woke] == [0] * woke
+    expected = min(config.max_replicas, max(config.floor, min(math.ceil(forecast / config.target - 1e-9), config.max_step_up), 1))
+    assert (decisions[woke].action, counts[woke]) == (WAKE, expected), decisions[woke].reason
+    assert decisions[woke].reason.startswith(f"forecast {forecast:g} at zero replicas: wake to {expected}")
+    assert all(1 <= c <= config.max_replicas for c in counts[woke:])  # never back to zero while traffic is forecast
+    reactive, _ = run(replace(config, predictive=False), loads, start=0, forecasts=forecasts)
+    assert reactive == [0] * ticks  # the forecast is ignored without predictive
+
+
+@settings(deadline=None)
+@given(
+    config=configs,
+    steps=st.lists(st.tuples(st.sampled_from([0.0, 0.0, 0.0, 5.0, 80.0]), st.sampled_from([None, 0.0, 3.0, 60.0])), min_size=30, max_size=150),
+)
+def test_scale_to_zero_never_comes_sooner_than_its_idle_time_after_load_or_a_forecast(config, steps):
+    config = replace(config, predictive=True)
+    loads, forecasts = [load for load, _ in steps], [f for _, f in steps]
+    counts, decisions = run(config, loads, start=1, forecasts=forecasts)
+    last_expected = 0  # PolicyState.start: watched from tick 0
+    for i, (load, forecast) in enumerate(steps):
+        if load > 0 or (forecast or 0) > 0:
+            last_expected = i
+        if decisions[i].action == ZERO:
+            assert (i - last_expected) * TICK >= config.scale_to_zero_after_s, (i, last_expected)
+            assert decisions[i].reason.startswith("no load nor forecast for")

@@ -5,10 +5,11 @@ cold-start budget, a failed load retried by the next request) and the scaling co
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 
-from batching.autoscale_policy import ScalingConfig
+from batching.autoscale_policy import WAKE, ScalingConfig, SeasonalProfile
 from server.control.registry.artifacts import ArtifactStore
 from server.control.scaling.autoscaler import Autoscaler, Waker
 from server.control.registry.registry import Registry
@@ -149,3 +150,74 @@ async def test_the_policy_is_told_how_many_standbys_a_scale_up_could_take():
     fake.ready, fake.samples = 0, {"m": Sample(t=1.0, inflight=0.5, qps=5.0, replicas=2)}  # another load: a new hold is recorded
     await scaler.tick()
     assert scaler.explain("m")["decisions"][-1]["inputs"]["standby"] == 0
+
+
+class _Sleeping(_Served):
+    """An endpoint the autoscaler can put to sleep (unload, zero replicas) and load again."""
+
+    ready = 0
+
+    def __init__(self):
+        self.loaded, self.count, self.loads = True, 2, []
+
+    def signature(self, name):
+        return object() if self.loaded else None
+
+    def replicas(self, name):
+        return self.count
+
+    async def unload_model(self, name, missing_ok=False):
+        self.loaded = False
+
+    async def set_replicas(self, name, n):
+        self.count = n
+
+    async def prepare(self, name, replicas):
+        self.count = replicas
+
+    async def load_model(self, name):
+        self.loads.append(name)
+        self.loaded = True
+
+
+async def test_a_forecast_wakes_an_endpoint_at_zero_before_any_request_and_explain_says_why():
+    fake, wall, now = _Sleeping(), 1_790_000_000.0, [50.0]
+    scaler = Autoscaler(fake, types.SimpleNamespace(wakers={}), fake, fake, clock=lambda: now[0], wall=lambda: wall, lead_s=1.0)
+    await scaler.configure("m", {"min_replicas": 0, "max_replicas": 4, "target": 5, "signal": "qps", "scale_to_zero_after_s": 30})
+    await scaler.sleep("m")
+    assert (fake.loaded, fake.count, scaler.explain("m")["state"]) == (False, 0, "asleep")
+    await scaler.tick()  # no history yet: no forecast, it sleeps on
+    assert fake.loads == [] and scaler.explain("m")["decisions"][-1]["reason"] == "idle at zero replicas"
+    profile = SeasonalProfile(period_s=2.0, slot_s=1.0)
+    profile.seed([(0.5, 12.0), (1.5, 12.0)])  # the history says 12 requests/s at every moment
+    scaler.endpoints["m"].profile = profile
+    now[0] += 1.0
+    await scaler.tick()  # no request and no load, only the forecast
+    await scaler.endpoints["m"].busy
+    explained = scaler.explain("m")
+    woke = [d for d in explained["decisions"] if d.get("action") == WAKE]
+    assert woke[0]["reason"] == "forecast 12 at zero replicas: wake to 3 ahead of its traffic" and woke[0]["inputs"]["load"] == 0.0
+    assert woke[1]["reason"].startswith("loaded from zero in") and fake.loads == ["m"]
+    assert explained["state"] == "serving" and explained["replicas"] >= 1
+
+
+async def test_each_round_runs_the_executors_zone_check_in_the_background_one_at_a_time():
+    fake, started, release = _Served(), [], asyncio.Event()
+
+    async def heal():
+        started.append(1)
+        await release.wait()  # a slow one (loads in a surviving zone): the next round does not start another
+        return True
+
+    fake.heal = heal
+    scaler = Autoscaler(fake, None, fake, fake, clock=lambda: 1.0, wall=lambda: 1_790_000_000.0)
+    scaler._heal()
+    scaler._heal()
+    await asyncio.sleep(0)
+    assert started == [1]
+    release.set()
+    assert await scaler._healing is True
+    scaler._heal()
+    await scaler._healing
+    assert started == [1, 1]
+    await scaler.stop()

@@ -87,6 +87,41 @@ def test_an_endpoint_raised_to_tier_one_moves_out_and_its_co_tenants_stay():
     assert {plan.zones["local-1"], plan.zones["local-2"]} == {"a", "b"}
 
 
+# ---- a zone that stays down: its copies placed again in the zones that are up ----------------------
+
+ZONED = {"local-0": "a", "local-1": "a", "local-2": "b", "local-3": "b"}
+TIER1 = {"fraud": Demand(2, 100 * MB, "own:fraud"), "lgbm": Demand(1, 100 * MB)}
+BEFORE = {"local-0": {"lgbm"}, "local-1": {"fraud"}, "local-2": {"fraud"}, "local-3": set()}  # fraud in a and b, lgbm in a
+
+
+def test_a_down_zones_copies_are_placed_again_in_the_zone_that_is_up():
+    plan = place(TIER1, BEFORE, 4000 * MB, zone_of=ZONED, zones=("a", "b"), down={"a"})
+    # lgbm (the shared group, placed first): its one copy was in a, so it gets one in b, on the empty local-3;
+    # fraud: its zone-a copy is kept (it serves again when a returns), and a copy is added in b on a new replica
+    assert plan.replicas_of("lgbm") == ["local-0", "local-3"]
+    assert plan.replicas_of("fraud") == ["local-1", "local-2", "local-4"] and plan.opened == ["local-4"] and plan.zones["local-4"] == "b"
+    assert sum(plan.zones[r] != "a" for r in plan.replicas_of("fraud")) == TIER1["fraud"].copies  # min replicas up
+    # nothing new in the down zone, even where it has the most room
+    assert plan.assignment["local-1"] == {"fraud"} and plan.assignment["local-0"] == {"lgbm"}
+
+
+def test_while_a_zone_stays_down_the_plan_is_stable_and_when_it_returns_the_stand_ins_go():
+    down = place(TIER1, BEFORE, 4000 * MB, zone_of=ZONED, zones=("a", "b"), down={"a"})
+    zone_of = {**ZONED, **{r: down.zones[r] for r in down.opened}}
+    again = place(TIER1, down.assignment, 4000 * MB, zone_of=zone_of, zones=("a", "b"), down={"a"})
+    assert again.assignment == down.assignment and again.opened == []
+    back = place(TIER1, down.assignment, 4000 * MB, zone_of=zone_of, zones=("a", "b"))
+    assert back.replicas_of("fraud") == ["local-1", "local-2"] and back.replicas_of("lgbm") == ["local-0"]
+    assert back.assignment["local-3"] == set() and back.assignment["local-4"] == set()  # emptied: the executor stops them
+
+
+@pytest.mark.parametrize("down,zones", [({"a", "b"}, ("a", "b")), ({"a"}, ())])
+def test_with_no_zone_up_or_no_zones_a_down_zone_changes_nothing(down, zones):
+    plan = place(TIER1, BEFORE, 4000 * MB, zone_of=ZONED, zones=zones, down=down)
+    assert plan.assignment == place(TIER1, BEFORE, 4000 * MB, zone_of=ZONED, zones=zones).assignment
+    assert plan.opened == [] and plan.replicas_of("fraud") == ["local-1", "local-2"]
+
+
 @pytest.mark.parametrize(
     "mode,streams,want",
     [("llm", True, "llm"), ("llm", False, ""), ("none", True, ""), ("each", False, "own:m"), ("each", True, "own:m")],
@@ -220,3 +255,86 @@ def test_each_keeps_an_ensemble_and_its_steps_in_one_triton(tmp_path):
     assert isolation.ensemble_bound(tmp_path) == {"pipeline", "scorer"}
     assert isolation.isolation_group("scorer", streams=False, mode="each", ensemble=True) == ""
     assert isolation.isolation_group("lone", streams=False, mode="each") == "own:lone"
+
+
+# ---- the local executor: a zone down past its grace period (LocalExecutor.heal) ------------------------
+
+
+class _Pool:
+    """The local pool as the executor uses it: replicas start (on a fake target) and stop."""
+
+    adopted: set = set()
+
+    def __init__(self):
+        self.started, self.stopped = [], []
+
+    async def start(self, replica_id, models=()):
+        self.started.append(replica_id)
+        return replica_id
+
+    def holds(self, replica_id):
+        return set()
+
+    async def stop(self, replica_id):
+        self.stopped.append(replica_id)
+
+    def pid(self, replica_id):
+        return None
+
+
+def _zoned_executor(clock):
+    members = []
+    for name, zone, wanted in (("local-0", "a", {"lgbm"}), ("local-1", "a", {"fraud"}), ("local-2", "b", {"fraud"})):
+        member = Member(name, fake(name, models=wanted), local=True, zone=zone)
+        member.models, member.wanted = set(wanted), set(wanted)
+        members.append(member)
+    rs = ReplicaSet(members, clock=clock, rng=random.Random(7), client_factory=lambda target: fake(target, models=()))
+    groups = {"fraud": "own:fraud", "lgbm": ""}
+    pool = _Pool()
+    executor = LocalExecutor(
+        rs, pool, client_factory=lambda target: fake(target, models=()), group_of=groups.get, zones=("a", "b"), zone_down_grace_s=10.0,
+        clock=clock,
+    )  # fmt: skip
+    executor.copies["fraud"] = 2  # tier 1: autoscaled to two copies
+    return executor, rs, pool
+
+
+def _hosts(rs, model):
+    return sorted((m.id, m.zone) for m in rs.members() if model in m.wanted)
+
+
+async def test_a_zone_down_past_its_grace_has_its_copies_placed_in_the_other_and_back_when_it_returns():
+    clock = Clock()
+    executor, rs, pool = _zoned_executor(clock)
+    assert await executor.heal() is False  # every zone up
+    rs.mark_down("local-0")
+    rs.mark_down("local-1")  # zone a's Tritons died and do not come back
+    assert await executor.heal() is False and pool.started == []  # within the grace: the supervisor may restart them
+    clock.t += 9.9
+    assert await executor.heal() is False and executor.down_zones == frozenset()
+    clock.t += 0.1
+    assert await executor.heal() is True and executor.down_zones == {"a"}
+    # fraud: two copies up again (its b copy and a new replica in b); lgbm: its one copy, in b, beside fraud's group
+    assert [h for h in _hosts(rs, "fraud") if h[1] == "b"] == [("local-2", "b"), ("local-4", "b")]
+    assert [h for h in _hosts(rs, "lgbm") if h[1] == "b"] == [("local-3", "b")]
+    assert pool.started == ["local-3", "local-4"] and all(rs.member(r).state == "up" for r in ("local-3", "local-4"))
+    assert await executor.heal() is False and pool.started == ["local-3", "local-4"]  # stable while a stays down
+    rs.revive("local-1")  # zone a is back (a replica of it up): the stand-ins go
+    assert await executor.heal() is True and executor.down_zones == frozenset()
+    assert _hosts(rs, "fraud") == [("local-1", "a"), ("local-2", "b")] and _hosts(rs, "lgbm") == [("local-0", "a")]
+    assert sorted(pool.stopped) == ["local-3", "local-4"]
+
+
+async def test_a_zone_back_within_its_grace_changes_nothing():
+    clock = Clock()
+    executor, rs, pool = _zoned_executor(clock)
+    rs.mark_down("local-0")
+    rs.mark_down("local-1")
+    assert await executor.heal() is False
+    clock.t += 5.0
+    rs.revive("local-0")  # restarted by its supervisor (local-1 still restarting): a is not all down
+    clock.t += 5.0
+    assert await executor.heal() is False and pool.started == []
+    rs.mark_down("local-0")  # down again: the grace starts over
+    clock.t += 9.0
+    assert await executor.heal() is False and executor.down_zones == frozenset()

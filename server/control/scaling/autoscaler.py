@@ -118,6 +118,11 @@ class EndpointScaler:
         self.asleep = False  # at zero replicas (the sleep finished)
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("placing a down zone's copies again failed: %s", task.exception())
+
+
 def _state(ep: EndpointScaler) -> str:
     if ep.pending:
         return "pending"  # configured, not deployed yet
@@ -171,6 +176,7 @@ class Autoscaler:
         # before a scale to zero unloads: every other serving process holds the endpoint's requests (the control plane's)
         self.announce: Callable[[str], Awaitable[None]] | None = None
         self._task: asyncio.Task | None = None
+        self._healing: asyncio.Task | None = None
         if replicas is not None:
             replicas.on_missing = self._on_missing
             replicas.wait_budget = self._wait_budget
@@ -191,6 +197,8 @@ class Autoscaler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._healing is not None:
+            self._healing.cancel()
         for ep in self.endpoints.values():
             if ep.busy is not None:
                 ep.busy.cancel()
@@ -202,6 +210,15 @@ class Autoscaler:
                 await self.tick()
             except Exception:  # one bad round must not stop autoscaling
                 log.exception("autoscaler round failed")
+            self._heal()
+
+    def _heal(self) -> None:
+        """The executor's zone check (``LocalExecutor.heal``: a zone down past its grace has its copies
+        placed in the others), in the background: its loads never hold up a round."""
+        heal = getattr(self.executor, "heal", None)
+        if heal is not None and (self._healing is None or self._healing.done()):
+            self._healing = asyncio.get_running_loop().create_task(heal(), name="heal-zones")
+            self._healing.add_done_callback(_log_failure)
 
     # ---- configuration -----------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -31,7 +32,7 @@ from google.protobuf.json_format import MessageToJson
 
 from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place
 from server.dataplane.capacity_policy import ON_DEMAND, SPOT, parse_capacity
-from server.dataplane.replicas import Member, ReplicaSet
+from server.dataplane.replicas import DOWN, Member, ReplicaSet
 from server.errors import InvalidRequest, ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,14 @@ class LocalExecutor:
         group_of: Callable[[str], str] = lambda model: "",  # its isolation group (server.control.scaling.isolation)
         zones: tuple[str, ...] = (),  # the zones new replicas open in (placement spreads copies over them)
         standby: dict[str, int] | None = None,  # model -> warm standbys asked for (INFERPLANE_WARM_STANDBY)
+        zone_down_grace_s: float = 10.0,  # a zone whose replicas are all down this long: its copies placed in the others
+        clock: Callable[[], float] = time.monotonic,
     ):
+        self.zone_down_grace_s = zone_down_grace_s
+        self._clock = clock
+        self._down_since: dict[str, float] = {}  # zone -> since when every local replica in it is down
+        self.down_zones: frozenset[str] = frozenset()  # down past the grace: the plan places their copies elsewhere
+        self._owed: dict[str, int] = {}  # while zones are down: the copies of models nobody autoscales, as before it
         self.standby = {m: n for m, n in (standby or {}).items() if n > 0}
         self._refused: dict[str, int] = {}  # the standbys last refused (logged once)
         self.default_copies = max(1, default_copies)
@@ -111,7 +119,7 @@ class LocalExecutor:
             for model in m.wanted:
                 copies[model] = max(copies.get(model, 0), 1)
         for model in list(copies):
-            copies[model] = self.replicas(model)
+            copies[model] = self._owed.get(model, self.replicas(model))  # not the stand-ins a down zone's copies have
         copies.update(self.copies)
         copies.update(overrides or {})
         models = [m for m in copies if copies[m] > 0] + [m for m in self.standby if copies.get(m, 0) <= 0]  # a standby's even at zero copies
@@ -119,7 +127,10 @@ class LocalExecutor:
 
     def plan(self, overrides: dict[str, int] | None = None) -> Plan:
         zone_of = {m.id: m.zone for m in self._local()}
-        return place(self._demands(overrides), self._current(), self.capacity_bytes, new_id=lambda n: f"local-{n}", zone_of=zone_of, zones=self.zones)
+        return place(
+            self._demands(overrides), self._current(), self.capacity_bytes, new_id=lambda n: f"local-{n}", zone_of=zone_of, zones=self.zones,
+            down=self.down_zones,
+        )  # fmt: skip
 
     async def place_at_start(self, models: list[str]) -> None:
         """Place the models loaded at start all at once (each isolation group on replicas of its own,
@@ -167,32 +178,66 @@ class LocalExecutor:
         if n < 0:
             raise InvalidRequest(f"replicas must be >= 0, got {n}")
         async with self._lock:
-            loop = asyncio.get_running_loop()
-            began = loop.time()
             self.copies[endpoint] = n
-            before = self._current()
-            plan = self.plan()
-            self.last_plan = plan
-            held = await self._open(plan)
-            # loads first (new copies join the rotation when ready; a standby's model is in it already), then drains and unloads
-            loads = [(r, m) for r, models in plan.assignment.items() for m in sorted(models) if m not in before.get(r, set()) | held.get(r, set())]
-            joined = [m for models in held.values() for m in models]
-            unloads = [(r, m) for r, models in before.items() for m in sorted(models) if m not in plan.assignment.get(r, set())]
-            if loads:
-                results = await asyncio.gather(*(self.set.load_on(r, m) for r, m in loads), return_exceptions=True)
-                for (r, m), result in zip(loads, results):
-                    if isinstance(result, BaseException):
-                        log.error("loading %s on local replica %s failed: %s", m, r, result)
-            changed = {m for _, m in loads + unloads} | set(joined)
-            for model in changed:
-                self.set.placement[model] = plan.replicas_of(model)
-            await asyncio.gather(*(self.set.unload_from(r, m) for r, m in unloads), return_exceptions=True)
-            await self._close_empty(plan)
-            await self._keep_standby(plan)
-            if loads or joined:
-                self.provision_s[endpoint] = loop.time() - began
+            changed = await self._replan(endpoint)
         for model in changed:
             await self._refresh(model)
+
+    async def heal(self) -> bool:
+        """A zone whose local replicas have all been down for ``zone_down_grace_s`` (their Tritons do
+        not come back) is down for the plan: its copies are placed again in the zones that are up. A
+        zone with a replica up again is not: the stand-ins are unloaded and stopped. The autoscaler's
+        loop calls this each round; returns whether the placement was redone."""
+        now = self._clock()
+        for zone in self.zones:
+            members = [m for m in self._local() if m.zone == zone]
+            if members and all(m.state == DOWN for m in members):
+                self._down_since.setdefault(zone, now)
+            else:
+                self._down_since.pop(zone, None)
+        down = frozenset(z for z, since in self._down_since.items() if now - since >= self.zone_down_grace_s)
+        if down == self.down_zones:
+            return False
+        log.warning("zones down for %gs or more: %s (were: %s); placing again", self.zone_down_grace_s, sorted(down) or "none",
+                    sorted(self.down_zones) or "none")  # fmt: skip
+        async with self._lock:
+            if not self.down_zones:
+                self._owed = {m: self.replicas(m) for member in self._local() for m in member.wanted if m not in self.copies}
+            self.down_zones = down
+            changed = await self._replan(None)
+            if not down:
+                self._owed = {}
+        for model in changed:
+            await self._refresh(model)
+        return True
+
+    async def _replan(self, endpoint: str | None) -> set[str]:
+        """Apply the plan (with the lock held): new replicas, loads, then drains and unloads; returns the
+        models whose replicas changed (``endpoint``: the one whose scale-up is timed)."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        before = self._current()
+        plan = self.plan()
+        self.last_plan = plan
+        held = await self._open(plan)
+        # loads first (new copies join the rotation when ready; a standby's model is in it already), then drains and unloads
+        loads = [(r, m) for r, models in plan.assignment.items() for m in sorted(models) if m not in before.get(r, set()) | held.get(r, set())]
+        joined = [m for models in held.values() for m in models]
+        unloads = [(r, m) for r, models in before.items() for m in sorted(models) if m not in plan.assignment.get(r, set())]
+        if loads:
+            results = await asyncio.gather(*(self.set.load_on(r, m) for r, m in loads), return_exceptions=True)
+            for (r, m), result in zip(loads, results):
+                if isinstance(result, BaseException):
+                    log.error("loading %s on local replica %s failed: %s", m, r, result)
+        changed = {m for _, m in loads + unloads} | set(joined)
+        for model in changed:
+            self.set.placement[model] = plan.replicas_of(model)
+        await asyncio.gather(*(self.set.unload_from(r, m) for r, m in unloads), return_exceptions=True)
+        await self._close_empty(plan)
+        await self._keep_standby(plan)
+        if endpoint is not None and (loads or joined):
+            self.provision_s[endpoint] = loop.time() - began
+        return changed
 
     async def keep_standby(self) -> None:
         """Place the standbys again (the models' memory needs changed: the registry was read)."""
@@ -290,6 +335,7 @@ class LocalExecutor:
             "memory_mb": {k: v >> 20 for k, v in memory.items()},  # placed: the replicas' copies, the standbys'
             "capacity_mb": self.capacity_bytes >> 20,
             "copies": dict(sorted(self.copies.items())),
+            "down_zones": sorted(self.down_zones),  # zones down past INFERPLANE_ZONE_DOWN_GRACE_S: their copies placed elsewhere
         }
 
 

@@ -199,6 +199,7 @@ class Fleet:
                 self.replicas, self.pool, lambda target: client(s, target),
                 capacity_bytes=s.replica_memory_mb << 20, memory_of=self.memory_of, primary=PRIMARY, refresh=dataplane.refresh,
                 default_copies=s.local_replicas, group_of=self.isolation_of, zones=s.zones, standby=parse_standby(s.warm_standby),
+                zone_down_grace_s=s.zone_down_grace_s,
             )  # fmt: skip
 
     def isolation_of(self, model: str) -> str:

@@ -15,6 +15,14 @@ group) never touches another's. Replicas carry a zone (``zone_of``); a copy goes
 with room whose zone holds the fewest copies of that model, and a new replica opens in the zone
 (of ``zones``) with the fewest, so an endpoint's copies spread over zones before any zone gets two.
 
+A zone that is down (``down``: every replica of it down for longer than a grace period, decided
+by the executor) takes nothing new: its copies stay in the plan (so they serve again when it
+returns) but do not count, so the copies it held are placed again in the zones that are up, on a
+replica with room or a new one opened there (with no zone up, or no zones, ``down`` changes
+nothing). When it returns (``down`` empty again) the plan keeps each model's first ``copies``
+copies in the order replicas are listed — the returned zone's replicas, listed before the replicas
+opened for its copies, keep theirs and the stand-ins are dropped.
+
 Warm standbys (``Demand.standby``, ``INFERPLANE_WARM_STANDBY``) are in the budget too: each is a
 Triton of its own holding one copy loaded, out of rotation, and the replica a scale-up makes of it
 when it takes one. So a standby needs the model's memory within one replica's ``capacity``; the
@@ -25,7 +33,7 @@ than a replica still gets a replica of its own when it serves, but nothing holds
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_MEMORY_BYTES = 512 << 20
@@ -80,11 +88,16 @@ def place(
     new_id=lambda n: f"local-{n}",
     zone_of: Mapping[str, str] | None = None,
     zones: Sequence[str] = (),
+    down: Collection[str] = (),
 ) -> Plan:
     """The assignment of model copies to replicas for ``demands``, starting from ``current``
     (replica id -> models it hosts now; ids in order of preference, the first is the primary);
-    ``zone_of``: the zone of each existing replica, ``zones``: the zones a new replica may open in."""
+    ``zone_of``: the zone of each existing replica, ``zones``: the zones a new replica may open in,
+    ``down``: the zones down (their copies kept but not counted; nothing new goes there)."""
+    if set(zones) <= set(down):
+        down = ()  # no zone is up to take the copies (or none is known): the plan is as without any down
     assignment = {r: set() for r in current}
+    zone = {r: (zone_of or {}).get(r, "") for r in current}
     # keep what is still wanted, in the order replicas are listed, up to each model's copies
     kept: dict[str, int] = {}
     for replica, models in current.items():
@@ -93,8 +106,10 @@ def place(
             want = demands.get(model)
             if want is not None and kept.get(model, 0) < want.copies and _fits_group(demands, models & assignment[replica], want.group):
                 assignment[replica].add(model)
-                kept[model] = kept.get(model, 0) + 1
-    plan = Plan(assignment, zones={r: (zone_of or {}).get(r, "") for r in current})
+                if zone[replica] not in down:  # a down zone's copy waits for it, and is placed again meanwhile
+                    kept[model] = kept.get(model, 0) + 1
+    plan = Plan(assignment, zones=zone)
+    zones = [z for z in zones if z not in down]  # new replicas open where the zones are up
     order = sorted(demands, key=lambda m: (demands[m].group != "", -demands[m].memory, m))  # the shared group first: the primary
     counter = len(current)
     for model in order:
@@ -103,7 +118,8 @@ def place(
             spread = _copies_by_zone(plan, model)
             fits = [
                 r for r, models in plan.assignment.items()
-                if model not in models and _fits_group(demands, models, need.group) and plan.used(demands, r) + need.memory <= capacity
+                if model not in models and plan.zones[r] not in down and _fits_group(demands, models, need.group)
+                and plan.used(demands, r) + need.memory <= capacity
             ]  # fmt: skip
             target = min(fits, key=lambda r: spread.get(plan.zones[r], 0)) if fits else None  # min keeps list order on ties
             if target is not None and zones and spread.get(plan.zones[target], 0) > min(spread.get(z, 0) for z in zones):
