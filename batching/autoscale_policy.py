@@ -15,7 +15,9 @@ within ``tolerance`` of the target (then the count stays). Around it, in this or
   with ``scale_to_zero_after_s`` set, an endpoint that saw no load at all for that long goes to 0,
   and from 0 any load (or a request held at the door, ``demand``) brings back
   ``max(1, min_replicas)`` (or more if the load asks) at once, bypassing windows and cooldowns.
-  With ``predictive`` on, a forecast above zero counts as expected load: it keeps the endpoint from
+  With ``predictive`` on, a forecast of at least ``WAKE_FORECAST_FRACTION`` of one replica's target
+  counts as expected load (less is a profile slot's decaying memory of traffic long gone, which never
+  reaches 0 and would keep the endpoint awake in that slot for ever): it keeps the endpoint from
   going to zero, and at zero it wakes the endpoint ahead of its traffic as a scale-up does (once the
   forecast held for ``scale_up_window_s``, outside ``up_cooldown_s``, at most ``max_step_up`` replicas,
   at least the floor, at most ``max_replicas``).
@@ -47,6 +49,7 @@ SIGNALS = ("inflight", "queue", "qps", "tokens_per_s", "triton_queue_ms")
 UNITS = ("replicas", "instances")  # what the count scales: replica processes, or Triton instances of the model
 UP, DOWN, HOLD, ZERO, WAKE = "up", "down", "hold", "zero", "wake"
 TIERS = (1, 2, 3)
+WAKE_FORECAST_FRACTION = 0.1  # of one replica's target: the least forecast that wakes or keeps up a scale-to-zero endpoint
 TIER1_MIN_REPLICAS = 2
 
 
@@ -172,7 +175,8 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
     current = state.replicas
     active = obs.load > 0 or obs.demand
     raw, reactive, predictive = recommend(config, current, obs.load, obs.forecast)
-    expected = active or predictive is not None  # load now, or (predictive) a forecast of it: not idle
+    foreseen = predictive is not None and obs.forecast >= WAKE_FORECAST_FRACTION * config.target  # (predictive) traffic is forecast
+    expected = active or foreseen  # load now, or a forecast of it: not idle
     last_active = now if expected else state.last_active
     horizon = max(config.scale_up_window_s, config.scale_down_window_s)
     recs = tuple((t, r) for t, r in state.recommendations if t >= now - horizon) + ((now, raw),)
@@ -198,7 +202,7 @@ def decide(config: ScalingConfig, state: PolicyState, obs: Observation) -> tuple
             want = min(config.max_replicas, max(floor, 1, raw))
             return done(want, WAKE, f"load {obs.load:g}{' and a held request' if obs.demand else ''} at zero replicas: wake to {want}")
         if config.scale_to_zero_after_s is not None or config.min_replicas == 0:
-            if predictive is None:
+            if not foreseen:
                 return done(0, HOLD, "idle at zero replicas")
             # traffic is forecast: wake ahead of it, as a scale-up (its window, cooldown, step and bounds)
             ahead = f"forecast {obs.forecast:g} at zero replicas"
