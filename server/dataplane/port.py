@@ -6,7 +6,7 @@ depend on this declaration, never on ``DataPlane``, the pipeline, the backend or
 members (checked statically by ``tests/unit/test_backend_types.py`` through
 ``tests/backend_conformance.py``; their imports by ``tests/unit/test_layout.py``). A call is made on
 the caller's behalf by its ``CallContext`` (its ``delegation`` for a feature calling for someone);
-what answered comes back in the value, never written into the context.
+who answered (the version, the traffic split's arm) comes back in the value, not in the context.
 """
 
 from __future__ import annotations
