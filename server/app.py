@@ -245,7 +245,7 @@ class Frontend:
 
         for plan in read_plan_files(self.settings.model_repository):  # composite endpoints (their parts loaded above)
             try:
-                dp.composites.install(plan)
+                dp.install_composite(plan)
                 log.info("composite %s:%s ready (%s)", plan.name, plan.version, plan.mode)
             except InferplaneError as err:
                 log.error("composite %s:%s not installed: %s", plan.name, plan.version, err.message)

@@ -64,12 +64,13 @@ def build_dataplane(
     hooks.queues = pipeline.queues
     # the backend says how a merged batch travels to it (serialized protobuf, or the members' own buffers in process)
     coalescer = Coalescer(backend.send_batch, backend.batch_codec(), on_call=observer.on_batch)
-    dataplane = DataPlane(backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency)
+    dataplane = DataPlane(
+        backend, metrics=metrics, pipeline=pipeline, table=table, router=router, coalescer=coalescer, idempotency=idempotency,
+        prefix_chars=s.llm_route_prefix_chars, stall_s=s.generation_stall_s,
+    )  # fmt: skip
     dataplane.loop_gate.policy = LoopPolicy(ceiling=s.max_inflight)  # the process's in-flight bound (server.dataplane.loop_gate)
     if s.feature_store_url:  # the feature-store stage (server.dataplane.feature_store)
         dataplane.features = FeatureFetcher(store_for(s.feature_store_url))
-    dataplane.llm.prefix_chars = s.llm_route_prefix_chars  # the LLM routing key (batching.route_policy)
-    dataplane.llm.stall_s = s.generation_stall_s  # no token for this long: cancelled (GenerationStalled)
     return dataplane
 
 

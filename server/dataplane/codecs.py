@@ -143,6 +143,15 @@ def to_numpy(raw: bytes, datatype: str, shape) -> np.ndarray:
     return np.frombuffer(raw, dtype=numpy_dtype(datatype)).reshape(shape)
 
 
+def output_arrays(response) -> dict[str, np.ndarray]:
+    """A ModelInferResponse's outputs sent as raw contents, by name."""
+    out = {}
+    for i, tensor in enumerate(response.outputs):
+        if i < len(response.raw_output_contents):
+            out[tensor.name] = to_numpy(response.raw_output_contents[i], tensor.datatype, list(tensor.shape))
+    return out
+
+
 def from_numpy(array: np.ndarray) -> tuple[str, list[int], bytes]:
     datatype = wire_datatype(array.dtype)
     if datatype == "BYTES":

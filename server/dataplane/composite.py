@@ -10,10 +10,11 @@ traffic splits between composite versions, quotas, validation, the fair queue):
   the steps. Per-node figures are Triton's statistics of each step model; Triton's own trace
   spans of the steps join the request's trace.
 * **dag** plans: the frontend runs the nodes, independent ones concurrently. Each model or
-  operator node is one ``DataPlane.infer`` call (the pipeline again: quota, metering, metrics
-  and a trace span per node, grants checked against the composite), an endpoint node one
-  embeddings / generation call of the LLM service, a router a decision made here (each row only
-  runs its branch), an aggregator with a quorum policy answers from the members that answered.
+  operator node is one ``infer`` call of the model port (``server.dataplane.port``; the pipeline
+  again: quota, metering, metrics and a trace span per node, grants checked against the
+  composite), an endpoint node one embeddings / generation call of the LLM service (over the same
+  port), a router a decision made here (each row only runs its branch), an aggregator with a
+  quorum policy answers from the members that answered.
   Per node: ``inferplane_composite_node_requests_total{composite,node,code}`` and
   ``inferplane_composite_node_duration_seconds{composite,node}``; with tracing, a span
   ``node NAME`` under the composite's request span, parent of that node's own request span.
@@ -35,12 +36,10 @@ from prometheus_client import Counter, Histogram
 
 from batching.coalescer import CoalescePolicy
 from server.dataplane import codecs
-from server.dataplane.generation import GenerateParams, LLMService
+from server.dataplane.generation import LLMService
 from server.dataplane.metrics import LATENCY_BUCKETS
-from server.dataplane.pipeline import INFER
-from server.dataplane.port import Answered, ModelPort
+from server.dataplane.port import Answered, GenerateParams, ModelPort
 from server.dataplane.signature import ModelSignature, TensorSpec, version_key
-from server.dataplane.validation import validate_infer_request
 from server.dataplane.wire import rename
 from server.errors import (
     BackendError,
@@ -165,15 +164,13 @@ def composite_signature(plans: Mapping[str, Plan]) -> ModelSignature:
 
 
 class Composites:
-    """name -> {version: Plan}, kept in the model table's signatures as well (so a composite
-    resolves, lists and is validated like any model); runs requests to them."""
+    """name -> {version: Plan}; the data plane keeps each composite's signature in its model table
+    (``DataPlane.install_composite``: a composite resolves, lists and is validated like any model)
+    and admits its requests; this runs them, through the model port and the LLM service."""
 
-    def __init__(self, port: ModelPort, llm: LLMService, pipeline, coalescer, table, metrics):
-        self._dp = port
-        self._llm = llm
-        self._pipeline = pipeline
-        self._coalescer = coalescer
-        self._table = table
+    def __init__(self, port: ModelPort, llm: LLMService, metrics):
+        self.port = port
+        self.llm = llm
         self.plans: dict[str, dict[str, Plan]] = {}
         registry = metrics.registry
         self.node_requests = Counter(
@@ -188,24 +185,20 @@ class Composites:
     def serves(self, name: str) -> bool:
         return name in self.plans
 
-    def install(self, plan: Plan) -> ModelSignature:
-        if plan.name in self._table.loaded or (plan.name in self._table.signatures and plan.name not in self.plans):
-            raise InvalidRequest(f"'{plan.name}' is a model served by Triton; a composite needs a name of its own")
+    def add(self, plan: Plan) -> ModelSignature:
+        """The plan joins its composite's versions: the composite's signature now."""
         versions = self.plans.setdefault(plan.name, {})
         versions[plan.version] = plan
-        signature = self._table.signatures[plan.name] = composite_signature(versions)
-        self._pipeline.forget(plan.name)
-        return signature
+        return composite_signature(versions)
 
-    def remove(self, name: str, version: str) -> None:
+    def drop(self, name: str, version: str) -> ModelSignature | None:
+        """The version leaves its composite: the composite's signature now (None: no version is left)."""
         versions = self.plans.get(name, {})
         versions.pop(version, None)
         if versions:
-            self._table.signatures[name] = composite_signature(versions)
-        else:
-            self.plans.pop(name, None)
-            self._table.signatures.pop(name, None)
-        self._pipeline.forget(name)
+            return composite_signature(versions)
+        self.plans.pop(name, None)
+        return None
 
     def plan(self, name: str, version: str) -> Plan:
         versions = self.plans.get(name)
@@ -223,7 +216,7 @@ class Composites:
     def describe(self, method: str, request) -> bytes:
         """ModelMetadata / ModelConfig of a composite, answered here (Triton knows its parts only)."""
         plan = self.plan(request.name, request.version)
-        signature = self._table.signatures[request.name]
+        signature = self.port.signature(request.name)
         if method == "ModelMetadata":
             answer = pb.ModelMetadataResponse(name=plan.name, versions=sorted(signature.versions, key=version_key), platform=PLATFORM)
             for t in plan.inputs:
@@ -245,33 +238,29 @@ class Composites:
 
     # ---- inference ----------------------------------------------------------------------------
 
-    async def infer(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None, ctx: CallContext | None) -> Answered:
+    async def run(self, call, request: pb.ModelInferRequest, raw: bytes | None, ctx: CallContext | None) -> Answered:
+        """The admitted ``call`` to a composite (``DataPlane.infer`` admitted it): its plan's answer."""
         name = request.model_name
-
-        def validate(signature: ModelSignature) -> None:
-            validate_infer_request(request, signature)
-
-        async with self._pipeline.admitted(ctx, name, request.model_version, INFER, timeout=timeout, validate=validate) as call:
-            plan = self.plan(name, call.version)
-            call.request = request
-            try:
-                if plan.mode == ENSEMBLE:
-                    answer = await self._ensemble(call, request, raw, plan)
-                else:
-                    answer = await self._dag(call, request, plan, ctx)
-            except InferplaneError:
-                raise
-            except Exception as err:  # a bug or a malformed answer: a status, never a crash
-                log.exception("composite %s failed", name)
-                raise BackendError(f"composite '{name}' failed: {type(err).__name__}: {err}") from None
-            call.answer = answer
-            return Answered(answer, call.version, call.arm)
+        plan = self.plan(name, call.version)
+        call.request = request
+        try:
+            if plan.mode == ENSEMBLE:
+                answer = await self._ensemble(call, request, raw, plan)
+            else:
+                answer = await self._dag(call, request, plan, ctx)
+        except InferplaneError:
+            raise
+        except Exception as err:  # a bug or a malformed answer: a status, never a crash
+            log.exception("composite %s failed", name)
+            raise BackendError(f"composite '{name}' failed: {type(err).__name__}: {err}") from None
+        call.answer = answer
+        return Answered(answer, call.version, call.arm)
 
     async def _ensemble(self, call, request: pb.ModelInferRequest, raw: bytes | None, plan: Plan) -> bytes:
         data = rename(raw if raw is not None else request.SerializeToString(), plan.triton_model)
         request.model_name, request.model_version = plan.triton_model, ""
         call.computed = True
-        answer = await self._dp.submit(call, request, data, call.signature)
+        answer = await self.port.submit(call, request, data, call.signature)
         return rename(answer, plan.name, plan.version)  # the caller sees the composite's name and version
 
     async def _dag(self, call, request: pb.ModelInferRequest, plan: Plan, ctx: CallContext | None) -> bytes:
@@ -419,13 +408,13 @@ class _Run:
                 datatype, shape, data = codecs.from_numpy(array)
                 request.inputs.add(name=name, datatype=datatype, shape=shape)
                 request.raw_input_contents.append(data)
-            raw = (await self.c._dp.infer(request, None, self._left(), ctx)).raw  # noqa: SLF001 - the one pipeline, per node
-            return _response_tensors(pb.ModelInferResponse.FromString(raw))
+            raw = (await self.c.port.infer(request, None, self._left(), ctx)).raw  # the one pipeline, per node
+            return codecs.output_arrays(pb.ModelInferResponse.FromString(raw))
         except InferplaneError as err:
             raise _NodeFailed(node.name, err) from None
 
     async def _endpoint(self, node: NodePlan, inputs: dict[str, np.ndarray], ctx: CallContext) -> dict[str, np.ndarray]:
-        llm = self.c._llm  # noqa: SLF001
+        llm = self.c.llm
         (array,) = inputs.values()
         texts = [_text(v) for v in array.reshape(-1)]
         if node.endpoint == "embeddings":
@@ -486,9 +475,9 @@ class _Run:
 
     def _child(self, span) -> CallContext:
         """A node's call context: the caller's identity (already authenticated), the composite's
-        grant, its traffic class, and the node span as trace parent."""
-        tracing = self.c._pipeline.tracing  # noqa: SLF001
-        if span is not None and tracing is not None:
+        grant, its traffic class, and the node span as trace parent (a node has a span only on a
+        traced call)."""
+        if span is not None:
             context = span.get_span_context()
             headers = {"traceparent": format_traceparent(context.trace_id, context.span_id)}
         else:
@@ -544,14 +533,6 @@ def _request_tensors(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
             values = getattr(t.contents, codecs.CONTENTS_FIELD[t.datatype])
             dtype = np.object_ if t.datatype == "BYTES" else codecs.numpy_dtype(t.datatype)
             out[t.name] = np.array(list(values), dtype=dtype).reshape(shape)
-    return out
-
-
-def _response_tensors(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
-    out = {}
-    for i, t in enumerate(response.outputs):
-        if i < len(response.raw_output_contents):
-            out[t.name] = codecs.to_numpy(response.raw_output_contents[i], t.datatype, [int(d) for d in t.shape])
     return out
 
 

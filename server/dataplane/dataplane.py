@@ -4,15 +4,19 @@ It keeps the model table in step with Triton, sends every request through the on
 pipeline (``server.dataplane.pipeline``), forwards it to Triton as the caller's bytes (through the
 coalescer where requests can merge) and knows nothing of the caller-facing transports. The Triton
 backend is private to it: transports and the control plane call the methods below, never Triton.
-It is built once from the settings (``server.dataplane.builder.build_dataplane``).
+It is the model port (``server.dataplane.port``) its features are built with and call: the LLM
+service, composite endpoints, the safety classifier. It is built once from the settings
+(``server.dataplane.builder.build_dataplane``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -21,13 +25,14 @@ from batching.overload_policy import LoopGate
 from server.dataplane import stage_timing, triton_stats
 from server.dataplane.backend import Backend
 from server.dataplane.capacity_policy import BATCH, TRAFFIC
+from server.dataplane.engine_calls import EngineCalls
 from server.dataplane.generation import LLMService
 from server.dataplane.idempotency import body_digest, scoped
 from server.dataplane.loop_gate import Admission
 from server.dataplane.metrics import Metrics
 from server.dataplane.models import ModelTable
-from server.dataplane.composite import Composites
-from server.dataplane.port import Answered
+from server.dataplane.composite import Composites, Plan
+from server.dataplane.port import Answered, Chunk, GenerateParams
 from server.dataplane.pipeline import INFER, STREAM, UNKNOWN_MODEL_LABEL, Pipeline, granted
 from server.dataplane.routing import Router
 from server.dataplane.safety import infer_texts, tensor_texts
@@ -67,6 +72,8 @@ class DataPlane:
         router: Router,
         coalescer: Coalescer,
         idempotency,  # MemoryIdempotency or RedisIdempotency
+        prefix_chars: int,  # an LLM generation's routing key: its prompt's leading characters (batching.route_policy)
+        stall_s: float,  # no token for this long: a generation is cancelled (engine_calls.GenerationStalled)
     ):
         self._backend = backend
         self.metrics = metrics
@@ -78,10 +85,12 @@ class DataPlane:
         self._reloading = asyncio.Lock()
         self._queue_readings: dict[tuple[str, str], tuple[int, int]] = {}
         self._stat_readings: dict = {}
-        self.llm = LLMService(self, pipeline, backend)
+        self._engine = EngineCalls(self, pipeline, backend, idempotency, prefix_chars=prefix_chars, stall_s=stall_s)
+        # the features, each built with this data plane as its model port (server.dataplane.port)
+        self.llm = LLMService(self)
         self.loop_gate = LoopGate()  # fed by server.dataplane.loop_gate.watch (started with the servers)
         self.admission = Admission(self.loop_gate)
-        self.composites = Composites(self, self.llm, pipeline, coalescer, table, metrics)  # composite endpoints (server.dataplane.composite)
+        self.composites = Composites(self, self.llm, metrics)  # composite endpoints (server.dataplane.composite)
         self.features = None  # server.dataplane.feature_store.FeatureFetcher, with INFERPLANE_FEATURE_STORE_URL
 
     # ---- collaborators others may read ----------------------------------------------------
@@ -93,11 +102,6 @@ class DataPlane:
     @property
     def router(self) -> Router:
         return self._router
-
-    @property
-    def idempotency(self):
-        """The idempotency store (MemoryIdempotency or RedisIdempotency) keyed calls answer once through."""
-        return self._idempotency
 
     @property
     def observer(self):
@@ -146,6 +150,26 @@ class DataPlane:
 
     def resolve(self, name: str, version: str = "") -> ModelSignature:
         return self._table.resolve(name, version)
+
+    # ---- composite endpoints (server.dataplane.composite) ------------------------------------
+
+    def install_composite(self, plan: Plan) -> ModelSignature:
+        """A composite's version: served under the composite's name (its signature in the model table)."""
+        t = self._table
+        if plan.name in t.loaded or (plan.name in t.signatures and not self.composites.serves(plan.name)):
+            raise InvalidRequest(f"'{plan.name}' is a model served by Triton; a composite needs a name of its own")
+        signature = t.signatures[plan.name] = self.composites.add(plan)
+        self._pipeline.forget(plan.name)
+        return signature
+
+    def remove_composite(self, name: str, version: str) -> None:
+        """A composite's version leaves; with its last one, the composite."""
+        signature = self.composites.drop(name, version)
+        if signature is not None:
+            self._table.signatures[name] = signature
+        else:
+            self._table.signatures.pop(name, None)
+        self._pipeline.forget(name)
 
     # ---- routes (the deployer's switch) ---------------------------------------------------
 
@@ -252,7 +276,7 @@ class DataPlane:
     async def backend_generate(self, name: str, version: str, prompt: str, max_tokens: int, timeout: float | None = None) -> str:
         """A generation that is nobody's request (an LLM deploy's warm-up), pinned to ``version``:
         outside the pipeline like ``backend_infer``; the engine's text."""
-        return await self.llm.warm_up(name, version, prompt, max_tokens, timeout)
+        return await self._engine.warm_up(name, version, prompt, max_tokens, timeout)
 
     # ---- who may see what -----------------------------------------------------------------
 
@@ -327,7 +351,7 @@ class DataPlane:
         covered (embedding models report them): metered and charged to the token quota.
         """
         if self.composites.serves(request.model_name):
-            return await self.composites.infer(request, raw, timeout, ctx)
+            return await self._infer_composite(request, raw, timeout, ctx)
         if self.features is not None and await self._fetch_features(request, timeout, ctx):
             raw = None  # the entity keys became the feature tensor: serialized again
 
@@ -374,6 +398,23 @@ class DataPlane:
             except Exception as err:  # a bug or a malformed Triton answer: a status, never a crash
                 log.exception("inference on %s failed", request.model_name)
                 raise BackendError(f"inference failed: {err}") from None
+
+    async def _infer_composite(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None, ctx: CallContext | None) -> Answered:
+        """A composite endpoint's request: admitted as any model's, answered by its plan."""
+        validate = functools.partial(validate_infer_request, request)
+        async with self._pipeline.admitted(ctx, request.model_name, request.model_version, INFER, timeout=timeout, validate=validate) as call:
+            return await self.composites.run(call, request, raw, ctx)
+
+    def generate(
+        self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
+    ) -> AsyncIterator[Chunk]:
+        """One generation through the pipeline to the LLM engine (``server.dataplane.engine_calls``):
+        its chunks, the last with ``finish_reason``."""
+        return self._engine.generate(model, params, timeout, ctx)
+
+    async def engine_stats(self, model: str) -> dict[str, Any]:
+        """The LLM engine's counters, outside the pipeline (an operator's read, a listing's adapters)."""
+        return await self._engine.stats(model)
 
     async def _screen_answer(self, call, answer: bytes) -> bytes:
         """The endpoint's output filters over the answer's text (BYTES) outputs (``server.dataplane.safety``)."""

@@ -1,135 +1,35 @@
-"""LLM generation and embeddings over Triton: what the OpenAI REST handlers and the gRPC
-``Generate`` servicer both call. Knows nothing of aiohttp or the caller-facing gRPC.
-
-Generation is one ``ModelStreamInfer`` call per request to a decoupled LLM model
-(``model_repository/adapters/llm_engine.py``): BYTES inputs ``messages`` | ``text_input`` and
-``parameters`` (JSON), streamed BYTES outputs ``text_output`` and ``info`` (JSON). Leaving the
-iterator early (the caller went away, a deadline, an exception) cancels the Triton stream,
-which the engine sees at its next decode step.
-
-Every generation and embedding request goes through the one admission pipeline
-(``server.dataplane.pipeline``): authentication, grants, traffic splits, quotas, the fair queue and
-the circuit breaker apply as they do to ModelInfer. Errors follow the two-phase rule: ``generate``
-raises a domain error; a transport that has not sent anything yet turns it into a status, one
-that has streamed sends it inside the stream.
+"""The LLM service: what the OpenAI REST handlers, the gRPC ``Generate`` servicer, batch rows and
+composite endpoint nodes call for LLMs and embedding models. Knows nothing of aiohttp, the
+caller-facing gRPC, the pipeline or the backend: every call goes through the model port
+(``server.dataplane.port``), whose generations are the data plane's (``server.dataplane.engine_calls``)
+and whose embeddings are ModelInfer calls through the one admission pipeline like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from batching.route_policy import prefix_key
 from server.dataplane import codecs
-from server.dataplane.backend import Backend
-from server.dataplane.backend_errors import stream_error
-from server.dataplane.idempotency import body_digest, scoped
-from server.dataplane.observe import token_clock
-from server.dataplane.pipeline import GENERATE, Pipeline
-from server.dataplane.port import ModelPort
-from server.dataplane.routing import REQUEST_ID_HEADER, header
-from server.dataplane.safety import TextSlots
-from server.dataplane.signature import ModelSignature, is_llm
-from server.dataplane.validation import ADAPTER_PARAMETER, PRIORITY_PARAMETER
-from server.errors import BackendError, Cancelled, DeadlineExceeded, InferplaneError, InvalidRequest
+from server.dataplane.port import Chunk, GenerateParams, ModelPort
+from server.dataplane.signature import ModelSignature, is_llm, require_llm
+from server.errors import BackendError, InferplaneError, InvalidRequest
 from server.protogen.inference import grpc_service_pb2 as pb
-from server.settings import Settings
-from server.tenancy.identity import CallContext, plan_priority
-
-log = logging.getLogger(__name__)
+from server.tenancy.identity import CallContext
 
 EMBEDDING_INPUT = "text"
 EMBEDDING_OUTPUT = "embedding"
 TOKENS_OUTPUT = "tokens"
 ADAPTERS_TTL_S = 5.0  # how stale GET /v1/models's adapter list may be
-# model="base:adapter" names a LoRA adapter of an LLM (model_repository/adapters/_lora.py's names)
-_ADAPTER_REF = re.compile(r"^(?P<model>[^:]+):(?P<adapter>[a-z][a-z0-9_-]{0,62})$")
-
-
-def split_adapter(model: str) -> tuple[str, str]:
-    """(model, adapter) of a generation's model name; adapter '' for the base model."""
-    found = _ADAPTER_REF.match(model)
-    return (found["model"], found["adapter"]) if found else (model, "")
-
-
-@dataclass
-class GenerateParams:
-    """One generation request, transport-neutral (the engine's ``parameters`` JSON)."""
-
-    messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    deadline_ms: float | None = None
-
-    def engine_parameters(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {}
-        for key in ("max_tokens", "temperature", "top_p", "seed", "deadline_ms"):
-            value = getattr(self, key)
-            if value is not None:
-                doc[key] = value
-        if self.stop:
-            doc["stop"] = list(self.stop)
-        if self.ignore_eos:
-            doc["ignore_eos"] = True
-        return doc
-
-
-@dataclass
-class Chunk:
-    """New text from one engine response; ``finish_reason`` is set on the last one only."""
-
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    step: int = 0
-    version: str = ""  # the version that answered
-    arm: str = ""  # the traffic split's arm that answered ("" for none)
 
 
 def is_embedding(signature: ModelSignature) -> bool:
     return EMBEDDING_INPUT in signature.inputs and EMBEDDING_OUTPUT in signature.outputs
-
-
-def _bytes_input(request: pb.ModelInferRequest, name: str, value: str) -> None:
-    request.inputs.add(name=name, datatype="BYTES", shape=[1])
-    request.raw_input_contents.append(codecs.serialize_bytes([value.encode("utf-8")]))
-
-
-async def _stream_outputs(call, request: pb.ModelInferRequest) -> AsyncIterator[dict]:
-    """Send one request on a ModelStreamInfer call; yield each response's outputs (an in-stream
-    error raises)."""
-    await call.write(request.SerializeToString())
-    await call.done_writing()
-    async for raw in call:
-        response = pb.ModelStreamInferResponse.FromString(raw)
-        if response.error_message:
-            raise stream_error(response.error_message)
-        yield _outputs(response.infer_response)
-
-
-def _outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
-    out = {}
-    for i, tensor in enumerate(response.outputs):
-        if i < len(response.raw_output_contents):
-            out[tensor.name] = codecs.to_numpy(response.raw_output_contents[i], tensor.datatype, list(tensor.shape))
-    return out
 
 
 def _tokens(outputs: dict[str, np.ndarray]) -> int:
@@ -139,50 +39,21 @@ def _tokens(outputs: dict[str, np.ndarray]) -> int:
 
 def _input_tokens(raw: bytes) -> int:
     """:func:`_tokens` of a serialized answer: what the data plane meters and charges."""
-    return _tokens(_outputs(pb.ModelInferResponse.FromString(raw)))
-
-
-class GenerationStalled(BackendError):
-    """The engine sent nothing for the stall limit: the generation was cancelled (its sequence freed)."""
-
-
-async def within_stall(source, stall_s: float, describe) -> AsyncIterator:
-    """``source``'s items, each due within ``stall_s`` seconds of the one before (0: no limit); a
-    longer silence raises GenerationStalled (``describe()`` says where). Only the wait on the engine
-    is timed, never the time the consumer takes between items."""
-    iterator = source.__aiter__()
-    while True:
-        try:
-            if stall_s > 0:
-                async with asyncio.timeout(stall_s):
-                    item = await anext(iterator)
-            else:
-                item = await anext(iterator)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise GenerationStalled(f"the engine sent nothing for {stall_s:g}s {describe()}; the generation was cancelled") from None
-        yield item
+    return _tokens(codecs.output_arrays(pb.ModelInferResponse.FromString(raw)))
 
 
 class LLMService:
-    """Generation and embeddings for the transports; built by the data plane it belongs to."""
+    """Generation and embeddings for the transports, over the model port they are given."""
 
-    def __init__(self, port: ModelPort, pipeline: Pipeline, backend: Backend):
-        self._dp = port
-        self._pipeline = pipeline
-        self._backend = backend
+    def __init__(self, port: ModelPort):
+        self._port = port
         self._adapters: dict[str, tuple[float, list[str]]] = {}  # model -> (read at, its LoRA adapters)
-        # the routing key's leading characters (batching.route_policy.prefix_key) and how long without engine
-        # output a generation is cancelled and reported: the settings' defaults until the builder sets them
-        self.prefix_chars: int = Settings.model_fields["llm_route_prefix_chars"].default
-        self.stall_s: float = Settings.model_fields["generation_stall_s"].default
 
     # ---- model lookups ------------------------------------------------------------------
 
     def llm(self, name: str, ctx: CallContext | None = None) -> ModelSignature:
-        signature = self._dp.resolve_for(ctx, name)
-        _require_llm(name, signature)
+        signature = self._port.resolve_for(ctx, name)
+        require_llm(name, signature)
         return signature
 
     async def listed(self, ctx: CallContext | None = None) -> list[tuple[str, str, str]]:
@@ -190,8 +61,8 @@ class LLMService:
         kind ``lora``, parent its model) the caller may see."""
         out = []
         llms = []
-        for name in self._dp.names():
-            signature = self._dp.signature(name)
+        for name in self._port.names():
+            signature = self._port.signature(name)
             if signature is None:
                 continue
             if is_llm(signature):
@@ -199,11 +70,11 @@ class LLMService:
                 out.append((name, "llm", ""))
             elif is_embedding(signature):
                 out.append((name, "embedding", ""))
-        visible = set(self._dp.visible(ctx, [n for n, _, _ in out]))
+        visible = set(self._port.visible(ctx, [n for n, _, _ in out]))
         out = [entry for entry in out if entry[0] in visible]
         for name in llms:
             adapters = [f"{name}:{a}" for a in await self._adapters_of(name)]
-            out.extend((full, "lora", name) for full in self._dp.visible(ctx, adapters))
+            out.extend((full, "lora", name) for full in self._port.visible(ctx, adapters))
         return out
 
     async def _adapters_of(self, model: str) -> list[str]:
@@ -213,7 +84,7 @@ class LLMService:
         if cached is not None and now - cached[0] < ADAPTERS_TTL_S:
             return cached[1]
         try:
-            names = [a for a in (await self._stats(model)).get("adapters", []) if isinstance(a, str)]
+            names = [a for a in (await self._port.engine_stats(model)).get("adapters", []) if isinstance(a, str)]
         except (InferplaneError, asyncio.TimeoutError, ValueError):
             return cached[1] if cached is not None else []  # an engine still starting lists none yet
         self._adapters[model] = (now, names)
@@ -221,149 +92,11 @@ class LLMService:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
     ) -> AsyncIterator[Chunk]:
-        """Stream the engine's chunks; the last has ``finish_reason``. Raises domain errors.
-
-        However it ends — answered, failed, the caller gone, the deadline passed — the prompt +
-        completion tokens the engine last reported are charged to the token quota, and a generation
-        sent to the engine is metered (those tokens and the engine's wall time): a caller that
-        leaves mid-stream still pays for what was generated.
-
-        With an idempotency key (``server.dataplane.idempotency``, scoped by tenant) the same key and
-        body answer once: the first generation runs to its end and its chunks are kept; a repeat
-        (or a duplicate arriving meanwhile) gets those chunks without a second generation, a repeat
-        with another body is refused. A keyed stream's chunks arrive when the generation is done.
-        """
-        ctx = ctx if ctx is not None else CallContext()
-        model, adapter = split_adapter(model)
-
-        def validate(signature: ModelSignature) -> None:
-            _require_llm(model, signature)
-            if (params.messages is None) == (params.prompt is None):
-                raise InvalidRequest("send exactly one of messages and prompt")
-
-        texts = _prompt_texts(params) if self._pipeline.safety is not None else None
-        body = _body(model, adapter, params)  # the caller's request, before the deadline is filled in
-        admitted = self._pipeline.admitted(ctx, model, "", GENERATE, timeout=timeout, validate=validate, texts=texts, adapter=adapter, port=self._dp)
-        async with admitted as call:
-            if not ctx.idempotency_key:
-                async with contextlib.aclosing(self._generate(call, ctx, model, adapter, params)) as chunks:  # a caller gone: the engine stops now
-                    async for chunk in chunks:
-                        yield chunk
-                return
-
-            async def run() -> bytes:
-                chunks = [asdict(chunk) async for chunk in self._generate(call, ctx, model, adapter, params)]
-                return json.dumps(chunks).encode()
-
-            answer = await self._dp.idempotency.run(scoped(call.tenant.name, ctx.idempotency_key), body_digest(body), run, call.timeout)
-            for chunk in json.loads(answer):
-                yield Chunk(**chunk)
-
-    async def _generate(self, call, ctx: CallContext, model: str, adapter: str, params: GenerateParams) -> AsyncIterator[Chunk]:
-        """The admitted ``call``'s generation: the engine's chunks, through the endpoint's output filters."""
-        stream = span = screen = None
-        try:
-            screen = self._pipeline.output_stream(call)  # the endpoint's output filters (server.dataplane.safety)
-            timeout = call.timeout
-            if timeout is not None and params.deadline_ms is None:
-                params.deadline_ms = max(1.0, timeout * 1000.0)
-            request_id = header(ctx, REQUEST_ID_HEADER) or uuid.uuid4().hex  # the caller's id names it in A/B feedback
-            request = pb.ModelInferRequest(model_name=model, model_version=call.version if call.routed else "", id=request_id)
-            if params.messages is not None:
-                _bytes_input(request, "messages", json.dumps(params.messages))
-            else:
-                _bytes_input(request, "text_input", params.prompt)
-            _bytes_input(request, "parameters", json.dumps(params.engine_parameters()))
-            principal = call.principal  # the plan orders the engine's queue (paid first)
-            request.parameters[PRIORITY_PARAMETER].int64_param = plan_priority(principal.tenant.plan if principal else "")
-            if adapter:  # granted above as model:adapter; the engine applies it to this sequence only
-                request.parameters[ADAPTER_PARAMETER].string_param = adapter
-            call.request = request
-            # a little slack past the engine's own deadline, so the engine reports it
-            span, metadata = self._trace_call(call)
-            stream_timeout = None if timeout is None else timeout + 5.0
-            affinity = prefix_key(params.messages, params.prompt, self.prefix_chars)  # replicas route by it
-            if affinity and adapter:  # an adapter's KV is its own: its prefix cache is apart from the base model's
-                affinity = f"{adapter}/{affinity}"
-            stream = self._backend.stream_raw(timeout=stream_timeout, metadata=metadata, model=request.model_name, affinity=affinity)
-            call.computed = True
-            call.dispatched_at = time.perf_counter()
-            clock = token_clock(self._pipeline.observer, call)  # TTFT, inter-token latency, tokens/s
-            def where() -> str:  # read only when it stalls
-                return f"after {call.tokens_out} tokens of {model}"
-
-            async for outputs in within_stall(_stream_outputs(stream, request), self.stall_s, where):
-                if "info" not in outputs:
-                    continue  # an empty final flag
-                text = bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8")
-                info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
-                call.tokens_in = int(info.get("prompt_tokens", call.tokens_in))
-                call.tokens_out = int(info.get("completion_tokens", call.tokens_out))
-                clock.tokens(call.tokens_out, time.perf_counter())
-                reason = info.get("finish_reason")
-                if "kv_utilization" in info:  # a replica set scores its members by it
-                    stream.report_kv(info["kv_utilization"])
-                if reason is not None:
-                    call.compute_s = time.perf_counter() - call.dispatched_at
-                    clock.finish()
-                if reason == "deadline":
-                    raise DeadlineExceeded(f"the request's deadline passed after {call.tokens_out} tokens")
-                if reason == "cancelled":
-                    raise Cancelled("the generation was cancelled")
-                if reason == "error":
-                    raise stream_error(info.get("error", "engine error"))
-                chunk = Chunk(text, reason, call.tokens_in, call.tokens_out, info.get("cached_tokens", 0), info.get("step", 0), call.version, call.arm)
-                if screen is not None:
-                    chunk = await screen.chunk(chunk)  # held back, redacted, or ended with finish_reason content_filter
-                yield chunk
-                if chunk.finish_reason is not None:
-                    return
-            raise BackendError("the model ended the stream without a final response")
-        except GenerationStalled:
-            self._pipeline.metrics.generation_stalls.labels(model).inc()
-            log.warning("generation of %s stalled after %d tokens (no output for %gs): cancelled", model, call.tokens_out, self.stall_s)
-            raise
-        except (InferplaneError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as err:
-            raise BackendError(f"generation failed: {type(err).__name__}: {err}") from None
-        finally:
-            if screen is not None:
-                screen.close()
-            if stream is not None:
-                stream.cancel()
-                if span is not None:
-                    self._pipeline.tracing.end_call(span)
-
-    async def warm_up(self, model: str, version: str, prompt: str, max_tokens: int, timeout: float | None = None) -> str:
-        """Generate from ``model:version`` outside the pipeline (``DataPlane.backend_generate``); its text."""
-        request = pb.ModelInferRequest(model_name=model, model_version=version, id="inferplane-warmup")
-        _bytes_input(request, "text_input", prompt)
-        _bytes_input(request, "parameters", json.dumps({"max_tokens": int(max_tokens), "temperature": 0.0}))
-        stream = self._backend.stream_raw(timeout=timeout, model=model)
-        parts = []
-        try:
-            async for outputs in _stream_outputs(stream, request):
-                if "info" not in outputs:
-                    continue
-                parts.append(bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8"))
-                info = json.loads(bytes(outputs["info"].reshape(-1)[0]))
-                if info.get("finish_reason") == "error":
-                    raise stream_error(info.get("error", "engine error"))
-                if info.get("finish_reason") is not None:
-                    return "".join(parts)
-        finally:
-            stream.cancel()
-        raise BackendError("the model ended the stream without a final response")
-
-    def _trace_call(self, call):
-        """(span, metadata) of a traced generation's Triton stream; (None, None) untraced."""
-        if call.trace is None:
-            return None, None
-        return self._pipeline.tracing.start_call(call, "triton generate", self._backend.target)
+        """The engine's chunks (``ModelPort.generate``); the last has ``finish_reason``. Raises domain errors."""
+        return self._port.generate(model, params, timeout, ctx)
 
     async def complete(
         self, model: str, params: GenerateParams, timeout: float | None = None, ctx: CallContext | None = None
@@ -384,19 +117,7 @@ class LLMService:
         """The engine's counters (steps, queue, prefix-cache hits, recent sequences): an operator's
         read, not a request (outside the pipeline: no quota, no queue)."""
         self.llm(model, ctx)
-        return await self._stats(model)
-
-    async def _stats(self, model: str) -> dict[str, Any]:
-        request = pb.ModelInferRequest(model_name=model, id="stats")
-        _bytes_input(request, "parameters", json.dumps({"command": "stats"}))
-        stream = self._backend.stream_raw(timeout=10.0, model=model)
-        try:
-            async for outputs in _stream_outputs(stream, request):
-                if "info" in outputs:
-                    return json.loads(bytes(outputs["info"].reshape(-1)[0]))
-        finally:
-            stream.cancel()
-        raise BackendError("no stats from the engine")
+        return await self._port.engine_stats(model)
 
     # ---- embeddings ---------------------------------------------------------------------
 
@@ -405,7 +126,7 @@ class LLMService:
     ) -> tuple[np.ndarray, int]:
         """L2-normalized embeddings ``[n, dim]`` FP32 and the number of tokens they covered; each
         batch of up to the model's max batch size is one ModelInfer through the pipeline."""
-        signature = self._dp.resolve_for(ctx, model)
+        signature = self._port.resolve_for(ctx, model)
         if not is_embedding(signature):
             raise InvalidRequest(f"model '{model}' is not an embedding model")
         if not texts:
@@ -417,37 +138,10 @@ class LLMService:
             request = pb.ModelInferRequest(model_name=model)
             request.inputs.add(name=EMBEDDING_INPUT, datatype="BYTES", shape=[len(batch), 1])
             request.raw_input_contents.append(codecs.serialize_bytes([t.encode("utf-8") for t in batch]))
-            raw = (await self._dp.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)).raw
-            outputs = _outputs(pb.ModelInferResponse.FromString(raw))
+            raw = (await self._port.infer(request, timeout=timeout, ctx=ctx, count_tokens=_input_tokens)).raw
+            outputs = codecs.output_arrays(pb.ModelInferResponse.FromString(raw))
             if EMBEDDING_OUTPUT not in outputs:
                 raise BackendError(f"model '{model}' returned no '{EMBEDDING_OUTPUT}' output")
             vectors.append(outputs[EMBEDDING_OUTPUT].reshape(len(batch), -1))
             tokens += _tokens(outputs)
         return np.concatenate(vectors, axis=0), tokens
-
-
-def _body(model: str, adapter: str, params: GenerateParams) -> bytes:
-    """What an idempotency key covers: the model, the prompt and the sampling parameters."""
-    doc = {"model": model, "adapter": adapter, "messages": params.messages, "prompt": params.prompt, "parameters": params.engine_parameters()}
-    return json.dumps(doc, sort_keys=True).encode()
-
-
-def _prompt_texts(params: GenerateParams):
-    """A generation's prompt or message contents, for the safety stage's input screen (and its redactions)."""
-    def texts(_signature: ModelSignature):
-        if params.messages is not None:
-            def put(values: list[str]) -> None:
-                for message, value in zip(params.messages, values):
-                    message["content"] = value
-
-            return TextSlots(lambda: [m.get("content", "") for m in params.messages], put)
-        if params.prompt is not None:
-            return TextSlots(lambda: [params.prompt], lambda values: setattr(params, "prompt", values[0]))
-        return None
-
-    return texts
-
-
-def _require_llm(name: str, signature: ModelSignature) -> None:
-    if not is_llm(signature):
-        raise InvalidRequest(f"model '{name}' is not a text-generation model")

@@ -7,6 +7,7 @@ from functools import cached_property
 
 from batching.coalescer import CoalescePolicy
 from server.dataplane.codecs import CONFIG_TO_WIRE, element_size
+from server.errors import InvalidRequest
 from server.protogen.inference import model_config_pb2
 
 
@@ -92,6 +93,12 @@ LLM_OUTPUTS = frozenset({"text_output", "info"})
 def is_llm(signature: ModelSignature) -> bool:
     """A decoupled text-generation model speaking the LLM engine's inputs and outputs."""
     return signature.decoupled and LLM_OUTPUTS <= set(signature.outputs) and set(signature.inputs) <= LLM_INPUTS
+
+
+def require_llm(name: str, signature: ModelSignature) -> None:
+    """A generation's model is a text-generation model, or the request is invalid."""
+    if not is_llm(signature):
+        raise InvalidRequest(f"model '{name}' is not a text-generation model")
 
 
 def _int(text: str | None, default: int) -> int:

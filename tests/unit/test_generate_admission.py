@@ -14,7 +14,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from batching.overload_policy import LoopGate, LoopPolicy
-from server.dataplane.generation import Chunk
+from server.dataplane.port import Chunk
 from server.dataplane.loop_gate import Admission
 from server.errors import InvalidRequest, ModelNotFound
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc

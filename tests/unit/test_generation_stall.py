@@ -1,4 +1,4 @@
-"""A stalled generation (server/dataplane/generation.py: within_stall): the engine's silence past the
+"""A stalled generation (server/dataplane/engine_calls.py: within_stall): the engine's silence past the
 limit raises GenerationStalled (a BackendError: INTERNAL / 500 with the reason) and closes the engine's
 stream; a slow consumer between chunks is never counted as the engine's silence."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from server.dataplane.generation import GenerationStalled, within_stall
+from server.dataplane.engine_calls import GenerationStalled, within_stall
 from server.errors import entry
 
 

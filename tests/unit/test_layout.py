@@ -185,6 +185,27 @@ def test_only_settings_read_the_environment():
     assert not bad, "server/settings.py is the only module that reads the environment:\n" + "\n".join(bad)
 
 
+# ---- the model port's features call the port, never what implements it ------------------------------
+
+# the features that call server/dataplane/port.py (server/README.md, the dataplane row)
+PORT_FEATURES = ("server/dataplane/generation.py", "server/dataplane/composite.py", "server/dataplane/safety.py", "server/transports/batch_rows.py")
+# the port's implementation and its parts: the data plane, its pipeline, its backend and the engine calls
+BEHIND_THE_PORT = (
+    "server.dataplane.dataplane", "server.dataplane.builder", "server.dataplane.pipeline", "server.dataplane.engine_calls",
+    "server.dataplane.backend", "server.dataplane.triton_client", "server.dataplane.replicas", "server.runtime",
+)  # fmt: skip
+
+
+def test_the_ports_features_import_the_port_not_what_implements_it():
+    bad = [
+        f"{path}:{line} imports {m}"
+        for path in PORT_FEATURES
+        for line, m in _imports(ROOT / path)
+        if any(m == behind or m.startswith(behind + ".") for behind in BEHIND_THE_PORT)
+    ]
+    assert not bad, "a feature of the model port reaches behind it (call server.dataplane.port instead):\n" + "\n".join(bad)
+
+
 # ---- no cycle inside a room; no import inside a function that dodges one ----------------------------
 
 

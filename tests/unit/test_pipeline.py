@@ -13,7 +13,7 @@ import pytest
 from batching.coalescer import CoalescePolicy
 from server.dataplane.builder import build_dataplane
 from server.dataplane.codecs import serialize_bytes
-from server.dataplane.generation import GenerateParams
+from server.dataplane.port import GenerateParams
 from server.dataplane.metrics import Metrics
 from server.dataplane.pipeline import model_slots
 from server.dataplane.routing import Split
@@ -53,8 +53,8 @@ def scripted(info: dict = DONE) -> FakeBackend:
     return FakeBackend("scripted:1", stream_answer=lambda raw: _answer(pb.ModelInferRequest.FromString(raw), "ok", info))
 
 
-def _dataplane(*signatures: ModelSignature, **settings):
-    backend = scripted()
+def _dataplane(*signatures: ModelSignature, backend: FakeBackend | None = None, **settings):
+    backend = backend if backend is not None else scripted()
     dp = build_dataplane(Settings(breaker_failures=3, **settings), backend, metrics=Metrics(), gate=Gatekeeper(None))
     for s in signatures:
         dp._table.signatures[s.name] = s  # noqa: SLF001 - what refresh() fills in from Triton
@@ -142,7 +142,7 @@ def test_an_llms_queue_is_sized_by_its_engines_concurrent_sequences():
 
 
 async def test_a_lora_adapter_goes_to_its_base_model_as_a_frontend_parameter():
-    from server.dataplane.generation import split_adapter
+    from server.dataplane.engine_calls import split_adapter
     from server.dataplane.validation import ADAPTER_PARAMETER
     from server.errors import ModelNotFound
 

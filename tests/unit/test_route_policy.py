@@ -210,14 +210,13 @@ def test_an_endpoint_names_its_own_policy_and_a_bad_name_falls_back_to_the_sets(
 
 
 def test_a_generation_opens_its_stream_with_the_prompts_key_and_reports_the_engines_kv_use():
-    from server.dataplane.generation import GenerateParams
+    from server.dataplane.port import GenerateParams
     from server.tenancy.identity import CallContext
     from tests.unit.test_pipeline import DONE, _dataplane, _llm, scripted
 
     async def main():
-        dp, _ = _dataplane(_llm("llm"), llm_route_prefix_chars=40)
-        backend = scripted({**DONE, "kv_utilization": 0.25})
-        dp.llm._backend = backend  # noqa: SLF001 - the scripted Triton that records what the generation passed
+        backend = scripted({**DONE, "kv_utilization": 0.25})  # the scripted Triton that records what the generation passed
+        dp, _ = _dataplane(_llm("llm"), backend=backend, llm_route_prefix_chars=40)
         messages = chat(SYSTEM, "Where is my order?")
         await dp.llm.complete("llm", GenerateParams(messages=messages, max_tokens=1), ctx=CallContext())
         await dp.llm.complete("llm", GenerateParams(prompt="hello", max_tokens=1), ctx=CallContext())

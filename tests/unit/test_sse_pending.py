@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from server.dataplane.generation import Chunk
+from server.dataplane.port import Chunk
 from server.transports.openai.endpoints import _Pending
 
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 import socket
 
-from server.dataplane.generation import Chunk
+from server.dataplane.port import Chunk
 from server.errors import Overloaded
 from server.transports.rest.appkeys import DATAPLANE
 

@@ -84,7 +84,7 @@ class CompositeDeployer:
                 await asyncio.wait_for(self.dp.load_model(model), timeout=self.d.load_timeout_s)
             if plan.mode == ENSEMBLE:
                 await self._warm(plan)
-            self.dp.composites.install(plan)
+            self.dp.install_composite(plan)
         except (InferplaneError, asyncio.TimeoutError) as err:
             why = f"readiness timeout after {self.d.load_timeout_s:g}s" if isinstance(err, asyncio.TimeoutError) else f"{err.reason}: {err.message}"
             await self._uninstall(name, str(record.version), plan)
@@ -117,7 +117,7 @@ class CompositeDeployer:
                 doc = read_plans(self.d.repository, name).get(version)
                 plan = Plan.from_json(doc) if doc else None
         if self.owns(name) and version in self.dp.composites.plans.get(name, {}):
-            self.dp.composites.remove(name, version)
+            self.dp.remove_composite(name, version)
         for model in reversed(plan.triton_models if plan is not None else ()):
             with contextlib.suppress(InferplaneError):
                 await self.dp.unload_model(model, missing_ok=True)

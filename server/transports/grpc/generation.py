@@ -17,7 +17,8 @@ from __future__ import annotations
 import grpc
 
 from server.errors import InferplaneError, InvalidRequest, public_message
-from server.dataplane.generation import Chunk, GenerateParams, LLMService
+from server.dataplane.generation import LLMService
+from server.dataplane.port import Chunk, GenerateParams
 from server.dataplane.loop_gate import Admission
 from server.protogen.inferplane.v1 import generate_pb2, generate_pb2_grpc
 from server.transports import limits

@@ -42,7 +42,8 @@ from aiohttp import web
 
 from server.errors import Cancelled, InferplaneError, InvalidRequest, http_error
 from server.settings import Settings
-from server.dataplane.generation import Chunk, GenerateParams, LLMService
+from server.dataplane.generation import LLMService
+from server.dataplane.port import Chunk, GenerateParams
 from server.dataplane.stage_timing import TIMING_HEADER, StageTimer
 from server.tenancy.identity import CallContext
 from server.transports import limits
