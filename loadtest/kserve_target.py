@@ -28,7 +28,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -150,12 +149,6 @@ class KServeTarget:
     versions: dict = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def versions(python: Path) -> dict:
     """The versions of KServe and what it serves with, in the environment of ``python``."""
     code = (
@@ -175,10 +168,12 @@ def start(model_dir: Path, workdir: Path, *, python: Path = DEFAULT_PYTHON, vari
     """Start the server on ``model_dir`` and return once its gRPC ``ModelReady`` answers true."""
     if not Path(python).exists():
         raise FileNotFoundError(f"{python}: KServe's environment is missing; build it with `make kserve-env`")
+    from server.runtime.supervisor import free_port  # noqa: PLC0415 - the project's environment only
+
     extra, env = VARIANTS[variant]
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"kserve-{variant}.log"
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     cmd = [str(python), str(Path(__file__).resolve()), "--model-dir", str(Path(model_dir).resolve()),
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), *extra]  # fmt: skip
     with open(log, "wb") as out:
