@@ -489,30 +489,6 @@ def _steady_load(address: str, bundle):
         thread.join(30)
 
 
-def test_kill_9_of_the_leader_fails_no_request_and_the_standby_leads(control_pair, bundles):
-    f, replicas, url, _ = _both_running(control_pair)
-    v1, v2 = bundles
-    with grpc.insecure_channel(f.grpc) as channel:
-        admin = admin_pb2_grpc.AdminStub(channel)
-        admin.RegisterModel(_bundle_request(v1), metadata=ACTOR)
-        admin.RegisterModel(_bundle_request(v2), metadata=ACTOR)
-    assert deploy_retrying(f.grpc, f"{ENDPOINT}:1").version == 1
-    assert set(_until_all(f.grpc, v1, "1")) == {"1"}
-    leader = _leader_pid(url)
-    by_pid = {r.process.pid: r for r in replicas}
-    assert leader in by_pid
-    with _steady_load(f.grpc, v1) as outcomes:
-        os.kill(leader, signal.SIGKILL)
-        by_pid[leader].process.wait(30)
-        deployed = deploy_retrying(f.grpc, f"{ENDPOINT}:2")  # carried to whichever replica leads now
-        assert deployed.version == 2
-        assert set(_until_all(f.grpc, v2, "2")) == {"2"}
-    new_leader = _leader_pid(url)
-    assert new_leader != leader and new_leader in by_pid
-    errors = [o for o in outcomes if o.startswith("error")]
-    assert outcomes and not errors, errors[:3]
-
-
 BATCH_ROWS = 200  # two at a time, BATCH_ROW_MS each: >= 15 s of pauses, so the kill (after a deploy's load and warm-up) lands mid-job
 
 
