@@ -111,7 +111,7 @@ def add_grpc_services(server, dataplane, fleet, health, parts: ControlParts, *, 
     tenancy_name = add_tenancy(TenancyService(dataplane, tenancy_store, key_pepper, parts.registry), server)
     generation_name = add_generation(dataplane.llm, server, dataplane.admission)
     traffic_name = add_traffic(TrafficService(dataplane, parts.traffic), server)
-    autoscale_name = add_autoscale(AutoscaleService(dataplane, fleet.autoscaler, fleet.sampler), server)
+    autoscale_name = add_autoscale(AutoscaleService(dataplane, lambda: fleet.autoscaler, fleet.sampler), server)
     typed = add_typed_services(server, dataplane, registry=parts.registry, deployer=parts.deployer, repository=model_repository)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _add_to_pool(health_pb2.DESCRIPTOR)

@@ -221,7 +221,7 @@ class Settings(BaseSettings):
     llm_route_kv_high: float = Field(0.9, gt=0, le=1)
     autoscale: bool = True  # run the autoscaler in the frontend process that owns the control plane
     autoscale_interval_s: float = Field(1.0, gt=0)
-    autoscale_executor: str = Field("local", pattern="^(local|kubernetes|none)$")
+    autoscale_executor: str = Field("local", pattern="^(local|kubernetes|none)$")  # local: the Tritons this process has (its children; --triton-url's: placed on)
     autoscale_profile_period_s: float = Field(7 * 24 * 3600.0, gt=0)  # the forecast's season (a week) ...
     autoscale_profile_slot_s: float = Field(3600.0, gt=0)  # ... and its slot (an hour): hour-of-week
     autoscale_lead_s: float | None = Field(None, ge=0)  # unset: the measured time to a warm replica

@@ -481,32 +481,52 @@ class ReplicaSet:
         deadline = None if timeout is None else self._clock() + timeout
         member = self._choose(model) or await self._wait_for_member(model, deadline, None)
         stage_timing.replica_chosen()
-        lost_client = member.client
+        client = member.client
         try:
             return await self._send(member, request, _left(deadline, self._clock()) if deadline is not None else None, model, parsed)
         except InferplaneError as err:
             if not self._retryable(err):
                 raise
-            left = None if deadline is None else deadline - self._clock()
-            if left is not None and left <= 0:
-                raise
-            other = self._choose(model, exclude=member)
-            if other is None and (isinstance(err, ConnectionLost) or _connection_refused(err)):
-                # the only replica's process died under the call, or before it (its port refused the
-                # connection, so nothing was sent): hold it for what replaces it (a standby taking
-                # its place, its restart), as a request arriving now is held
-                other = await self._wait_for_replacement(model, deadline, member, lost_client, err)
-            elif other is None:
-                if not _refused(err):
+            failed = err
+        refused: set[str] = set()
+        while True:
+            other = await self._another(model, member, client, failed, deadline)
+            if other.id in refused:  # every member it could go to refused it
+                raise failed
+            client = other.client
+            try:
+                return await self._send(other, request, None if deadline is None else _left(deadline, self._clock()), model, parsed)
+            except InferplaneError as again:
+                # refused up front there too (the model left it as well: a scale-down, an unload): the
+                # refusal took the model off that member, so the call goes on to another one
+                if not _refused(again):
                     raise
-                # the only replica said it does not serve the model (any more): hold the request for
-                # one that does (a wake, a rejoin), as for a model no replica serves
-                other = await self._wait_for_member(model, deadline, None)
-            self.retries += 1
-            if isinstance(err, ConnectionLost):
-                self.retried_lost += 1
-            log.info("retrying a request for %s on replica %s after %s failed: %s", model, other.id, member.id, err.message)
-            return await self._send(other, request, left, model, parsed)
+                refused |= {member.id, other.id}
+                member, failed = other, again
+
+    async def _another(self, model: str, member: Member, client, err: InferplaneError, deadline: float | None) -> Member:
+        """The member a call goes to that ``err`` failed on ``member``'s connection ``client`` (before Triton
+        started it, or lost); raises ``err`` when there is none."""
+        left = None if deadline is None else deadline - self._clock()
+        if left is not None and left <= 0:
+            raise err
+        other = self._choose(model, exclude=member)
+        if other is None and (isinstance(err, ConnectionLost) or _connection_refused(err)):
+            # the only replica's process died under the call, or before it (its port refused the
+            # connection, so nothing was sent): hold it for what replaces it (a standby taking
+            # its place, its restart), as a request arriving now is held
+            other = await self._wait_for_replacement(model, deadline, member, client, err)
+        elif other is None:
+            if not _refused(err):
+                raise err
+            # the only replica said it does not serve the model (any more): hold the request for
+            # one that does (a wake, a rejoin), as for a model no replica serves
+            other = await self._wait_for_member(model, deadline, None)
+        self.retries += 1
+        if isinstance(err, ConnectionLost):
+            self.retried_lost += 1
+        log.info("retrying a request for %s on replica %s after %s failed: %s", model, other.id, member.id, err.message)
+        return other
 
     async def _wait_for_replacement(self, model: str, deadline: float | None, lost: Member, client, err: InferplaneError) -> Member:
         """A member for a call ``lost``'s connection (``client``) dropped, when no other serves the

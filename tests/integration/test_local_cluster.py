@@ -1,10 +1,13 @@
 """``inferplane dev cluster`` (issue 27) as a user runs it: the command on a fresh PostgreSQL starts three
-Tritons on one repository folder, a control-plane replica and a frontend, prints their addresses; a
+Tritons on one repository folder, two control-plane replicas and a frontend, prints their addresses; a
 deploy through the frontend is served, and every Triton has the deployed version ready (the leader
-places it on each); SIGINT stops every process it started."""
+places it on each); the leader's autoscaler scales the endpoint by placing it on Tritons of the pool,
+and a scale-up the leader's kill -9 interrupts is finished by the standby; SIGINT stops every process
+it started."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,14 +15,19 @@ import signal
 import subprocess
 import sys
 
+import grpc
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
 from model_repository import demo
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
+from server.protogen.inferplane.v1 import autoscale_pb2 as apb
+from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 from tests.conftest import TEST_ENV, fresh_postgres_database, wait_until
+from tests.integration.test_control_plane import _leader_pid, _steady_load
 from tests.integration.test_deploy import ACTOR, _bundle_request
+from tests.integration.test_fleet import FAST, QUICK
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.service("postgresql")]
 
@@ -42,10 +50,10 @@ def cluster(demo_repository, tmp_path_factory):
     repository = root / "model_repository"
     shutil.copytree(demo_repository / "mlp_classifier", repository / "mlp_classifier")
     with fresh_postgres_database() as url:
-        env = {**os.environ, **TEST_ENV, "PYTHONUNBUFFERED": "1", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
-               "INFERPLANE_RECONCILE_INTERVAL_S": "0.5"}  # fmt: skip
+        env = {**os.environ, **TEST_ENV, **FAST, "PYTHONUNBUFFERED": "1", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
+               "INFERPLANE_RECONCILE_INTERVAL_S": "0.5", "INFERPLANE_CONTROL_LEASE_TTL_S": "3"}  # fmt: skip
         args = [sys.executable, "-m", "server.cli.main", "dev", "cluster", "--database-url", url, "--redis-url", "",
-                "--model-repository", str(repository), "--workdir", str(root / "work"), "--controls", "1", "--frontends", "1",
+                "--model-repository", str(repository), "--workdir", str(root / "work"), "--controls", "2", "--frontends", "1",
                 "--workers", "1", "--tritons", "3"]  # fmt: skip
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         lines: list[str] = []
@@ -57,7 +65,7 @@ def cluster(demo_repository, tmp_path_factory):
             assert proc.poll() is None, "".join(lines[-30:])
             text = "".join(lines)
             yield {"tritons": re.findall(r"^triton\d+\s+(\S+)", text, re.M), "frontend": re.search(r"^frontend0 grpc=(\S+)", text, re.M).group(1),
-                   "pid": proc.pid, "output": text}  # fmt: skip
+                   "pid": proc.pid, "output": text, "database": url}  # fmt: skip
         finally:
             children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
             proc.send_signal(signal.SIGINT)
@@ -70,14 +78,63 @@ def cluster(demo_repository, tmp_path_factory):
                 assert wait_until(lambda c=child: not c.is_running() or c.status() == psutil.STATUS_ZOMBIE, 30), child
 
 
-def test_the_cluster_starts_three_tritons_and_a_deploy_reaches_each(cluster):
-    assert len(cluster["tritons"]) == 3 and len(set(cluster["tritons"])) == 3, cluster["output"]
-    v1 = demo.lightgbm_regressor(rounds=10)
-    import grpc
-
-    with grpc.insecure_channel(cluster["frontend"]) as channel:  # the frontend carries these to the leader
+@pytest.fixture(scope="module")
+def deployed(cluster):
+    """scorer:1 registered and deployed through the frontend (which carries both to the leader)."""
+    with grpc.insecure_channel(cluster["frontend"]) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
-        assert admin.RegisterModel(_bundle_request(v1), metadata=ACTOR).version.version == 1
-        assert admin.Deploy(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:1"), metadata=ACTOR).result.version == 1
+        registered = admin.RegisterModel(_bundle_request(demo.lightgbm_regressor(rounds=10)), metadata=ACTOR).version.version
+        live = admin.Deploy(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:1"), metadata=ACTOR).result.version
+    return registered, live
+
+
+def test_the_cluster_starts_three_tritons_and_a_deploy_reaches_each(cluster, deployed):
+    assert len(cluster["tritons"]) == 3 and len(set(cluster["tritons"])) == 3, cluster["output"]
+    assert deployed == (1, 1)
     for target in cluster["tritons"]:
         assert wait_until(lambda t=target: "1" in _ready(t, ENDPOINT), 120), target
+
+
+def _hosts(cluster, version: str = "1") -> int:
+    return sum(version in _ready(t, ENDPOINT) for t in cluster["tritons"])
+
+
+def _explain(stub) -> dict:
+    try:  # carried to whichever process leads
+        return json.loads(stub.Explain(apb.ExplainAutoscaleRequest(endpoint=ENDPOINT), metadata=ACTOR, timeout=5).explain_json)
+    except grpc.RpcError as err:  # while none does
+        return {"error": f"{err.code().name}: {err.details()}"}
+
+
+def test_the_leaders_autoscaler_places_the_endpoint_and_its_standby_goes_on_scaling_after_a_kill_9(cluster, deployed):
+    """Autoscaling on the pool of Tritons (server.control.scaling.remote_executor): bounded to 1 replica the
+    endpoint leaves two Tritons; allowed 3 under a load of 1 request in flight against a target of 0.3 per
+    replica, it goes up one step at a time (3 s apart) and is loaded on them again. The leader is killed
+    (-9) once its first step up is decided: the standby leads, finishes what the placements ask, and takes
+    the second step itself (from the stored config and the load it reads); a client asking the frontend
+    all along sees no error."""
+    assert wait_until(lambda: _hosts(cluster) == 3, 120)  # scorer:1 on every Triton (the deploy)
+    v1 = demo.lightgbm_regressor(rounds=10)
+    url = cluster["database"]
+    with grpc.insecure_channel(cluster["frontend"]) as channel, _steady_load(cluster["frontend"], v1) as outcomes:
+        scaling = autoscale_pb2_grpc.AutoscaleStub(channel)
+        said = lambda: _explain(scaling)  # noqa: E731 - what the leader says, when a wait fails
+
+        def configure(n: int, target: float) -> None:
+            config = apb.AutoscaleConfig(min_replicas=1, max_replicas=n, max_step_up=1, up_cooldown_s=3.0, **{**QUICK, "target": target})
+            scaling.Configure(apb.ConfigureAutoscaleRequest(endpoint=ENDPOINT, config=config), metadata=ACTOR, timeout=30)
+
+        def ups() -> list[int]:
+            return [d["to"] for d in _explain(scaling).get("decisions", []) if d.get("action") == "up"]
+
+        configure(1, 1000.0)
+        assert wait_until(lambda: _hosts(cluster) == 1, 60, explain=said)
+        leader = _leader_pid(url)
+        configure(3, 0.3)
+        assert wait_until(lambda: ups() == [2], 30, explain=said)  # the first step; the second waits out the cooldown
+        os.kill(leader, signal.SIGKILL)
+        assert wait_until(lambda: _leader_pid(url) != leader, 30)
+        assert wait_until(lambda: _hosts(cluster) == 3, 90, explain=said)
+        assert wait_until(lambda: 3 in ups() and _explain(scaling).get("replicas") == 3, 30, explain=said)  # the new leader's step
+        assert psutil.Process(cluster["pid"]).is_running()  # the cluster goes on without the dead replica
+    assert outcomes and not [o for o in outcomes if o.startswith("error")], [o for o in outcomes if o.startswith("error")][:3]

@@ -91,6 +91,33 @@ def test_store_places_removes_and_revives_with_generations(db_url):
         engine.dispose()
 
 
+def test_set_hosts_places_by_name_and_leaves_a_removed_row_on_every_other_triton(db_url):
+    """The remote executor's placements: the endpoint on ``a`` alone, and every other Triton (the ``*``
+    placement's too) names it removed, so the reconciler unloads it there, whoever loaded it."""
+    engine = make_engine(db_url)
+    now = [100.0]
+    try:
+        migrations.upgrade(engine)
+        store = PlacementStore(engine, clock=lambda: now[0])
+        store.place("m", 1)  # the deployer's: every Triton
+        store.set_hosts("m", [1], ["a"], ["a", "b", "c"])
+        assert {(p.triton, p.version) for p in store.all() if p.removed_at is None} == {("a", 1)} and store.hosts("m") == {"a"}
+        now[0] += 31.0  # past the drain
+        for triton in ("b", "c"):
+            desired, configs, named, draining = desired_on(store.all(), triton, now[0], 30.0)
+            assert plan_triton(desired, configs, named, {"m": {1}}, draining=draining) == [Action(UNLOAD, "m")]
+        store.place_versions("m", [2])  # a deploy: where it is placed by name
+        assert {(p.triton, p.version) for p in store.all() if p.removed_at is None} == {("a", 2)}
+        store.set_hosts("m", [2], ["a", "b"], ["a", "b", "c"])
+        assert store.hosts("m") == {"a", "b"}
+        store.set_hosts("m", [2], [], ["a", "b", "c"])  # to zero
+        assert store.hosts("m") == set() and all(p.removed_at is not None for p in store.all())
+        store.place_versions("other", [1])  # placed nowhere by name: every Triton
+        assert [(p.model, p.triton) for p in store.all() if p.model == "other"] == [("other", EVERY_TRITON)]
+    finally:
+        engine.dispose()
+
+
 def test_loop_converges_a_late_and_a_returning_triton_and_drains_removed_versions(tmp_path):
     (tmp_path / "repo" / "m").mkdir(parents=True)
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\nbackend: "python"\n')

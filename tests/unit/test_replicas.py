@@ -515,3 +515,39 @@ def test_a_probe_that_overlapped_an_unload_does_not_bring_the_model_back():
         assert MODEL not in rs.member("a").models
 
     run(main())
+
+
+def test_a_call_two_members_refuse_up_front_goes_on_to_the_third_and_they_lose_the_model():
+    """A scale-down unloads the model from two of three Tritons while a frontend still routes there: each
+    refuses the call before any work ("unknown model"), the call goes on to a member that serves it, and
+    the refusing members stop counting for the model."""
+
+    async def main():
+        rs, (a, b, c) = make("a", "b", "c")
+        for gone in (a, b):
+            gone.fail.append(ModelNotFound(f"Request for unknown model: '{MODEL}' version 1 is not at ready state"))
+        rs._choose = _in_order(rs, ["a", "b", "c"])
+        assert await rs.infer_raw(request(), timeout=5.0) == b"c"
+        assert (a.calls, b.calls, c.calls) == (1, 1, 1) and rs.retries == 2
+        assert [m.id for m in rs.serving(MODEL)] == ["c"]
+
+    run(main())
+
+
+def test_a_call_refused_by_every_member_fails_once_each_was_tried():
+    async def main():
+        rs, members = make("a", "b")
+        for m in members:
+            m.fail += [ModelNotFound(f"Request for unknown model: '{MODEL}' is not found")] * 3
+        rs._choose = _in_order(rs, ["a", "b", "a", "b"])
+        with pytest.raises(ModelNotFound):
+            await rs.infer_raw(request(), timeout=5.0)
+        assert [m.calls for m in members] == [1, 1]
+
+    run(main())
+
+
+def _in_order(rs, ids):
+    """The members chosen in this order (the set's own choice is random between two)."""
+    order = iter(ids)
+    return lambda model, exclude=None, affinity=None: rs.member(next(order))

@@ -412,10 +412,11 @@ class Deployer:
         st.loaded = set(versions)
 
     async def _place(self, name: str, versions=None) -> None:
-        """Publish ``versions`` (default: those loaded here) as every Triton's placements of ``name``,
-        before this process acts on its own Triton, so no reconciler round sees the two disagree."""
+        """Publish ``versions`` (default: those loaded here) as the placements of ``name`` (on the Tritons the
+        autoscaler placed it on, else on every Triton), before this process acts on its own Triton, so no
+        reconciler round sees the two disagree."""
         if self.placements is not None:
-            await asyncio.to_thread(self.placements.set_versions, name, self._st(name).loaded if versions is None else versions)
+            await asyncio.to_thread(self.placements.place_versions, name, self._st(name).loaded if versions is None else versions)
 
     async def _resync(self, name: str) -> None:
         """After a failed load: read which versions Triton still has ready (what a rollback may use)."""

@@ -215,9 +215,8 @@ class Autoscaler:
     def _heal(self) -> None:
         """The executor's zone check (``LocalExecutor.heal``: a zone down past its grace has its copies
         placed in the others), in the background: its loads never hold up a round."""
-        heal = getattr(self.executor, "heal", None)
-        if heal is not None and (self._healing is None or self._healing.done()):
-            self._healing = asyncio.get_running_loop().create_task(heal(), name="heal-zones")
+        if self._healing is None or self._healing.done():
+            self._healing = asyncio.get_running_loop().create_task(self.executor.heal(), name="heal-zones")
             self._healing.add_done_callback(_log_failure)
 
     # ---- configuration -----------------------------------------------------------------------

@@ -51,6 +51,8 @@ class Executor(Protocol):
 
     def standby_ready(self, endpoint: str) -> int: ...
 
+    async def heal(self) -> bool: ...
+
 
 class LocalExecutor:
     name = "local"
@@ -363,6 +365,10 @@ class KubernetesGroupExecutor:
     def standby_ready(self, endpoint: str) -> int:
         """None here: a scale-up starts a pod (the policy keeps its full scale-down window)."""
         return 0
+
+    async def heal(self) -> bool:
+        """Nothing to do: Kubernetes reschedules the pods of a zone that is lost (topologySpreadConstraints)."""
+        return False
 
     async def read(self, endpoint: str) -> int:
         deployment = self.deployment(endpoint)

@@ -23,6 +23,7 @@ from batching.route_policy import RouteBounds
 from server.control.scaling import isolation
 from server.control.registry.backend_configs import TritonTarget, observe_backends, observe_gpus
 from server.control.scaling.executors import KubernetesGroupExecutor, LocalExecutor, ModelGroups
+from server.control.scaling.remote_executor import RemoteExecutor
 from server.control.scaling.placement import memory_need
 from server.dataplane.capacity_policy import parse_capacity, spot_opt_in
 from server.dataplane.replicas import DnsSource, Member, ReplicaPolicy, ReplicaSet
@@ -260,12 +261,17 @@ class Fleet:
         if isinstance(self.executor, LocalExecutor):  # a standby holds its model's memory: placed again with the needs read
             await self.executor.keep_standby()
 
-    def start_control(self, *, registry=None, deployer=None, usage_store=None) -> None:
+    def start_control(self, *, registry=None, deployer=None, usage_store=None, placements=None, reconcile=None) -> None:
+        """The autoscaler, on the executor this process has: its own Triton processes (local), the Tritons
+        it reaches by address (remote: ``placements``, the desired state, and ``reconcile``, one reconciler
+        round now), or Kubernetes Deployments."""
         s = self.settings
         executor = self.executor
         if executor is None and s.autoscale_executor == "kubernetes" and self.groups is not None:
-
             executor = self.executor = KubernetesGroupExecutor(KubernetesExecutor.from_settings(s), self.groups)
+        remote = self.pool is None and self.groups is None and bool(s.triton_urls) and placements is not None and reconcile is not None
+        if executor is None and s.autoscale_executor == "local" and remote:
+            executor = self.executor = RemoteExecutor(self.replicas, placements, reconcile)
         if s.autoscale and executor is not None:
             cache = WeightCache(s.weight_cache_dir or (s.workdir / "weight-cache"), s.weight_cache_bytes)
             self.autoscaler = Autoscaler(

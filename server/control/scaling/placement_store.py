@@ -91,6 +91,32 @@ class PlacementStore:
         for version in sorted(placed - wanted):
             self.remove(model, version, triton)
 
+    def hosts(self, model: str) -> set[str]:
+        """The Tritons ``model`` is placed on by name (live placements; not ``*``)."""
+        return {p.triton for p in self.all() if p.model == model and p.removed_at is None and p.triton != EVERY_TRITON}
+
+    def place_versions(self, model: str, versions) -> None:
+        """Desire exactly ``versions`` of ``model`` where it is placed: on each Triton that hosts it by name
+        (the autoscaler chose them: server.control.scaling.remote_executor), else on every Triton."""
+        for triton in sorted(self.hosts(model)) or [EVERY_TRITON]:
+            self.set_versions(model, versions, triton)
+
+    def set_hosts(self, model: str, versions, hosts, tritons) -> None:
+        """Desire ``versions`` of ``model`` on exactly the Tritons ``hosts`` (by name), of all the Tritons
+        ``tritons``: removed from every other one — the ``*`` placement too — so each of those has a
+        removed row naming the model, and the reconciler unloads it there (after its drain) whoever
+        loaded it."""
+        hosts = set(hosts)
+        rows = [p for p in self.all() if p.model == model]
+        for triton in sorted(hosts):
+            self.set_versions(model, versions, triton)
+        for triton in sorted({p.triton for p in rows if p.removed_at is None} - hosts):
+            self.set_versions(model, (), triton)
+        for triton in sorted(set(tritons) - hosts - {p.triton for p in rows}):
+            for version in sorted(set(versions)):  # never placed there: a removed row, so the reconciler knows it is not wanted
+                self.place(model, version, triton)
+                self.remove(model, version, triton)
+
     def all(self) -> list[Placement]:
         with self._session() as session:
             rows = session.execute(select(triton_placements).order_by(triton_placements.c.model, triton_placements.c.version)).all()

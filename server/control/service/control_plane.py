@@ -60,7 +60,8 @@ class ControlPlane:
         # the versions the deployer loads are every Triton's placements; the reconciler loads them on Tritons that
         # join late, restart or were down during a change (none for the embedded Triton: it is the deployer's own)
         self.deployer.placements = placements = PlacementStore(self.registry.engine)
-        self.writers += [_Loop(r.run, settings.reconcile_interval_s) for r in reconcilers(settings, placements)]
+        self.reconcilers = reconcilers(settings, placements)
+        self.writers += [_Loop(r.run, settings.reconcile_interval_s) for r in self.reconcilers]
         self.publisher: StatePublisher | None = None  # while this process leads
         self.ledger = None  # server.control.planning.replica_ledger.ReplicaLedger: what the replicas reserve (the owner view of cost)
         self.retention: RetentionJob | None = None
@@ -104,7 +105,8 @@ class ControlPlane:
         if self.fleet.sampler is not None:  # the load of every other frontend and worker, added to this process's own
             self.fleet.sampler.peers = SignalPeers(self.registry.engine, self.reporter)
         if self.fleet.autoscaler is None:
-            self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store)
+            self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store,
+                                     placements=self.deployer.placements, reconcile=self._reconcile_now)  # fmt: skip
         if self.fleet.autoscaler is not None:
             self.fleet.autoscaler.announce = self._announce_sleep
         if self.fleet_started and self.fleet.autoscaler is not None:
@@ -125,6 +127,10 @@ class ControlPlane:
         self.ledger.start()
         for writer in self.writers:
             await writer.start()
+
+    async def _reconcile_now(self) -> None:
+        """A reconciler round on every Triton now (the remote executor's scale-up; the loop's rounds wait their turn)."""
+        await asyncio.gather(*(r.reconcile_once() for r in self.reconcilers))
 
     def _asleep(self) -> dict[str, float]:
         """The endpoints the autoscaler scaled to zero -> their cold-start budget (held on every frontend); a model

@@ -189,6 +189,7 @@ class TritonReconciler:
         self._client_factory = client_factory or _client
         self._clock = clock
         self._clients: dict[str, object] = {}
+        self._round = asyncio.Lock()
         self.state: dict[str, TritonState] = {}
 
     def _client(self, target: str):
@@ -211,7 +212,12 @@ class TritonReconciler:
         return load_config(base, action.versions)
 
     async def reconcile_once(self) -> dict[str, list[Action]]:
-        """One round over every Triton the source names now; returns the actions applied per Triton."""
+        """One round over every Triton the source names now; returns the actions applied per Triton.
+        Rounds never overlap: the loop's and one asked for now (a scale-up: the remote executor's) take turns."""
+        async with self._round:
+            return await self._round_once()
+
+    async def _round_once(self) -> dict[str, list[Action]]:
         placements = await asyncio.to_thread(self.store.all)
         targets = sorted(await self.source.targets())
         for gone in set(self._clients) - set(targets):

@@ -10,6 +10,7 @@ answers from its own samples.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from server.errors import InvalidRequest, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
@@ -30,15 +31,16 @@ def config_dict(message: apb.AutoscaleConfig) -> dict:
 
 
 class AutoscaleService(autoscale_pb2_grpc.AutoscaleServicer):
-    def __init__(self, dataplane, autoscaler=None, sampler=None):
+    def __init__(self, dataplane, autoscaler: Callable[[], object | None] = lambda: None, sampler=None):
         self.dp = dataplane
-        self.autoscaler = autoscaler
-        self.sampler = sampler if sampler is not None else getattr(autoscaler, "sampler", None)
+        self.autoscaler = autoscaler  # read at each call: a standby's autoscaler exists once it takes the lead
+        self.sampler = sampler
 
     def _need(self):
-        if self.autoscaler is None:
+        autoscaler = self.autoscaler()
+        if autoscaler is None:
             raise Unimplemented("autoscaling runs in the frontend process that owns the registry and the replicas")
-        return self.autoscaler
+        return autoscaler
 
     async def Configure(self, request, context):
         autoscaler = self._need()
