@@ -307,8 +307,10 @@ def test_a_failing_canary_is_rolled_back_on_the_outcomes_of_both_frontends(two_f
             threading.Event().wait(0.1)
         assert policy.status == "rolled_back", policy
         assert CANARY_SAMPLES - EACH <= b_failed <= EACH  # the rollback needed B's outcomes
-        entry = next(e for e in admin.ListAudit(admin_pb2.ListAuditRequest(target=RANKER, limit=10), metadata=ACTOR).entries
-                     if e.action == "canary.rollback")  # fmt: skip
+        entry = wait_until(  # the policy's status is written before its audit entry
+            lambda: next((e for e in admin.ListAudit(admin_pb2.ListAuditRequest(target=RANKER, limit=10), metadata=ACTOR).entries
+                          if e.action == "canary.rollback"), None), 10,
+        )  # fmt: skip
         assert (entry.outcome, entry.actor, entry.target) == ("rolled_back", "traffic-controller", f"{RANKER}:3")
         counted = int(float(re.search(r"canary_requests=(\S+)", entry.detail).group(1)))
         assert CANARY_SAMPLES <= counted <= EACH + b_failed, entry.detail  # A's and B's, summed
