@@ -59,9 +59,17 @@ INVALID_PREFIX = "invalid request: "
 NOT_FOUND_PREFIX = "not found: "
 
 
+def refused_connection(message: str) -> bool:
+    """grpc's details (or a ``NotSent``'s message, which carries them) say no connection could be made:
+    nothing was written. The one marker list, so the frontend's forwarder and the replica set agree on
+    what "the backend never got the call" means."""
+    lowered = (message or "").lower()
+    return any(marker in lowered for marker in _NOT_CONNECTED)
+
+
 def never_connected(code: grpc.StatusCode, message: str) -> bool:
     """grpc failed the call before writing it: no connection could be made (safe to send elsewhere)."""
-    return code == grpc.StatusCode.UNAVAILABLE and any(marker in (message or "").lower() for marker in _NOT_CONNECTED)
+    return code == grpc.StatusCode.UNAVAILABLE and refused_connection(message)
 
 
 def stub_died(code: grpc.StatusCode, message: str) -> bool:
@@ -76,7 +84,7 @@ def backend_error(code: grpc.StatusCode, message: str) -> InferplaneError:
         return NotSent(f"Triton is exiting: {message}", retry_after_s=1.0)
     if code == grpc.StatusCode.UNAVAILABLE:
         lowered = message.lower()
-        if any(marker in lowered for marker in _NOT_CONNECTED) or any(marker in lowered for marker in _TRITON_REFUSED):
+        if refused_connection(message) or any(marker in lowered for marker in _TRITON_REFUSED):
             return NotSent(f"Triton is unavailable: {message}", retry_after_s=1.0)
         if any(marker in lowered for marker in _TRANSPORT_LOST):
             return ConnectionLost(f"Triton is unavailable: {message}", retry_after_s=1.0)

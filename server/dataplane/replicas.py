@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from batching import route_policy
 from server.dataplane import capacity_policy, stage_timing
 from server.dataplane.backend import DOWN as DOWN_STATE, EXITING, LIVE, Backend, BackendStream, typed_call
-from server.dataplane.backend_errors import EXITING_MARKERS, ConnectionLost, NotSent
+from server.dataplane.backend_errors import EXITING_MARKERS, ConnectionLost, NotSent, refused_connection
 from server.dataplane.batch_codec import CODEC
 from server.dataplane.capacity_policy import TRAFFIC
 from server.dataplane.locality_policy import local_first
@@ -511,7 +511,7 @@ class ReplicaSet:
         if left is not None and left <= 0:
             raise err
         other = self._choose(model, exclude=member)
-        if other is None and (isinstance(err, ConnectionLost) or _connection_refused(err)):
+        if other is None and (isinstance(err, ConnectionLost) or refused_connection(err.message)):
             # the only replica's process died under the call, or before it (its port refused the
             # connection, so nothing was sent): hold it for what replaces it (a standby taking
             # its place, its restart), as a request arriving now is held
@@ -1145,14 +1145,9 @@ def merge_statistics(answers: list) -> pb.ModelStatisticsResponse:
 
 def _refused(err: InferplaneError) -> bool:
     """Triton itself said the model is not there or not ready (it did not start the request)."""
-    return (isinstance(err, NotSent) and not _connection_refused(err)) or (
+    return (isinstance(err, NotSent) and not refused_connection(err.message)) or (
         isinstance(err, ModelNotFound) and err.message.startswith(_UNKNOWN_MODEL)
     )
-
-
-def _connection_refused(err: InferplaneError) -> bool:
-    lowered = err.message.lower()
-    return any(s in lowered for s in ("failed to connect", "connection refused", "connections to all backends", "dns", "unreachable", "no route"))
 
 
 def _left(deadline: float, now: float) -> float:

@@ -282,14 +282,14 @@ class _Pool:
         return None
 
 
-def _zoned_executor(clock):
+def _zoned_executor(clock, layout=(("local-0", "a", {"lgbm"}), ("local-1", "a", {"fraud"}), ("local-2", "b", {"fraud"}))):
     members = []
-    for name, zone, wanted in (("local-0", "a", {"lgbm"}), ("local-1", "a", {"fraud"}), ("local-2", "b", {"fraud"})):
+    for name, zone, wanted in layout:
         member = Member(name, fake(name, models=wanted), local=True, zone=zone)
         member.models, member.wanted = set(wanted), set(wanted)
         members.append(member)
     rs = ReplicaSet(members, clock=clock, rng=random.Random(7), client_factory=lambda target: fake(target, models=()))
-    groups = {"fraud": "own:fraud", "lgbm": ""}
+    groups = {"fraud": "own:fraud", "lgbm": "", "mlp": ""}
     pool = _Pool()
     executor = LocalExecutor(
         rs, pool, client_factory=lambda target: fake(target, models=()), group_of=groups.get, zones=("a", "b"), zone_down_grace_s=10.0,
@@ -323,6 +323,27 @@ async def test_a_zone_down_past_its_grace_has_its_copies_placed_in_the_other_and
     assert await executor.heal() is True and executor.down_zones == frozenset()
     assert _hosts(rs, "fraud") == [("local-1", "a"), ("local-2", "b")] and _hosts(rs, "lgbm") == [("local-0", "a")]
     assert sorted(pool.stopped) == ["local-3", "local-4"]
+
+
+async def test_when_a_zone_returns_its_local_2_keeps_the_copy_and_the_stand_in_local_10_goes():
+    """Ten replicas, so the stand-in for fraud's zone-a copy (local-2) opens as local-10. The plan keeps
+    the copies of the replicas listed first, and the executor lists local-2 before local-10 (by number;
+    as text local-10 comes first): when a returns, fraud is in both zones again, not twice in b."""
+    layout = (
+        ("local-0", "a", {"lgbm"}), ("local-1", "b", {"fraud"}), ("local-2", "a", {"fraud"}),
+        *((f"local-{n}", "b", {"mlp"}) for n in range(3, 10)),
+    )  # fmt: skip
+    clock = Clock()
+    executor, rs, pool = _zoned_executor(clock, layout)
+    rs.mark_down("local-0")
+    rs.mark_down("local-2")
+    assert await executor.heal() is False
+    clock.t += 10.0
+    assert await executor.heal() is True and pool.started == ["local-10"]
+    assert [h for h in _hosts(rs, "fraud") if h[1] == "b"] == [("local-1", "b"), ("local-10", "b")]
+    rs.revive("local-2")
+    assert await executor.heal() is True and executor.down_zones == frozenset()
+    assert _hosts(rs, "fraud") == [("local-1", "b"), ("local-2", "a")] and pool.stopped == ["local-10"]
 
 
 async def test_a_zone_back_within_its_grace_changes_nothing():

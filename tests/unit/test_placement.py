@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, memory_need, place
+from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, memory_need, place, replica_order
 
 MB = 1 << 20
 
@@ -108,6 +108,15 @@ def test_the_largest_model_is_placed_first():
 def test_new_replicas_get_ids_no_replica_has():
     plan = place({"m": Demand(4, 5)}, {"local-0": {"m"}, "local-2": {"m"}}, capacity=5)
     assert plan.opened == ["local-3", "local-4"] and plan.replicas_of("m") == ["local-0", "local-2", "local-3", "local-4"]
+
+
+def test_replicas_are_ordered_by_their_number_not_as_text():
+    """Eleven copies: local-2 comes before local-10 (as text local-10 would come first, and the executor
+    lists replicas in this order, so a stand-in local-10 would keep its copy over a returned local-2)."""
+    plan = place({"m": Demand(11, 5)}, {}, capacity=5)
+    assert plan.replicas_of("m") == [f"local-{n}" for n in range(11)]
+    assert sorted(["local-10", "local-2", "local-1", "local-0"], key=replica_order) == ["local-0", "local-1", "local-2", "local-10"]
+    assert sorted(["b-2", "a-10", "a-9"], key=replica_order) == ["a-9", "a-10", "b-2"]  # the name first, then the number
 
 
 def test_a_copy_that_fills_a_replica_exactly_is_not_oversized():

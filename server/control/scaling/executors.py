@@ -30,7 +30,7 @@ from typing import Protocol
 
 from google.protobuf.json_format import MessageToJson
 
-from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place
+from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place, replica_order
 from server.dataplane.capacity_policy import ON_DEMAND, SPOT, parse_capacity
 from server.dataplane.replicas import DOWN, Member, ReplicaSet
 from server.errors import InvalidRequest, ModelNotFound
@@ -111,7 +111,7 @@ class LocalExecutor:
         return sum(1 for pid in self.pool.standby_pids().get(endpoint, ()) if pid is not None)
 
     def _current(self) -> dict[str, set[str]]:
-        members = sorted(self._local(), key=lambda m: (m.id != self.primary, m.id))
+        members = sorted(self._local(), key=lambda m: (m.id != self.primary, replica_order(m.id)))  # local-2 before local-10
         return {m.id: set(m.wanted) for m in members}
 
     def _demands(self, overrides: dict[str, int] | None = None) -> dict[str, Demand]:

@@ -33,6 +33,7 @@ than a replica still gets a replica of its own when it serves, but nothing holds
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +58,7 @@ class Plan:
     refused_standby: dict[str, int] = field(default_factory=dict)  # model -> standbys refused: a copy outgrows a replica
 
     def replicas_of(self, model: str) -> list[str]:
-        return sorted(r for r, models in self.assignment.items() if model in models)
+        return sorted((r for r, models in self.assignment.items() if model in models), key=replica_order)
 
     def used(self, demands: Mapping[str, Demand], replica: str) -> int:
         return sum(demands[m].memory for m in self.assignment.get(replica, ()) if m in demands)
@@ -68,6 +69,14 @@ class Plan:
             "replicas": sum(self.used(demands, r) for r in self.assignment),
             "standby": sum(demands[m].memory * n for m, n in self.standby.items() if m in demands),
         }
+
+
+def replica_order(replica: str) -> list:
+    """Sort key of a replica id: its numbers as numbers (``local-2`` before ``local-10``). As text
+    ``local-10`` comes first, and when a zone returns the plan keeps the copies of the replicas
+    listed first: a stand-in opened as ``local-10`` would keep its copy and the returned ``local-2``
+    lose it, leaving the model's copies in one zone."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", replica)]
 
 
 def memory_need(hardware: Mapping | None, default: int = DEFAULT_MEMORY_BYTES) -> int:

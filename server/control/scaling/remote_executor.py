@@ -25,6 +25,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from server.control.scaling.placement import replica_order
 from server.dataplane.replicas import DOWN, Member, ReplicaSet
 from server.errors import InvalidRequest
 
@@ -128,14 +129,14 @@ class RemoteExecutor:
     def _choose(self, endpoint: str, n: int) -> list[Member]:
         up = [m for m in self._pool() if m.state != DOWN]
         load = {m.id: len(m.models | m.wanted) for m in up}
-        hosting = sorted((m for m in up if endpoint in m.models or endpoint in m.wanted), key=lambda m: (load[m.id], m.id))
+        hosting = sorted((m for m in up if endpoint in m.models or endpoint in m.wanted), key=lambda m: (load[m.id], replica_order(m.id)))
         if n <= len(hosting):
             return hosting[:n]  # the least loaded stay
         chosen = list(hosting)
         others = [m for m in up if m not in chosen]
         while len(chosen) < n and others:
             copies_in = {z: sum(1 for c in chosen if c.zone == z) for z in {m.zone for m in others}}
-            pick = min(others, key=lambda m: (copies_in[m.zone], load[m.id], m.id))
+            pick = min(others, key=lambda m: (copies_in[m.zone], load[m.id], replica_order(m.id)))
             chosen.append(pick)
             others.remove(pick)
         return chosen
