@@ -34,7 +34,7 @@ from server.errors import BackendUnavailable, InferplaneError
 from server.roles import Follower, Leader, Listeners, ServingPorts, WorkerParent, leader_forwarder, set_serving, shadow_records
 from server.runtime import gc_pauses
 from server.runtime.process import log_to_stderr, stop_on_signals
-from server.runtime.supervisor import TritonSupervisor
+from server.runtime.supervisor import LOAD_CONCURRENCY, TritonSupervisor
 from server.runtime.workers import READY_MARK, worker_settings
 from server.settings import Settings
 from server.tenancy.builder import Tenancy, build_tenancy, open_tenancy
@@ -234,14 +234,19 @@ class Frontend:
         index = await dp.repository_index()
         if names == ["*"]:
             names = sorted({m.name for m in index if not self.settings.worker or m.state == "READY"})
-        if not self.settings.worker:  # failure domains: LLMs (or every model) on Tritons of their own (issue 29)
-            await fleet.place_models(names)
-        for name in names:
-            if self.settings.worker:  # the parent loaded it; a worker only reads its signature
+        if self.settings.worker:  # the parent loaded them; a worker only reads their signatures
+            for name in names:
                 await dp.adopt(name)
-            else:
-                await dp.load_model(name)
+        else:
+            await fleet.place_models(names)  # failure domains: LLMs (or every model) on Tritons of their own (issue 29)
+            gate = asyncio.Semaphore(self.settings.load_concurrency or LOAD_CONCURRENCY)  # as the reconciler loads a late Triton's set
+
+            async def load(name: str) -> None:
+                async with gate:
+                    await dp.load_model(name)
                 log.info("model %s ready", name)
+
+            await asyncio.gather(*(load(name) for name in names))
 
         for plan in read_plan_files(self.settings.model_repository):  # composite endpoints (their parts loaded above)
             try:

@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(2.0, gt=0)  # the Triton reconciler's round
     reconcile_drain_s: float = Field(30.0, ge=0)  # a removed version stays loaded this long where it is
     # model-control calls in flight on one Triton; unset: half this host's cores, 1 to Triton's 4 load threads
-    # (server/control/service/reconciler.py) — on a cluster the leader's cores say nothing of the Tritons': set it
+    # (server/runtime/supervisor.py LOAD_CONCURRENCY): a start's loads and a reconciler round's — on a cluster the leader's cores say nothing of the Tritons': set it
     load_concurrency: int | None = Field(None, ge=1, le=64)
     # host:port of an external Triton (the production container); unset: start the embedded one
     triton_url: str | None = None

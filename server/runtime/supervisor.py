@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 MODEL_LOAD_THREADS = 4  # Triton loads this many models at once (the reconciler keeps as many load calls in flight)
+# One Triton's model-control calls in flight at once (a start's loads, a reconciler round's): up to Triton's load
+# threads, but no more than half this host's cores — on the 2-core machine four Python-backend stubs starting
+# together made a late Triton slower (BENCHMARKS §18: 4 models 18.8–21.7 s concurrent vs 12.4–12.9 s one at a
+# time), so there it stays 1 unless INFERPLANE_LOAD_CONCURRENCY says otherwise.
+LOAD_CONCURRENCY = max(1, min(MODEL_LOAD_THREADS, (os.cpu_count() or 1) // 2))
 LIVE_POLL_MS = 100  # a starting tritonserver's port is tried this often (its channel's reconnect backoff)
 
 

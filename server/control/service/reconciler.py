@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,16 +49,12 @@ from server.dataplane.replicas import DnsSource
 from server.dataplane.triton_client import TritonClient
 from server.errors import InferplaneError
 from server.protogen.inference import model_config_pb2
-from server.runtime.supervisor import MODEL_LOAD_THREADS
+from server.runtime.supervisor import LOAD_CONCURRENCY
 
 log = logging.getLogger(__name__)
 
 READY = "READY"
 LOAD, UNLOAD = "load", "unload"
-# One Triton's model-control calls in flight at once: up to Triton's load threads, but no more than half this
-# host's cores — on the 2-core machine four Python-backend stubs starting together made a late Triton slower
-# (BENCHMARKS §18: 4 models 18.8–21.7 s concurrent vs 12.4–12.9 s one at a time), so there it stays 1.
-LOAD_CONCURRENCY = max(1, min(MODEL_LOAD_THREADS, (os.cpu_count() or 1) // 2))
 
 
 @dataclass(frozen=True)
