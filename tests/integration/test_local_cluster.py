@@ -138,3 +138,29 @@ def test_the_leaders_autoscaler_places_the_endpoint_and_its_standby_goes_on_scal
         assert wait_until(lambda: 3 in ups() and _explain(scaling).get("replicas") == 3, 30, explain=said)  # the new leader's step
         assert psutil.Process(cluster["pid"]).is_running()  # the cluster goes on without the dead replica
     assert outcomes and not [o for o in outcomes if o.startswith("error")], [o for o in outcomes if o.startswith("error")][:3]
+
+
+def test_scaled_to_zero_on_the_pool_a_request_through_the_frontend_wakes_it_on_one_triton(cluster, deployed):
+    """To zero on the pool of Tritons: the endpoint leaves every one of them; a request through the frontend
+    (which does not lead) is held there, the leader sees it in the frontend's reports and loads the endpoint
+    on one Triton, and the request is answered."""
+    v1 = demo.lightgbm_regressor(rounds=10)
+    with grpc.insecure_channel(cluster["frontend"]) as channel:
+        scaling = autoscale_pb2_grpc.AutoscaleStub(channel)
+        said = lambda: _explain(scaling)  # noqa: E731 - what the leader says, when a wait fails
+        config = apb.AutoscaleConfig(min_replicas=1, max_replicas=1, scale_to_zero_after_s=1.0, cold_start_budget_s=120.0, **QUICK)
+        scaling.Configure(apb.ConfigureAutoscaleRequest(endpoint=ENDPOINT, config=config), metadata=ACTOR, timeout=30)
+        assert wait_until(lambda: _explain(scaling).get("state") == "asleep" and _hosts(cluster) == 0, 90, explain=said)
+        before = len(_explain(scaling)["cold_starts"])
+        client = grpcclient.InferenceServerClient(cluster["frontend"])
+        try:
+            inp = grpcclient.InferInput("features", [1, v1.features.shape[1]], "FP32")
+            inp.set_data_from_numpy(v1.features[:1].astype("float32"))
+            assert client.infer(ENDPOINT, [inp], client_timeout=120).get_response().model_version == "1"
+        finally:
+            client.close()
+        explained = _explain(scaling)
+        assert explained["state"] == "serving" and len(explained["cold_starts"]) == before + 1, said()
+        assert wait_until(lambda: _hosts(cluster) == 1, 30, explain=said)
+        config = apb.AutoscaleConfig(scale_to_zero_after_s=0)
+        scaling.Configure(apb.ConfigureAutoscaleRequest(endpoint=ENDPOINT, config=config), metadata=ACTOR, timeout=30)
