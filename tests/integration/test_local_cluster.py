@@ -1,7 +1,7 @@
-"""``inferplane dev cluster`` (issue 27) as a user runs it: the command on a fresh PostgreSQL starts three
-Tritons on one repository folder, two control-plane replicas and a frontend, prints their addresses; a
-deploy through the frontend is served, and every Triton has the deployed version ready (the leader
-places it on each); the leader's autoscaler scales the endpoint by placing it on Tritons of the pool,
+"""``inferplane dev cluster`` (issue 27) as a user runs it, its default topology: the command on a fresh
+PostgreSQL starts three Tritons on one repository folder, two control-plane replicas and two frontends of
+two workers each, prints their addresses; a deploy through the second frontend is served by every worker
+of both, and every Triton has the deployed version ready (the leader places it on each); the leader's autoscaler scales the endpoint by placing it on Tritons of the pool,
 and a scale-up the leader's kill -9 interrupts is finished by the standby; SIGINT stops every process
 it started."""
 
@@ -25,7 +25,7 @@ from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.protogen.inferplane.v1 import autoscale_pb2 as apb
 from server.protogen.inferplane.v1 import autoscale_pb2_grpc
 from tests.conftest import TEST_ENV, fresh_postgres_database, wait_until
-from tests.integration.test_control_plane import _leader_pid, _steady_load
+from tests.integration.test_control_plane import _leader_pid, _steady_load, _until_all
 from tests.integration.test_deploy import ACTOR, _bundle_request
 from tests.integration.test_fleet import FAST, QUICK
 
@@ -53,8 +53,7 @@ def cluster(demo_repository, tmp_path_factory):
         env = {**os.environ, **TEST_ENV, **FAST, "PYTHONUNBUFFERED": "1", "INFERPLANE_ARTIFACT_STORE": str(root / "artifacts"),
                "INFERPLANE_RECONCILE_INTERVAL_S": "0.5", "INFERPLANE_CONTROL_LEASE_TTL_S": "3"}  # fmt: skip
         args = [sys.executable, "-m", "server.cli.main", "dev", "cluster", "--database-url", url, "--redis-url", "",
-                "--model-repository", str(repository), "--workdir", str(root / "work"), "--controls", "2", "--frontends", "1",
-                "--workers", "1", "--tritons", "3"]  # fmt: skip
+                "--model-repository", str(repository), "--workdir", str(root / "work")]  # fmt: skip
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         lines: list[str] = []
         try:
@@ -64,8 +63,8 @@ def cluster(demo_repository, tmp_path_factory):
                     break
             assert proc.poll() is None, "".join(lines[-30:])
             text = "".join(lines)
-            yield {"tritons": re.findall(r"^triton\d+\s+(\S+)", text, re.M), "frontend": re.search(r"^frontend0 grpc=(\S+)", text, re.M).group(1),
-                   "pid": proc.pid, "output": text, "database": url}  # fmt: skip
+            yield {"tritons": re.findall(r"^triton\d+\s+(\S+)", text, re.M), "frontends": re.findall(r"^frontend\d+\s+grpc=(\S+)", text, re.M),
+                   "controls": re.findall(r"^control\d+\s", text, re.M), "pid": proc.pid, "output": text, "database": url}  # fmt: skip
         finally:
             children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
             proc.send_signal(signal.SIGINT)
@@ -80,19 +79,23 @@ def cluster(demo_repository, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployed(cluster):
-    """scorer:1 registered and deployed through the frontend (which carries both to the leader)."""
-    with grpc.insecure_channel(cluster["frontend"]) as channel:
+    """scorer:1 registered and deployed through the second frontend (which carries both to the leader)."""
+    with grpc.insecure_channel(cluster["frontends"][1]) as channel:
         admin = admin_pb2_grpc.AdminStub(channel)
         registered = admin.RegisterModel(_bundle_request(demo.lightgbm_regressor(rounds=10)), metadata=ACTOR).version.version
         live = admin.Deploy(admin_pb2.DeployRequest(ref=f"{ENDPOINT}:1"), metadata=ACTOR).result.version
     return registered, live
 
 
-def test_the_cluster_starts_three_tritons_and_a_deploy_reaches_each(cluster, deployed):
+def test_the_cluster_starts_its_default_topology_and_a_deploy_reaches_every_triton_and_worker(cluster, deployed):
     assert len(cluster["tritons"]) == 3 and len(set(cluster["tritons"])) == 3, cluster["output"]
+    assert (len(cluster["controls"]), len(cluster["frontends"])) == (2, 2) and "(2 workers," in cluster["output"], cluster["output"]
     assert deployed == (1, 1)
     for target in cluster["tritons"]:
         assert wait_until(lambda t=target: "1" in _ready(t, ENDPOINT), 120), target
+    v1 = demo.lightgbm_regressor(rounds=10)
+    for frontend in cluster["frontends"]:  # every worker of each (fresh connections spread over them)
+        assert set(_until_all(frontend, v1, "1")) == {"1"}
 
 
 def _hosts(cluster, version: str = "1") -> int:
@@ -107,16 +110,18 @@ def _explain(stub) -> dict:
 
 
 def test_the_leaders_autoscaler_places_the_endpoint_and_its_standby_goes_on_scaling_after_a_kill_9(cluster, deployed):
-    """Autoscaling on the pool of Tritons (server.control.scaling.remote_executor): bounded to 1 replica the
-    endpoint leaves two Tritons; allowed 3 under a load of 1 request in flight against a target of 0.3 per
-    replica, it goes up one step at a time (3 s apart) and is loaded on them again. The leader is killed
-    (-9) once its first step up is decided: the standby leads, finishes what the placements ask, and takes
-    the second step itself (from the stored config and the load it reads); a client asking the frontend
-    all along sees no error."""
+    """Autoscaling on the pool of Tritons (server.control.scaling.remote_executor), configured through the
+    second frontend while a client asks the first (its load reaches the leader in the frontends' reports):
+    bounded to 1 replica the endpoint leaves two Tritons; allowed 3 under a load of 1 request in flight
+    against a target of 0.3 per replica, it goes up one step at a time (3 s apart) and is loaded on them
+    again. The leader is killed (-9) once its first step up is decided: the standby leads, finishes what
+    the placements ask, and takes the second step itself (from the stored config and the load it reads);
+    the client sees no error."""
     assert wait_until(lambda: _hosts(cluster) == 3, 120)  # scorer:1 on every Triton (the deploy)
     v1 = demo.lightgbm_regressor(rounds=10)
     url = cluster["database"]
-    with grpc.insecure_channel(cluster["frontend"]) as channel, _steady_load(cluster["frontend"], v1) as outcomes:
+    first, second = cluster["frontends"]
+    with grpc.insecure_channel(second) as channel, _steady_load(first, v1) as outcomes:
         scaling = autoscale_pb2_grpc.AutoscaleStub(channel)
         said = lambda: _explain(scaling)  # noqa: E731 - what the leader says, when a wait fails
 
@@ -141,18 +146,18 @@ def test_the_leaders_autoscaler_places_the_endpoint_and_its_standby_goes_on_scal
 
 
 def test_scaled_to_zero_on_the_pool_a_request_through_the_frontend_wakes_it_on_one_triton(cluster, deployed):
-    """To zero on the pool of Tritons: the endpoint leaves every one of them; a request through the frontend
-    (which does not lead) is held there, the leader sees it in the frontend's reports and loads the endpoint
-    on one Triton, and the request is answered."""
+    """To zero on the pool of Tritons: the endpoint leaves every one of them; a request through the second
+    frontend (a frontend never leads) is held there, the leader sees it in that frontend's reports and loads
+    the endpoint on one Triton, and the request is answered."""
     v1 = demo.lightgbm_regressor(rounds=10)
-    with grpc.insecure_channel(cluster["frontend"]) as channel:
+    with grpc.insecure_channel(cluster["frontends"][0]) as channel:
         scaling = autoscale_pb2_grpc.AutoscaleStub(channel)
         said = lambda: _explain(scaling)  # noqa: E731 - what the leader says, when a wait fails
         config = apb.AutoscaleConfig(min_replicas=1, max_replicas=1, scale_to_zero_after_s=1.0, cold_start_budget_s=120.0, **QUICK)
         scaling.Configure(apb.ConfigureAutoscaleRequest(endpoint=ENDPOINT, config=config), metadata=ACTOR, timeout=30)
         assert wait_until(lambda: _explain(scaling).get("state") == "asleep" and _hosts(cluster) == 0, 90, explain=said)
         before = len(_explain(scaling)["cold_starts"])
-        client = grpcclient.InferenceServerClient(cluster["frontend"])
+        client = grpcclient.InferenceServerClient(cluster["frontends"][1])
         try:
             inp = grpcclient.InferInput("features", [1, v1.features.shape[1]], "FP32")
             inp.set_data_from_numpy(v1.features[:1].astype("float32"))
