@@ -17,6 +17,7 @@ from server.control.service.reconciler import StaticSource, TritonReconciler
 from server.dataplane.replicas import DOWN, Member, ReplicaPolicy, ReplicaSet
 from server.db import make_engine
 from server.errors import InvalidRequest
+from server.protogen.inference import grpc_service_pb2 as pb
 from tests.backend_fake import FakeBackend
 
 
@@ -107,3 +108,33 @@ def test_a_deploy_after_scaling_loads_only_where_the_endpoint_is_placed(pool):
 def test_replicas_are_never_negative():
     with pytest.raises(InvalidRequest):
         asyncio.run(RemoteExecutor(ReplicaSet([]), None, None).set_replicas("m", -1))
+
+
+class _Unloading(FakeBackend):
+    """A Triton still unloading ``m`` (Triton's UNLOADING) for its next ``reads`` index reads."""
+
+    def __init__(self, target: str, reads: int):
+        super().__init__(target)
+        self.reads = reads
+
+    async def repository_index(self, ready_only: bool = False) -> list:
+        index = await super().repository_index(ready_only)
+        if self.reads > 0:
+            self.reads -= 1
+            index.append(pb.RepositoryIndexResponse.ModelIndex(name="m", version="1", state="UNLOADING"))
+        return index
+
+
+def test_a_triton_still_unloading_the_endpoint_gets_it_in_another_round_at_once(pool):
+    """Scaled down, then at once up again: a round finds the model busy on a Triton (unloading) and skips it;
+    the executor asks for rounds until it loads there, rather than waiting for the reconciler's loop."""
+    p = pool(hosting=("t0",))
+    slow = _Unloading("t2", reads=3)
+    p.tritons["t2"] = slow
+    p.set.member("remote-2").client = slow
+
+    async def scenario():
+        await p.executor.set_replicas("m", 3)
+        assert p.serving() == ["t0", "t1", "t2"] and p.executor.replicas("m") == 3 and slow.reads == 0
+
+    asyncio.run(scenario())

@@ -95,19 +95,24 @@ class RemoteExecutor:
             for member, result in zip(left, results):
                 if isinstance(result, BaseException):  # the placement is removed: the reconciler unloads it later
                     log.warning("unloading %s from %s failed: %s", endpoint, member.target, result)
-            await self._settle(endpoint, chosen)
+            await self._settle(endpoint, chosen, placed=bool(versions))
 
-    async def _settle(self, endpoint: str, chosen: list[Member], within_s: float = SETTLE_S) -> None:
+    async def _settle(self, endpoint: str, chosen: list[Member], *, placed: bool, within_s: float = SETTLE_S) -> None:
         """Read the Tritons again until the set sees the endpoint ready where it is placed and nowhere else
-        (or ``within_s`` passed): the autoscaler's next count is the new one, not a stale probe's."""
+        (or ``within_s`` passed): the autoscaler's next count is the new one, not a stale probe's. A chosen
+        Triton still without it (the round found it busy: still unloading it after a scale-down) gets
+        another round at once, not the loop's next one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
         while True:
             await self.set.check_health()
+            up = [m for m in chosen if m.state != DOWN]
             serving = {m.id for m in self._pool() if m.state != DOWN and endpoint in m.models}
-            if serving == {m.id for m in chosen if m.state != DOWN} or loop.time() >= deadline:
+            if serving == {m.id for m in up} or loop.time() >= deadline:
                 return
             await asyncio.sleep(0.05)
+            if placed and any(endpoint not in m.models for m in up):
+                await self.reconcile()
 
     async def _place(self, endpoint: str, n: int) -> tuple[list[Member], list[int]]:
         """Choose ``n`` Tritons and write them as the endpoint's placements; returns them and the versions."""
