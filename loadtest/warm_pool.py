@@ -93,8 +93,26 @@ def remote_hosts(explain: dict) -> list[dict]:
 
 
 def idle(explain: dict) -> set:
-    """The ids of the pool's Tritons that are up without the model: those a scale-up can take."""
-    return {t["id"] for t in explain["executor"]["tritons"] if t["state"] == "up" and MODEL not in t["models"]}
+    """The ids of the pool's Tritons that are up without the model and done unloading it: those a scale-up
+    can take at once. (The Explain drops the model from a Triton once its unload is asked for; the Python
+    stub's exit takes a second or two more, and a load asked for meanwhile waits for a later reconciler round.)"""
+    tritons = explain["executor"]["tritons"]
+    return {t["id"] for t in tritons if t["state"] == "up" and MODEL not in t["models"] and not unloading(t["target"])}
+
+
+def unloading(target: str) -> bool:
+    """The Triton at ``target`` is still loading or unloading the model (asked straight)."""
+    with grpcclient.InferenceServerClient(target) as client:
+        index = client.get_model_repository_index(client_timeout=10).models
+    return any(m.name == MODEL and m.state in ("LOADING", "UNLOADING") for m in index)
+
+
+def settled(explain: dict) -> bool:
+    """No scaling action in flight: the last decision taken (holds aside) is done, or none since the configure.
+    (A scale-down's end, a Triton stopping, comes after the replica leaves the listing; a scale-up decided
+    before it waits for it.)"""
+    last = explain["last_decisions"][-1:]
+    return not last or last[0]["action"] in ("done", "failed", "configure")
 
 
 @dataclass(frozen=True)
@@ -118,12 +136,13 @@ def scale_ups(api: Api, view: View, repeats: int, out: dict) -> dict:
     """The repeats: one replica (and the pool full) -> two serving, timed; the new copy bit-exact; back to one."""
     api.configure(min_replicas=1, max_replicas=1)
     for _ in range(repeats):
-        api.wait(lambda e: len(view.hosts(e)) == 1 and len(view.waiting(e)) == view.pool, timeout=300.0)
+        api.wait(lambda e: len(view.hosts(e)) == 1 and len(view.waiting(e)) == view.pool and settled(e), timeout=300.0)
         before = view.waiting(api.explain())
         began = time.monotonic()
         api.configure(min_replicas=2, max_replicas=2)
         api.wait(lambda e: e["serving_replicas"] == 2)
         out["scale_up_s"].append(round(time.monotonic() - began, 3))
+        api.wait(settled)  # the scale-up's own provision_s is written once its action is done
         explain = api.explain()
         out["provision_s"].append(explain["provision_s"])
         out["took_warm"].append(any(r[view.key] in before for r in view.hosts(explain)))
