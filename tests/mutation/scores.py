@@ -36,6 +36,7 @@ MODULES: dict[str, list[str]] = {
     # database each (seconds) for every mutant would not fit a pass (CI runs them in the unit suite)
     "server.control.batches.batches": ["tests/unit/test_batch_jobs.py", "tests/unit/test_batch_store.py", "tests/unit/test_batch_retention.py", "-k", "not postgresql"],
     "server.control.scaling.placement": ["tests/unit/test_placement.py", "tests/unit/test_failure_domains.py", "tests/unit/test_placement_mutants.py"],
+    "server.control.scaling.remote_executor": ["tests/unit/test_remote_executor.py"],
 }
 
 

@@ -138,3 +138,127 @@ def test_a_triton_still_unloading_the_endpoint_gets_it_in_another_round_at_once(
         assert p.serving() == ["t0", "t1", "t2"] and p.executor.replicas("m") == 3 and slow.reads == 0
 
     asyncio.run(scenario())
+
+
+# ---- what the mutation pass of remote_executor.py found unpinned --------------------------------------
+
+
+def test_to_zero_every_placement_is_removed_and_prepare_places_without_loading(pool):
+    p = pool()
+
+    async def scenario():
+        p.set.everywhere.add("m")  # loaded on every Triton at start (ReplicaSet.load_model without a placement)
+        await p.executor.set_replicas("m", 0)
+        assert p.serving() == [] and p.executor.replicas("m") == 0 and p.store.hosts("m") == set()
+        assert all(x.removed_at is not None for x in p.store.all())
+        await p.executor.prepare("m", 2)  # a wake: placed where the next load goes, nothing loaded yet
+        assert p.serving() == [] and p.store.hosts("m") == {"t0", "t1"}
+        assert p.set.placement["m"] == ["remote-0", "remote-1"] and "m" not in p.set.everywhere
+        assert p.executor.describe()["copies"] == {"m": 2}
+
+    asyncio.run(scenario())
+
+
+def test_a_model_never_placed_and_ready_nowhere_is_loaded_with_the_repositorys_own_config(pool):
+    p = pool(hosting=())
+    asyncio.run(p.executor.set_replicas("fresh", 1))
+    assert p.tritons["t0"].loads == ["fresh"] and p.tritons["t0"].configs == []  # no placement to name its versions
+    assert [x for x in p.store.all() if x.model == "fresh"] == [] and p.executor.replicas("fresh") == 1
+
+
+def test_versions_come_from_the_placements_then_what_is_ready_then_the_last_removed(pool):
+    p = pool(hosting=())
+    now = [100.0]
+    p.store._clock = lambda: now[0]
+
+    async def scenario():
+        for version in (1, 2):  # removed one after the other: the last removal names 2
+            p.store.place("m", version, "t0")
+            now[0] += 1
+            p.store.remove("m", version, "t0")
+            now[0] += 1
+        await p.executor.set_replicas("m", 1)
+        assert p.tritons["t0"].loaded == {"m": {2}}
+        p.store.place("m", 3, "t1")  # the live placements, of every Triton, win over what is ready (2 on t0)
+        assert await p.executor._versions("m") == [2, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_unload_is_logged_and_left_to_the_reconciler(pool, caplog):
+    p = pool()
+
+    async def refuse(name, timeout=60.0):
+        raise OSError("gone")
+
+    p.tritons["t2"].unload_model = refuse
+    p.executor.settle_s = 0.3  # t2 keeps serving it: the change never settles
+    asyncio.run(p.executor.set_replicas("m", 2))
+    assert [r.getMessage() for r in caplog.records if r.name == "server.control.scaling.remote_executor"] == ["unloading m from t2 failed: gone"]
+    assert p.store.hosts("m") == {"t0", "t1"}
+
+
+def test_a_capped_ask_is_logged_and_forgotten_once_the_pool_covers_it(pool, caplog):
+    p = pool(hosting=("t0",))
+
+    async def scenario():
+        await p.executor.set_replicas("m", 4)
+        said = [r.getMessage() for r in caplog.records if r.name == "server.control.scaling.remote_executor"]
+        assert said == ["endpoint m: 4 replica(s) asked for, 3 Triton(s) up: placed on all of them"]
+        await p.executor.set_replicas("m", 2)
+        assert p.executor.describe() == {
+            "executor": "remote",
+            "tritons": [{"id": f"remote-{i}", "target": f"t{i}", "zone": "", "state": "up", "models": ["m"] if i < 2 else []} for i in range(3)],
+            "copies": {"m": 2},
+            "hosts": {"m": ["t0", "t1"]},
+            "capped": {},
+        }
+
+    asyncio.run(scenario())
+
+
+def test_zero_is_a_valid_count_and_the_error_names_a_negative_one(pool):
+    p = pool()
+    with pytest.raises(InvalidRequest, match=r"replicas must be >= 0, got -1"):
+        asyncio.run(p.executor.set_replicas("m", -1))
+    asyncio.run(p.executor.set_replicas("m", 0))
+    assert p.serving() == []
+    assert p.executor.standby_ready("m") == 0 and asyncio.run(p.executor.heal()) is False
+
+
+def test_rounds_go_on_while_no_chosen_triton_has_the_endpoint_yet(pool):
+    """Placed, and on no Triton yet: the only chosen one is still unloading it; rounds follow until it loads."""
+    p = pool(hosting=())
+    p.store.place("m", 1, "t0")
+    slow = _Unloading("t0", reads=3)
+    p.tritons["t0"] = slow
+    p.set.member("remote-0").client = slow
+    p.executor.settle_s = 2.0
+
+    async def scenario():
+        await p.executor.set_replicas("m", 1)
+        assert p.serving() == ["t0"] and slow.reads == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_versions_ready_are_the_endpoints_own_and_ready_ones_and_only_its_hosts_unload_it(pool):
+    """Versions read from the Tritons: only the endpoint's (another model's 7 is not), only READY (an unloading 5
+    is not); a scale-down unloads it from the Tritons that had it, never from one that did not (t2)."""
+    p = pool(hosting=("t0", "t1"), others=("t0",))
+    p.tritons["t0"].loaded["busy"] = {7}
+
+    class _Leaving(FakeBackend):
+        async def repository_index(self, ready_only: bool = False) -> list:
+            return [*await super().repository_index(ready_only), pb.RepositoryIndexResponse.ModelIndex(name="m", version="5", state="UNLOADING")]
+
+    leaving = _Leaving("t2")
+    p.tritons["t2"] = leaving
+    p.set.member("remote-2").client = leaving
+
+    async def scenario():
+        await p.executor.set_replicas("m", 1)
+        assert {(x.triton, x.version) for x in p.store.all() if x.removed_at is None} == {("t1", 1)}
+        assert p.tritons["t0"].unloads == ["m"] and leaving.unloads == []
+
+    asyncio.run(scenario())

@@ -44,6 +44,7 @@ class RemoteExecutor:
         self.copies: dict[str, int] = {}  # endpoint -> replicas asked for
         self.capped: dict[str, int] = {}  # endpoint -> replicas asked for beyond the Tritons up
         self.hosts: dict[str, list[str]] = {}  # endpoint -> the Tritons (targets) it was placed on here
+        self.settle_s = SETTLE_S
         self._lock = asyncio.Lock()
         replicas.placer = self.place_one
 
@@ -97,13 +98,13 @@ class RemoteExecutor:
                     log.warning("unloading %s from %s failed: %s", endpoint, member.target, result)
             await self._settle(endpoint, chosen, placed=bool(versions))
 
-    async def _settle(self, endpoint: str, chosen: list[Member], *, placed: bool, within_s: float = SETTLE_S) -> None:
+    async def _settle(self, endpoint: str, chosen: list[Member], *, placed: bool) -> None:
         """Read the Tritons again until the set sees the endpoint ready where it is placed and nowhere else
-        (or ``within_s`` passed): the autoscaler's next count is the new one, not a stale probe's. A chosen
+        (or ``settle_s`` passed): the autoscaler's next count is the new one, not a stale probe's. A chosen
         Triton still without it (the round found it busy: still unloading it after a scale-down) gets
         another round at once, not the loop's next one."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
+        deadline = loop.time() + self.settle_s
         while True:
             await self.set.check_health()
             up = [m for m in chosen if m.state != DOWN]
@@ -152,7 +153,8 @@ class RemoteExecutor:
         live = {p.version for p in placements if p.removed_at is None}
         if live:
             return sorted(live)
-        ready = {int(e.version) for e in await self.set.repository_index(True) if e.name == endpoint and e.version.isdigit()}
+        index = await self.set.repository_index()
+        ready = {int(e.version) for e in index if e.name == endpoint and e.state == "READY" and e.version.isdigit()}
         if ready:
             return sorted(ready)
         removed = [p for p in placements if p.removed_at is not None]
