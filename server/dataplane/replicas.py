@@ -908,13 +908,17 @@ class ReplicaSet:
         try:
             names = sorted(missing)
             results = await asyncio.gather(*(member.client.load_model(name) for name in names), return_exceptions=True)
+            gone = False  # a reload the process did not answer: it died again (a restart killed as it came up)
             for name, result in zip(names, results):
                 if isinstance(result, InferplaneError):
                     log.error("replica %s: reloading %s failed: %s", member.id, name, result.message)
+                    gone = gone or isinstance(result, BackendUnavailable)
                 elif isinstance(result, BaseException):
                     raise result
                 else:
                     member.models.add(name)
+            if gone:  # still down: the next probe tries again (up, a zone's check would count it as back)
+                return
             if member.id in self._members and member.state == DOWN:
                 member.state = UP
                 member.failures = 0

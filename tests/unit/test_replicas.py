@@ -354,6 +354,30 @@ def test_down_members_rejoin_with_their_models_loaded_again():
     run(main())
 
 
+def test_a_member_whose_reloads_its_process_did_not_answer_stays_down():
+    """Its restart answered the probe and died under the reloads (a zone's Tritons killed as they come up):
+    it is not up — a zone's down check must still count it — and a later probe tries again."""
+
+    async def main():
+        rs, (a, b) = make("a", "b", policy=ReplicaPolicy(down_after_probes=1))
+        await rs.load_on("a", "extra")
+        rs.mark_down("a")
+        a.loaded = {}  # restarted empty; it dies again as the reloads arrive
+        real_load = a.load_model
+
+        async def dying(name, timeout=300.0, *, config=None):
+            raise ConnectionLost("Stream removed (Socket closed)")
+
+        a.load_model = dying
+        assert not await rs.rejoin("a")
+        assert rs.member("a").state == DOWN
+        a.load_model = real_load  # the next restart lives
+        assert await rs.rejoin("a")
+        assert rs.member("a").state == UP and "extra" in rs.member("a").models
+
+    run(main())
+
+
 def test_a_rejoin_during_a_health_probe_on_the_dead_connection_probes_the_new_one_after_it():
     """A local Triton restarted: the fleet gives the member a new channel and asks it to rejoin while
     a health round's probe still waits on the old one (it fails: the dead process). The rejoin probes
