@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "two log lines per call) and/or 'quiet' (latency logging off, log level WARNING)",
     )  # fmt: skip
     ap.add_argument("--kserve-python", type=Path, default=None, help="KServe's interpreter (default .venv-kserve/bin/python)")
+    ap.add_argument(
+        "--inprocess", action="store_true",
+        help="also a second stack with Triton in the frontend's process (--triton-mode in-process), target "
+             "'inferplane-inprocess', its ratios against KServe beside the default's",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -99,13 +104,20 @@ def figures(run: dict, pid: int) -> dict:
     }
 
 
+def inferplane_labels(labels) -> list[str]:
+    """The inferplane targets among ``labels``: ``inferplane`` (child Triton) and ``inferplane-inprocess``."""
+    return [label for label in labels if label.startswith("inferplane")]
+
+
 def summarize_point(per_round: dict[str, list[dict]], kserve_labels: list[str]) -> dict:
     """One concurrency's figures (``per_round``: label -> that target's ``figures`` per round): each target's
-    spread over the rounds; inferplane/KServe and inferplane/Triton, KServe/Triton per round with their spread."""
+    spread over the rounds; each inferplane target over each KServe and over Triton, KServe/Triton, per round
+    with their spread."""
     out: dict = {"targets": {}, "ratios": {}}
     for label, rounds in per_round.items():
         out["targets"][label] = {name: spread([r[name] for r in rounds]) for name in FIGURES}
-    pairs = [("inferplane", k) for k in kserve_labels] + [("inferplane", "triton")] + [(k, "triton") for k in kserve_labels]
+    ours = inferplane_labels(per_round)
+    pairs = [(o, k) for o in ours for k in kserve_labels + ["triton"]] + [(k, "triton") for k in kserve_labels]
     for b, a in pairs:
         if a in per_round and b in per_round:
             ratio = {}
@@ -136,15 +148,16 @@ def render(results: dict) -> str:
     lines = [f"Command: `{results['command']}` ({results['date']}, {results['machine']['cpus']} CPUs, "
              f"load average before/after: {results['uptime_before']} / {results['uptime_after']})", ""]  # fmt: skip
     head = "| c | " + " | ".join(f"{t} infer/s · p50 · p99 ms" for t in labels)
-    head += " | " + " | ".join(f"inferplane/{k} infer/s (min–max) · goal" for k in kserve) + " |"
-    lines += [head, "|" + "---|" * (1 + len(labels) + len(kserve))]
+    ratios = [f"{o}/{k}" for o in inferplane_labels(labels) for k in kserve]
+    head += " | " + " | ".join(f"{r} infer/s (min–max) · goal" for r in ratios) + " |"
+    lines += [head, "|" + "---|" * (1 + len(labels) + len(ratios))]
     for conc, point in results["points"].items():
         row = [str(conc)]
         for label in labels:
             t = point["targets"][label]
             row.append(f"{_fmt(t['throughput_rps']['median'], 0)} · {_fmt(t['p50_ms']['median'])} · {_fmt(t['p99_ms']['median'])}")
-        for k in kserve:
-            r = point["ratios"][f"inferplane/{k}"]["throughput_rps"]
+        for name in ratios:
+            r = point["ratios"][name]["throughput_rps"]
             goal = GOALS.get(int(conc))
             row.append(f"{_fmt(r['median'])} ({_fmt(r['min'])}–{_fmt(r['max'])}) · "
                        f"{goal_verdict(int(conc), r['median'])}{f' (≥ {goal:.1f})' if goal else ''}")  # fmt: skip
@@ -210,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals": {str(c): g for c, g in GOALS.items()},
     }
     python = {"python": args.kserve_python} if args.kserve_python else {}
-    kservers, stack = [], None
+    kservers, stack, inproc = [], None, None
     try:
         for variant in args.kserve_variants:
             kservers.append(kserve_target.start(repo / args.model, workdir / "stack", variant=variant, **python))
@@ -218,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         triton_pid = stack.triton_pid()
         targets = {"triton": stack.triton, "inferplane": stack.grpc}
         pids = {"triton": triton_pid, "inferplane": stack.process.pid}
+        if args.inprocess:  # the same repository, Triton inside the frontend's process: one gRPC hop
+            inproc = start_stack(repo, workdir / "stack-inprocess", "--auth", "off", "--triton-mode", "in-process")
+            targets["inferplane-inprocess"] = inproc.grpc
+            pids["inferplane-inprocess"] = inproc.process.pid
         for ks in kservers:
             targets[kserve_label(ks.variant)] = ks.grpc
             pids[kserve_label(ks.variant)] = ks.process.pid
@@ -225,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         results["servers"] = {
             "triton": "the stack's tritonserver child, its own gRPC port (the model's Python-backend adapter)",
             "inferplane": "inferplane serve --auth off: 1 worker, its Triton a supervised child over loopback gRPC (the default)",
+            **({"inferplane-inprocess": "inferplane serve --auth off --triton-mode in-process: 1 worker, libtritonserver "
+                "in the frontend's process"} if args.inprocess else {}),
             **{kserve_label(ks.variant): f"kserve.ModelServer, 1 process, variant {ks.variant!r}: "
                f"{' '.join(kserve_target.VARIANTS[ks.variant][0]) or 'shipped defaults'}" for ks in kservers},  # fmt: skip
         }
@@ -248,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"c={conc}: " + ", ".join(f"{label} {point['targets'][label]['throughput_rps']['median']:.0f}/s"
                                              for label in targets), flush=True)  # fmt: skip
     finally:
-        if stack is not None:
-            stop_stack(stack)
+        for each in (stack, inproc):
+            if each is not None:
+                stop_stack(each)
         for ks in kservers:
             kserve_target.stop(ks)
     results["uptime_after"] = _uptime()

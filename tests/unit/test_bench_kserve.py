@@ -99,6 +99,27 @@ def test_render_names_every_target_ratio_and_verdict():
     assert "| 1 | 800 · 1.00 · 2.00 | 400 · 2.00 · 5.00 | 500 · 1.50 · 3.00 | 0.80 (0.80–0.80) · not met (≥ 1.0) |" in table
 
 
+def test_the_in_process_stack_gets_its_own_ratios_and_columns():
+    per_round = {
+        "triton": [figures(_run(800, 1.0, 2.0), 7)],
+        "inferplane": [figures(_run(400, 2.0, 5.0), 7)],
+        "inferplane-inprocess": [figures(_run(600, 1.5, 4.0), 7)],
+        "kserve": [figures(_run(500, 1.5, 3.0), 7)],
+    }
+    point = summarize_point(per_round, ["kserve"])
+    assert set(point["ratios"]) == {"inferplane/kserve", "inferplane/triton", "inferplane-inprocess/kserve",
+                                    "inferplane-inprocess/triton", "kserve/triton"}  # fmt: skip
+    assert point["ratios"]["inferplane-inprocess/kserve"]["throughput_rps"]["rounds"] == [1.2]
+    results = {
+        "command": "c", "date": "d", "machine": {"cpus": 2}, "uptime_before": "", "uptime_after": "",
+        "targets": list(per_round), "points": {"1": point},
+    }  # fmt: skip
+    table = render(results)
+    assert "inferplane-inprocess/kserve infer/s" in table
+    assert table.splitlines()[4].endswith("| 0.80 (0.80–0.80) · not met (≥ 1.0) | 1.20 (1.20–1.20) · met (≥ 1.0) |")
+    assert not parse_args([]).inprocess and parse_args(["--inprocess"]).inprocess
+
+
 def _model_dir(tmp_path, fmt="xgboost-json", artifact=b'{"learner": {}}', sha=None, threads="2"):
     d = tmp_path / "fraud_xgboost"
     (d / "1").mkdir(parents=True)
