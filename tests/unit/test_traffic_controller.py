@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.control.composition.composites import COMPOSITE_FORMAT
+from server.control.rollout.deployer import Deployer
 from server.errors import Conflict, InvalidRequest, ModelNotFound, BackendUnavailable
 from server.dataplane.traffic_policy import sticky_arm
 
@@ -27,13 +28,14 @@ class _Expiry:
         self.cancelled = True
 
 
-class _Recorder(_Deployer):
-    """The deployer's surface the controller uses, recording each call (one state per endpoint)."""
+class _Recorder(Deployer):
+    """The real deployer's staging (``Deployer.stage``: its lock, checks and grace-period hold) over
+    recorders of what needs Triton: the backend choice, the config, the load and the warm-up."""
 
-    def __init__(self, dp):
-        super().__init__(dp)
-        self.states: dict[str, SimpleNamespace] = {}
-        self.locks: dict[str, asyncio.Lock] = {}
+    def __init__(self, dp, registry, repository):
+        super().__init__(registry, dp, repository)
+        self.fake = _Deployer(dp)  # deploy() and the expiries, as the other controller tests see them
+        self.deployed, self.expiring = self.fake.deployed, self.fake.expiring
         self.calls: list[tuple] = []
         self.fail_deploy: Exception | None = None
         self.composites = SimpleNamespace(stage=self._stage_composite)
@@ -42,18 +44,15 @@ class _Recorder(_Deployer):
         self.calls.append(("deploy", ref, actor))
         if self.fail_deploy is not None:
             raise self.fail_deploy
-        await super().deploy(ref, options, actor)
+        await self.fake.deploy(ref, options, actor)
 
-    def _st(self, name):
-        return self.states.setdefault(name, SimpleNamespace(expiry=None, loaded={1}))
-
-    def _lock(self, name):
-        return self.locks.setdefault(name, asyncio.Lock())
+    def schedule_expiry(self, name):
+        self.fake.schedule_expiry(name)
 
     def choice_for(self, record):
         self.calls.append(("choice_for", record.version))
 
-    def config_for(self, name, live_record, serving, versions):
+    def config_for(self, name, live_record, serving, versions, choice=None):
         self.calls.append(("config_for", name, live_record.version, tuple(versions)))
         self.serving = serving
         return "config"
@@ -106,16 +105,12 @@ def _make(tmp_path, clock=None, *, real_stage=False, registry=None):
     clock = clock or Clock()
     dp = _DataPlane(clock)
     registry = registry or _Versions(f"sqlite:///{tmp_path}/t.db")
-    deployer = _Recorder(dp)
+    deployer = _Recorder(dp, registry, tmp_path / "repository")
     controller = TrafficController(dp, registry, deployer, clock=clock, shadow_workers=3)
     staged: list[tuple] = []
     if not real_stage:
-
-        async def stage(name, version):
-            staged.append((name, version))
-            return dp.routes[name]
-
-        controller._stage = stage
+        deployer.stage = deployer.fake.stage  # records what is staged, loads nothing
+        staged = deployer.fake.staged
     return SimpleNamespace(c=controller, dp=dp, reg=registry, dep=deployer, staged=staged, clock=clock)
 
 
@@ -1402,12 +1397,10 @@ def test_the_constructors_settings_are_the_ones_used(tmp_path):
         clock = Clock()
         dp = _DataPlane(clock)
         dp.backend_infer = _sender([])
-        c = TrafficController(dp, _Versions(f"sqlite:///{tmp_path}/t.db"), _Recorder(dp), tick_s=0.01, clock=clock, shadow_records=Records())
+        registry = _Versions(f"sqlite:///{tmp_path}/t.db")
+        c = TrafficController(dp, registry, _Recorder(dp, registry, tmp_path), tick_s=0.01, clock=clock, shadow_records=Records())
 
-        async def stage(name, version):
-            return dp.routes[name]
-
-        c._stage = stage
+        c.deployer.stage = c.deployer.fake.stage  # loads nothing
         ticks = []
 
         async def analyze():

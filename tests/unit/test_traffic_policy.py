@@ -333,16 +333,22 @@ class _Deployer:
         self.dp = dp
         self.deployed: list[str] = []
         self.expiring: list[str] = []
+        self.staged: list[tuple] = []
+        self.held: list[str] = []
 
     async def deploy(self, ref, options=None, actor=""):
         name, version = ref.split(":")
         self.dp.routes[name] = version
         self.deployed.append(ref)
 
-    def _st(self, name):
-        return type("St", (), {"expiry": None})()
+    async def stage(self, name, version):  # the real one loads and warms the version (test_traffic_controller)
+        self.staged.append((name, version))
+        return self.dp.routes[name]
 
-    def _schedule_expiry(self, name):
+    def hold(self, name):
+        self.held.append(name)
+
+    def schedule_expiry(self, name):
         self.expiring.append(name)
 
 
@@ -372,11 +378,6 @@ def _controller(tmp_path, clock, registry=None):
     dp = _DataPlane(clock)
     registry = registry or _Registry(f"sqlite:///{tmp_path}/t.db")
     controller = TrafficController(dp, registry, _Deployer(dp), clock=clock)
-
-    async def stage(name, version):
-        return dp.routes[name]
-
-    controller._stage = stage
     return controller, dp, registry
 
 

@@ -7,7 +7,7 @@ data plane (the version is then ready, like a loaded model version) and the endp
 switches in one assignment. A version stays installed for the deployer's grace period after it
 stops being live, so a rollback is the same single switch; after it the version's Triton
 models are unloaded and removed with its plan. A canary or an A/B split between two composite
-versions is the traffic controller's as for any endpoint (``TrafficController._stage`` calls
+versions is the traffic controller's as for any endpoint (``Deployer.stage`` calls
 :meth:`CompositeDeployer.stage`).
 """
 
@@ -88,7 +88,7 @@ class CompositeDeployer:
         except (InferplaneError, asyncio.TimeoutError) as err:
             why = f"readiness timeout after {self.d.load_timeout_s:g}s" if isinstance(err, asyncio.TimeoutError) else f"{err.reason}: {err.message}"
             await self._uninstall(name, str(record.version), plan)
-            raise DeployFailed(f"installing {record.ref} failed: {why}; {self.d._serving_note(name)}") from None  # noqa: SLF001
+            raise DeployFailed(f"installing {record.ref} failed: {why}; {self.d.serving_note(name)}") from None
         return compiled
 
     async def _warm(self, plan: Plan) -> None:
@@ -138,7 +138,7 @@ class CompositeDeployer:
         await asyncio.to_thread(self.d.registry.record_deployment, name, name, record.version, {"composite": mode}, actor)
         self.dp.set_live(name, str(record.version))  # the switch: one assignment on the event loop
         switch_ms = (self.d.clock() - ready_at) * 1000.0
-        self.d._schedule_expiry(name)  # noqa: SLF001 - the deployer's grace period, expired through expire() below
+        self.d.schedule_expiry(name)  # the deployer's grace period, expired through expire() below
         previous = int(live) if live and live.isdigit() else None
         return DeployResult(
             endpoint=name, version=record.version, previous=previous, switch_ms=switch_ms,
@@ -159,7 +159,7 @@ class CompositeDeployer:
         await asyncio.to_thread(self.d.registry.record_rollback, name)
         self.dp.set_live(name, str(target))
         switch_ms = (self.d.clock() - started) * 1000.0
-        self.d._schedule_expiry(name)  # noqa: SLF001
+        self.d.schedule_expiry(name)
         return DeployResult(
             endpoint=name, version=target, previous=ep.live, switch_ms=switch_ms, total_ms=switch_ms,
             loaded_versions=self._installed(name), reloaded=reloaded,
@@ -171,10 +171,7 @@ class CompositeDeployer:
         live = self.dp.live_version(name)
         if not live or not self.owns(name):
             raise Conflict(f"endpoint '{name}' has no live version on this frontend; deploy one first")
-        st = self.d._st(name)  # noqa: SLF001
-        if st.expiry is not None:  # the versions a policy needs stay installed while it runs
-            st.expiry.cancel()
-            st.expiry = None
+        self.d.hold(name)  # the versions a policy needs stay installed while it runs
         if str(record.version) not in self.dp.ready_versions(name):
             await self.install(record)
         return live

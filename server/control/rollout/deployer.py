@@ -260,7 +260,7 @@ class Deployer:
             if str(ep.live) in self.dp.ready_versions(ep.name):
                 self.dp.set_live(ep.name, str(ep.live))
                 if set(loaded) != {ep.live}:
-                    self._schedule_expiry(ep.name)
+                    self.schedule_expiry(ep.name)
             else:
                 log.error("endpoint %s: live version %s is not loaded", ep.name, ep.live)
 
@@ -337,13 +337,48 @@ class Deployer:
         await asyncio.to_thread(self.registry.record_deployment, name, name, record.version, serving_dict(serving), actor)
         self.dp.set_live(name, str(record.version))  # the switch: one assignment on the event loop
         switch_ms = (self.clock() - ready_at) * 1000.0
-        self._schedule_expiry(name)
+        self.schedule_expiry(name)
         typed = await self._typed_schema(name, record, actor)
         return DeployResult(
             endpoint=name, version=record.version, previous=live, switch_ms=switch_ms,
             total_ms=(self.clock() - started) * 1000.0, loaded_versions=sorted(st.loaded), reloaded=reloaded,
             message=f"{name}:{record.version} is live" + (f" ({name}:{live} stays loaded for {self.grace_s:g}s)" if live and live != record.version else "") + typed,
         )  # fmt: skip
+
+    # ---- staging (the traffic controller's policies) ----------------------------------------
+
+    async def stage(self, name: str, version: int) -> str:
+        """Load and warm ``name:version`` beside the live version, under the endpoint's lock (no traffic
+        moves), and hold the grace period while a policy needs it; returns the live version."""
+        async with self._lock(name):
+            record = await asyncio.to_thread(self.registry.get, name, version)
+            if record.format == COMPOSITE_FORMAT:  # composite versions stage as one unit
+                return await self.composites.stage(name, record)
+            self.choice_for(record)  # MissingBackend (409) when no Triton here has the backend it needs
+            await asyncio.to_thread(self.registry.verify_signed, name, record.version)
+            ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
+            live = self.dp.live_version(name)
+            if ep.live is None or live != str(ep.live):
+                raise Conflict(f"endpoint '{name}' has no live version on this frontend; deploy one first")
+            live_record = await asyncio.to_thread(self.registry.get, name, ep.live)
+            if not same_tensors(live_record.signature, record.signature):
+                raise Conflict(f"{record.ref} declares different input/output tensors than the live {name}:{live}")
+            st = self._st(name)
+            self.hold(name)
+            if not (str(record.version) in self.dp.ready_versions(name) and record.version in st.loaded):
+                versions = sorted(st.loaded | {ep.live, record.version})
+                config = self.config_for(name, live_record, serving_from(None, ep.serving), versions)
+                await self._load(name, record, config, versions)
+            await self._warm(name, record)
+            return live
+
+    def hold(self, name: str) -> None:
+        """Keep every version of ``name`` loaded: the grace period's expiry is cancelled until the next
+        :meth:`schedule_expiry` (a policy that needs the extra versions runs)."""
+        st = self._st(name)
+        if st.expiry is not None:
+            st.expiry.cancel()
+            st.expiry = None
 
     def install(self, ref: str, options: Mapping[str, Any] | None = None, actor: str = "") -> VersionRecord:
         """Deploy ``ref`` into the repository while no Triton runs (``inferplane demo build``): the
@@ -403,12 +438,12 @@ class Deployer:
             await self._restore(name, old_config, version_dir if fresh_dir else None, timed_out=isinstance(err, asyncio.TimeoutError))
             await self._resync(name)
             await self._place(name)
-            raise DeployFailed(f"loading {record.ref} failed: {why}; {self._serving_note(name)}") from None
+            raise DeployFailed(f"loading {record.ref} failed: {why}; {self.serving_note(name)}") from None
         if str(record.version) not in self.dp.ready_versions(name):
             await self._restore(name, old_config, version_dir if fresh_dir else None, timed_out=False)
             await self._resync(name)
             await self._place(name)
-            raise DeployFailed(f"{record.ref} loaded but is not ready; {self._serving_note(name)}")
+            raise DeployFailed(f"{record.ref} loaded but is not ready; {self.serving_note(name)}")
         st.loaded = set(versions)
 
     async def _place(self, name: str, versions=None) -> None:
@@ -429,7 +464,7 @@ class Deployer:
         ready = self.dp.ready_versions(name)
         st.loaded = {v for v in st.loaded if str(v) in ready}
 
-    def _serving_note(self, name: str) -> str:
+    def serving_note(self, name: str) -> str:
         live = self.dp.live_version(name)
         return f"{name}:{live} keeps serving" if live else f"nothing was serving '{name}' before"
 
@@ -503,11 +538,11 @@ class Deployer:
             raw = await self.dp.backend_infer(request.SerializeToString(), timeout=self.load_timeout_s)
         except InferplaneError as err:
             await self._unload_version(name, record.version)
-            raise DeployFailed(f"warm-up request to {record.ref} failed: {err.message}; {self._serving_note(name)}") from None
+            raise DeployFailed(f"warm-up request to {record.ref} failed: {err.message}; {self.serving_note(name)}") from None
         problem = check_warmup(pb.ModelInferResponse.FromString(raw), record.signature, arrays, int(request.inputs[0].shape[0]))
         if problem:
             await self._unload_version(name, record.version)
-            raise DeployFailed(f"warm-up of {record.ref}: {problem}; {self._serving_note(name)}")
+            raise DeployFailed(f"warm-up of {record.ref}: {problem}; {self.serving_note(name)}")
 
     async def _warm_llm(self, name: str, record: VersionRecord) -> None:
         """An LLM's warm-up: a short greedy generation pinned to the new version (its engine answers)."""
@@ -515,7 +550,7 @@ class Deployer:
             await self.dp.backend_generate(name, str(record.version), LLM_WARMUP_PROMPT, LLM_WARMUP_TOKENS, timeout=self.load_timeout_s)
         except InferplaneError as err:
             await self._unload_version(name, record.version)
-            raise DeployFailed(f"warm-up generation from {record.ref} failed: {err.message}; {self._serving_note(name)}") from None
+            raise DeployFailed(f"warm-up generation from {record.ref} failed: {err.message}; {self.serving_note(name)}") from None
 
     async def _unload_version(self, name: str, version: int) -> None:
         """Drop a version that loaded but must not serve (failed warm-up)."""
@@ -571,7 +606,7 @@ class Deployer:
         await asyncio.to_thread(self.registry.record_rollback, name)
         self.dp.set_live(name, str(target))  # the switch
         switch_ms = (self.clock() - started) * 1000.0
-        self._schedule_expiry(name)
+        self.schedule_expiry(name)
         return DeployResult(
             endpoint=name, version=target, previous=ep.live, switch_ms=switch_ms, total_ms=switch_ms,
             loaded_versions=sorted(st.loaded), reloaded=reloaded,
@@ -580,7 +615,8 @@ class Deployer:
 
     # ---- grace period -------------------------------------------------------------------
 
-    def _schedule_expiry(self, name: str) -> None:
+    def schedule_expiry(self, name: str) -> None:
+        """Start (again) the grace period after which every version of ``name`` but the live one is unloaded."""
         st = self._st(name)
         if st.expiry is not None:
             st.expiry.cancel()

@@ -38,7 +38,6 @@ from typing import Any
 from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, Table, insert, select, update
 
 from server.control.rollout.arm_reports import after_reports
-from server.control.rollout.deployer import COMPOSITE_FORMAT, same_tensors, serving_from
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound
 from server.control.rollout.shadow_reports import ShadowPeers, summed
 from server.control.rollout.stats_tests import compare_outcomes, two_proportion_z
@@ -212,50 +211,14 @@ class TrafficController:
             shadow.start(self.dp.backend_infer, self.shadow_workers)
             self.router.shadows[name] = shadow
         self.policies[(name, policy.slot)] = policy
-        self._hold_versions(name)
-
-    # ---- staging through the deployer ---------------------------------------------------
-
-    async def _stage(self, name: str, version: int) -> str:
-        """Load and warm ``name:version`` beside the live version (no traffic moves); returns the live version."""
-        d = self.deployer
-        async with d._lock(name):
-            record = await asyncio.to_thread(self.registry.get, name, version)
-            if record.format == COMPOSITE_FORMAT:  # composite versions stage as one unit
-                return await d.composites.stage(name, record)
-            d.choice_for(record)  # MissingBackend (409) when no Triton here has the backend it needs
-            await asyncio.to_thread(self.registry.verify_signed, name, record.version)
-            ep = await asyncio.to_thread(self.registry.endpoint, name, 0)
-            live = self.dp.live_version(name)
-            if ep.live is None or live != str(ep.live):
-                raise Conflict(f"endpoint '{name}' has no live version on this frontend; deploy one first")
-            live_record = await asyncio.to_thread(self.registry.get, name, ep.live)
-            if not same_tensors(live_record.signature, record.signature):
-                raise Conflict(f"{record.ref} declares different input/output tensors than the live {name}:{live}")
-            st = d._st(name)
-            if st.expiry is not None:  # the versions a policy needs stay loaded while it runs
-                st.expiry.cancel()
-                st.expiry = None
-            ready = str(record.version) in self.dp.ready_versions(name) and record.version in st.loaded
-            if not ready:
-                versions = sorted(st.loaded | {ep.live, record.version})
-                config = d.config_for(name, live_record, serving_from(None, ep.serving), versions)
-                await d._load(name, record, config, versions)
-            await d._warm(name, record)
-            return live
-
-    def _hold_versions(self, name: str) -> None:
-        st = self.deployer._st(name)
-        if st.expiry is not None:
-            st.expiry.cancel()
-            st.expiry = None
+        self.deployer.hold(name)
 
     def _settle(self, name: str) -> None:
         """No policy of ``name`` needs extra versions any more: the deployer's grace period unloads them."""
         if any(ep == name for ep, _ in self.policies):
-            self._hold_versions(name)
+            self.deployer.hold(name)
         elif self.dp.live_version(name):
-            self.deployer._schedule_expiry(name)
+            self.deployer.schedule_expiry(name)
 
     # ---- bookkeeping --------------------------------------------------------------------
 
@@ -319,7 +282,7 @@ class TrafficController:
             self._no_split(name)
             if str(version) == self._live(name):
                 raise Conflict(f"{name}:{version} is already live")
-            stable = await self._stage(name, version)
+            stable = await self.deployer.stage(name, version)
             spec = {
                 "stable": stable, "canary": str(version), "steps": list(plan.steps), "interval_s": plan.interval_s,
                 "window_s": float(window_s or 60.0), "thresholds": asdict(limits), "key_header": key_header,
@@ -434,7 +397,7 @@ class TrafficController:
             self._no_split(name)
             if str(version) == self._live(name):
                 raise Conflict(f"{name}:{version} is already live")
-            blue = await self._stage(name, version)
+            blue = await self.deployer.stage(name, version)
             policy = await self._new_policy(name, SPLIT, "bluegreen", {"blue": blue, "green": str(version)}, {"staged": True}, actor)
             self._install(policy)
         await self._audit(actor, "bluegreen.stage", f"{name}:{version}", "ok", f"blue={blue}; green loaded and warm, no traffic")
@@ -463,7 +426,7 @@ class TrafficController:
             self._no_split(name)
             live = self._live(name)
             for version in sorted({a.version for a in built if a.version != live}):
-                await self._stage(name, int(version))
+                await self.deployer.stage(name, int(version))
             spec = {"experiment": experiment or name, "arms": [asdict(a) for a in built], "key_header": key_header}
             policy = await self._new_policy(name, SPLIT, "ab", spec, {}, actor)
             self._install(policy)
@@ -523,7 +486,7 @@ class TrafficController:
         if not (0 < percent <= 100):
             raise InvalidRequest(f"shadow percent must be in (0, 100], got {percent}")
         async with self._lock(name):
-            await self._stage(name, version)
+            await self.deployer.stage(name, version)
             old = self.router.shadows.pop(name, None)
             if old is not None:
                 await old.stop()
