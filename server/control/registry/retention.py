@@ -11,7 +11,7 @@ Each kind of stored data is a *target* named by its ``retention_days`` key:
 | ``shadow_records`` | disagreeing shadow copies (``server.control.rollout.shadow_records``) | yes |
 | ``batch_files`` | batch jobs' input and output files (registered by the batch jobs' module) | yes |
 | ``signal_reports`` | every process's latest load sample (``server.control.scaling.signal_reports``) | no |
-| ``shadow_reports`` | every process's shadow counts (``server.control.rollout.shadow_reports``; a live shadow's rows are kept) | no |
+| ``shadow_reports`` | every process's shadow counts (``server.control.rollout.shadow_reports``; a live shadow's rows are kept, registered by ``server.control.service.desired_state``) | no |
 
 ``INFERPLANE_RETENTION_DAYS='{"payload_logs": 30, "usage": 400}'``: a kind with no entry is kept
 until deleted. The job runs every ``retention_interval_s`` in the process that runs the control plane
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 DAY_S = 86400.0
 _FACTORIES: dict[str, Callable] = {}
 # modules that register targets of their own (imported, when present, before the targets are built)
-PROVIDERS: tuple[str, ...] = ("server.control.batches.batches", "server.control.scaling.signal_reports", "server.control.rollout.shadow_reports")
+PROVIDERS: tuple[str, ...] = ("server.control.batches.batches", "server.control.scaling.signal_reports", "server.control.service.desired_state")
 
 
 def register(name: str, factory: Callable) -> None:

@@ -11,7 +11,8 @@ endpoint (an earlier policy) is never mixed in.
 
 The retention job (``retention_days["shadow_reports"]``, server.control.registry.retention) deletes the
 rows older than that — except those of a shadow the desired state still names (a live shadow's idle
-processes are not rewritten, and their counts are still part of its report).
+processes are not rewritten, and their counts are still part of its report): that rule reads the desired
+state, so ``server.control.service.desired_state`` registers it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from collections.abc import Iterable
 
 from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, delete, insert, select
 
-from server.control.registry import retention
 from server.control.rollout.arm_reports import RouterReporter
-from server.control.service.desired_state import desired_state
 from server.dataplane.routing import ShadowStats
 from server.db import session_factory
 
@@ -96,16 +95,3 @@ class ShadowPeers:
         with self._session() as session:
             c = shadow_reports.c
             return [dict(s) for s in session.execute(select(c.stats).where(c.endpoint == endpoint, c.shadow == key)).scalars()]
-
-
-def _at():
-    return shadow_reports.c.at
-
-
-def live_shadows(conn, old: list[tuple]) -> set[tuple]:
-    """Of the old rows' keys (reporter, endpoint, shadow), those of a shadow the desired state names now."""
-    live = {(endpoint, (shadow or {}).get("key")) for endpoint, shadow in conn.execute(select(desired_state.c.endpoint, desired_state.c.shadow))}
-    return {key for key in old if (key[1], key[2]) in live}
-
-
-retention.register("shadow_reports", lambda settings, keys: retention.Rows(settings.database_url, _at, as_datetime=False, keep=live_shadows))

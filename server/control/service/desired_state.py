@@ -22,6 +22,8 @@ from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, Engine, Float, MetaData, String, Table, func, insert, select, text, update
 
+from server.control.registry import retention
+from server.control.rollout.shadow_reports import shadow_reports
 from server.db import session_factory
 
 CHANNEL = "inferplane_desired"
@@ -135,3 +137,19 @@ class DesiredStateStore:
     def generation(self) -> int:
         with self._session() as session:
             return int(session.execute(select(func.coalesce(func.max(desired_state.c.generation), 0))).scalar_one())
+
+
+# ---- the shadow reports' retention: a live shadow's rows stay -------------------------------------
+
+
+def _report_at():
+    return shadow_reports.c.at
+
+
+def live_shadows(conn, old: list[tuple]) -> set[tuple]:
+    """Of the old ``shadow_reports`` rows' keys (reporter, endpoint, shadow), those of a shadow the desired state names now."""
+    live = {(endpoint, (shadow or {}).get("key")) for endpoint, shadow in conn.execute(select(desired_state.c.endpoint, desired_state.c.shadow))}
+    return {key for key in old if (key[1], key[2]) in live}
+
+
+retention.register("shadow_reports", lambda settings, keys: retention.Rows(settings.database_url, _report_at, as_datetime=False, keep=live_shadows))
