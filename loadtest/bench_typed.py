@@ -117,7 +117,7 @@ def typed_pool(address: str, model: str, rows: np.ndarray, batch: int, size: int
 def decode_options(model_dir: Path, number: int = 20000) -> dict:
     """µs per request of each way to read a typed request into a float32 row (no server)."""
     from server.control.typed import typed_schema
-    from server.control.registry.registry import check_signature
+    from server.control.typed.declared_signature import check_signature
     from server.transports.typed.service import build
 
     meta = json.loads((model_dir / "inferplane.json").read_text())
@@ -173,7 +173,7 @@ def handler_cost(model_dir: Path, calls: int = 20000) -> dict:
     import types
 
     from server.control.typed import typed_schema
-    from server.control.registry.registry import check_signature
+    from server.control.typed.declared_signature import check_signature
     from server.protogen.inference import grpc_service_pb2 as pb
     from server.transports.grpc.inference import InferenceService
     from server.transports.typed.service import TypedServices

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from server.control.typed import typed_schema as ts
-from server.control.registry.registry import check_signature
+from server.control.typed.declared_signature import check_signature
 from server.errors import Conflict, InvalidRequest, ModelNotFound
 from server.protogen.inference import grpc_service_pb2 as pb
 from server.transports.typed.codec import Codec

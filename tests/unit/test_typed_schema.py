@@ -10,7 +10,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 
 from server.control.typed import typed_compat
 from server.control.typed import typed_schema as ts
-from server.control.registry.registry import check_signature
+from server.control.typed.declared_signature import check_signature
 from server.dataplane.signature import ModelSignature, TensorSpec
 from server.errors import InvalidRequest
 from server.control.typed import typed_proto

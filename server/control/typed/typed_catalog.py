@@ -30,7 +30,7 @@ from server.control.typed.typed_compat import compare, is_breaking
 from server.control.typed.typed_schema import NoTypedApi, TypedSchema, from_model_signature, from_signature
 from server.control.typed.typed_store import TypedSchemaStore
 from server.errors import Conflict, InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
-from server.control.registry.registry import check_signature
+from server.control.typed.declared_signature import check_signature
 
 log = logging.getLogger(__name__)
 

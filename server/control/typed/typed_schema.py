@@ -1,7 +1,7 @@
 """Typed per-model APIs: a model's signature becomes a protobuf schema (``.proto`` text and descriptor).
 
 Pure functions of the registry's JSON signature (``{"inputs": [...], "outputs": [...]}``, see
-``server.control.registry.registry.check_signature``) or of the data plane's ``ModelSignature``:
+``server.control.typed.declared_signature.check_signature``) or of the data plane's ``ModelSignature``:
 
 * a tabular input with declared ``features`` becomes one field per feature, in order (a feature
   may carry a ``unit``, a ``description``, a ``range`` [lo, hi] or an ``enum`` of labels);
