@@ -41,6 +41,7 @@ from server.transports.rest.status_page import ROUTES as STATUS_ROUTES
 from server.transports.rest.status_page import STATUS
 from server.transports.rest.typed import ROUTES as TYPED_ROUTES
 from server.transports.typed import add_typed_services
+from server.transports.typed.admin import SchemaAdmin
 
 # every route of the HTTP port, in the order they are registered and documented
 ROUTES: list[Route] = [*INFERENCE_ROUTES, *REPOSITORY_ROUTES, *OPENAI_ROUTES, *TYPED_ROUTES, *STATUS_ROUTES, *DEPLOY_ROUTES]
@@ -107,12 +108,13 @@ def add_grpc_services(server, dataplane, fleet, health, parts: ControlParts, *, 
     """Every service of the gRPC port on ``server`` (OIP v2, admin, tenancy, generation, traffic, autoscale,
     the typed services, health) and reflection over them; ``parts``: what the control plane lends them."""
     server.add_generic_rpc_handlers((InferenceService(dataplane).handler(),))
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(dataplane, parts.registry, parts.deployer), server)
+    typed = add_typed_services(server, dataplane, registry=parts.registry, deployer=parts.deployer, repository=model_repository)
+    admin = AdminService(dataplane, parts.registry, parts.deployer, schemas=SchemaAdmin(typed.catalog))
+    admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
     tenancy_name = add_tenancy(TenancyService(dataplane, tenancy_store, key_pepper, parts.registry), server)
     generation_name = add_generation(dataplane.llm, server, dataplane.admission)
     traffic_name = add_traffic(TrafficService(dataplane, parts.traffic), server)
     autoscale_name = add_autoscale(AutoscaleService(dataplane, lambda: fleet.autoscaler, fleet.sampler), server)
-    typed = add_typed_services(server, dataplane, registry=parts.registry, deployer=parts.deployer, repository=model_repository)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     _add_to_pool(health_pb2.DESCRIPTOR)
     admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name

@@ -18,7 +18,6 @@ from server.dataplane.dataplane import DataPlane
 from server.errors import InferplaneError, InvalidRequest, ModelNotFound, Unimplemented
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
 from server.transports.grpc.context import call_context
-from server.transports.typed import admin as typed_admin
 from server.tenancy.identity import Principal
 from server.dataplane.signature import ModelSignature, version_key
 
@@ -42,10 +41,11 @@ def model_status(dp: DataPlane, name: str) -> admin_pb2.ModelStatus:
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, dataplane: DataPlane, registry=None, deployer=None):
+    def __init__(self, dataplane: DataPlane, registry=None, deployer=None, schemas=None):
         self.dp = dataplane
         self.registry = registry  # server.control.registry.registry.Registry (None: this process has no control plane)
         self.deployer = deployer  # server.control.rollout.deployer.Deployer
+        self.schemas = schemas  # server.transports.typed.admin.SchemaAdmin (None: no typed APIs served)
 
     # ---- who may call what -----------------------------------------------------------------
 
@@ -237,11 +237,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     async def GetModelProto(self, request, context):
         self._granted(self._caller(context), request.name, f"unknown model '{request.name}'")
-        return await typed_admin.get_model_proto(self.dp, request)
+        return await self._schemas().get_model_proto(request)
 
     async def RetireSchema(self, request, context):
         principal = self._admin(context, "RetireSchema")
-        return await typed_admin.retire_schema(self.dp, request, self._actor(context, principal))
+        return await self._schemas().retire_schema(request, self._actor(context, principal))
+
+    def _schemas(self):
+        if self.schemas is None:
+            raise Unimplemented("this frontend serves no typed APIs")
+        return self.schemas
 
 
 def actor(context) -> str:

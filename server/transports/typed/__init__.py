@@ -4,9 +4,9 @@
 gRPC server: it builds the schema catalog (``server.control.typed.typed_catalog``), gives the deployer
 its hook, registers the one generic handler of every typed service and returns a
 :class:`TypedApi` whose ``enable_reflection`` replaces ``grpc_reflection``'s (the typed services
-appear and disappear at deploy time). The admin API (``GetModelProto``, ``RetireSchema``) and the
-REST route ``GET /v1/models/{name}/proto`` find the catalog of their data plane with
-:func:`typed_api`.
+appear and disappear at deploy time). The admin API's ``GetModelProto`` and ``RetireSchema`` get the
+catalog from the composition root (``server.transports.typed.admin.SchemaAdmin``); the REST route
+``GET /v1/models/{name}/proto`` finds the catalog of its data plane with :func:`typed_api`.
 """
 
 from __future__ import annotations
