@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, Table, create_engine, event, insert, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -55,6 +55,14 @@ def make_engine(url: str, **kwargs) -> Engine:
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def upsert(session: Session, table: Table, key: dict, row: dict) -> None:
+    """Set ``row``'s columns on the row of ``table`` whose columns equal ``key``, or insert it (``key`` and
+    ``row``) where there is none: the same statements on SQLite and PostgreSQL. The caller commits."""
+    where = [table.c[column] == value for column, value in key.items()]
+    if not session.execute(update(table).where(*where).values(**row)).rowcount:
+        session.execute(insert(table).values(**key, **row))
 
 
 def display_url(url: str) -> str:

@@ -33,281 +33,201 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, *, multiprocess: bool = False):
         self.registry = registry or CollectorRegistry()
         self.multiprocess = multiprocess
-        self.requests = Counter(
+        self.requests = self._counter(
             "inferplane_requests",
             "Inference requests answered, by model, version and status code.",
             ("model", "version", "code"),
-            registry=self.registry,
         )
-        self.latency = Histogram(
+        self.latency = self._histogram(
             "inferplane_request_duration_seconds",
             "Time from request arrival to answer in the frontend, by model.",
-            ("model",),
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            ("model",), LATENCY_BUCKETS,
         )
-        self.inflight = Gauge(
-            "inferplane_inflight_requests",
-            "Inference requests being served now, by model.",
-            ("model",),
-            registry=self.registry,
-            multiprocess_mode="livesum",
-        )
-        self.triton_up = Gauge(
-            "inferplane_triton_up",
-            "1 while the Triton behind this frontend is serving.",
-            registry=self.registry,
-            multiprocess_mode="max",
-        )
-        self.triton_restarts = Counter(
-            "inferplane_triton_restarts", "Times the embedded Triton was restarted.", registry=self.registry
-        )
-        self.cache_hits = Gauge(
+        self.inflight = self._gauge("inferplane_inflight_requests", "Inference requests being served now, by model.", ("model",), mode="livesum")
+        self.triton_up = self._gauge("inferplane_triton_up", "1 while the Triton behind this frontend is serving.")
+        self.triton_restarts = self._counter("inferplane_triton_restarts", "Times the embedded Triton was restarted.")
+        self.cache_hits = self._gauge(
             "inferplane_response_cache_hits",
             "Triton response-cache hits, by model (read from Triton's statistics).",
             ("model",),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.cache_misses = Gauge(
+        self.cache_misses = self._gauge(
             "inferplane_response_cache_misses",
             "Triton response-cache misses, by model (read from Triton's statistics).",
             ("model",),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.cache_hit_ratio = Gauge(
-            "inferplane_response_cache_hit_ratio",
-            "Share of cache lookups that hit, by model.",
-            ("model",),
-            registry=self.registry,
-            multiprocess_mode="max",
-        )
-        self.triton_queue_seconds = Gauge(
+        self.cache_hit_ratio = self._gauge("inferplane_response_cache_hit_ratio", "Share of cache lookups that hit, by model.", ("model",))
+        self.triton_queue_seconds = self._gauge(
             "inferplane_triton_queue_seconds",
             "Mean time a request waited in Triton's queue since the last reading, by model.",
             ("model",),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.gc_pause = Histogram(
+        self.gc_pause = self._histogram(
             "inferplane_gc_pause_seconds",
             "Garbage-collector pauses of the frontend process, by generation.",
             ("generation",),
-            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
-            registry=self.registry,
+            (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
         )
-        self.admissions = Counter(
+        self.admissions = self._counter(
             "inferplane_admissions",
             "Requests past the quota, by model and how the model's fair queue took them: direct (a free "
             "slot), queued (waited for one), refused (queue full), shed (deadline could not be met), "
             "batch (a batch job's row, given a slot real-time traffic left).",
             ("model", "path"),
-            registry=self.registry,
         )
-        self.queue_depth = Gauge(
+        self.queue_depth = self._gauge(
             "inferplane_queue_depth",
             "Requests waiting in the frontend's fair queue for a model's slot, by model.",
-            ("model",),
-            registry=self.registry,
-            multiprocess_mode="livesum",
+            ("model",), mode="livesum",
         )
         # ---- issue 19: tenants, batching, Triton's statistics and devices, SLOs, drift, payloads ----
-        self.tenant_requests = Counter(
+        self.tenant_requests = self._counter(
             "inferplane_tenant_requests",
             "Inference requests answered, by model, version, tenant (top N, the rest 'other') and status code.",
             ("model", "version", "tenant", "code"),
-            registry=self.registry,
         )
-        self.tenant_latency = Histogram(
+        self.tenant_latency = self._histogram(
             "inferplane_tenant_request_duration_seconds",
             "Time from arrival to answer in the frontend, by model, version and tenant (top N, the rest 'other').",
-            ("model", "version", "tenant"),
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            ("model", "version", "tenant"), LATENCY_BUCKETS,
         )
-        self.generation_stalls = Counter(
+        self.generation_stalls = self._counter(
             "inferplane_generation_stalls",
             "Generations cancelled because their engine sent nothing for generation_stall_s, by model.",
             ("model",),
-            registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = self._histogram(
             "inferplane_time_to_first_token_seconds",
             "Generations: from arrival at the frontend to the first generated token, by model, version and tenant (top N).",
-            ("model", "version", "tenant"),
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            ("model", "version", "tenant"), TTFT_BUCKETS,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = self._histogram(
             "inferplane_inter_token_latency_seconds",
             "Generations: time between generated tokens (a chunk of n tokens g seconds after the one before: one "
             "observation of g/n), by model, version and tenant (top N).",
-            ("model", "version", "tenant"),
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
+            ("model", "version", "tenant"), ITL_BUCKETS,
         )
-        self.tokens_per_second = Histogram(
+        self.tokens_per_second = self._histogram(
             "inferplane_generation_tokens_per_second",
             "Generations: completion tokens per second from the first token to the last, one observation per "
             "generation of two tokens or more, by model, version and tenant (top N).",
-            ("model", "version", "tenant"),
-            buckets=TOKENS_PER_SECOND_BUCKETS,
-            registry=self.registry,
+            ("model", "version", "tenant"), TOKENS_PER_SECOND_BUCKETS,
         )
-        self.compute_seconds = Counter(
+        self.compute_seconds = self._counter(
             "inferplane_compute_seconds",
             "Backend compute seconds (dispatch to answer; an LLM's engine time) by model and team (top N, "
             "the rest 'other'): what chargeback prices.",
             ("model", "team"),
-            registry=self.registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = self._histogram(
             "inferplane_queue_wait_seconds",
             "Time a request waited in the frontend's fair queue for a slot, by model (only requests that waited: "
             "the rest are inferplane_admissions_total{path=\"direct\"}).",
-            ("model",),
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            ("model",), LATENCY_BUCKETS,
         )
-        self.batch_rows = Histogram(
+        self.batch_rows = self._histogram(
             "inferplane_batch_rows",
             "Rows per Triton call the frontend made, by model (coalesced calls carry many requests' rows).",
-            ("model",),
-            buckets=BATCH_BUCKETS,
-            registry=self.registry,
+            ("model",), BATCH_BUCKETS,
         )
-        self.batch_requests = Histogram(
+        self.batch_requests = self._histogram(
             "inferplane_batch_requests",
             "Caller requests per Triton call, by model (1 without coalescing).",
-            ("model",),
-            buckets=BATCH_BUCKETS,
-            registry=self.registry,
+            ("model",), BATCH_BUCKETS,
         )
-        self.triton_count = Gauge(
+        self.triton_count = self._gauge(
             "inferplane_triton_stat_count",
             "Triton's cumulative counts from its statistics API, by model and kind: inference (rows), "
             "execution (batches run), success, fail, cache_hit, cache_miss.",
             ("model", "kind"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.triton_seconds = Gauge(
+        self.triton_seconds = self._gauge(
             "inferplane_triton_stat_seconds",
             "Triton's cumulative time from its statistics API, by model and phase: queue, compute_input, "
             "compute_infer, compute_output, success.",
             ("model", "phase"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.triton_compute_seconds = Gauge(
+        self.triton_compute_seconds = self._gauge(
             "inferplane_triton_compute_seconds",
             "Mean compute time (input + infer + output) of a Triton request since the last reading, by model.",
             ("model",),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.triton_batch_size = Gauge(
+        self.triton_batch_size = self._gauge(
             "inferplane_triton_batch_size",
             "Mean rows per Triton execution since the last reading, by model (Triton's own batcher included).",
             ("model",),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.gpu_utilization = Gauge(
+        self.gpu_utilization = self._gauge(
             "inferplane_gpu_utilization",
             "GPU utilization (0-1) Triton reports, by GPU (absent where Triton sees no GPU).",
             ("gpu",),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.gpu_memory_used = Gauge(
-            "inferplane_gpu_memory_used_bytes", "GPU memory in use, by GPU (Triton's report).", ("gpu",),
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.gpu_memory_total = Gauge(
-            "inferplane_gpu_memory_total_bytes", "GPU memory, by GPU (Triton's report).", ("gpu",),
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.gpu_power = Gauge(
-            "inferplane_gpu_power_watts", "GPU power draw, by GPU (Triton's report).", ("gpu",),
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.triton_cpu_utilization = Gauge(
-            "inferplane_triton_cpu_utilization", "CPU utilization (0-1) of Triton's host, as Triton reports it.",
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.triton_memory_used = Gauge(
-            "inferplane_triton_memory_used_bytes", "Host memory in use, as Triton reports it.",
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.triton_memory_total = Gauge(
-            "inferplane_triton_memory_total_bytes", "Host memory, as Triton reports it.",
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.slo_objective = Gauge(
+        self.gpu_memory_used = self._gauge("inferplane_gpu_memory_used_bytes", "GPU memory in use, by GPU (Triton's report).", ("gpu",))
+        self.gpu_memory_total = self._gauge("inferplane_gpu_memory_total_bytes", "GPU memory, by GPU (Triton's report).", ("gpu",))
+        self.gpu_power = self._gauge("inferplane_gpu_power_watts", "GPU power draw, by GPU (Triton's report).", ("gpu",))
+        self.triton_cpu_utilization = self._gauge(
+            "inferplane_triton_cpu_utilization",
+            "CPU utilization (0-1) of Triton's host, as Triton reports it.",
+        )
+        self.triton_memory_used = self._gauge("inferplane_triton_memory_used_bytes", "Host memory in use, as Triton reports it.")
+        self.triton_memory_total = self._gauge("inferplane_triton_memory_total_bytes", "Host memory, as Triton reports it.")
+        self.slo_objective = self._gauge(
             "inferplane_slo_objective",
             "The endpoint's objective: share of good requests (availability: not a server error; latency: "
             "answered within the threshold), by model and slo.",
             ("model", "slo"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.slo_latency_threshold = Gauge(
-            "inferplane_slo_latency_threshold_seconds", "The endpoint's latency SLO threshold, by model.", ("model",),
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.slo_good_ratio = Gauge(
+        self.slo_latency_threshold = self._gauge(
+            "inferplane_slo_latency_threshold_seconds",
+            "The endpoint's latency SLO threshold, by model.",
+            ("model",),
+        )
+        self.slo_good_ratio = self._gauge(
             "inferplane_slo_good_ratio",
             "Share of good requests over the SLO window (what the frontend counted since it started, at most the window), by model and slo.",
             ("model", "slo"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.slo_budget_remaining = Gauge(
+        self.slo_budget_remaining = self._gauge(
             "inferplane_slo_error_budget_remaining",
             "Share of the error budget left over the SLO window (1: untouched, 0: spent, below 0: overspent), by model and slo.",
             ("model", "slo"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.drift_psi = Gauge(
+        self.drift_psi = self._gauge(
             "inferplane_drift_psi",
             "Population stability index of a feature's live distribution against the validation set, by model and feature.",
             ("model", "feature"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.drift_ks = Gauge(
+        self.drift_ks = self._gauge(
             "inferplane_drift_ks",
             "Kolmogorov-Smirnov statistic of a feature's live distribution against the validation set, by model and feature.",
             ("model", "feature"),
-            registry=self.registry,
-            multiprocess_mode="max",
         )
-        self.drift_rows = Gauge(
-            "inferplane_drift_live_rows", "Live rows in the drift window, by model.", ("model",),
-            registry=self.registry, multiprocess_mode="max",
-        )  # fmt: skip
-        self.drift_sampled = Counter(
-            "inferplane_drift_sampled", "Requests copied into the drift ring, by model.", ("model",), registry=self.registry
-        )
-        self.payload_logged = Counter(
-            "inferplane_payload_logged", "Payload records written, by model.", ("model",), registry=self.registry
-        )
-        self.payload_dropped = Counter(
+        self.drift_rows = self._gauge("inferplane_drift_live_rows", "Live rows in the drift window, by model.", ("model",))
+        self.drift_sampled = self._counter("inferplane_drift_sampled", "Requests copied into the drift ring, by model.", ("model",))
+        self.payload_logged = self._counter("inferplane_payload_logged", "Payload records written, by model.", ("model",))
+        self.payload_dropped = self._counter(
             "inferplane_payload_dropped",
             "Sampled payload records dropped (the writer's queue was full, or the write failed), by model.",
             ("model",),
-            registry=self.registry,
         )
-        self.traces_sampled = Counter(
-            "inferplane_traces_sampled", "Requests traced (spans exported), by kind.", ("kind",), registry=self.registry
-        )
+        self.traces_sampled = self._counter("inferplane_traces_sampled", "Requests traced (spans exported), by kind.", ("kind",))
         self._counted: dict[tuple[str, str, str], object] = {}
         self._admitted: dict[tuple[str, str], object] = {}
         self._per_model: dict[str, tuple[object, object]] = {}
         self._waited: dict[str, object] = {}
+
+    # ---- declaring a metric: each one registers in this registry ----
+
+    def _counter(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def _gauge(self, name: str, documentation: str, labels: tuple[str, ...] = (), *, mode: str = "max") -> Gauge:
+        """A gauge; ``mode`` is what /metrics shows of it under ``--workers N``: the workers' max (a reading
+        every process takes alike) or ``livesum`` (what each live process holds, added up)."""
+        return Gauge(name, documentation, labels, registry=self.registry, multiprocess_mode=mode)
+
+    def _histogram(self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
     def model(self, model: str):
         """(latency child, inflight child) for a model, cached."""

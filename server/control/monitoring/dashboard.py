@@ -11,34 +11,42 @@ from server.control.monitoring.slo import BUDGET_METRIC, REMAINING_METRIC, SLI_M
 
 # (title, unit, [PromQL targets], legend); $model / $tenant are the dashboard's variables
 M = '{model=~"$model"}'
+T = '{model=~"$model",tenant=~"$tenant"}'
+QUANTILES = (0.5, 0.99)
+
+
+def _rate(series: str, by: str = "model", selector: str = M) -> str:
+    """Per second, summed by the ``by`` labels: a counter's ``..._total`` or a histogram's ``_sum`` / ``_count``."""
+    return f"sum by ({by}) (rate({series}{selector}[$__rate_interval]))"
+
+
+def _quantile(q: float, histogram: str, by: str = "model", selector: str = M) -> str:
+    """The ``q`` quantile of a histogram (its name without ``_bucket``) per the ``by`` labels."""
+    return f"histogram_quantile({q}, sum by ({by}, le) (rate({histogram}_bucket{selector}[$__rate_interval])))"
+
+
+def _mean(histogram: str) -> str:
+    """A histogram's mean observation per model over the rate interval."""
+    return f"{_rate(histogram + '_sum')} / {_rate(histogram + '_count')}"
+
+
 PANELS: list[tuple[str, str, list[str], str]] = [
-    ("Request rate by model", "reqps", [f"sum by (model) (rate(inferplane_requests_total{M}[$__rate_interval]))"], "{{model}}"),
-    ("Errors by code", "reqps", [f'sum by (model, code) (rate(inferplane_requests_total{{model=~"$model",code!="OK"}}[$__rate_interval]))'], "{{model}} {{code}}"),
-    ("Latency p50 / p99", "s", [
-        f"histogram_quantile(0.5, sum by (model, le) (rate(inferplane_request_duration_seconds_bucket{M}[$__rate_interval])))",
-        f"histogram_quantile(0.99, sum by (model, le) (rate(inferplane_request_duration_seconds_bucket{M}[$__rate_interval])))",
-    ], "{{model}}"),
-    ("Request rate by tenant (top N, the rest 'other')", "reqps",
-     ['sum by (tenant) (rate(inferplane_tenant_requests_total{model=~"$model",tenant=~"$tenant"}[$__rate_interval]))'], "{{tenant}}"),
-    ("p99 by tenant", "s",
-     ['histogram_quantile(0.99, sum by (tenant, le) (rate(inferplane_tenant_request_duration_seconds_bucket{model=~"$model",tenant=~"$tenant"}[$__rate_interval])))'], "{{tenant}}"),
+    ("Request rate by model", "reqps", [_rate("inferplane_requests_total")], "{{model}}"),
+    ("Errors by code", "reqps", [_rate("inferplane_requests_total", "model, code", '{model=~"$model",code!="OK"}')], "{{model}} {{code}}"),
+    ("Latency p50 / p99", "s", [_quantile(q, "inferplane_request_duration_seconds") for q in QUANTILES], "{{model}}"),
+    ("Request rate by tenant (top N, the rest 'other')", "reqps", [_rate("inferplane_tenant_requests_total", "tenant", T)], "{{tenant}}"),
+    ("p99 by tenant", "s", [_quantile(0.99, "inferplane_tenant_request_duration_seconds", "tenant", T)], "{{tenant}}"),
     ("In flight", "short", [f"sum by (model) (inferplane_inflight_requests{M})"], "{{model}}"),
     ("Fair-queue depth", "short", [f"sum by (model) (inferplane_queue_depth{M})"], "{{model}}"),
-    ("Fair-queue wait p99", "s", [f"histogram_quantile(0.99, sum by (model, le) (rate(inferplane_queue_wait_seconds_bucket{M}[$__rate_interval])))"], "{{model}}"),
-    ("Admissions by path", "reqps", [f"sum by (model, path) (rate(inferplane_admissions_total{M}[$__rate_interval]))"], "{{model}} {{path}}"),
-    ("Rows per Triton call (coalescing ratio)", "short", [
-        f"sum by (model) (rate(inferplane_batch_rows_sum{M}[$__rate_interval])) / sum by (model) (rate(inferplane_batch_rows_count{M}[$__rate_interval]))",
-        f"sum by (model) (rate(inferplane_batch_requests_sum{M}[$__rate_interval])) / sum by (model) (rate(inferplane_batch_requests_count{M}[$__rate_interval]))",
-    ], "{{model}}"),
-    ("Batch size distribution (rows per call, p50 / p99)", "short", [
-        f"histogram_quantile(0.5, sum by (model, le) (rate(inferplane_batch_rows_bucket{M}[$__rate_interval])))",
-        f"histogram_quantile(0.99, sum by (model, le) (rate(inferplane_batch_rows_bucket{M}[$__rate_interval])))",
-    ], "{{model}}"),
+    ("Fair-queue wait p99", "s", [_quantile(0.99, "inferplane_queue_wait_seconds")], "{{model}}"),
+    ("Admissions by path", "reqps", [_rate("inferplane_admissions_total", "model, path")], "{{model}} {{path}}"),
+    ("Rows per Triton call (coalescing ratio)", "short", [_mean("inferplane_batch_rows"), _mean("inferplane_batch_requests")], "{{model}}"),
+    ("Batch size distribution (rows per call, p50 / p99)", "short", [_quantile(q, "inferplane_batch_rows") for q in QUANTILES], "{{model}}"),
     ("Triton queue / compute time per request", "s", [
         f"inferplane_triton_queue_seconds{M}", f"inferplane_triton_compute_seconds{M}",
     ], "{{model}}"),
     ("Triton busy (compute seconds per second)", "short",
-     ['sum by (model) (rate(inferplane_triton_stat_seconds{model=~"$model",phase=~"compute_.*"}[$__rate_interval]))'], "{{model}}"),
+     [_rate("inferplane_triton_stat_seconds", selector='{model=~"$model",phase=~"compute_.*"}')], "{{model}}"),
     ("Triton batch size (its own batcher included)", "short", [f"inferplane_triton_batch_size{M}"], "{{model}}"),
     ("Response cache hit ratio", "percentunit", [f"inferplane_response_cache_hit_ratio{M}"], "{{model}}"),
     ("GPU utilization", "percentunit", ["inferplane_gpu_utilization"], "{{gpu}}"),
@@ -49,23 +57,17 @@ PANELS: list[tuple[str, str, list[str], str]] = [
     ("SLO burn rate (1 h)", "short", [f"{SLI_METRIC.format(window='1h')}{M} / on (model, slo) {BUDGET_METRIC}"], "{{model}} {{slo}}"),
     ("Drift: worst PSI per model", "short", [f"max by (model) (inferplane_drift_psi{M})"], "{{model}}"),
     ("Drift: worst KS per model", "short", [f"max by (model) (inferplane_drift_ks{M})"], "{{model}}"),
-    ("Compute seconds by team (chargeback)", "s", [f"sum by (team) (rate(inferplane_compute_seconds_total{M}[$__rate_interval]))"], "{{team}}"),
-    ("Payload records logged / dropped", "short", [
-        f"sum by (model) (rate(inferplane_payload_logged_total{M}[$__rate_interval]))",
-        f"sum by (model) (rate(inferplane_payload_dropped_total{M}[$__rate_interval]))",
-    ], "{{model}}"),
+    ("Compute seconds by team (chargeback)", "s", [_rate("inferplane_compute_seconds_total", "team")], "{{team}}"),
+    ("Payload records logged / dropped", "short", [_rate("inferplane_payload_logged_total"), _rate("inferplane_payload_dropped_total")], "{{model}}"),
     ("Triton up / restarts", "short", ["min(inferplane_triton_up)", "sum(increase(inferplane_triton_restarts_total[1h]))"], ""),
-    ("GC pauses p99", "s", ["histogram_quantile(0.99, sum by (generation, le) (rate(inferplane_gc_pause_seconds_bucket[$__rate_interval])))"], "gen {{generation}}"),
-    # token-level SLIs of generations (issue 31): the SLOs are TTFT p50 <= 200 ms / p99 <= 500 ms, ITL p50 <= 30 ms / p99 <= 80 ms
-    ("Time to first token p50 / p99 (SLO 200 / 500 ms)", "s", [
-        f"histogram_quantile({q}, sum by (model, le) (rate(inferplane_time_to_first_token_seconds_bucket[$__rate_interval])))" for q in (0.5, 0.99)
-    ], "{{model}}"),
-    ("Inter-token latency p50 / p99 (SLO 30 / 80 ms)", "s", [
-        f"histogram_quantile({q}, sum by (model, le) (rate(inferplane_inter_token_latency_seconds_bucket[$__rate_interval])))" for q in (0.5, 0.99)
-    ], "{{model}}"),
-    ("Tokens per second per generation (p50)", "none", [
-        "histogram_quantile(0.5, sum by (model, le) (rate(inferplane_generation_tokens_per_second_bucket[$__rate_interval])))"
-    ], "{{model}}"),
+    ("GC pauses p99", "s", [_quantile(0.99, "inferplane_gc_pause_seconds", "generation", "")], "gen {{generation}}"),
+    # token-level SLIs of generations (issue 31): the SLOs are TTFT p50 <= 200 ms / p99 <= 500 ms, ITL p50 <= 30 ms / p99 <= 80 ms;
+    # these panels do not filter by the $model variable (no selector)
+    ("Time to first token p50 / p99 (SLO 200 / 500 ms)", "s",
+     [_quantile(q, "inferplane_time_to_first_token_seconds", selector="") for q in QUANTILES], "{{model}}"),
+    ("Inter-token latency p50 / p99 (SLO 30 / 80 ms)", "s",
+     [_quantile(q, "inferplane_inter_token_latency_seconds", selector="") for q in QUANTILES], "{{model}}"),
+    ("Tokens per second per generation (p50)", "none", [_quantile(0.5, "inferplane_generation_tokens_per_second", selector="")], "{{model}}"),
     ("Token SLO error ratio (1 h) vs budget", "percentunit", [
         "inferplane:token_slo_errors:ratio_rate1h", "inferplane:token_slo_error_budget"
     ], "{{model}} {{slo}}"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, and_, delete, insert, or_, select, update
 
-from server.db import session_factory
+from server.db import session_factory, upsert
 
 metadata = MetaData()
 replica_intervals = Table(
@@ -150,12 +150,9 @@ class CostStore:
             raise ValueError(f"hard action must be one of {', '.join(HARD_ACTIONS)}")
         if budget.amount_usd <= 0:
             raise ValueError("a budget is a positive amount of USD")
-        c = cost_budgets.c
         row = {"amount_usd": float(budget.amount_usd), "hard_action": budget.hard_action, "actor": actor or "unknown", "updated_at": self._clock()}
         with self._session() as session:
-            done = session.execute(update(cost_budgets).where(c.scope == budget.scope, c.name == budget.name).values(**row))
-            if not done.rowcount:
-                session.execute(insert(cost_budgets).values(scope=budget.scope, name=budget.name, **row))
+            upsert(session, cost_budgets, {"scope": budget.scope, "name": budget.name}, row)
             session.commit()
         self.registry.audit(actor, "budget", f"{budget.scope}:{budget.name}", "ok", f"set {budget.amount_usd:.2f} USD/month, hard action {budget.hard_action}")
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, and_, delete, func, insert, select, update
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
 
-from server.db import session_factory
+from server.db import session_factory, upsert
 
 EVERY_TRITON = "*"
 
@@ -60,12 +60,10 @@ class PlacementStore:
         """Desire ``model`` version ``version`` on ``triton``; returns the model's new generation."""
         if version < 1:
             raise ValueError(f"a model version is >= 1, got {version}")
-        key = and_(triton_placements.c.model == model, triton_placements.c.version == version, triton_placements.c.triton == triton)
         with self._session() as session:
             generation = self._generation(session, model)
             row = {"config": config, "generation": generation, "updated_at": self._clock(), "removed_at": None}
-            if not session.execute(update(triton_placements).where(key).values(**row)).rowcount:
-                session.execute(insert(triton_placements).values(model=model, version=version, triton=triton, **row))
+            upsert(session, triton_placements, {"model": model, "version": version, "triton": triton}, row)
             session.commit()
         return generation
 

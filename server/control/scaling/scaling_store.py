@@ -8,9 +8,9 @@ import json
 import time
 from collections.abc import Callable
 
-from sqlalchemy import JSON, Column, Float, MetaData, String, Table, delete, insert, select, update
+from sqlalchemy import JSON, Column, Float, MetaData, String, Table, delete, select
 
-from server.db import session_factory
+from server.db import session_factory, upsert
 
 metadata = MetaData()
 endpoint_scaling = Table(
@@ -32,9 +32,7 @@ class ScalingStore:
     def put(self, endpoint: str, config: dict, actor: str = "") -> None:
         row = {"config": dict(config), "actor": actor or "unknown", "updated_at": self._clock()}
         with self._session() as session:
-            done = session.execute(update(endpoint_scaling).where(endpoint_scaling.c.endpoint == endpoint).values(**row))
-            if not done.rowcount:
-                session.execute(insert(endpoint_scaling).values(endpoint=endpoint, **row))
+            upsert(session, endpoint_scaling, {"endpoint": endpoint}, row)
             session.commit()
         self.registry.audit(actor, "autoscale", endpoint, "ok", json.dumps(config, sort_keys=True))
 

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, Engine, Float, MetaData, String, Table, func, insert, select, text, update
+from sqlalchemy import JSON, BigInteger, Column, Engine, Float, MetaData, String, Table, func, select, text
 
 from server.control.registry import retention
 from server.control.rollout.shadow_reports import shadow_reports
-from server.db import session_factory
+from server.db import session_factory, upsert
 
 CHANNEL = "inferplane_desired"
 metadata = MetaData()
@@ -103,9 +103,7 @@ class DesiredStateStore:
                 generation += 1
                 row = {"generation": generation, "live": state.get("live"), "split": state.get("split"), "updated_at": self._clock(),
                        "wake_budget_s": state.get("wake_budget_s"), "shadow": state.get("shadow")}  # fmt: skip
-                done = session.execute(update(desired_state).where(desired_state.c.endpoint == name).values(**row))
-                if not done.rowcount:
-                    session.execute(insert(desired_state).values(endpoint=name, **row))
+                upsert(session, desired_state, {"endpoint": name}, row)
             if self.postgres:
                 session.execute(text("SELECT pg_notify(:channel, :payload)"), {"channel": CHANNEL, "payload": str(generation)})
             session.commit()

@@ -113,6 +113,26 @@ _TENSOR_META = {
     },
 }
 
+
+def _tensors(dimension: dict, data: dict) -> dict:
+    """The tensors of an infer request (its inputs) or response (its outputs): the v2 protocol gives both
+    the same fields; ``dimension`` is the schema of one shape entry, ``data`` that of the values."""
+    return {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["name", "shape", "datatype"],
+            "properties": {
+                "name": {"type": "string"},
+                "shape": {"type": "array", "items": dimension},
+                "datatype": {"type": "string"},
+                "parameters": _PARAMETERS,
+                "data": data,
+            },
+        },
+    }
+
+
 _DETAILS = {
         "type": "array",
         "items": {
@@ -184,20 +204,7 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             "id": {"type": "string"},
             "parameters": _PARAMETERS,
-            "inputs": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["name", "shape", "datatype"],
-                    "properties": {
-                        "name": {"type": "string"},
-                        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                        "datatype": {"type": "string"},
-                        "parameters": _PARAMETERS,
-                        "data": {"type": "array", "description": "row-major tensor data, flat or nested"},
-                    },
-                },
-            },
+            "inputs": _tensors({"type": "integer", "minimum": 0}, {"type": "array", "description": "row-major tensor data, flat or nested"}),
             "outputs": {
                 "type": "array",
                 "items": {
@@ -216,20 +223,7 @@ SCHEMAS: dict[str, dict] = {
             "model_version": {"type": "string"},
             "id": {"type": "string"},
             "parameters": _PARAMETERS,
-            "outputs": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["name", "shape", "datatype"],
-                    "properties": {
-                        "name": {"type": "string"},
-                        "shape": {"type": "array", "items": {"type": "integer"}},
-                        "datatype": {"type": "string"},
-                        "parameters": _PARAMETERS,
-                        "data": {"type": "array"},
-                    },
-                },
-            },
+            "outputs": _tensors({"type": "integer"}, {"type": "array"}),
         },
     },
     "PredictRequest": {
