@@ -228,7 +228,12 @@ def _cycles(room: Path) -> list[list[str]]:
     components of more than one module), each as sorted module names; imports inside functions and
     under TYPE_CHECKING count."""
     modules = {_module_name(p): p for p in _modules(str(room.relative_to(ROOT))) if p.name != "__init__.py"}
-    edges = {m: sorted({t for _, t, _ in _placed_imports(p) if t in modules and t != m}) for m, p in modules.items()}
+    return _strongly_connected({m: sorted({t for _, t, _ in _placed_imports(p) if t in modules and t != m}) for m, p in modules.items()})
+
+
+def _strongly_connected(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node of ``edges`` (node -> the nodes it
+    points at), each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -253,10 +258,59 @@ def _cycles(room: Path) -> list[list[str]]:
             if len(component) > 1:
                 found.append(sorted(component))
 
-    for v in modules:
+    for v in edges:
         if v not in index:
             visit(v)
     return found
+
+
+def _part_of(path: Path, parent: Path) -> str:
+    """The direct part of ``parent`` (a sub-package or a module) that ``path`` lies in."""
+    return path.relative_to(parent).parts[0].removesuffix(".py")
+
+
+def _part_ties(parent: Path) -> dict[str, list[str]]:
+    """part -> the other parts of ``parent`` that one of its modules imports (inside functions too)."""
+    prefix = _module_name(parent) + "."
+    ties: dict[str, set[str]] = {}
+    for path in _modules(str(parent.relative_to(ROOT))):
+        if path.parent == parent and path.name == "__init__.py":
+            continue
+        part = _part_of(path, parent)
+        ties.setdefault(part, set())
+        for _, module, _ in _placed_imports(path):
+            if module.startswith(prefix):
+                other = module[len(prefix):].split(".")[0]
+                if other != part and other != "__init__":
+                    ties[part].add(other)
+    return {part: sorted(others) for part, others in ties.items()}
+
+
+# rooms whose sub-packages are rooms of their own: they stand on floors, no sub-package imports one that imports it
+LAYERED_ROOMS = ("server/control", "server/transports")
+
+
+@pytest.mark.parametrize("room", LAYERED_ROOMS)
+def test_the_sub_packages_of_a_room_import_one_way(room):
+    ties = _part_ties(ROOT / room)
+    assert len(ties) >= 4, f"{room}: the test sees too few parts ({sorted(ties)})"
+    cycles = _strongly_connected({part: [o for o in others if o in ties] for part, others in ties.items()})
+    assert not cycles, f"parts of {room} that import each other (a floor imports one above it):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_part_cycle_finder_finds_one(tmp_path, monkeypatch):
+    room = tmp_path / "server" / "room"
+    for part in ("low", "high"):
+        (room / part).mkdir(parents=True)
+        (room / part / "__init__.py").write_text("")
+    (room / "__init__.py").write_text("")
+    (room / "high" / "a.py").write_text("from server.room.low import b\n")
+    (room / "low" / "b.py").write_text("def late():\n    from server.room.high.a import x\n")
+    (room / "edge.py").write_text("from server.room.low.b import late\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    ties = _part_ties(room)
+    assert ties == {"high": ["low"], "low": ["high"], "edge": ["low"]}
+    assert _strongly_connected(ties) == [["high", "low"]]
 
 
 def _rooms() -> list[Path]:
