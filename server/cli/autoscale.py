@@ -271,11 +271,17 @@ async def _control(settings, frontend_url: str, interval_s: float, once: bool) -
     from server.control.scaling.executors import KubernetesGroupExecutor, ModelGroups
     from server.control.scaling.kubernetes_executor import KubernetesExecutor
     from server.control.registry.registry import Registry
+    from server.control.scaling.kube_warm_pool import KubeWarmPool
+    from server.control.scaling.placement_store import PlacementStore
     from server.control.scaling.scaling_store import ScalingStore
+    from server.control.service.reconciler import converger, for_groups, settings_kwargs
 
     registry = await asyncio.to_thread(Registry, settings.database_url, ArtifactStore(settings.artifact_store))
     groups = ModelGroups.load(settings.model_groups_file)
-    executor = KubernetesGroupExecutor(KubernetesExecutor.from_settings(settings), groups)
+    k8s = KubernetesExecutor.from_settings(settings)
+    # a scale-up takes a group's warm pods first, loaded by the group's reconciler (one round on that pod)
+    warm = KubeWarmPool(k8s, converger(for_groups(groups, PlacementStore(registry.engine), **settings_kwargs(settings))))
+    executor = KubernetesGroupExecutor(k8s, groups, warm)
     api_key = settings.api_key.get_secret_value()
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     source = PrometheusSource(settings.prometheus_url) if settings.prometheus_url else FrontendSource(frontend_url, metadata)

@@ -201,6 +201,9 @@ def test_control_run_once_reads_the_stored_configs_and_patches_the_group(registr
     patch = next(r for r in api.requests if r["method"] == "PATCH")
     assert json.loads(patch["body"]) == {"spec": {"replicas": 5}} and patch["headers"]["authorization"] == "Bearer test-token"
     assert "fraud: 5 replica(s)" in out.stdout
+    # the group's warm pool was looked for (none here: the scale subresource alone; kube_warm_pool's own tests take one)
+    lists = [r for r in api.requests if r["method"] == "GET" and r["path"] == "/api/v1/namespaces/inferplane/pods"]
+    assert {urllib.parse.parse_qs(r["query"])["labelSelector"][0] for r in lists} >= {"app.kubernetes.io/component=triton-warm,inferplane.io/model-group=trees"}
 
 
 def test_control_run_refuses_another_executor():

@@ -1,11 +1,13 @@
 """The Kubernetes executor against a local HTTP server that plays the API server for exactly the
-two endpoints it may call (the scale subresource's GET and PATCH), with the documented shapes:
-``autoscaling/v1`` ``Scale`` objects, ``application/merge-patch+json`` bodies."""
+endpoints it may call (the scale subresource's GET and PATCH; a warm pool's pod list, label patch and
+delete), with the documented shapes: ``autoscaling/v1`` ``Scale`` objects, ``v1`` ``PodList``,
+``application/merge-patch+json`` bodies."""
 
 from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -28,11 +30,38 @@ def _scale(name: str, ns: str, replicas: int, status: int | None = None) -> dict
     }
 
 
-class FakeApiServer:
-    """Deployments by name -> replicas; records every request (method, path, query, headers, body)."""
+def pod(name: str, labels: dict, ip: str = "10.0.0.9", *, phase: str = "Running", ready: bool = True, deleting: bool = False) -> dict:
+    """A ``v1`` Pod as the API answers it (the fields the warm pool reads)."""
+    meta = {"name": name, "namespace": "inferplane", "labels": dict(labels), "uid": f"uid-{name}", "resourceVersion": "1"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-07T09:00:00Z"
+    status = {"phase": phase, "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": {"containers": [{"name": "triton"}]}, "status": status}
 
-    def __init__(self, deployments: dict[str, int], namespace: str = "inferplane", forbid: set[str] = frozenset()):
+
+def _selected(selector: str, labels: dict) -> bool:
+    """An equality-based label selector (``a=b,c=d``), the only form the executor sends."""
+    return all(labels.get(k) == v for k, _, v in (term.partition("=") for term in selector.split(",") if term))
+
+
+def _merge(target: dict, patch: dict) -> None:
+    """RFC 7386 merge patch: null removes a key."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict):
+            _merge(target.setdefault(key, {}), value)
+        else:
+            target[key] = value
+
+
+class FakeApiServer:
+    """Deployments by name -> replicas, pods by name -> Pod objects; records every request (method, path,
+    query, headers, body). ``forbid``: names (deployments, or "pods" for every pod call) answered 403."""
+
+    def __init__(self, deployments: dict[str, int], namespace: str = "inferplane", forbid: set[str] = frozenset(), pods: list[dict] = ()):
         self.deployments = dict(deployments)
+        self.pods = {p["metadata"]["name"]: p for p in pods}
         self.namespace = namespace
         self.forbid = forbid
         self.requests: list[dict] = []
@@ -58,6 +87,8 @@ class FakeApiServer:
                     {"method": method, "path": path, "query": query, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": raw}
                 )
                 parts = path.split("/")
+                if parts[1:4] == ["api", "v1", "namespaces"] and len(parts) in (6, 7) and parts[5] == "pods":
+                    return self._pods(method, parts[4], parts[6] if len(parts) == 7 else None, query, raw)
                 # /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale
                 if len(parts) != 9 or parts[1:5] != ["apis", "apps", "v1", "namespaces"] or parts[6:9:2] != ["deployments", "scale"]:
                     return self._answer(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})
@@ -75,8 +106,32 @@ class FakeApiServer:
                     server.deployments[name] = patch["spec"]["replicas"]
                 self._answer(200, _scale(name, ns, server.deployments[name]))
 
+            def _pods(self, method: str, ns: str, name: str | None, query: str, raw: bytes) -> None:
+                # /api/v1/namespaces/{ns}/pods?labelSelector=...  and  /api/v1/namespaces/{ns}/pods/{name}
+                if "pods" in server.forbid:
+                    return self._answer(403, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                                              "message": 'pods is forbidden: User cannot list resource "pods"'})  # fmt: skip
+                if ns != server.namespace or (name is not None and name not in server.pods):
+                    return self._answer(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
+                                              "message": f'pods "{name}" not found'})  # fmt: skip
+                if name is None and method == "GET":
+                    selector = urllib.parse.parse_qs(query).get("labelSelector", [""])[0]
+                    items = [p for p in server.pods.values() if _selected(selector, p["metadata"]["labels"])]
+                    return self._answer(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"}, "items": items})
+                if method == "PATCH" and name is not None:
+                    if self.headers.get("Content-Type") != MERGE_PATCH:
+                        return self._answer(415, {"kind": "Status", "status": "Failure", "code": 415})
+                    _merge(server.pods[name], json.loads(raw))
+                    return self._answer(200, server.pods[name])
+                if method == "DELETE" and name is not None:
+                    return self._answer(200, server.pods.pop(name))
+                self._answer(405, {"kind": "Status", "status": "Failure", "code": 405})
+
             def do_GET(self):
                 self._handle("GET")
+
+            def do_DELETE(self):
+                self._handle("DELETE")
 
             def do_PATCH(self):
                 self._handle("PATCH")
@@ -166,6 +221,41 @@ async def test_unreachable_api_server_is_unavailable_with_a_retry_hint():
     with pytest.raises(BackendUnavailable) as info:
         await executor.get_replicas("triton-general")
     assert info.value.retry_after_s == 1.0
+
+
+POD_LABELS = {"app.kubernetes.io/component": "triton-warm", "inferplane.io/model-group": "general"}
+
+
+async def test_list_pods_sends_the_label_selector_and_answers_the_pods_json():
+    pods = [pod("warm-a", POD_LABELS, "10.0.0.5"), pod("other", {"app.kubernetes.io/component": "frontend"})]
+    with FakeApiServer({}, pods=pods) as api:
+        listed = await _executor(api).list_pods("app.kubernetes.io/component=triton-warm,inferplane.io/model-group=general")
+    assert [p["metadata"]["name"] for p in listed] == ["warm-a"] and listed[0]["status"]["podIP"] == "10.0.0.5"
+    (req,) = api.requests
+    assert req["method"] == "GET" and req["path"] == "/api/v1/namespaces/inferplane/pods"
+    assert urllib.parse.parse_qs(req["query"])["labelSelector"] == ["app.kubernetes.io/component=triton-warm,inferplane.io/model-group=general"]
+
+
+async def test_label_pod_merge_patches_the_labels_only_and_delete_pod_deletes_it():
+    with FakeApiServer({}, pods=[pod("warm-a", POD_LABELS)]) as api:
+        executor = _executor(api)
+        await executor.label_pod("warm-a", {"app.kubernetes.io/component": "triton", "gone": None})
+        assert api.pods["warm-a"]["metadata"]["labels"] == {"app.kubernetes.io/component": "triton", "inferplane.io/model-group": "general"}
+        await executor.delete_pod("warm-a")
+        assert api.pods == {}
+        with pytest.raises(ModelNotFound, match="pod inferplane/warm-a does not exist"):
+            await executor.delete_pod("warm-a")
+    patch, delete, _ = api.requests
+    assert patch["method"] == "PATCH" and patch["path"] == "/api/v1/namespaces/inferplane/pods/warm-a"
+    assert patch["headers"]["content-type"] == MERGE_PATCH and "fieldManager=inferplane-control-plane" in patch["query"]
+    assert json.loads(patch["body"]) == {"metadata": {"labels": {"app.kubernetes.io/component": "triton", "gone": None}}}
+    assert delete["method"] == "DELETE" and delete["path"] == "/api/v1/namespaces/inferplane/pods/warm-a"
+
+
+async def test_pods_refused_by_rbac_are_forbidden():
+    with FakeApiServer({}, forbid={"pods"}) as api:
+        with pytest.raises(ScaleForbidden, match="pods in inferplane: the API server refused \\(403"):
+            await _executor(api).list_pods("a=b")
 
 
 def test_namespace_from_argument_settings_or_service_account_file(tmp_path):

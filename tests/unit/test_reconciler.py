@@ -14,10 +14,11 @@ from server import migrations
 from server.control.scaling.placement_store import EVERY_TRITON, Placement, PlacementStore
 from server.control.scaling.executors import ModelGroups
 from server.control.service.reconciler import (
-    LOAD, LOAD_CONCURRENCY, UNLOAD, Action, StaticSource, TritonReconciler, desired_on, for_groups, from_settings, load_config, observed_versions,
-    plan_triton,
+    LOAD, LOAD_CONCURRENCY, UNLOAD, Action, StaticSource, TritonReconciler, converger, desired_on, for_groups, from_settings, load_config,
+    observed_versions, plan_triton,
 )
 from server.db import make_engine
+from server.errors import BackendUnavailable
 from server.protogen.inference import model_config_pb2
 from server.settings import Settings
 from tests.backend_fake import FakeBackend
@@ -243,17 +244,22 @@ def test_run_reconciles_until_stopped(tmp_path):
         engine.dispose()
 
 
-def test_one_reconciler_per_group_loads_a_star_placement_only_on_the_group_serving_the_model(tmp_path):
-    """The GPU overlay's groups: the general (``*``) group's Tritons never get a GPU group's model."""
-    for name in ("trees", "resnet50_trt"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\n')
-    groups = ModelGroups({"general": {"service": "triton-general", "models": ["*"]}, "gpu-01": {"service": "triton-gpu-01", "models": ["resnet50_trt"]}})
+def _placed(tmp_path, versions: dict[str, int]):
+    """A repository folder (each model's config.pbtxt) and a SQLite placement store with ``versions`` placed on every Triton."""
     engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
     migrations.upgrade(engine)
     store = PlacementStore(engine)
-    store.place("trees", 1)
-    store.place("resnet50_trt", 1)
+    for name, version in versions.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\n')
+        store.place(name, version)
+    return engine, store
+
+
+def test_one_reconciler_per_group_loads_a_star_placement_only_on_the_group_serving_the_model(tmp_path):
+    """The GPU overlay's groups: the general (``*``) group's Tritons never get a GPU group's model."""
+    groups = ModelGroups({"general": {"service": "triton-general", "models": ["*"]}, "gpu-01": {"service": "triton-gpu-01", "models": ["resnet50_trt"]}})
+    engine, store = _placed(tmp_path, {"trees": 1, "resnet50_trt": 1})
     tritons = {"10.0.0.1:8001": FakeBackend(), "10.0.0.2:8001": FakeBackend()}
     addresses = {"triton-general": ["10.0.0.1"], "triton-gpu-01": ["10.0.0.2"]}
     reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
@@ -313,19 +319,12 @@ def test_cli_reconcile_once_names_an_unreachable_triton_and_migrates_the_databas
 
 def test_a_spot_group_loads_what_the_on_demand_group_it_mirrors_loads(tmp_path):
     """The base's spot pool (``*``, capacity spot): the general group's models, never a GPU group's."""
-    for name in ("trees", "resnet50_trt"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\n')
     groups = ModelGroups({
         "general": {"service": "triton-general", "models": ["*"]},
         "general-spot": {"service": "triton-general-spot", "models": ["*"], "capacity": "spot"},
         "gpu-01": {"service": "triton-gpu-01", "models": ["resnet50_trt"]},
     })  # fmt: skip
-    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
-    migrations.upgrade(engine)
-    store = PlacementStore(engine)
-    store.place("trees", 1)
-    store.place("resnet50_trt", 1)
+    engine, store = _placed(tmp_path, {"trees": 1, "resnet50_trt": 1})
     tritons = {"10.0.0.1:8001": FakeBackend(), "10.0.0.2:8001": FakeBackend(), "10.0.0.3:8001": FakeBackend()}
     addresses = {"triton-general": ["10.0.0.1"], "triton-gpu-01": ["10.0.0.2"], "triton-general-spot": ["10.0.0.3"]}
     reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
@@ -340,5 +339,36 @@ def test_a_spot_group_loads_what_the_on_demand_group_it_mirrors_loads(tmp_path):
         asyncio.run(scenario())
         assert tritons["10.0.0.3:8001"].loaded == {"trees": {1}} == tritons["10.0.0.1:8001"].loaded
         assert tritons["10.0.0.2:8001"].loaded == {"resnet50_trt": {1}}
+    finally:
+        engine.dispose()
+
+
+def test_converge_loads_a_groups_placements_on_a_triton_outside_its_source_and_refuses_a_half_load(tmp_path):
+    """A warm pod a scale-up takes (server.control.scaling.kube_warm_pool): the group's reconciler loads there
+    what the group's Tritons have, before the pod joins the group's Service; unreachable or a failed load raises."""
+    groups = ModelGroups({"general": {"service": "triton-general", "models": ["*"]}, "gpu-01": {"service": "triton-gpu-01", "models": ["resnet50_trt"]}})
+    engine, store = _placed(tmp_path, {"trees": 2, "resnet50_trt": 1})
+    tritons = {"10.0.0.1:8001": FakeBackend(), "10.0.0.9:8001": FakeBackend(), "10.0.0.8:8001": FakeBackend()}
+    reconcilers = for_groups(groups, store, repository=tmp_path, client_factory=tritons.__getitem__)
+    assert [r.group for r in reconcilers] == ["general", "gpu-01"]
+    for rec in reconcilers:
+        rec.source.resolver = {"triton-general": ["10.0.0.1"], "triton-gpu-01": []}.__getitem__
+    converge = converger(reconcilers)
+
+    async def scenario():
+        assert [str(a) for a in await converge("general", "10.0.0.9:8001")] == ["load trees versions [2]"]
+        assert tritons["10.0.0.1:8001"].loaded == {}  # only the taken pod: no round of the group's Service
+        tritons["10.0.0.8:8001"].down = True
+        with pytest.raises(BackendUnavailable, match="10.0.0.8:8001: unreachable"):
+            await converge("general", "10.0.0.8:8001")
+        tritons["10.0.0.8:8001"].down = False
+        store.place("missing", 1)  # no config.pbtxt in the repository: its load fails
+        with pytest.raises(BackendUnavailable, match="load missing"):
+            await converge("general", "10.0.0.8:8001")
+
+    try:
+        asyncio.run(scenario())
+        assert tritons["10.0.0.9:8001"].loaded == {"trees": {2}}  # never the GPU group's model
+        assert tritons["10.0.0.8:8001"].loaded == {"trees": {2}}
     finally:
         engine.dispose()

@@ -15,7 +15,10 @@ only: the next load of the model lands there), ``describe()``.
 * :class:`KubernetesGroupExecutor` — the replica count of the model group's Triton Deployment
   (``server.control.scaling.kubernetes_executor``: the scale subresource); a group serving several
   endpoints gets the largest count any of them asks for. Kubernetes places and restarts the pods;
-  the frontends discover them through the group's headless Service.
+  the frontends discover them through the group's headless Service. With a warm pool
+  (``server.control.scaling.kube_warm_pool``) a group's replicas are its Deployment's plus the warm pods
+  it adopted: a scale-up takes ready warm pods first (loaded, then relabelled into the group), the
+  Deployment's count covers the rest; a scale-down deletes adopted pods first.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from google.protobuf.json_format import MessageToJson
 from server.control.scaling.placement import DEFAULT_MEMORY_BYTES, Demand, Plan, place, replica_order
 from server.dataplane.capacity_policy import ON_DEMAND, SPOT, parse_capacity
 from server.dataplane.replicas import DOWN, Member, ReplicaSet
-from server.errors import InvalidRequest, ModelNotFound
+from server.errors import InvalidRequest, ModelNotFound, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -347,11 +350,12 @@ class KubernetesGroupExecutor:
 
     name = "kubernetes"
 
-    def __init__(self, kubernetes, groups: "ModelGroups"):
+    def __init__(self, kubernetes, groups: "ModelGroups", warm=None):
         self.k8s = kubernetes  # server.control.scaling.kubernetes_executor.KubernetesExecutor
         self.groups = groups
+        self.warm = warm  # server.control.scaling.kube_warm_pool.KubeWarmPool, or None: the scale subresource alone
         self.wanted: dict[str, int] = {}
-        self.counts: dict[str, int] = {}  # deployment -> last count read or set
+        self.counts: dict[str, int] = {}  # deployment -> last count read or set (its replicas plus the pods it adopted)
 
     def deployment(self, endpoint: str) -> str:
         group = self.groups.group_of(endpoint)
@@ -363,7 +367,8 @@ class KubernetesGroupExecutor:
         return self.counts.get(self.deployment(endpoint), 0)
 
     def standby_ready(self, endpoint: str) -> int:
-        """None here: a scale-up starts a pod (the policy keeps its full scale-down window)."""
+        """None here: a scale-up starts a pod or loads a warm one, which holds no model yet (the policy keeps
+        its full scale-down window)."""
         return 0
 
     async def heal(self) -> bool:
@@ -372,8 +377,20 @@ class KubernetesGroupExecutor:
 
     async def read(self, endpoint: str) -> int:
         deployment = self.deployment(endpoint)
-        n = self.counts[deployment] = await self.k8s.get_replicas(deployment)
+        adopted = await self._adopted(self.groups.group_of(endpoint))
+        n = self.counts[deployment] = await self.k8s.get_replicas(deployment) + len(adopted or ())
         return n
+
+    async def _adopted(self, group: str) -> list | None:
+        """The group's adopted pods; None without a pool, or where the Role does not grant pods (the
+        manifests' older Role: the Deployment alone, as before)."""
+        if self.warm is None:
+            return None
+        try:
+            return await self.warm.adopted(group)
+        except PermissionDenied as err:
+            log.warning("group %s: no warm pool (%s): the Deployment's scale alone", group, err.message)
+            return None
 
     async def set_replicas(self, endpoint: str, n: int) -> None:
         self.wanted[endpoint] = n
@@ -381,14 +398,33 @@ class KubernetesGroupExecutor:
         group = self.groups.group_of(endpoint)
         count = max(v for e, v in self.wanted.items() if self.groups.group_of(e) == group)
         if self.counts.get(deployment) != count:
-            await self.k8s.set_replicas(deployment, count)
+            adopted = await self._adopted(group)
+            if adopted is None:
+                await self.k8s.set_replicas(deployment, count)
+            else:
+                await self._scale_with_pool(group, deployment, count, adopted)
             self.counts[deployment] = count
+
+    async def _scale_with_pool(self, group: str, deployment: str, count: int, adopted: list) -> None:
+        """``count`` replicas of ``group``: its Deployment's plus its adopted pods. Up: ready warm pods first,
+        the Deployment for the rest; down: adopted pods deleted first, then the Deployment lowered."""
+        replicas = await self.k8s.get_replicas(deployment)
+        have = replicas + len(adopted)
+        if count > have:
+            kept = len(adopted) + await self.warm.take(group, count - have, self.groups.groups[group]["grpc_port"])
+        else:
+            kept = len(adopted) - await self.warm.release(group, adopted, have - count)
+        if max(0, count - kept) != replicas:
+            await self.k8s.set_replicas(deployment, max(0, count - kept))
 
     async def prepare(self, endpoint: str, n: int) -> None:
         await self.set_replicas(endpoint, n)
 
     def describe(self) -> dict:
-        return {**self.k8s.describe(), "deployments": dict(sorted(self.counts.items())), "wanted": dict(sorted(self.wanted.items()))}
+        out = {**self.k8s.describe(), "deployments": dict(sorted(self.counts.items())), "wanted": dict(sorted(self.wanted.items()))}
+        if self.warm is not None:  # per group: the ready warm pods and the adopted ones last listed, taken and failed counts
+            out["warm_pools"] = self.warm.describe()
+        return out
 
 
 class ModelGroups:

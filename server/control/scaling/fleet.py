@@ -39,6 +39,7 @@ from server.control.rollout.provisioning import Provisioner
 from server.control.scaling.scaling_store import ScalingStore
 from server.control.scaling.weight_cache import WeightCache
 from server.control.scaling.kubernetes_executor import KubernetesExecutor
+from server.control.scaling.kube_warm_pool import KubeWarmPool
 from server.tenancy.tls import channel_credentials
 
 log = logging.getLogger(__name__)
@@ -261,14 +262,17 @@ class Fleet:
         if isinstance(self.executor, LocalExecutor):  # a standby holds its model's memory: placed again with the needs read
             await self.executor.keep_standby()
 
-    def start_control(self, *, registry=None, deployer=None, usage_store=None, placements=None, reconcile=None) -> None:
+    def start_control(self, *, registry=None, deployer=None, usage_store=None, placements=None, reconcile=None, converge=None) -> None:
         """The autoscaler, on the executor this process has: its own Triton processes (local), the Tritons
         it reaches by address (remote: ``placements``, the desired state, and ``reconcile``, one reconciler
-        round now), or Kubernetes Deployments."""
+        round now), or Kubernetes Deployments (with ``converge(group, target)``, a reconciler round on one
+        Triton, a scale-up takes the group's warm pods first: server.control.scaling.kube_warm_pool)."""
         s = self.settings
         executor = self.executor
         if executor is None and s.autoscale_executor == "kubernetes" and self.groups is not None:
-            executor = self.executor = KubernetesGroupExecutor(KubernetesExecutor.from_settings(s), self.groups)
+            k8s = KubernetesExecutor.from_settings(s)
+            warm = KubeWarmPool(k8s, converge) if converge is not None else None
+            executor = self.executor = KubernetesGroupExecutor(k8s, self.groups, warm)
         remote = self.pool is None and self.groups is None and bool(s.triton_urls) and placements is not None and reconcile is not None
         if executor is None and s.autoscale_executor == "local" and remote:
             executor = self.executor = RemoteExecutor(self.replicas, placements, reconcile)

@@ -1,5 +1,5 @@
 """The Kubernetes executor of the autoscaler and deployer: a Deployment's replica count through the
-scale subresource, nothing more.
+scale subresource, and the pod calls a warm pool needs (``server.control.scaling.kube_warm_pool``).
 
     executor = KubernetesExecutor.from_settings(settings)
     n = await executor.get_replicas("triton-general")
@@ -9,7 +9,9 @@ scale subresource, nothing more.
 ``Scale`` (``spec.replicas`` is the desired count); ``PATCH`` on the same path with
 ``application/merge-patch+json`` and ``{"spec": {"replicas": n}}`` sets it. These are exactly what
 the Role in ``deploy/base/control/rbac.yaml`` grants (``deployments/scale``: get, patch, update).
-Kubernetes places and restarts the pods; this only says how many.
+Kubernetes places and restarts the pods; this only says how many. A warm pool's calls: ``GET
+/api/v1/namespaces/{ns}/pods?labelSelector=...`` (the raw ``PodList``), a merge patch of a pod's
+``metadata.labels``, and a pod's ``DELETE`` (Role ``inferplane-warm-pods``: pods list, patch, delete).
 
 The namespace is the one given, else ``settings.kubernetes_namespace``, else the pod's own
 (the service-account file every pod gets). The ``kubernetes`` client is synchronous: its calls run
@@ -19,6 +21,7 @@ in a thread so the event loop never waits on the API server.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from server.errors import BackendUnavailable, InvalidRequest, ModelNotFound, PermissionDenied
@@ -62,6 +65,7 @@ class KubernetesExecutor:
         self.namespace = _namespace(namespace, settings, sa_file)
         self._configuration = configuration
         self._api = client.AppsV1Api(client.ApiClient(configuration))
+        self._core = client.CoreV1Api(client.ApiClient(configuration))
 
     @classmethod
     def from_settings(cls, settings, **kw) -> "KubernetesExecutor":
@@ -69,7 +73,7 @@ class KubernetesExecutor:
 
     async def get_replicas(self, deployment: str) -> int:
         """The desired replica count of ``deployment`` (its scale subresource's ``spec.replicas``)."""
-        scale = await self._call(self._api.read_namespaced_deployment_scale, deployment, self.namespace)
+        scale = await self._call("deployment", self._api.read_namespaced_deployment_scale, deployment, self.namespace)
         return int((scale.spec.replicas if scale.spec is not None else None) or 0)
 
     async def set_replicas(self, deployment: str, n: int) -> None:
@@ -77,6 +81,7 @@ class KubernetesExecutor:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidRequest(f"replicas must be an integer >= 0, got {n!r}")
         await self._call(
+            "deployment",
             self._api.patch_namespaced_deployment_scale,
             deployment,
             self.namespace,
@@ -84,6 +89,20 @@ class KubernetesExecutor:
             field_manager=FIELD_MANAGER,
             _content_type=MERGE_PATCH,
         )
+
+    async def list_pods(self, selector: str) -> list[dict]:
+        """The pods ``selector`` (``key=value,...``) selects, as the API answers them (JSON objects)."""
+        answer = await self._call("pods", self._core.list_namespaced_pod, self.namespace, label_selector=selector, _preload_content=False)
+        return json.loads(answer.data).get("items") or []
+
+    async def label_pod(self, pod: str, labels: dict[str, str | None]) -> None:
+        """Set (or, with None, remove) labels of ``pod``: a merge patch of ``metadata.labels`` only."""
+        await self._call("pod", self._core.patch_namespaced_pod, pod, self.namespace, {"metadata": {"labels": labels}},
+                         field_manager=FIELD_MANAGER, _content_type=MERGE_PATCH, _preload_content=False)  # fmt: skip
+
+    async def delete_pod(self, pod: str) -> None:
+        """Delete ``pod`` (its grace period: Triton finishes what it has, the frontends drain it)."""
+        await self._call("pod", self._core.delete_namespaced_pod, pod, self.namespace, _preload_content=False)
 
     def describe(self) -> dict:
         return {
@@ -95,16 +114,18 @@ class KubernetesExecutor:
             "field_manager": FIELD_MANAGER,
         }
 
-    async def _call(self, method, deployment: str, *args, **kw):
+    async def _call(self, kind: str, method, name: str, *args, **kw):
+        """``method(name, *args)`` in a thread; ``kind`` names the object in errors ("deployment", "pod",
+        "pods": a list, ``name`` being the namespace)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
-        if not deployment:
-            raise InvalidRequest("a deployment name is required")
+        if not name:
+            raise InvalidRequest(f"a {kind} name is required")
         try:
-            return await asyncio.to_thread(method, deployment, *args, **kw)
+            return await asyncio.to_thread(method, name, *args, **kw)
         except ApiException as err:
-            where = f"deployment {self.namespace}/{deployment}"
+            where = f"pods in {name}" if kind == "pods" else f"{kind} {self.namespace}/{name}"
             if err.status == 404:
                 raise ModelNotFound(f"{where} does not exist") from None
             if err.status in (401, 403):

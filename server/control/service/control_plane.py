@@ -28,6 +28,7 @@ from server.control.service.desired_state import DesiredStateStore
 from server.control.service.leader import LeaderDirectory, Leadership, holder_id, lease_for
 from server.runtime.kube_api import ClusterAccess, KubeAPI
 from server.control.scaling.placement_store import PlacementStore
+from server.control.service.reconciler import converger
 from server.control.service.reconciler import from_settings as reconcilers
 from server.control.planning.replica_ledger import fleet_ledger
 from server.control.registry.retention import RetentionJob
@@ -106,7 +107,8 @@ class ControlPlane:
             self.fleet.sampler.peers = SignalPeers(self.registry.engine, self.reporter)
         if self.fleet.autoscaler is None:
             self.fleet.start_control(registry=self.registry, deployer=self.deployer, usage_store=self.usage_store,
-                                     placements=self.deployer.placements, reconcile=self._reconcile_now)  # fmt: skip
+                                     placements=self.deployer.placements, reconcile=self._reconcile_now,
+                                     converge=converger(self.reconcilers))  # fmt: skip
         if self.fleet.autoscaler is not None:
             self.fleet.autoscaler.announce = self._announce_sleep
         if self.fleet_started and self.fleet.autoscaler is not None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from server.control.scaling.executors import ModelGroups
 from server.control.scaling.placement_store import Placement
 from server.dataplane.replicas import DnsSource
 from server.dataplane.triton_client import TritonClient
-from server.errors import InferplaneError
+from server.errors import BackendUnavailable, InferplaneError
 from server.protogen.inference import model_config_pb2
 from server.runtime.supervisor import LOAD_CONCURRENCY
 
@@ -171,8 +171,9 @@ class TritonReconciler:
         self, store, source, *, repository: str | Path, drain_s: float = 30.0, prune: bool = False,
         client_factory: Callable[[str], object] | None = None, clock: Callable[[], float] = time.time,
         load_timeout_s: float = 300.0, owns: Callable[[str], bool] = lambda model: True,
-        load_concurrency: int = LOAD_CONCURRENCY,
+        load_concurrency: int = LOAD_CONCURRENCY, group: str = "",
     ):  # fmt: skip
+        self.group = group  # the model group it converges ("" outside a cluster's groups)
         self.load_concurrency = max(1, load_concurrency)
         self.store = store  # server.control.scaling.placement_store.PlacementStore
         self.source = source  # anything with ``async targets() -> set[str]``: StaticSource, DnsSource
@@ -211,6 +212,17 @@ class TritonReconciler:
         Rounds never overlap: the loop's and one asked for now (a scale-up: the remote executor's) take turns."""
         async with self._round:
             return await self._round_once()
+
+    async def converge(self, target: str) -> list[Action]:
+        """One round on one Triton the source does not name yet (a warm pod a scale-up takes into the group:
+        server.control.scaling.kube_warm_pool): what the group's Tritons have is loaded there. Raises
+        ``BackendUnavailable`` when it is unreachable or an action fails, so the pod is not taken half-loaded."""
+        async with self._round:
+            actions = await self._reconcile(target, await asyncio.to_thread(self.store.all), self._clock())
+        error = self.state[target].error
+        if error is not None:
+            raise BackendUnavailable(f"triton {target}: {error}")
+        return actions
 
     async def _round_once(self) -> dict[str, list[Action]]:
         placements = await asyncio.to_thread(self.store.all)
@@ -281,9 +293,19 @@ def for_groups(groups, store, *, repository: str | Path, **kwargs) -> list[Trito
     no other group names)."""
     return [
         TritonReconciler(store, DnsSource(spec["service"], spec["grpc_port"], group=name), repository=repository,
-                         owns=lambda model, name=name: groups.serves(name, model), **kwargs)  # fmt: skip
+                         owns=lambda model, name=name: groups.serves(name, model), group=name, **kwargs)  # fmt: skip
         for name, spec in groups.groups.items()
     ]
+
+
+def converger(reconcilers: Iterable[TritonReconciler]) -> Callable[[str, str], Awaitable[list[Action]]]:
+    """``converge(group, target)`` over the groups' reconcilers (``for_groups``): a warm pool's loader."""
+    by_group = {r.group: r for r in reconcilers}
+
+    async def converge(group: str, target: str) -> list[Action]:
+        return await by_group[group].converge(target)
+
+    return converge
 
 
 def from_settings(settings, store, **kwargs) -> list[TritonReconciler]:
