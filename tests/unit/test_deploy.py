@@ -224,7 +224,7 @@ def test_packing_overlay_is_what_plan_gpus_writes():
     assert on_disk == files, "stale: run `inferplane plan gpus deploy/overlays/gpu/inventory.json --out deploy/overlays/gpu/packing`"
 
 
-def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothing_more():
+def test_control_plane_role_grants_deployments_scale_warm_pods_its_leader_lease_and_nothing_more():
     objs = objects("cpu")
     roles = {r["metadata"]["name"]: r["rules"] for r in _kind(objs, "Role")}
     assert roles == {
@@ -235,6 +235,8 @@ def test_control_plane_role_grants_deployments_scale_its_leader_lease_and_nothin
         ],
         # the frontends' discovery of Triton pods and their zones (server/runtime/kube_api.py)
         "inferplane-read-endpointslices": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}],
+        # a warm pool's pods: listed, the one taken relabelled, an adopted one deleted (server/control/scaling/kube_warm_pool.py)
+        "inferplane-warm-pods": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch", "delete"]}],
     }  # fmt: skip
     control = next(o for o in _kind(objs, "Deployment") if o["metadata"]["name"] == "control-plane")
     sa = control["spec"]["template"]["spec"]["serviceAccountName"]
@@ -382,7 +384,8 @@ def test_network_policies_select_what_they_claim():
     selected = {name: sorted(d for d, labels in pods.items() if _selects(p["spec"]["podSelector"], labels)) for name, p in by_name.items()}
     assert selected["frontend"] == ["frontend"]
     assert selected["control-plane"] == ["control-plane"]
-    assert selected["triton"] == sorted(d for d in pods if d.startswith("triton-")) and len(selected["triton"]) > 1
+    assert selected["triton"] == sorted(d for d, labels in pods.items() if labels["app.kubernetes.io/component"] == "triton") and len(selected["triton"]) > 1
+    assert selected["triton-warm"] == ["triton-general-warm"]  # a warm pool's idle Tritons: a policy of their own
     assert selected["default-deny"] == sorted(pods) and selected["dns"] == sorted(pods)
     assert by_name["default-deny"]["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert "ingress" not in by_name["default-deny"]["spec"] and "egress" not in by_name["default-deny"]["spec"]
@@ -392,7 +395,7 @@ def test_only_frontends_reach_triton_and_only_the_control_plane_reaches_the_regi
     objs = objects("gpu")
     policies = _kind(objs, "NetworkPolicy")
     pods = {name: Peer(labels) for name, labels in _pods(objs).items()}
-    tritons = [p for n, p in pods.items() if n.startswith("triton-")]
+    tritons = [p for p in pods.values() if p.labels["app.kubernetes.io/component"] == "triton"]
     frontend, control = pods["frontend"], pods["control-plane"]
     outside = Peer(ip="203.0.113.7")
     other_namespace = Peer({"app": "x"}, namespace="team-a")
@@ -412,8 +415,15 @@ def test_only_frontends_reach_triton_and_only_the_control_plane_reaches_the_regi
         assert not _connects(policies, triton, redis, 6379)
         assert _connects(policies, triton, Peer(ip="52.216.0.1"), 443)  # object storage: the model repository
 
+    warm = pods["triton-general-warm"]  # idle, out of every Service: the control plane loads it before a scale-up takes it
+    assert _connects(policies, control, warm, 8001) and not _connects(policies, control, warm, 8000)
+    for intruder in [frontend, outside, other_namespace, *tritons]:
+        assert not _connects(policies, intruder, warm, 8001) and not _connects(policies, intruder, warm, 8000)
+    assert _connects(policies, warm, Peer(ip="52.216.0.1"), 443) and _connects(policies, prometheus, warm, 8002)
+    assert not _connects(policies, warm, registry_db, 5432) and not _connects(policies, warm, redis, 6379)
+
     assert _connects(policies, control, registry_db, 5432)
-    for other in [frontend, *tritons]:
+    for other in [frontend, *tritons, warm]:
         assert not _connects(policies, other, registry_db, 5432)
     assert _connects(policies, frontend, tenancy_db, 5432) and _connects(policies, frontend, redis, 6379)
     assert _connects(policies, outside, frontend, 8001) and _connects(policies, outside, frontend, 8000)
@@ -608,3 +618,38 @@ def test_the_frontend_reads_its_zone_from_its_nodes_label_through_the_init_step(
     # the init step reaches the API server through the frontends' network policy
     (policy,) = [p for p in _kind(objs, "NetworkPolicy") if p["metadata"]["name"] == "frontend"]
     assert any({"protocol": "TCP", "port": 443} in rule.get("ports", []) for rule in policy["spec"]["egress"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_groups_warm_pool_is_its_pod_outside_its_service_until_the_executor_relabels_it(overlay):
+    """The warm pool (issue 29): the group's own pod but for one label (so no overlay's patch leaves it behind),
+    a size of its own, selected by no Service, PDB or Deployment of a group; the labels the executor gives the
+    pod it takes (kube_warm_pool.ADOPTION) put it in the group's Service and PDB and out of the warm Deployment
+    (its ReplicaSet then starts a replacement), and the executor's selectors find it before and after."""
+    from server.control.scaling.kube_warm_pool import ADOPTION, COMPONENT, WARM, adopted_selector, warm_selector
+    from tests.unit.test_kubernetes_executor import _selected
+
+    objs = objects(overlay)
+    policies = _kind(objs, "NetworkPolicy")
+    scaled = {h["spec"]["scaleTargetRef"]["name"] for h in _kind(objs, "HorizontalPodAutoscaler") + _kind(objs, "ScaledObject")}
+    warm = [d for d in _kind(objs, "Deployment") if d["metadata"]["labels"].get(COMPONENT) == WARM]
+    assert [d["metadata"]["name"] for d in warm] == ["triton-general-warm"]
+    for d in warm:
+        group = d["metadata"]["labels"]["inferplane.io/model-group"]
+        serving = _deployment(objs, f"triton-{group}")
+        assert json.loads(json.dumps(d["spec"]["template"]).replace(f'"{WARM}"', '"triton"')) == serving["spec"]["template"]
+        assert d["spec"]["replicas"] == 0 and d["metadata"]["name"] not in scaled  # off unless the group sets warm_pool; no autoscaler owns it
+        pods = d["spec"]["template"]["metadata"]["labels"]
+        assert _matches(d["spec"]["selector"]["matchLabels"], pods) and _selected(warm_selector(group), pods)
+        for other in _kind(objs, "Service") + _kind(objs, "PodDisruptionBudget"):
+            assert not _matches(other["spec"]["selector"].get("matchLabels", other["spec"]["selector"]), pods), other["metadata"]["name"]
+        assert [o["metadata"]["name"] for o in _kind(objs, "Deployment") if _matches(o["spec"]["selector"]["matchLabels"], pods)] == [d["metadata"]["name"]]
+        adopted = {**pods, **ADOPTION}
+        assert _selected(adopted_selector(group), adopted) and not _selected(warm_selector(group), adopted)
+        assert not _matches(d["spec"]["selector"]["matchLabels"], adopted)  # out of the warm ReplicaSet: it is refilled
+        service = next(o for o in _kind(objs, "Service") if o["metadata"]["name"] == f"triton-{group}")
+        assert _matches(service["spec"]["selector"], adopted)  # the frontends and the group's reconciler find it
+        (pdb,) = [p for p in _kind(objs, "PodDisruptionBudget") if _matches(p["spec"]["selector"]["matchLabels"], adopted)]
+        assert pdb["metadata"]["name"] == f"triton-{group}"
+        assert _connects(policies, Peer(_pods(objs)["frontend"]), Peer(adopted), 8001)
+        assert not _connects(policies, Peer(_pods(objs)["frontend"]), Peer(pods), 8001)
