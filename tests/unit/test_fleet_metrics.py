@@ -107,13 +107,17 @@ def test_the_adapter_rule_builds_on_an_exported_counter():
     assert set(re.findall(r"name:\s*(inferplane_[a-z_]+)", hpa)) <= adapter_derived()
 
 
+# a group's warm pool (model-groups/GROUP-warm) is built from the group with its ScaledObject deleted
+WARM_POOL = re.compile(r"\$patch:\s*delete\s*\n\s*apiVersion:\s*keda\.sh/\S+\s*\n\s*kind:\s*ScaledObject")
+
+
 def test_every_group_scaledobject_queries_its_own_group():
     """A group's ScaledObject sums the gauges of *its* model_group label (the packer writes one per group);
     a spot pool (``-spot``) sums those of the on-demand group whose models it serves."""
     for kustomization in sorted(DEPLOY.rglob("kustomization.yaml")):
         text = kustomization.read_text()
         match = re.search(r"^nameSuffix:\s*-(\S+)", text, re.MULTILINE)
-        if match is None or "ScaledObject" not in text:
-            continue
+        if match is None or "ScaledObject" not in text or WARM_POOL.search(text):
+            continue  # not a group's, or a warm pool (it deletes the group's ScaledObject: nothing scales it by load)
         groups = set(re.findall(r'model_group=\\?"([^"\\]+)\\?"', text))
         assert groups == {match.group(1).removesuffix("-spot")}, (kustomization, groups)
