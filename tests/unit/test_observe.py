@@ -270,6 +270,13 @@ def test_every_dashboard_query_names_an_exported_metric_or_recording_rule():
     assert on_disk == doc, "deploy/grafana/inferplane.json is stale: regenerate it with `inferplane dashboard --out deploy/grafana/inferplane.json`"
 
 
+def test_every_panel_that_breaks_a_series_down_by_model_follows_the_model_variable():
+    """The dashboard's $model picks the models every per-model panel shows (the token panels once ignored it)."""
+    by_model = [(p["title"], t["expr"]) for p in dashboard()["panels"] for t in p["targets"] if "by (model" in t["expr"]]
+    assert len(by_model) >= 10
+    assert [title for title, expr in by_model if '$model' not in expr] == []
+
+
 def test_payload_log_keeps_within_its_retention_limit(tmp_path):
     from server.control.monitoring.payload_log import PayloadLog
 
