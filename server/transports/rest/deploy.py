@@ -22,7 +22,7 @@ from server.tenancy.identity import CallContext
 from server.transports.rest import codec as rest_codec
 from server.transports.rest.appkeys import DATAPLANE
 from server.transports.rest.body import read_body, require_content_type
-from server.transports.rest.openapi import COMMON_ERRORS, JSON, Route, error_body, json_body
+from server.transports.rest.openapi import JSON, Route, error_responses, json_body
 
 PROVISIONER: web.AppKey[Provisioner] = web.AppKey("provisioner", Provisioner)
 
@@ -130,16 +130,12 @@ _REQUEST = {
 
 
 
-def _errors(*statuses: int) -> dict:
-    return {s: error_body(f"Error ({s}); see the error code") for s in sorted({*statuses, *COMMON_ERRORS})}
-
-
 ROUTES: list[Route] = [
     Route("POST", "/v1/models/deploy", deploy, "deploy_model",
           "Deploy a registered model version (202: provisioning in the background; poll the Location)", "deploy",
-          {202: json_body("The deploy operation, provisioning", _OPERATION)} | _errors(400, 401, 403, 404, 409, 413, 415, 501, 503),
+          {202: json_body("The deploy operation, provisioning", _OPERATION)} | error_responses(400, 401, 403, 404, 409, 413, 415, 501, 503),
           request=json_body("What to deploy and how to scale it", _REQUEST)),
     Route("GET", "/v1/models/deploy/{endpoint_id}", deploy_status, "deploy_status",
           "A deploy operation: provisioning, ready (with the result) or failed (with the error)", "deploy",
-          {200: json_body("The deploy operation", _OPERATION)} | _errors(401, 403, 404, 501)),
+          {200: json_body("The deploy operation", _OPERATION)} | error_responses(401, 403, 404, 501)),
 ]  # fmt: skip

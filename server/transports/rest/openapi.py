@@ -71,6 +71,7 @@ _ERROR_TEXT = {
     401: "Missing, unknown or expired API key",
     403: "The key may not do this (an admin key is needed)",
     404: "Unknown model, version or path",
+    409: "In conflict with the current state (a different signature, another change in progress)",
     413: "Request body larger than the configured limit",
     415: "Unsupported Content-Type",
     429: "Overloaded; retry after Retry-After",
