@@ -31,7 +31,7 @@ from server.dataplane.safety import PolicyError, policy_source
 from server.dataplane.tracing import traces_url
 from server.db import display_url
 from server.errors import BackendUnavailable, InferplaneError
-from server.roles import Follower, Leader, Listeners, ServingPorts, WorkerParent, leader_forwarder, set_serving, shadow_records
+from server.roles import Follower, Leader, Listeners, ServingPorts, WorkerParent, leader_forwarder, set_serving, shadow_records, typed_schemas
 from server.runtime import gc_pauses
 from server.runtime.process import log_to_stderr, stop_on_signals
 from server.runtime.supervisor import LOAD_CONCURRENCY, TritonSupervisor
@@ -108,9 +108,12 @@ class Frontend:
         if not s.worker:
             self._tasks.append(asyncio.create_task(self._poll_statistics(), name="triton-statistics"))
         control, leader = self.control, self.control if isinstance(self.control, Leader) else None
+        schemas = typed_schemas(s, dp, control)  # one catalog for every port of this process
+        if schemas.store is not None:  # what other processes' deploys and retirements write, read again
+            self._tasks.append(asyncio.create_task(schemas.follow(s.desired_state_reconcile_s), name="typed-schemas-watch"))
         listeners = Listeners(
             s, self.tls, self.metrics, self.health, dp, fleet, backend.tenancy.store, control.parts if control is not None else ControlParts(),
-            control.forwarder if control is not None else None, status=self.observability,
+            control.forwarder if control is not None else None, status=self.observability, schemas=schemas,
         )  # fmt: skip
         if s.workers > 1:  # the parent: workers serve the ports, this process keeps Triton and /metrics
             if not s.redis_url:

@@ -26,10 +26,12 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.composition import ControlParts, add_grpc_services, control_parts, create_app
+from server.composition import ControlParts, add_grpc_services, control_parts, create_app, schema_catalog
 from server.control.rollout.shadow_records import ShadowRecords
 from server.control.service.leader import LeaderDirectory
 from server.control.service.state_watch import follow
+from server.control.typed.typed_catalog import SchemaCatalog
+from server.control.typed.typed_store import TypedSchemaStore
 from server.db import make_engine
 from server.runtime.workers import WorkerPool
 from server.settings import Settings
@@ -93,6 +95,7 @@ class Follower:
     def __init__(self, settings: Settings, keys, leader_tls: tuple | None):
         self.settings = settings
         self.engine = make_engine(settings.database_url)  # the database it watches
+        self.schema_store = TypedSchemaStore(self.engine)  # the typed schemas the leader's deploys write
         self.directory = LeaderDirectory(self.engine)
         self.shadow_records = shadow_records(settings, keys)
         self.forwarder = _forwarder(settings, lambda: False, self.directory, leader_tls)
@@ -105,6 +108,14 @@ class Follower:
         await self.shadow_records.stop()
         await self.forwarder.close()
         self.engine.dispose()
+
+
+def typed_schemas(settings: Settings, dataplane, control: "Leader | Follower | None") -> SchemaCatalog:
+    """The process's one typed-schema catalog: a leader-capable process's over its registry (its deployer
+    writes it), a follower's over the leader's database; its ``follow`` keeps either up to date."""
+    if isinstance(control, Follower):
+        return schema_catalog(dataplane, ControlParts(), settings.model_repository, control.schema_store)
+    return schema_catalog(dataplane, control.parts if control is not None else ControlParts(), settings.model_repository)
 
 
 def leader_forwarder(settings: Settings, control, leader_tls: tuple | None) -> LeaderForwarder:
@@ -129,6 +140,7 @@ class Listeners:
     parts: ControlParts
     forwarder: LeaderForwarder | None
     status: object  # the status page's observability tasks
+    schemas: object  # server.control.typed.typed_catalog.SchemaCatalog: the typed APIs every port serves
 
     async def grpc_server(self, address: str, internal: bool = False) -> tuple[grpc.aio.Server, int]:
         """Every service on one server bound to ``address``; control RPCs this process cannot answer go to the leader.
@@ -147,7 +159,7 @@ class Listeners:
         )
         add_grpc_services(
             server, self.dataplane, self.fleet, self.health, self.parts, tenancy_store=self.tenancy_store,
-            key_pepper=s.key_pepper.get_secret_value().encode(), model_repository=s.model_repository,
+            key_pepper=s.key_pepper.get_secret_value().encode(), schemas=self.schemas,
         )  # fmt: skip
         port = server.add_insecure_port(address) if internal else self._bind_grpc(server, address)
         if not port:
@@ -187,7 +199,7 @@ class Listeners:
         s = self.settings
         app = create_app(
             self.dataplane, self.metrics, max_body_bytes=s.max_request_bytes, sse=SSEPolicy(stall_s=s.sse_stall_s, heartbeat_s=s.sse_heartbeat_s),
-            status=self.status, batches=self.parts.batches, provisioner=self.fleet.provisioner,
+            status=self.status, batches=self.parts.batches, provisioner=self.fleet.provisioner, schemas=self.schemas,
         )
         self._require_client_certificate(app)  # and the client certificate, for calls without an API key
         # handler_cancellation: a caller that disconnects cancels its request (and the Triton call)

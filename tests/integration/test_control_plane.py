@@ -26,7 +26,9 @@ import grpc
 import numpy as np
 import psutil
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from model_repository import demo
 from server.protogen.inferplane.v1 import admin_pb2, admin_pb2_grpc
@@ -45,6 +47,7 @@ from tests.conftest import TEST_ENV, fresh_postgres_database, start_stack, stop_
 from tests.integration.test_batches import _client, _lines, _oip_body, _submit
 from server.dataplane.traffic_policy import Arm, sticky_arm
 from tests.integration.test_deploy import ACTOR, _bundle_request
+from tests.integration.test_typed_deploy import _bundle as typed_bundle
 from tests.integration.test_traffic import NAME as RANKER, POISON, ROWS, W1, W2, _infer, _onnx, _policy, _register
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -205,6 +208,61 @@ def test_errors_of_the_leader_come_back_through_a_frontend(two_frontends, bundle
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no_such_model" in err.value.details()
         listed = admin.ListEndpoints(admin_pb2.ListEndpointsRequest())
         assert ENDPOINT in {e.name for e in listed.endpoints}
+
+
+# ---- typed APIs across processes: every worker serves the leader's schemas --------------------------------------
+
+TYPED = "inferplane.models.payments.v{}.PaymentsService"
+
+
+def _typed_listed(address: str, channels: int = CHANNELS) -> list[set[str]]:
+    """The payments typed services each of ``channels`` fresh connections lists through server reflection."""
+    out = []
+    for _ in range(channels):
+        with grpc.insecure_channel(address) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            (answer,) = list(stub.ServerReflectionInfo(iter([request]), timeout=30))
+            out.append({s.name for s in answer.list_services_response.service if ".payments." in s.name})
+    return out
+
+
+def _until_listed(address: str, wanted: set[str], tries: int = 100) -> list[set[str]]:
+    """Ask until every connection lists ``wanted`` (bounded by tries: each process reads the schemas every second)."""
+    listed: list[set[str]] = []
+    for _ in range(tries):
+        listed = _typed_listed(address)
+        if all(s == wanted for s in listed):
+            break
+        threading.Event().wait(0.2)
+    return listed
+
+
+def test_a_breaking_deploy_and_a_retirement_reach_the_typed_apis_of_every_worker_of_both_frontends(two_frontends):
+    """The leader (A's parent) writes v2 beside v1 at a breaking deploy; each worker of A and of B (which never
+    lead and have no registry) lists both, answers the REST .proto of v2, and drops v1 once it is retired."""
+    a, b = two_frontends
+    first, _ = typed_bundle(30)
+    breaking, rows = typed_bundle(10, channels=["card_present", "online", "atm", "recurring", "wallet"], amount="amount_usd")
+    with grpc.insecure_channel(b.grpc) as channel:  # through B: carried to the leader
+        admin = admin_pb2_grpc.AdminStub(channel)
+        assert admin.RegisterModel(first, metadata=ACTOR).version.version == 1
+        assert admin.RegisterModel(breaking, metadata=ACTOR).version.version == 2
+        assert admin.Deploy(admin_pb2.DeployRequest(ref="payments:1"), metadata=ACTOR).result.version == 1
+        for stack in (a, b):
+            assert all(s == {TYPED.format(1)} for s in _until_listed(stack.grpc, {TYPED.format(1)}))
+        note = admin.Deploy(admin_pb2.DeployRequest(ref="payments:2"), metadata=ACTOR).result.message
+        assert f"typed API {TYPED.format(2)}: breaking change from v1" in note
+        both = {TYPED.format(1), TYPED.format(2)}
+        for stack in (a, b):
+            assert all(s == both for s in _until_listed(stack.grpc, both))
+            for _ in range(4):  # the REST bridge of the workers reads the same catalog
+                proto = requests.get(f"http://{stack.http}/v1/models/payments/proto", timeout=30)
+                assert proto.status_code == 200 and "package inferplane.models.payments.v2;" in proto.text
+                assert "amount_usd" in proto.text
+        admin.RetireSchema(admin_pb2.RetireSchemaRequest(name="payments", major="v1"), metadata=ACTOR)
+        for stack in (a, b):
+            assert all(s == {TYPED.format(2)} for s in _until_listed(stack.grpc, {TYPED.format(2)}))
 
 
 # ---- canary and A/B across both frontends (the endpoint ranker: test_traffic's tiny ONNX versions) ----------------

@@ -220,3 +220,78 @@ def test_the_catalog_bumps_the_major_on_a_breaking_deploy_and_persists_what_it_s
         asyncio.run(scenario())
     finally:
         registry.close()
+
+
+def test_a_catalog_that_never_leads_follows_what_the_leaders_deploys_and_retirements_wrote(tmp_path):
+    """A frontend or worker without a registry reads the leader's schemas from the database (its own engine):
+    a breaking deploy's v2 and a retirement reach it at its next read, and a read changes nothing twice."""
+    import copy
+
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
+    from server.control.typed.typed_catalog import SchemaCatalog
+    from server.control.typed.typed_store import TypedSchemaStore
+    from server.db import make_engine
+
+    url = f"sqlite:///{tmp_path}/r.db"
+    registry = Registry(url, ArtifactStore(tmp_path / "artifacts"))
+    engine = make_engine(url)
+    dp = types.SimpleNamespace(models={}, names=lambda: [], signature=lambda name: None)
+    renamed = copy.deepcopy(FRAUD)
+    renamed["inputs"][0]["features"][3] = "card_age"
+
+    async def scenario():
+        leader = SchemaCatalog(dp, registry)
+        follower = SchemaCatalog(dp, store=TypedSchemaStore(engine))
+        assert not await follower.reload() and follower.majors("fraud") == {}
+        await leader.deployed("fraud", _record(1, FRAUD))
+        assert await follower.reload() and sorted(follower.majors("fraud")) == [1]
+        revision = follower.revision
+        assert not await follower.reload() and follower.revision == revision  # nothing new: the services are not rebuilt
+        await leader.deployed("fraud", _record(2, renamed))
+        task = asyncio.create_task(follower.follow(0.01))  # what every process with a store runs
+        try:
+            for _ in range(500):
+                if sorted(follower.majors("fraud")) == [1, 2]:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(follower.majors("fraud")) == [1, 2] and follower.live("fraud") == leader.live("fraud")
+            await leader.retire("fraud", 1, actor="ops")
+            for _ in range(500):
+                if sorted(follower.majors("fraud")) == [2]:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(follower.majors("fraud")) == [2]
+            with pytest.raises(ModelNotFound, match="was retired"):
+                await follower.schema_for("fraud", "v1")
+        finally:
+            task.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        registry.close()
+        engine.dispose()
+
+
+def test_a_follower_before_the_leaders_first_migration_starts_and_reads_later(tmp_path):
+    """No ``typed_schemas`` table yet: the catalog is built (derived schemas only) and its reads fail softly."""
+    from server.composition import ControlParts, schema_catalog
+    from server.control.typed.typed_store import TypedSchemaStore
+    from server.db import make_engine
+
+    engine = make_engine(f"sqlite:///{tmp_path}/empty.db")
+    dp = types.SimpleNamespace(models={}, names=lambda: [], signature=lambda name: None)
+    try:
+        catalog = schema_catalog(dp, ControlParts(), None, TypedSchemaStore(engine))
+        assert catalog.served() == []
+
+        async def one_round():
+            task = asyncio.create_task(catalog.follow(0.01))
+            await asyncio.sleep(0.05)
+            assert not task.done()  # the failed reads did not end the task
+            task.cancel()
+
+        asyncio.run(one_round())
+    finally:
+        engine.dispose()

@@ -13,6 +13,10 @@ Two kinds of entries:
   ones (feature names kept), else from Triton's config; not persisted, re-derived when the model
   is reloaded with another signature.
 
+Every process of the platform serves the same schemas: the leader's deploys and retirements write them,
+and every catalog with a store (each frontend, worker and standby) reads them again every interval
+(``follow``), so a typed client gets v2 from any process within one interval of the deploy.
+
 Every schema of an endpoint calls the endpoint (no version pinned), so traffic splits and
 rollbacks apply; a schema's fields map onto the endpoint's tensors by position (the deployer
 serves one tensor signature per endpoint). ``revision`` goes up on every change: the typed
@@ -46,10 +50,12 @@ def parse_major(text: str) -> int:
 
 
 class SchemaCatalog:
-    def __init__(self, dataplane, registry=None, repository: Path | None = None):
+    def __init__(self, dataplane, registry=None, repository: Path | None = None, store: TypedSchemaStore | None = None):
+        """``registry``: a leader-capable process's (deploys write through it); ``store``: where the
+        schemas are read from without one (a frontend or worker that never leads: the leader's database)."""
         self.dp = dataplane
         self.registry = registry
-        self.store = TypedSchemaStore(registry.engine) if registry is not None else None
+        self.store = store if store is not None else TypedSchemaStore(registry.engine) if registry is not None else None
         self.repository = Path(repository) if repository is not None else None
         self._persisted: dict[str, dict[int, TypedSchema]] = {}  # endpoint -> major -> active schema
         self._retired: dict[str, set[int]] = {}
@@ -63,16 +69,46 @@ class SchemaCatalog:
 
     def load(self) -> None:
         """The persisted schemas (start-up; synchronous, a few rows)."""
-        if self.store is None:
-            return
-        for row in self.store.rows():
+        if self.store is not None:
+            self._adopt(self.store.rows())
+
+    async def reload(self) -> bool:
+        """The persisted schemas read again (what another process's deploys and retirements wrote); True
+        when they changed. Under the lock of ``deployed`` and ``retire``: a read never undoes their write."""
+        async with self._lock:
+            return self._adopt(await asyncio.to_thread(self.store.rows))
+
+    async def follow(self, interval_s: float) -> None:
+        """``reload`` now and every ``interval_s`` (a task of every process with a store); a database that is
+        away (or not migrated yet, before the leader's first start) is read again at the next interval."""
+        while True:
+            try:
+                if await self.reload():
+                    log.info("typed schemas read from the database (revision %d)", self.revision)
+            except Exception as err:
+                log.warning("reading the typed schemas failed: %s", err)
+            await asyncio.sleep(interval_s)
+
+    def _adopt(self, rows: list[dict]) -> bool:
+        """The store's rows become the persisted and retired majors; True when anything changed."""
+        persisted: dict[str, dict[int, TypedSchema]] = {}
+        retired: dict[str, set[int]] = {}
+        for row in rows:
             if row["state"] == "active":
                 schema = TypedSchema.from_dict(row["schema"])
-                self._persisted.setdefault(row["endpoint"], {})[schema.major] = schema
-                self._derived.pop(row["endpoint"], None)
+                persisted.setdefault(row["endpoint"], {})[schema.major] = schema
             else:
-                self._retired.setdefault(row["endpoint"], set()).add(int(row["major"]))
+                retired.setdefault(row["endpoint"], set()).add(int(row["major"]))
+        if persisted == self._persisted and retired == self._retired:
+            return False
+        for name in persisted:  # an endpoint's schemas are the registry's from now on
+            self._derived.pop(name, None)
+            self._derived_from.pop(name, None)
+        for name in self._persisted.keys() - persisted.keys():  # derived from its loaded model again at the next sync
+            self._derived_from.pop(name, None)
+        self._persisted, self._retired = persisted, retired
         self.revision += 1
+        return True
 
     def sync(self) -> bool:
         """Derive schemas for the models the data plane serves that have none yet (or whose

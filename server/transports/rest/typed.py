@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.tenancy.identity import CallContext
-from server.transports.rest.appkeys import DATAPLANE
-from server.transports.rest.openapi import TEXT, Body, Route, error_responses
-from server.transports.typed import typed_api
 from server.control.typed import typed_proto
+from server.errors import Unimplemented
+from server.tenancy.identity import CallContext
+from server.transports.rest.appkeys import DATAPLANE, SCHEMAS
+from server.transports.rest.openapi import TEXT, Body, Route, error_responses
 
 SCHEMA_HEADER = "x-inferplane-schema"  # e.g. "inferplane.models.fraud_xgboost.v1.FraudXgboostService v1"
 
@@ -22,7 +22,10 @@ async def model_proto(request: web.Request) -> web.Response:
     dp = request.app[DATAPLANE]
     name = request.match_info["name"]
     dp.authorize(CallContext.from_headers(request.headers), name)  # an ungranted model is an unknown one
-    schema = await typed_api(dp).catalog.schema_for(name, request.match_info.get("version", ""))
+    catalog = request.app.get(SCHEMAS)
+    if catalog is None:
+        raise Unimplemented("this frontend serves no typed APIs")
+    schema = await catalog.schema_for(name, request.match_info.get("version", ""))
     return web.Response(text=typed_proto.proto_text(schema), content_type="text/plain", charset="utf-8",
                         headers={SCHEMA_HEADER: f"{schema.service} {schema.label}"})  # fmt: skip
 

@@ -1,33 +1,27 @@
 """Typed per-model gRPC APIs (issue 21): ``inferplane.models.<name>.v<major>.<Name>Service``.
 
-``add_typed_services(server, dataplane, ...)`` is what the frontend calls while it assembles its
-gRPC server: it builds the schema catalog (``server.control.typed.typed_catalog``), gives the deployer
-its hook, registers the one generic handler of every typed service and returns a
-:class:`TypedApi` whose ``enable_reflection`` replaces ``grpc_reflection``'s (the typed services
-appear and disappear at deploy time). The admin API's ``GetModelProto`` and ``RetireSchema`` get the
-catalog from the composition root (``server.transports.typed.admin.SchemaAdmin``); the REST route
-``GET /v1/models/{name}/proto`` finds the catalog of its data plane with :func:`typed_api`.
+``add_typed_services(server, dataplane, catalog)`` is what the frontend calls while it assembles a gRPC
+server: it registers the one generic handler of every typed service over the process's schema catalog
+(``server.control.typed.typed_catalog``, built once per process by ``server.composition.schema_catalog``)
+and returns a :class:`TypedApi` whose ``enable_reflection`` replaces ``grpc_reflection``'s (the typed
+services appear and disappear at deploy time). Every port of the process serves that one catalog: the
+admin API's ``GetModelProto`` and ``RetireSchema`` (``server.transports.typed.admin.SchemaAdmin``) and the
+REST route ``GET /v1/models/{name}/proto`` (the app's ``SCHEMAS`` key) get it from the composition root.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from server.control.typed.typed_catalog import SchemaCatalog
-from server.errors import Unimplemented
 from server.transports.typed.reflection import TypedReflection
 from server.transports.typed.service import TypedServices
-
-_APIS: "weakref.WeakKeyDictionary[object, TypedApi]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
 class TypedApi:
-    catalog: SchemaCatalog
     services: TypedServices
 
     def enable_reflection(self, service_names, server, pool) -> None:
@@ -35,29 +29,13 @@ class TypedApi:
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(TypedReflection(service_names, pool, self.services), server)
 
 
-def add_typed_services(server, dataplane, *, registry=None, deployer=None, repository: Path | None = None) -> TypedApi:
-    """Serve the typed API of every model ``dataplane`` serves on ``server`` (call before it starts).
-
-    ``registry`` (with ``deployer``): deployed endpoints keep their schema majors in its database
-    and the deployer checks each new version's schema against the live one. ``repository``: where
-    a model's ``inferplane.json`` names its features."""
-    catalog = SchemaCatalog(dataplane, registry, repository)
-    catalog.load()  # a few rows, once, before the server starts
-    catalog.sync()
-    if deployer is not None:
-        deployer.schemas = catalog
+def add_typed_services(server, dataplane, catalog: SchemaCatalog) -> TypedApi:
+    """Serve the typed API of every schema in ``catalog`` (of the models ``dataplane`` serves) on ``server``
+    (call before it starts)."""
     services = TypedServices(dataplane, catalog)
     services.refresh()
     server.add_generic_rpc_handlers((services,))
-    api = _APIS[dataplane] = TypedApi(catalog, services)
-    return api
+    return TypedApi(services)
 
 
-def typed_api(dataplane) -> TypedApi:
-    api = _APIS.get(dataplane)
-    if api is None:
-        raise Unimplemented("this frontend serves no typed APIs")
-    return api
-
-
-__all__ = ["TypedApi", "add_typed_services", "typed_api"]
+__all__ = ["TypedApi", "add_typed_services"]
