@@ -73,7 +73,7 @@ class KubernetesExecutor:
 
     async def get_replicas(self, deployment: str) -> int:
         """The desired replica count of ``deployment`` (its scale subresource's ``spec.replicas``)."""
-        scale = await self._call("deployment", self._api.read_namespaced_deployment_scale, deployment, self.namespace)
+        scale = await self._call(self._named("deployment", deployment), self._api.read_namespaced_deployment_scale, deployment, self.namespace)
         return int((scale.spec.replicas if scale.spec is not None else None) or 0)
 
     async def set_replicas(self, deployment: str, n: int) -> None:
@@ -81,7 +81,7 @@ class KubernetesExecutor:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidRequest(f"replicas must be an integer >= 0, got {n!r}")
         await self._call(
-            "deployment",
+            self._named("deployment", deployment),
             self._api.patch_namespaced_deployment_scale,
             deployment,
             self.namespace,
@@ -92,17 +92,17 @@ class KubernetesExecutor:
 
     async def list_pods(self, selector: str) -> list[dict]:
         """The pods ``selector`` (``key=value,...``) selects, as the API answers them (JSON objects)."""
-        answer = await self._call("pods", self._core.list_namespaced_pod, self.namespace, label_selector=selector, _preload_content=False)
+        answer = await self._call(f"pods in {self.namespace}", self._core.list_namespaced_pod, self.namespace, label_selector=selector, _preload_content=False)
         return json.loads(answer.data).get("items") or []
 
     async def label_pod(self, pod: str, labels: dict[str, str | None]) -> None:
         """Set (or, with None, remove) labels of ``pod``: a merge patch of ``metadata.labels`` only."""
-        await self._call("pod", self._core.patch_namespaced_pod, pod, self.namespace, {"metadata": {"labels": labels}},
+        await self._call(self._named("pod", pod), self._core.patch_namespaced_pod, pod, self.namespace, {"metadata": {"labels": labels}},
                          field_manager=FIELD_MANAGER, _content_type=MERGE_PATCH, _preload_content=False)  # fmt: skip
 
     async def delete_pod(self, pod: str) -> None:
         """Delete ``pod`` (its grace period: Triton finishes what it has, the frontends drain it)."""
-        await self._call("pod", self._core.delete_namespaced_pod, pod, self.namespace, _preload_content=False)
+        await self._call(self._named("pod", pod), self._core.delete_namespaced_pod, pod, self.namespace, _preload_content=False)
 
     def describe(self) -> dict:
         return {
@@ -114,18 +114,20 @@ class KubernetesExecutor:
             "field_manager": FIELD_MANAGER,
         }
 
-    async def _call(self, kind: str, method, name: str, *args, **kw):
-        """``method(name, *args)`` in a thread; ``kind`` names the object in errors ("deployment", "pod",
-        "pods": a list, ``name`` being the namespace)."""
+    def _named(self, kind: str, name: str) -> str:
+        """How errors name one object of this namespace ("deployment ns/name"); an empty name is refused here."""
+        if not name:
+            raise InvalidRequest(f"a {kind} name is required")
+        return f"{kind} {self.namespace}/{name}"
+
+    async def _call(self, where: str, method, *args, **kw):
+        """``method(*args)`` in a thread; its API errors as domain errors that name ``where`` (what it acts on)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
-        if not name:
-            raise InvalidRequest(f"a {kind} name is required")
         try:
-            return await asyncio.to_thread(method, name, *args, **kw)
+            return await asyncio.to_thread(method, *args, **kw)
         except ApiException as err:
-            where = f"pods in {name}" if kind == "pods" else f"{kind} {self.namespace}/{name}"
             if err.status == 404:
                 raise ModelNotFound(f"{where} does not exist") from None
             if err.status in (401, 403):
