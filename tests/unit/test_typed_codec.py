@@ -249,6 +249,7 @@ def test_a_catalog_that_never_leads_follows_what_the_leaders_deploys_and_retirem
         revision = follower.revision
         assert not await follower.reload() and follower.revision == revision  # nothing new: the services are not rebuilt
         await leader.deployed("fraud", _record(2, renamed))
+        assert not await leader.reload()  # the leader reads back what it wrote: its services are not rebuilt each second
         task = asyncio.create_task(follower.follow(0.01))  # what every process with a store runs
         try:
             for _ in range(500):
