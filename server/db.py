@@ -57,12 +57,13 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def upsert(session: Session, table: Table, key: dict, row: dict) -> None:
-    """Set ``row``'s columns on the row of ``table`` whose columns equal ``key``, or insert it (``key`` and
-    ``row``) where there is none: the same statements on SQLite and PostgreSQL. The caller commits."""
+def upsert(session: Session | Connection, table: Table, key: dict, row: dict, *, new: dict | None = None) -> None:
+    """Set ``row``'s columns on the row of ``table`` whose columns equal ``key``, or insert it (``key``, ``row``
+    and ``new``: the columns only a new row gets, e.g. ``created_at``) where there is none: the same statements
+    on SQLite and PostgreSQL. The caller commits."""
     where = [table.c[column] == value for column, value in key.items()]
     if not session.execute(update(table).where(*where).values(**row)).rowcount:
-        session.execute(insert(table).values(**key, **row))
+        session.execute(insert(table).values(**key, **row, **(new or {})))
 
 
 def display_url(url: str) -> str:

@@ -296,3 +296,24 @@ def test_a_follower_before_the_leaders_first_migration_starts_and_reads_later(tm
         asyncio.run(one_round())
     finally:
         engine.dispose()
+
+
+def test_the_store_replaces_a_majors_row_and_keeps_when_it_was_created(tmp_path):
+    """``save`` of a (endpoint, major) already there updates that row (db.upsert): one row, its created_at kept."""
+    from server.control.registry.artifacts import ArtifactStore
+    from server.control.registry.registry import Registry
+    from server.control.typed.typed_store import TypedSchemaStore
+
+    registry = Registry(f"sqlite:///{tmp_path}/r.db", ArtifactStore(tmp_path / "artifacts"))
+    try:
+        store = TypedSchemaStore(registry.engine)
+        store.save("fraud", {"major": 1, "revision": 0, "model_version": "1"}, actor="a")
+        (first,) = store.rows("fraud")
+        store.save("fraud", {"major": 1, "revision": 1, "model_version": "2"}, actor="b")
+        store.save("fraud", {"major": 2, "revision": 0, "model_version": "3"}, actor="b")
+        one, two = store.rows("fraud")
+        assert (one["id"], one["created_at"]) == (first["id"], first["created_at"])
+        assert (one["revision"], one["model_version"], one["actor"], two["major"]) == (1, "2", "b", 2)
+        assert one["updated_at"] >= first["updated_at"] and two["created_at"] >= one["created_at"]
+    finally:
+        registry.close()

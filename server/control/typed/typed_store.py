@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, Table, UniqueConstraint, insert, select, update
+from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, Table, UniqueConstraint, select, update
+
+from server.db import upsert
 
 metadata = MetaData()
 schemas_table = Table(
@@ -41,11 +43,7 @@ class TypedSchemaStore:
             "schema": schema, "state": "active", "actor": actor or "unknown", "updated_at": now,
         }  # fmt: skip
         with self.engine.begin() as conn:
-            where = (schemas_table.c.endpoint == endpoint, schemas_table.c.major == int(schema["major"]))
-            if conn.execute(select(schemas_table.c.id).where(*where)).first() is None:
-                conn.execute(insert(schemas_table).values(endpoint=endpoint, major=int(schema["major"]), created_at=now, **values))
-            else:
-                conn.execute(update(schemas_table).where(*where).values(**values))
+            upsert(conn, schemas_table, {"endpoint": endpoint, "major": int(schema["major"])}, values, new={"created_at": now})
 
     def retire(self, endpoint: str, major: int, actor: str = "") -> bool:
         with self.engine.begin() as conn:
